@@ -1,0 +1,67 @@
+"""Shared test helpers: random inputs, the float64 oracle, and error-bound comparisons."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from txl_kernels.reference import rel_attention_reference
+
+HAS_CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Device the fused kernels are tested on: the GPU when there is one, else CPU tensors under the
+# Triton interpreter.
+FUSED_DEVICE = "cuda" if HAS_CUDA and not INTERPRET else "cpu"
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+# bf16 tl.dot is wrong in the Triton interpreter (triton-lang/triton#11584); the kernels upcast
+# bf16 operands when interpreting, so bf16 is covered there too, but the GPU run is what counts.
+FUSED_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def make_inputs(B, Lq, Lk, H, D, R=None, dtype=torch.float32, device="cpu", layout="bshd",
+                seed=0, requires_grad=False, scale=1.0):
+    """Random q, k, v, r, u, vb. layout "bshd": batch-first contiguous; "sbhd": seq-first
+    contiguous storage passed as .transpose(0, 1) views (stride(-1) == 1, not contiguous)."""
+    R = Lk if R is None else R
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
+
+    if layout == "bshd":
+        q, k, v = rnd(B, Lq, H, D), rnd(B, Lk, H, D), rnd(B, Lk, H, D)
+    elif layout == "sbhd":
+        q = rnd(Lq, B, H, D).transpose(0, 1)
+        k = rnd(Lk, B, H, D).transpose(0, 1)
+        v = rnd(Lk, B, H, D).transpose(0, 1)
+    else:
+        raise ValueError(layout)
+    r, u, vb = rnd(R, H, D), rnd(H, D), rnd(H, D)
+    ts = [q, k, v, r, u, vb]
+    if requires_grad:
+        ts = [t.detach().requires_grad_(True) for t in ts]
+    return ts
+
+
+def oracle(q, k, v, r, u, vb, softmax_scale, wl, wr, kpm=None, mask=None):
+    """Reference math in float64 on the given (possibly low-precision) inputs."""
+    up = [t.detach().double().requires_grad_(t.requires_grad) for t in (q, k, v, r, u, vb)]
+    return up, rel_attention_reference(*up, softmax_scale, wl, wr, kpm, mask)
+
+
+def _floor(dtype, truth):
+    mag = max(1.0, float(truth.abs().max()))
+    return {torch.float32: 2e-5, torch.float64: 1e-10}.get(dtype, 1e-4) * mag
+
+
+def assert_within(name, got, same_prec, truth, factor=2.0):
+    """got (fused) must be as close to the float64 truth as PyTorch's same math in the same
+    precision (same_prec), within ``factor``, plus a small floor."""
+    floor = _floor(got.dtype, truth)
+    got, same_prec, truth = got.double(), same_prec.double(), truth.double()
+    assert torch.isfinite(got).all(), f"{name}: non-finite values"
+    err = (got - truth).abs().max().item()
+    base = (same_prec - truth).abs().max().item()
+    bound = factor * base + floor
+    assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e} (torch same-precision error {base:.3e})"

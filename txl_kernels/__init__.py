@@ -1,0 +1,12 @@
+"""txl_kernels: fused Transformer-XL relative attention.
+
+Public API:
+    rel_attention      functional relative attention (reference or fused Triton backend)
+"""
+from .functional import BACKENDS, fused_available, rel_attention
+from .reference import rel_attention_reference, rel_shift, rel_shift_pad_reshape
+
+__version__ = "0.1.0"
+
+__all__ = ["rel_attention", "fused_available", "BACKENDS", "rel_attention_reference",
+           "rel_shift", "rel_shift_pad_reshape", "__version__"]

@@ -1,0 +1,262 @@
+"""``rel_attention``: the one contract. Argument checks and backend dispatch live here, once.
+
+Data flows one way: modules -> ``rel_attention`` (checks, mask normalisation, backend choice)
+-> ``reference.rel_attention_reference`` or the fused Triton op (``txl_kernels.ops``).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Optional, Tuple
+
+import torch
+
+from .reference import rel_attention_reference
+
+__all__ = ["rel_attention", "fused_available", "BACKENDS"]
+
+BACKENDS = ("auto", "reference", "triton")
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_REF_DTYPES = _FUSED_DTYPES + (torch.float64,)
+FUSED_MIN_HEADDIM, FUSED_MAX_HEADDIM = 16, 256
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _describe(t: torch.Tensor) -> str:
+    return (f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}, "
+            f"strides {tuple(t.stride())}")
+
+
+def _check_tensor(name: str, t, ndim: int, layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"rel_attention: {name} must be a torch.Tensor of layout {layout}, "
+                        f"got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"rel_attention: {name} must be {ndim}-D {layout}, got {_describe(t)}")
+    if t.dtype not in _REF_DTYPES:
+        raise TypeError(f"rel_attention: {name} must be float16, bfloat16, float32 or float64, "
+                        f"got {t.dtype}")
+
+
+def fused_available(device: torch.device) -> Tuple[bool, str]:
+    """Whether the fused Triton path can run on ``device``, and why not if it cannot."""
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # pragma: no cover - triton is a dependency
+        return False, f"triton cannot be imported ({exc})"
+    if device.type == "cuda":
+        if _interpreting():
+            return False, "TRITON_INTERPRET=1 is set, which runs kernels on CPU tensors only"
+        return True, "CUDA device"
+    if device.type == "cpu":
+        if _interpreting():
+            return True, "TRITON_INTERPRET=1 (Triton interpreter on CPU; slow, for testing)"
+        return False, ("CPU tensors need TRITON_INTERPRET=1 set before triton is imported "
+                       "(the Triton interpreter); there is no compiled CPU kernel")
+    return False, f"no fused kernel for device type {device.type!r}"
+
+
+def _normalize_masks(q, k, causal, window_size, key_padding_mask, attn_mask):
+    """Check the masks and turn them into (window_left, window_right, kpm, attn_mask).
+
+    causal is folded into window_right = 0. attn_mask comes back as a bool view expanded to
+    [B, H, Lq, Lk] (broadcast dimensions have stride 0; nothing is copied).
+    """
+    B, Lq, H, _ = q.shape
+    Lk = k.shape[1]
+    if not isinstance(causal, bool):
+        raise TypeError(f"rel_attention: causal must be a bool, got {type(causal).__name__}")
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise TypeError(f"rel_attention: window_size must be a (left, right) pair of ints, "
+                        f"got {window_size!r}")
+    wl, wr = int(window_size[0]), int(window_size[1])
+    if wl < -1 or wr < -1:
+        raise ValueError(f"rel_attention: window_size entries must be >= -1 (-1 = unbounded), "
+                         f"got {tuple(window_size)}")
+    if causal:
+        wr = 0
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, torch.Tensor):
+            raise TypeError(f"rel_attention: key_padding_mask must be a bool tensor [B, Lk], "
+                            f"got {type(key_padding_mask).__name__}")
+        if key_padding_mask.dtype != torch.bool:
+            raise TypeError(f"rel_attention: key_padding_mask must have dtype torch.bool "
+                            f"(True = padded key), got {key_padding_mask.dtype}")
+        if tuple(key_padding_mask.shape) != (B, Lk):
+            raise ValueError(f"rel_attention: key_padding_mask must have shape [B, Lk] = "
+                             f"{[B, Lk]}, got {list(key_padding_mask.shape)}")
+        if key_padding_mask.device != q.device:
+            raise ValueError(f"rel_attention: key_padding_mask is on {key_padding_mask.device}, "
+                             f"q is on {q.device}")
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            raise TypeError(f"rel_attention: attn_mask must be a bool tensor broadcastable to "
+                            f"[B, H, Lq, Lk], got {type(attn_mask).__name__}")
+        if attn_mask.dtype != torch.bool:
+            raise TypeError(f"rel_attention: attn_mask must have dtype torch.bool "
+                            f"(True = masked), got {attn_mask.dtype}")
+        if attn_mask.device != q.device:
+            raise ValueError(f"rel_attention: attn_mask is on {attn_mask.device}, "
+                             f"q is on {q.device}")
+        target = (B, H, Lq, Lk)
+        shape = tuple(attn_mask.shape)
+        ok = attn_mask.dim() <= 4 and all(
+            s in (1, t) for s, t in zip(shape[::-1], target[::-1]))
+        if not ok:
+            raise ValueError(f"rel_attention: attn_mask must be broadcastable to [B, H, Lq, Lk] "
+                             f"= {list(target)}, got {list(shape)}")
+        attn_mask = attn_mask.expand(target)
+    return wl, wr, key_padding_mask, attn_mask
+
+
+def _check_position_rows(lq: int, lk: int, rlen: int, wl: int, wr: int) -> None:
+    """Raise if an allowed pair (by causal / window structure) needs an r row outside [0, R)."""
+    mlen = lk - lq
+    # p = j - i + Lq - 1 = mlen + Lq - 1 - d. d ranges over [mlen - (Lk-1) ... ] clipped by window.
+    d_min = -(lk - 1 - 0) + mlen  # i = 0, j = Lk - 1 -> d = mlen - (Lk - 1) = -(Lq - 1)
+    d_max = (lq - 1) + mlen       # i = Lq - 1, j = 0
+    if wr >= 0:
+        d_min = max(d_min, -wr)
+    if wl >= 0:
+        d_max = min(d_max, wl)
+    if d_min > d_max:
+        return  # no pair is allowed at all
+    p_lo = mlen + lq - 1 - d_max
+    p_hi = mlen + lq - 1 - d_min
+    if p_lo < 0 or p_hi >= rlen:
+        raise ValueError(
+            f"rel_attention: r has {rlen} rows, but the allowed pairs (Lq={lq}, Lk={lk}, "
+            f"window_left={wl}, window_right={wr}) need rows {p_lo}..{p_hi} "
+            f"(row p = j - i + Lq - 1); pass r with at least {p_hi + 1} rows, or restrict the "
+            f"pairs with causal / window_size")
+
+
+def rel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    r: torch.Tensor,
+    r_w_bias: torch.Tensor,
+    r_r_bias: torch.Tensor,
+    *,
+    causal: bool = True,
+    window_size: Tuple[int, int] = (-1, -1),
+    key_padding_mask: Optional[torch.Tensor] = None,
+    attn_mask: Optional[torch.Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Transformer-XL relative multi-head attention.
+
+    ``S[i, j] = softmax_scale * ((q_i + r_w_bias) . k_j + (q_i + r_r_bias) . r[j - i + Lq - 1])``
+    ``out_i = sum_j softmax_j(S[i, :] over allowed j) * v_j``
+
+    Arguments:
+        q: ``[B, Lq, H, D]`` queries (batch-first). Seq-first ``[Lq, B, H, D]`` tensors pass as
+            ``q.transpose(0, 1)`` views: any strides are accepted, and tensors whose last
+            dimension is contiguous (``stride(-1) == 1``) reach the fused kernel without a copy.
+        k, v: ``[B, Lk, H, D]`` with ``Lk >= Lq``. The first ``mlen = Lk - Lq`` keys are the
+            cached memory, the last ``Lq`` keys the current segment.
+        r: ``[R, H, D]`` projected relative position table (``r_net(pos_emb)``); row ``p``
+            serves query ``i`` and key ``j`` at ``p = j - i + Lq - 1``. In the Transformer-XL
+            ordering (``pos_seq = arange(Lk - 1, -1, -1)``) row ``p`` holds distance
+            ``Lk - 1 - p``; ``R = Lk`` suffices for causal attention, ``R = Lk + Lq - 1`` for
+            full (non-causal) attention, e.g. ``2T - 1`` for a Conformer.
+        r_w_bias, r_r_bias: ``[H, D]`` content (u) and position (v) biases.
+        causal: allow a pair only if ``d >= 0``, with ``d = (i + Lk - Lq) - j`` (bottom-right
+            aligned: the last query sees every key). Default True.
+        window_size: ``(left, right)``: allow a pair only if ``d <= left`` and ``-d <= right``;
+            -1 means unbounded (flash-attention's convention). Transformer-XL's same_length
+            mask is ``window_size=(mem_len - 1, 0)``.
+        key_padding_mask: optional bool ``[B, Lk]``, True = padded key (never attended).
+        attn_mask: optional bool tensor broadcastable to ``[B, H, Lq, Lk]``, True = masked
+            (Transformer-XL's polarity). Combined with the masks above.
+        softmax_scale: defaults to ``D ** -0.5``.
+        dropout_p: dropout on the attention probabilities. The fused kernel has no dropout:
+            ``dropout_p > 0`` runs the reference path. Pass 0.0 at evaluation.
+        backend: ``"reference"`` (einsum path, any device), ``"triton"`` (fused kernel; CUDA
+            tensors, or CPU tensors under ``TRITON_INTERPRET=1``) or ``"auto"`` (fused where it
+            can run, else reference).
+
+    Rows whose keys are all masked give output 0 and zero gradients.
+    Raises ValueError if an allowed pair needs a row of r outside ``[0, R)``.
+
+    Returns:
+        ``[B, Lq, H, D]`` in q's dtype, differentiable w.r.t. q, k, v, r, r_w_bias, r_r_bias.
+    """
+    _check_tensor("q", q, 4, "[B, Lq, H, D]")
+    _check_tensor("k", k, 4, "[B, Lk, H, D]")
+    _check_tensor("v", v, 4, "[B, Lk, H, D]")
+    _check_tensor("r", r, 3, "[R, H, D]")
+    _check_tensor("r_w_bias", r_w_bias, 2, "[H, D]")
+    _check_tensor("r_r_bias", r_r_bias, 2, "[H, D]")
+    B, Lq, H, D = q.shape
+    Lk = k.shape[1]
+    for name, t in (("k", k), ("v", v), ("r", r), ("r_w_bias", r_w_bias),
+                    ("r_r_bias", r_r_bias)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"rel_attention: {name} has dtype {t.dtype}, q has {q.dtype}; "
+                            f"all inputs must share one dtype")
+        if t.device != q.device:
+            raise ValueError(f"rel_attention: {name} is on {t.device}, q is on {q.device}; "
+                             f"all inputs must be on one device")
+    if Lq < 1 or Lk < 1 or B < 1 or H < 1 or D < 1:
+        raise ValueError(f"rel_attention: empty dimension in q {list(q.shape)} / "
+                         f"k {list(k.shape)}")
+    if k.shape[0] != B or k.shape[2:] != (H, D):
+        raise ValueError(f"rel_attention: k must be [B, Lk, H, D] = [{B}, Lk, {H}, {D}] to "
+                         f"match q {list(q.shape)}, got {list(k.shape)}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"rel_attention: v must have k's shape {list(k.shape)}, "
+                         f"got {list(v.shape)}")
+    if Lk < Lq:
+        raise ValueError(f"rel_attention: need Lk >= Lq (keys = memory + current segment), "
+                         f"got Lq={Lq} (q {list(q.shape)}) and Lk={Lk} (k {list(k.shape)})")
+    if r.shape[1:] != (H, D) or r.shape[0] < 1:
+        raise ValueError(f"rel_attention: r must be [R, H, D] = [R, {H}, {D}] with R >= 1, "
+                         f"got {list(r.shape)}")
+    for name, t in (("r_w_bias", r_w_bias), ("r_r_bias", r_r_bias)):
+        if tuple(t.shape) != (H, D):
+            raise ValueError(f"rel_attention: {name} must be [H, D] = [{H}, {D}], "
+                             f"got {list(t.shape)}")
+    if softmax_scale is None:
+        softmax_scale = D ** -0.5
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"rel_attention: softmax_scale must be a float or None, "
+                        f"got {type(softmax_scale).__name__}")
+    softmax_scale = float(softmax_scale)
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) \
+            or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"rel_attention: dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"rel_attention: backend must be one of {BACKENDS}, got {backend!r}")
+
+    wl, wr, kpm, mask = _normalize_masks(q, k, causal, window_size, key_padding_mask, attn_mask)
+    _check_position_rows(Lq, Lk, r.shape[0], wl, wr)
+
+    use_fused = False
+    if backend != "reference" and dropout_p == 0.0:
+        ok, why = fused_available(q.device)
+        shape_ok = (q.dtype in _FUSED_DTYPES
+                    and FUSED_MIN_HEADDIM <= D <= FUSED_MAX_HEADDIM)
+        if backend == "triton":
+            if not ok:
+                raise RuntimeError(f"rel_attention: backend='triton' cannot run here: {why}")
+            if not shape_ok:
+                raise ValueError(
+                    f"rel_attention: backend='triton' supports dtypes float16, bfloat16, "
+                    f"float32 and head dims {FUSED_MIN_HEADDIM}..{FUSED_MAX_HEADDIM}; got "
+                    f"dtype {q.dtype}, D={D}")
+        use_fused = ok and shape_ok
+
+    if use_fused:
+        from .ops import rel_attn_func  # imports triton lazily
+
+        return rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask)
+    return rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr,
+                                   kpm, mask, float(dropout_p))

@@ -1,0 +1,100 @@
+"""torch.library registration and autograd for the fused relative-attention kernels.
+
+Chain (Liger-Kernel style): ``_rel_attn_fwd_kernel`` (rel_attn_fwd.py, @triton.jit) ->
+``rel_attn_fwd()`` (launcher) -> ``txl_kernels::rel_attn_fwd`` (custom op, with a fake
+implementation and an autograd registration whose backward is the ``txl_kernels::rel_attn_bwd``
+custom op) -> ``rel_attn_func()`` -> ``txl_kernels.rel_attention()`` (public, functional.py)
+-> ``FusedRelAttention``.
+
+Registering the kernels as custom ops lets ``torch.compile(fullgraph=True)`` trace through
+them without graph breaks (the fake implementations give output shapes), and
+``torch.library.opcheck`` validate the registrations.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .rel_attn_bwd import rel_attn_bwd
+from .rel_attn_fwd import rel_attn_fwd
+
+__all__ = ["rel_attn_func"]
+
+
+@torch.library.custom_op("txl_kernels::rel_attn_fwd", mutates_args=())
+def _rel_attn_fwd_op(
+    q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor, r_r_bias: Tensor,
+    softmax_scale: float, window_left: int, window_right: int,
+    key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor],
+) -> Tuple[Tensor, Tensor]:
+    return rel_attn_fwd(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left,
+                        window_right, key_padding_mask, attn_mask)
+
+
+@_rel_attn_fwd_op.register_fake
+def _(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
+      key_padding_mask, attn_mask):
+    B, Lq, H, D = q.shape
+    out = q.new_empty((B, Lq, H, D))
+    lse = q.new_empty((B, H, Lq), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("txl_kernels::rel_attn_bwd", mutates_args=())
+def _rel_attn_bwd_op(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor, r_r_bias: Tensor,
+    out: Tensor, lse: Tensor, softmax_scale: float, window_left: int, window_right: int,
+    key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor],
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return rel_attn_bwd(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, softmax_scale,
+                        window_left, window_right, key_padding_mask, attn_mask)
+
+
+@_rel_attn_bwd_op.register_fake
+def _(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, softmax_scale, window_left, window_right,
+      key_padding_mask, attn_mask):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format),
+            torch.empty_like(r, memory_format=torch.contiguous_format),
+            torch.empty_like(r_w_bias, memory_format=torch.contiguous_format),
+            torch.empty_like(r_r_bias, memory_format=torch.contiguous_format))
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
+     key_padding_mask, attn_mask) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, r, r_w_bias, r_r_bias, out, lse, key_padding_mask,
+                          attn_mask)
+    ctx.softmax_scale = softmax_scale
+    ctx.window = (window_left, window_right)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, r, r_w_bias, r_r_bias, out, lse, key_padding_mask, attn_mask = ctx.saved_tensors
+    dq, dk, dv, dr, du, dvb = _rel_attn_bwd_op(
+        dout, q, k, v, r, r_w_bias, r_r_bias, out, lse, ctx.softmax_scale, ctx.window[0],
+        ctx.window[1], key_padding_mask, attn_mask)
+    return dq, dk, dv, dr, du, dvb, None, None, None, None, None
+
+
+_rel_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
+                  key_padding_mask=None, attn_mask=None) -> Tensor:
+    """Fused relative attention on validated, normalised arguments (see functional.py).
+
+    Under autocast the inputs are cast to the autocast dtype first, as autocast does for
+    matmul-like ops.
+    """
+    device_type = q.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        q, k, v, r, r_w_bias, r_r_bias = (t.to(dtype) for t in (q, k, v, r, r_w_bias, r_r_bias))
+    out, _ = _rel_attn_fwd_op(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left,
+                              window_right, key_padding_mask, attn_mask)
+    return out

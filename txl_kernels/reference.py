@@ -1,0 +1,132 @@
+"""Reference path: the original Transformer-XL algorithm (einsum for AC and BD, the relative
+shift, mask, softmax, P @ V), generalised to the ``rel_attention`` contract.
+
+It is the fallback on every device and the oracle the fused kernels are tested against. It
+materialises the full ``[B, H, Lq, Lk]`` score tensors, exactly as the original code does.
+
+All functions here take already-validated arguments (see ``txl_kernels.functional``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["rel_shift", "rel_shift_pad_reshape", "rel_attention_reference", "allowed_pairs"]
+
+
+def rel_shift_pad_reshape(x: torch.Tensor) -> torch.Tensor:
+    """The original Transformer-XL ``_rel_shift`` (pad a zero column, view as
+    ``[klen + 1, qlen]``, drop the first row, view back), on ``[..., qlen, klen]`` tensors.
+
+    Only valid when the position axis has ``klen`` rows (R == Lk). On allowed pairs it equals
+    :func:`rel_shift`; outside them it produces wrap-around values that the mask hides.
+    """
+    *lead, qlen, klen = x.shape
+    zero_pad = x.new_zeros(*lead, qlen, 1)
+    x_padded = torch.cat([zero_pad, x], dim=-1)
+    x_padded = x_padded.view(*lead, klen + 1, qlen)
+    return x_padded[..., 1:, :].reshape(*lead, qlen, klen)
+
+
+def rel_shift(bdt: torch.Tensor, klen: int) -> torch.Tensor:
+    """Generalised relative shift: ``BD[..., i, j] = bdt[..., i, j - i + Lq - 1]``.
+
+    ``bdt`` is ``[..., Lq, R]`` (``(q + v) @ r^T``); positions outside ``[0, R)`` give 0.
+    This is the pad/reshape trick done with strides: the position axis is zero-padded to a
+    width ``W`` that covers every index, then viewed with a row stride of ``W - 1`` so that row
+    ``i`` starts ``i`` columns further left.
+    """
+    *lead, qlen, rlen = bdt.shape
+    width = max(rlen, klen + qlen - 1)
+    padded = F.pad(bdt, (0, width - rlen)).contiguous()
+    lead_strides = padded.stride()[:-2]
+    return padded.as_strided(
+        (*lead, qlen, klen),
+        (*lead_strides, width - 1, 1),
+        padded.storage_offset() + (qlen - 1),
+    )
+
+
+def allowed_pairs(
+    lq: int,
+    lk: int,
+    window_left: int,
+    window_right: int,
+    key_padding_mask: Optional[torch.Tensor],
+    attn_mask: Optional[torch.Tensor],
+    device: torch.device,
+) -> torch.Tensor:
+    """Boolean tensor broadcastable to ``[B, H, Lq, Lk]``: True where query i may attend key j.
+
+    ``d = (i + Lk - Lq) - j``; allowed iff ``(window_left < 0 or d <= window_left)`` and
+    ``(window_right < 0 or -d <= window_right)``, the key is not padded and ``attn_mask`` is
+    False there. Causal is ``window_right == 0``.
+    """
+    i = torch.arange(lq, device=device).unsqueeze(1)
+    j = torch.arange(lk, device=device).unsqueeze(0)
+    d = i + (lk - lq) - j
+    allowed = torch.ones(lq, lk, dtype=torch.bool, device=device)
+    if window_left >= 0:
+        allowed &= d <= window_left
+    if window_right >= 0:
+        allowed &= -d <= window_right
+    allowed = allowed[None, None]
+    if key_padding_mask is not None:
+        allowed = allowed & ~key_padding_mask[:, None, None, :]
+    if attn_mask is not None:
+        allowed = allowed & ~attn_mask
+    return allowed
+
+
+def rel_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    r: torch.Tensor,
+    r_w_bias: torch.Tensor,
+    r_r_bias: torch.Tensor,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+):
+    """Einsum relative attention. q ``[B, Lq, H, D]``, k/v ``[B, Lk, H, D]``, r ``[R, H, D]``,
+    biases ``[H, D]``; masks already normalised (causal folded into ``window_right = 0``,
+    ``attn_mask`` bool broadcastable to ``[B, H, Lq, Lk]``, True = masked).
+
+    Scores, softmax and the log-sum-exp are computed in fp32 for fp16/bf16 inputs (fp64 inputs
+    stay fp64). Returns ``[B, Lq, H, D]`` in q's dtype, and with ``return_lse`` also the
+    natural-log row log-sum-exp ``[B, H, Lq]`` (fp32 or fp64; ``+inf`` for rows with no
+    allowed key), the quantity the fused forward saves for its backward.
+    """
+    lq, lk = q.shape[1], k.shape[1]
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+
+    rw_head_q = q + r_w_bias  # [B, Lq, H, D]
+    rr_head_q = q + r_r_bias
+    ac = torch.einsum("bihd,bjhd->bhij", rw_head_q, k)  # [B, H, Lq, Lk]
+    bdt = torch.einsum("bihd,phd->bhip", rr_head_q, r)  # [B, H, Lq, R]
+    bd = rel_shift(bdt, lk)
+    scores = (ac.to(acc_dtype) + bd.to(acc_dtype)) * softmax_scale
+
+    allowed = allowed_pairs(lq, lk, window_left, window_right, key_padding_mask, attn_mask,
+                            q.device)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    row_has_key = allowed.any(dim=-1, keepdim=True)
+    # Rows without any allowed key: softmax over zeros, then multiplied by 0, so the output
+    # and every gradient are exactly 0 (no NaN from -inf - -inf).
+    scores = torch.where(row_has_key, scores, scores.new_zeros(()))
+    prob = torch.softmax(scores, dim=-1) * row_has_key
+    if dropout_p > 0.0:
+        prob = F.dropout(prob, p=dropout_p, training=True)
+    out = torch.einsum("bhij,bjhd->bihd", prob.to(v.dtype), v).to(q.dtype)
+    if not return_lse:
+        return out
+    lse = torch.logsumexp(scores.detach(), dim=-1)
+    lse = torch.where(row_has_key.squeeze(-1), lse, torch.full_like(lse, float("inf")))
+    return out, lse
