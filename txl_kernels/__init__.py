@@ -2,11 +2,13 @@
 
 Public API:
     rel_attention      functional relative attention (reference or fused Triton backend)
+    FusedRelAttention  drop-in for Transformer-XL's RelPartialLearnableMultiHeadAttn
 """
 from .functional import BACKENDS, fused_available, rel_attention
+from .modules import FusedRelAttention
 from .reference import rel_attention_reference, rel_shift, rel_shift_pad_reshape
 
 __version__ = "0.1.0"
 
-__all__ = ["rel_attention", "fused_available", "BACKENDS", "rel_attention_reference",
+__all__ = ["rel_attention", "FusedRelAttention", "fused_available", "BACKENDS", "rel_attention_reference",
            "rel_shift", "rel_shift_pad_reshape", "__version__"]

@@ -1,0 +1,130 @@
+"""rel_attention's contract: argument checks (each names the argument), backend dispatch,
+position-row checks, strided inputs."""
+import pytest
+import torch
+
+import txl_kernels
+from txl_kernels import rel_attention
+
+from helpers import make_inputs
+
+
+def _inputs(**kw):
+    return make_inputs(2, 5, 8, 2, 16, **kw)
+
+
+def _call(*ts, **kw):
+    kw.setdefault("backend", "reference")
+    return rel_attention(*ts, **kw)
+
+
+BAD = [
+    # (description, mutation of args list / kwargs, exception, text that must appear)
+    ("q rank", lambda a, kw: a.__setitem__(0, a[0][0]), ValueError, "q must be 4-D"),
+    ("k rank", lambda a, kw: a.__setitem__(1, a[1][0]), ValueError, "k must be 4-D"),
+    ("r rank", lambda a, kw: a.__setitem__(3, a[3][0]), ValueError, "r must be 3-D"),
+    ("u rank", lambda a, kw: a.__setitem__(4, a[4][None]), ValueError, "r_w_bias must be 2-D"),
+    ("q not tensor", lambda a, kw: a.__setitem__(0, 1.0), TypeError, "q must be a torch.Tensor"),
+    ("int dtype", lambda a, kw: a.__setitem__(2, a[2].long()), TypeError, "v must be float16"),
+    ("dtype mismatch", lambda a, kw: a.__setitem__(1, a[1].double()), TypeError, "k has dtype torch.float64"),
+    ("k heads", lambda a, kw: a.__setitem__(1, a[1][:, :, :1]), ValueError, "k must be [B, Lk, H, D]"),
+    ("v shape", lambda a, kw: a.__setitem__(2, a[2][:, :-1]), ValueError, "v must have k's shape"),
+    ("Lk < Lq", lambda a, kw: (a.__setitem__(1, a[1][:, :3]), a.__setitem__(2, a[2][:, :3])), ValueError, "Lk >= Lq"),
+    ("r head dim", lambda a, kw: a.__setitem__(3, a[3][..., :-1]), ValueError, "r must be [R, H, D]"),
+    ("vb shape", lambda a, kw: a.__setitem__(5, a[5][:1]), ValueError, "r_r_bias must be [H, D]"),
+    ("window type", lambda a, kw: kw.update(window_size=3), TypeError, "window_size"),
+    ("window value", lambda a, kw: kw.update(window_size=(-2, 0)), ValueError, "window_size"),
+    ("causal type", lambda a, kw: kw.update(causal=1), TypeError, "causal"),
+    ("kpm dtype", lambda a, kw: kw.update(key_padding_mask=torch.zeros(2, 8)), TypeError, "key_padding_mask must have dtype torch.bool"),
+    ("kpm shape", lambda a, kw: kw.update(key_padding_mask=torch.zeros(2, 7, dtype=torch.bool)), ValueError, "key_padding_mask must have shape"),
+    ("mask dtype", lambda a, kw: kw.update(attn_mask=torch.zeros(5, 8, dtype=torch.uint8)), TypeError, "attn_mask must have dtype torch.bool"),
+    ("mask shape", lambda a, kw: kw.update(attn_mask=torch.zeros(5, 7, dtype=torch.bool)), ValueError, "attn_mask must be broadcastable"),
+    ("mask rank", lambda a, kw: kw.update(attn_mask=torch.zeros(1, 2, 2, 5, 8, dtype=torch.bool)), ValueError, "attn_mask must be broadcastable"),
+    ("scale type", lambda a, kw: kw.update(softmax_scale="x"), TypeError, "softmax_scale"),
+    ("dropout", lambda a, kw: kw.update(dropout_p=1.5), ValueError, "dropout_p"),
+    ("backend", lambda a, kw: kw.update(backend="cuda"), ValueError, "backend must be one of"),
+    ("r too short", lambda a, kw: a.__setitem__(3, a[3][:4]), ValueError, "r has 4 rows"),
+    ("r short, non-causal", lambda a, kw: kw.update(causal=False), ValueError, "need rows 0..11"),
+]
+
+
+@pytest.mark.parametrize("desc,mutate,exc,text", BAD, ids=[b[0] for b in BAD])
+def test_bad_input(desc, mutate, exc, text):
+    args, kw = list(_inputs()), {}
+    mutate(args, kw)
+    with pytest.raises(exc, match=pytest.importorskip("re").escape(text)):
+        _call(*args, **kw)
+
+
+def test_error_message_says_what_came():
+    q, k, v, r, u, vb = _inputs()
+    with pytest.raises(ValueError) as e:
+        _call(q[0], k, v, r, u, vb)
+    assert "shape (5, 2, 16)" in str(e.value) and "dtype torch.float32" in str(e.value)
+
+
+def test_device_mismatch():
+    q, k, v, r, u, vb = _inputs()
+    meta = k.to("meta")
+    with pytest.raises(ValueError, match="k is on meta"):
+        _call(q, meta, v, r, u, vb)
+
+
+def test_position_rows_error_names_rows_and_window_fixes_it():
+    q, k, v, r, u, vb = make_inputs(1, 4, 4, 1, 16, R=4)
+    with pytest.raises(ValueError, match=r"need rows 0\.\.6"):
+        _call(q, k, v, r, u, vb, causal=False)
+    # a right window of 0 (== causal) only needs rows 0..3
+    _call(q, k, v, r, u, vb, causal=False, window_size=(-1, 0))
+
+
+def test_seq_first_views_match_batch_first():
+    bf = make_inputs(2, 6, 9, 2, 16, layout="bshd", seed=3)
+    # same numbers, seq-first storage
+    sf = [t.transpose(0, 1).contiguous().transpose(0, 1) if t.dim() == 4 else t for t in bf]
+    assert not sf[0].is_contiguous() and sf[0].stride(-1) == 1
+    torch.testing.assert_close(_call(*sf), _call(*bf))
+
+
+def test_broadcast_attn_mask_equals_full():
+    q, k, v, r, u, vb = _inputs()
+    m2 = torch.rand(5, 8) < 0.3
+    full = m2.expand(2, 2, 5, 8).contiguous()
+    torch.testing.assert_close(_call(q, k, v, r, u, vb, attn_mask=m2),
+                               _call(q, k, v, r, u, vb, attn_mask=full), rtol=0, atol=0)
+
+
+def test_causal_is_window_right_zero():
+    ts = _inputs()
+    torch.testing.assert_close(_call(*ts, causal=True),
+                               _call(*ts, causal=False, window_size=(-1, 0)), rtol=0, atol=0)
+
+
+def test_triton_backend_on_cpu_without_interpreter_raises(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        _call(*_inputs(), backend="triton")
+
+
+def test_triton_backend_rejects_unsupported_head_dim():
+    q, k, v, r, u, vb = make_inputs(1, 3, 3, 1, 8)
+    with pytest.raises(ValueError, match="head dims 16..256"):
+        _call(q, k, v, r, u, vb, backend="triton")
+
+
+def test_auto_falls_back_to_reference_on_cpu_without_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    ts = _inputs()
+    torch.testing.assert_close(_call(*ts, backend="auto"), _call(*ts), rtol=0, atol=0)
+    ok, why = txl_kernels.fused_available(torch.device("cpu"))
+    assert not ok and "TRITON_INTERPRET" in why
+
+
+def test_dropout_runs_reference_path():
+    ts = _inputs()
+    torch.manual_seed(0)
+    a = _call(*ts, dropout_p=0.3, backend="triton")
+    torch.manual_seed(0)
+    b = _call(*ts, dropout_p=0.3, backend="reference")
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not torch.allclose(a, _call(*ts))
