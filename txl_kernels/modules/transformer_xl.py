@@ -1,0 +1,217 @@
+"""``FusedRelAttention``: drop-in for Transformer-XL's ``RelPartialLearnableMultiHeadAttn``.
+
+Same constructor, forward signature, parameters (state_dict keys) and return value as the
+original PyTorch code (kimiyoung/transformer-xl, NVIDIA DeepLearningExamples) and HF TransfoXL's
+untie_r layers; the attention itself runs through ``txl_kernels.rel_attention`` (fused Triton
+kernel where it can run, the einsum reference elsewhere).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..functional import rel_attention
+
+__all__ = ["FusedRelAttention", "band_window_of_mask"]
+
+_MASK_MODES = ("detect", "dense", "causal")
+
+
+def band_window_of_mask(mask: torch.Tensor) -> Optional[Tuple[int, int]]:
+    """If ``mask`` (bool, True = masked, ``[Lq, Lk]`` or ``[Lq, Lk, n]``) is the causal mask
+    Transformer-XL builds (``triu(ones, 1 + mlen)``), or that mask plus a same_length band
+    (``tril(ones, -shift)``), return the equivalent ``window_size`` (``(-1, 0)`` or
+    ``(left, 0)``); otherwise None. Costs one device-to-host read."""
+    m = mask if mask.dtype == torch.bool else mask.bool()
+    if m.dim() == 2:
+        m = m[:, :, None]
+    lq, lk = m.shape[0], m.shape[1]
+    i = torch.arange(lq, device=m.device)[:, None, None]
+    j = torch.arange(lk, device=m.device)[None, :, None]
+    d = i + (lk - lq) - j
+    allowed = ~m
+    # Largest allowed distance (-1 when nothing is allowed), and whether the mask equals the
+    # band "d < 0 or d > d_max", both computed on device and read back together.
+    d_max = torch.where(allowed, d, torch.full_like(d, -1)).amax()
+    is_band = (m == ((d < 0) | (d > d_max))).all()
+    d_max_v, is_band_v = torch.stack([d_max, is_band.long()]).tolist()
+    if not is_band_v or d_max_v < 0:
+        return None
+    wl = -1 if d_max_v >= lk - 1 else int(d_max_v)
+    return (wl, 0)
+
+
+# Shared by every layer: the model builds one mask per forward and passes it to all layers, so
+# it is checked once. Keyed by id(); an entry is valid while its weak reference still points to
+# the same tensor and the tensor's version counter (in-place changes) is unchanged.
+_MASK_CACHE: dict = {}
+_MASK_CACHE_SIZE = 16
+
+
+def _cached_band_window(mask: torch.Tensor) -> Optional[Tuple[int, int]]:
+    hit = _MASK_CACHE.get(id(mask))
+    if hit is not None and hit[0]() is mask and hit[1] == mask._version:
+        return hit[2]
+    window = band_window_of_mask(mask)
+    if len(_MASK_CACHE) >= _MASK_CACHE_SIZE:
+        for key in [k for k, v in _MASK_CACHE.items() if v[0]() is None] or list(_MASK_CACHE):
+            del _MASK_CACHE[key]
+    _MASK_CACHE[id(mask)] = (weakref.ref(mask), mask._version, window)
+    return window
+
+
+class FusedRelAttention(nn.Module):
+    """Transformer-XL relative multi-head attention layer (``RelPartialLearnableMultiHeadAttn``).
+
+    Args:
+        n_head, d_model, d_head, dropout, dropatt, tgt_len, ext_len, mem_len, pre_lnorm: as in
+            the original (tgt_len, ext_len and mem_len are kept for signature compatibility).
+        layer_norm_epsilon: LayerNorm epsilon (1e-5, the original's default).
+        untie_r: if True the layer owns ``r_w_bias`` and ``r_r_bias`` parameters ``[H, D]``
+            (HF TransfoXL's untie_r layers); biases passed to ``forward`` still take precedence.
+        mask_mode: how ``attn_mask`` reaches the kernel.
+            ``"detect"`` (default): a mask equal to Transformer-XL's causal mask
+            ``triu(ones(qlen, klen), 1 + mlen)``, optionally with a same_length band, is passed
+            as ``causal`` / ``window_size`` so masked tiles are skipped. The check runs once per
+            mask tensor, shared by all layers (cached while the tensor lives and is not modified
+            in place); the model passes one mask object to every layer, so it costs one
+            device-to-host read per model forward, not per layer call. Any other mask is applied densely.
+            ``"dense"``: always apply ``attn_mask`` densely.
+            ``"causal"``: no check and no host sync (torch.compile friendly): the layer is
+            causal, with ``window_size=(mem_len - 1, 0)`` if ``same_length``; ``attn_mask``
+            values are not read.
+        same_length: with ``mask_mode="causal"``, apply the same_length band (Transformer-XL's
+            ``same_length=True``) using ``mem_len``.
+        backend: ``rel_attention`` backend ("auto", "triton" or "reference").
+
+    ``forward(w, r, r_w_bias=None, r_r_bias=None, attn_mask=None, mems=None)``:
+        w ``[qlen, bsz, d_model]``; r ``[rlen, 1, d_model]`` (position embeddings, distances
+        ``klen - 1 .. 0``); mems None, empty, or ``[mlen, bsz, d_model]``; attn_mask uint8 or
+        bool ``[qlen, klen]`` or ``[qlen, klen, 1 or bsz]``, 1 = masked. Returns
+        ``LayerNorm(w + attn_out)`` (or ``w + attn_out`` with ``pre_lnorm``), ``[qlen, bsz,
+        d_model]``. Where the mask leaves pairs that need position rows beyond ``rlen`` (no
+        mask, or a non-causal mask), those rows count as zero (the original reads wrapped-
+        around values there).
+    """
+
+    def __init__(self, n_head: int, d_model: int, d_head: int, dropout: float,
+                 dropatt: float = 0.0, tgt_len=None, ext_len=None, mem_len=None,
+                 pre_lnorm: bool = False, layer_norm_epsilon: float = 1e-5,
+                 untie_r: bool = False, mask_mode: str = "detect", same_length: bool = False,
+                 backend: str = "auto"):
+        super().__init__()
+        if mask_mode not in _MASK_MODES:
+            raise ValueError(f"FusedRelAttention: mask_mode must be one of {_MASK_MODES}, "
+                             f"got {mask_mode!r}")
+        if same_length and (mem_len is None or mem_len < 1):
+            raise ValueError(f"FusedRelAttention: same_length needs mem_len >= 1, "
+                             f"got mem_len={mem_len!r}")
+        self.n_head, self.d_model, self.d_head = n_head, d_model, d_head
+        self.dropout, self.dropatt_p = dropout, dropatt
+        self.tgt_len, self.ext_len, self.mem_len = tgt_len, ext_len, mem_len
+        self.pre_lnorm = pre_lnorm
+        self.scale = 1 / (d_head ** 0.5)
+        self.mask_mode, self.same_length, self.backend = mask_mode, same_length, backend
+
+        self.qkv_net = nn.Linear(d_model, 3 * n_head * d_head, bias=False)
+        self.drop = nn.Dropout(dropout)
+        self.dropatt = nn.Dropout(dropatt)
+        self.o_net = nn.Linear(n_head * d_head, d_model, bias=False)
+        self.layer_norm = nn.LayerNorm(d_model, eps=layer_norm_epsilon)
+        self.r_net = nn.Linear(d_model, n_head * d_head, bias=False)
+        if untie_r:
+            self.r_w_bias = nn.Parameter(torch.zeros(n_head, d_head))
+            self.r_r_bias = nn.Parameter(torch.zeros(n_head, d_head))
+            nn.init.normal_(self.r_w_bias, 0.0, 0.02)
+            nn.init.normal_(self.r_r_bias, 0.0, 0.02)
+        else:
+            self.r_w_bias = None
+            self.r_r_bias = None
+
+    # -- mask handling -------------------------------------------------------------------
+    @staticmethod
+    def _window_of(mask: torch.Tensor) -> Optional[Tuple[int, int]]:
+        return _cached_band_window(mask)
+
+    def _mask_args(self, attn_mask, qlen: int, klen: int, bsz: int):
+        """(causal, window_size, dense bool mask broadcastable to [B, H, Lq, Lk] or None)."""
+        if self.mask_mode == "causal":
+            wl = self.mem_len - 1 if self.same_length else -1
+            return True, (wl, 0), None
+        if attn_mask is None:
+            return False, (-1, -1), None
+        if attn_mask.dtype not in (torch.bool, torch.uint8):
+            raise TypeError(f"FusedRelAttention: attn_mask must be uint8 or bool (1 = masked), "
+                            f"got {attn_mask.dtype}")
+        ok = (attn_mask.dim() in (2, 3) and tuple(attn_mask.shape[:2]) == (qlen, klen)
+              and (attn_mask.dim() == 2 or attn_mask.shape[2] in (1, bsz)))
+        if not ok:
+            raise ValueError(f"FusedRelAttention: attn_mask must be [qlen, klen] = "
+                             f"[{qlen}, {klen}] or [qlen, klen, 1 or bsz={bsz}], "
+                             f"got {list(attn_mask.shape)}")
+        mask = attn_mask if attn_mask.dtype == torch.bool else attn_mask.bool()
+        if self.mask_mode == "detect":
+            window = self._window_of(attn_mask)
+            if window is not None:
+                return True, window, None
+        if mask.dim() == 2:
+            dense = mask  # broadcasts over batch and heads
+        else:
+            dense = mask.permute(2, 0, 1)[:, None]  # [1 or B, 1, Lq, Lk], a view
+        return False, (-1, -1), dense
+
+    # -- forward ---------------------------------------------------------------------------
+    def forward(self, w: torch.Tensor, r: torch.Tensor, r_w_bias: Optional[torch.Tensor] = None,
+                r_r_bias: Optional[torch.Tensor] = None, attn_mask: Optional[torch.Tensor] = None,
+                mems: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if w.dim() != 3 or w.shape[-1] != self.d_model:
+            raise ValueError(f"FusedRelAttention: w must be [qlen, bsz, d_model={self.d_model}], "
+                             f"got {list(w.shape)}")
+        if r.dim() != 3 or r.shape[1] != 1 or r.shape[-1] != self.d_model:
+            raise ValueError(f"FusedRelAttention: r must be [rlen, 1, d_model={self.d_model}], "
+                             f"got {list(r.shape)}")
+        r_w_bias = self.r_w_bias if r_w_bias is None else r_w_bias
+        r_r_bias = self.r_r_bias if r_r_bias is None else r_r_bias
+        if r_w_bias is None or r_r_bias is None:
+            raise ValueError("FusedRelAttention: r_w_bias and r_r_bias must be passed to forward "
+                             "unless the layer owns them (untie_r=True)")
+        qlen, bsz = w.shape[0], w.shape[1]
+        H, D = self.n_head, self.d_head
+
+        if mems is not None and mems.numel() > 0:
+            if mems.dim() != 3 or mems.shape[1:] != w.shape[1:]:
+                raise ValueError(f"FusedRelAttention: mems must be [mlen, bsz={bsz}, "
+                                 f"d_model={self.d_model}], got {list(mems.shape)}")
+            cat = torch.cat([mems, w], 0)
+        else:
+            cat = w
+        w_heads = self.qkv_net(self.layer_norm(cat) if self.pre_lnorm else cat)
+        klen = cat.shape[0]
+        w_head_q, w_head_k, w_head_v = torch.chunk(w_heads, 3, dim=-1)
+        # Views only: [L, B, H*D] chunk -> [L, B, H, D] -> batch-first [B, L, H, D].
+        q = w_head_q[-qlen:].view(qlen, bsz, H, D).transpose(0, 1)
+        k = w_head_k.view(klen, bsz, H, D).transpose(0, 1)
+        v = w_head_v.view(klen, bsz, H, D).transpose(0, 1)
+        rlen = r.shape[0]
+        r_head_k = self.r_net(r).view(rlen, H, D)
+
+        causal, window, dense = self._mask_args(attn_mask, qlen, klen, bsz)
+        if not causal:
+            # Pairs right of the diagonal need rows rlen .. klen + qlen - 2: they count as zero.
+            need = klen + qlen - 1
+            if rlen < need:
+                r_head_k = F.pad(r_head_k, (0, 0, 0, 0, 0, need - rlen))
+        attn_vec = rel_attention(
+            q, k, v, r_head_k, r_w_bias.to(q.dtype), r_r_bias.to(q.dtype), causal=causal,
+            window_size=window, attn_mask=dense, softmax_scale=self.scale,
+            dropout_p=self.dropatt_p if self.training else 0.0, backend=self.backend)
+        # [B, Lq, H, D] -> [Lq, B, H*D]
+        attn_vec = attn_vec.transpose(0, 1).reshape(qlen, bsz, H * D)
+        attn_out = self.drop(self.o_net(attn_vec))
+        if self.pre_lnorm:
+            return w + attn_out
+        return self.layer_norm(w + attn_out)
