@@ -1,0 +1,731 @@
+"""Fused Triton backward of Transformer-XL relative attention: dq, dk, dv, dr, du, dvb.
+
+Forward (rel_attn_fwd.py), per batch b and head h, with A = q + u, Qv = q + vb, c = Lq - 1:
+
+    S[i, j] = scale * (A_i . k_j + Qv_i . r[j - i + c]),   P = softmax over allowed j,   O = P V
+
+Algorithm (FlashAttention-2 style: P is recomputed from the saved natural-log row
+log-sum-exp ``lse``, never stored; every tile product runs on the tensor cores in fp32
+accumulation):
+
+    delta_i = dO_i . O_i                                 (_rel_attn_bwd_preprocess_kernel)
+    P = exp(S - lse)   (0 on masked pairs, and on rows with no allowed key: lse = +inf there)
+    dP = dO V^T,   dS = P * (dP - delta) * scale
+    dV = P^T dO,   dK = dS^T A                           (_rel_attn_bwd_dkdv_kernel)
+    dA = dS K,     dQv_i = sum_j dS[i, j] r[j - i + c],   dq = dA + dQv   (_rel_attn_bwd_dq_kernel)
+    du = sum_{b,i} dA_i,   dvb = sum_{b,i} dQv_i        (per-query-tile partials + torch sum)
+    dr[p] = sum_{b, i, j: j - i + c = p} dS[i, j] Qv_i   (_rel_attn_bwd_dr_kernel)
+
+Tiles are square, BLOCK x BLOCK. The query tile [i0, i0 + BLOCK) and key tile
+[j0, j0 + BLOCK) need the r rows ``p0 + w``, ``w`` in [0, 2 BLOCK - 1), with
+``p0 = j0 - i0 + c - (BLOCK - 1)``: two chunks of BLOCK rows, R_lo (rows p0 ..) and R_hi (rows
+p0 + BLOCK ..; its last row is never needed). With a = query row and b = key column in the tile,
+the pair uses window column w = b - a + BLOCK - 1, so
+
+    skew:    BD[a, b] = (b <= a) ? T_lo[a, idx] : T_hi[a, idx],   T_x = Qv R_x^T,
+             idx = (b - a + BLOCK - 1) mod BLOCK                                  (two gathers)
+    unskew:  G[a, w] = dS[a, (w + a + 1) mod BLOCK];  dT_lo = G where w + a >= BLOCK - 1,
+             dT_hi = G elsewhere;   dQv += dT_lo R_lo + dT_hi R_hi,  dr_x += dT_x^T Qv
+                                                                                  (one gather)
+
+``tl.gather`` is used with index and source of the same [BLOCK, BLOCK] shape, which avoids the
+wider-index gather that trips the GPU compiler (triton-lang/triton#5836). Out-of-range rows
+(p < 0 or p >= R) are loaded as zeros, never read, and their gradient is never written.
+
+Window reuse: in the dq kernel (one query tile, key tiles in increasing order) the hi chunk of key
+tile n is the lo chunk of tile n + 1, so T_hi, the R_hi rows and the pending dT_hi part are
+carried to the next iteration: BD costs one extra QK-sized product per tile and dQv one more
+(the dT_hi of tile n and the dT_lo of tile n + 1 have disjoint supports and are merged before a
+single product with the shared rows). In the dk/dv kernel (one key tile, query tiles in
+increasing order) the R rows are carried (R_hi of query tile m + 1 is R_lo of tile m), but Qv
+changes, so both T chunks are computed per tile.
+
+Deterministic dr (the default): dr is a diagonal (Toeplitz) reduction. A tile pair (m, n) lies
+on block diagonal t = n - m and its window rows depend only on t, so _rel_attn_bwd_dr_kernel runs
+one program per (block diagonal t, batch, head); it walks the tile pairs of its diagonal in a
+fixed order and accumulates dT_lo^T Qv and dT_hi^T Qv in registers. The lo chunks of all
+diagonals tile the row axis without overlap, and so do the hi chunks, so the program writes its
+two results to Z[0, b, rows] and Z[1, b, rows] (each row written by exactly one program, no
+atomics), and dr = Z.sum over (chunk, batch) in torch, a fixed-order reduction. This recomputes
+P and dS once more (a third pass). du and dvb: the dq kernel writes the row sums of dA and dQv
+of its query tile to per-(batch, query tile) partials, summed by torch in a fixed order. Two
+calls on the same inputs therefore give bitwise-equal gradients.
+
+Non-deterministic fast mode (``deterministic=False``): the dq kernel also forms dr from the merged
+dT tile it already has (one more product per tile) and adds it to an fp32 [R, H, D] buffer with
+``tl.atomic_add``; the dr kernel is not launched.
+
+Masks are generated from indices (bottom-right aligned window ``d = i + Lk - Lq - j``,
+``-window_right <= d <= window_left``, causal is window_right = 0); key_padding_mask [B, Lk] and a
+dense attn_mask [B, H, Lq, Lk] (any strides, broadcast views with stride 0 are fine) are loaded per
+tile. Tile pairs entirely outside the window are skipped (the loop ranges of the dk/dv and dq
+kernels and the diagonal range of the dr kernel are clipped to the window).
+
+Memory: no Lq x Lk tensor is written to global memory. Workspace: delta [B, H, Lq] fp32, the dr
+partials Z [2, B, R, H, D] fp32 (the atomic mode: [R, H, D]), the du / dvb partials
+[B, ceil(Lq / 16), H, D] fp32: O(B * H * (Lq + Lk + R) * D) in all.
+
+Precision and limits: fp16 / bf16 / fp32 inputs, fp32 accumulation; P and dS are rounded to the
+input dtype before their products, as in FlashAttention. fp32 inputs follow
+``torch.get_float32_matmul_precision()`` ("highest" -> exact fp32 products, else TF32). Head dims
+16..256 (padded to a power of two with masked loads). Any Lq >= 1 and Lk >= Lq; any strides with
+stride(-1) == 1 (other tensors are copied). int64 offsets. Under ``TRITON_INTERPRET=1`` one fixed
+config (BLOCK 16) is used and bf16 operands are upcast to fp32 before ``tl.dot`` (the
+interpreter's bf16 dot is wrong, triton-lang/triton#11584); on a GPU the block size and
+num_warps are autotuned per (head dim, bucketed lengths, masks, dtype).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["rel_attn_bwd"]
+
+_LOG2E = 1.4426950408889634
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_MIN_BLOCK = 16  # smallest BLOCK of any config; sizes the du / dvb partial buffers
+
+
+# ----------------------------------------------------------------------------------------------
+# Tile helpers
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _skew(t_lo, t_hi, BLOCK: tl.constexpr):
+    """BD[a, b] = T[a, b - a + BLOCK - 1] over the window T = [t_lo | t_hi] ([BLOCK, 2 BLOCK])."""
+    a = tl.arange(0, BLOCK)[:, None]
+    b = tl.arange(0, BLOCK)[None, :]
+    idx = (b - a + BLOCK - 1) & (BLOCK - 1)
+    return tl.where(b <= a, tl.gather(t_lo, idx, 1), tl.gather(t_hi, idx, 1))
+
+
+@triton.jit
+def _unskew_gather(ds, BLOCK: tl.constexpr):
+    """G[a, w] = ds[a, (w + a + 1) mod BLOCK]; the lo window chunk is G where
+    w + a >= BLOCK - 1 (see _lo_part), the hi chunk is G elsewhere."""
+    a = tl.arange(0, BLOCK)[:, None]
+    w = tl.arange(0, BLOCK)[None, :]
+    idx = (w + a + 1) & (BLOCK - 1)
+    return tl.gather(ds, idx, 1)
+
+
+@triton.jit
+def _lo_part(BLOCK: tl.constexpr):
+    a = tl.arange(0, BLOCK)[:, None]
+    w = tl.arange(0, BLOCK)[None, :]
+    return (w + a) >= (BLOCK - 1)
+
+
+@triton.jit
+def _load_rows(PTR, rows, n_rows, stride_row, offs_d, D, DOT_DTYPE: tl.constexpr):
+    """Rows ``rows`` ([BLOCK] int) of a [n_rows, D] slice (stride(-1) == 1); rows outside
+    [0, n_rows) and columns >= D read as 0."""
+    ptrs = PTR + rows.to(tl.int64)[:, None] * stride_row + offs_d[None, :]
+    msk = ((rows >= 0) & (rows < n_rows))[:, None] & (offs_d < D)[None, :]
+    return tl.load(ptrs, mask=msk, other=0.0).to(DOT_DTYPE)
+
+
+@triton.jit
+def _probs(ac, bd, lse2, offs_i, offs_j, b, h, Lq, Lk, WL, WR, qk_scale2,
+           KPM, stride_kpb, stride_kpn, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+           HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr):
+    """P = exp(S - lse) on one tile, 0 on masked pairs, out-of-range rows / columns, and rows
+    whose lse is +inf (no allowed key)."""
+    mlen = Lk - Lq
+    in_i = offs_i < Lq
+    in_j = offs_j < Lk
+    valid = in_i[:, None] & in_j[None, :]
+    d = offs_i[:, None] + mlen - offs_j[None, :]
+    valid = valid & ((WL < 0) | (d <= WL)) & ((WR < 0) | (-d <= WR))
+    if HAS_KPM:
+        kp = tl.load(KPM + b * stride_kpb + offs_j.to(tl.int64) * stride_kpn, mask=in_j,
+                     other=1)
+        valid = valid & (kp == 0)[None, :]
+    if HAS_MASK:
+        am = tl.load(MASK + b * stride_mb + h * stride_mh
+                     + offs_i.to(tl.int64)[:, None] * stride_mm
+                     + offs_j.to(tl.int64)[None, :] * stride_mn,
+                     mask=in_i[:, None] & in_j[None, :], other=1)
+        valid = valid & (am == 0)
+    s = tl.where(valid, (ac + bd) * qk_scale2, float("-inf"))
+    return tl.exp2(s - lse2[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rel_attn_bwd_preprocess_kernel(
+    O, DO, DELTA,
+    stride_ob, stride_om, stride_oh,
+    stride_dob, stride_dom, stride_doh,
+    stride_lb, stride_lh, stride_lm,
+    H, Lq, D,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] in fp32."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    msk = (offs_m < Lq)[:, None] & (offs_d < D)[None, :]
+    rows = offs_m.to(tl.int64)[:, None]
+    o = tl.load(O + b * stride_ob + h * stride_oh + rows * stride_om + offs_d[None, :],
+                mask=msk, other=0.0).to(tl.float32)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + rows * stride_dom + offs_d[None, :],
+                 mask=msk, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, axis=1)
+    tl.store(DELTA + b * stride_lb + h * stride_lh + offs_m.to(tl.int64) * stride_lm, delta,
+             mask=offs_m < Lq)
+
+
+@triton.jit
+def _rel_attn_bwd_dkdv_kernel(
+    Q, K, V, R, U, VB, DO, LSE, DELTA, DK, DV, KPM, MASK,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_rp, stride_rh,
+    stride_uh, stride_vbh,
+    stride_dob, stride_dom, stride_doh,
+    stride_lb, stride_lh, stride_lm,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_kpb, stride_kpn,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    H, Lq, Lk, R_ROWS, D,
+    sm_scale, WL, WR,
+    LQ_BUCKET, LK_BUCKET,  # autotune keys only
+    HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One program per (key tile, batch * head): dk and dv of the tile, looping over the query
+    tiles that the window lets see it."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b = pid_bh // H
+    h = pid_bh % H
+    mlen = Lk - Lq
+    qk_scale2 = sm_scale * 1.4426950408889634
+
+    j0 = pid_n * BLOCK
+    offs_j = j0 + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    kv_msk = (offs_j < Lk)[:, None] & dmask[None, :]
+    k_t = tl.load(K + b * stride_kb + h * stride_kh + offs_j.to(tl.int64)[:, None] * stride_kn
+                  + offs_d[None, :], mask=kv_msk, other=0.0).to(DOT_DTYPE)
+    v_t = tl.load(V + b * stride_vb + h * stride_vh + offs_j.to(tl.int64)[:, None] * stride_vn
+                  + offs_d[None, :], mask=kv_msk, other=0.0).to(DOT_DTYPE)
+    u = tl.load(U + h * stride_uh + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    vb = tl.load(VB + h * stride_vbh + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    R_h = R + h * stride_rh
+
+    # Query rows that may see a key of this tile: d = i + mlen - j in [-WR, WL].
+    i_lo = tl.where(WR >= 0, tl.maximum(j0 - mlen - WR, 0), 0)
+    i_hi = tl.where(WL >= 0, tl.minimum(j0 + BLOCK - 1 + WL - mlen, Lq - 1), Lq - 1)
+    m_lo = i_lo // BLOCK
+    m_hi = (tl.maximum(i_hi, -1) + BLOCK) // BLOCK
+
+    dk = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    w = tl.arange(0, BLOCK)
+    # R_hi of query tile m is R_lo of tile m - 1: carried.
+    r_hi = _load_rows(R_h, j0 - m_lo * BLOCK + Lq + w, R_ROWS, stride_rp, offs_d, D, DOT_DTYPE)
+    for m in range(m_lo, m_hi):
+        i0 = m * BLOCK
+        offs_i = i0 + tl.arange(0, BLOCK)
+        in_i = offs_i < Lq
+        rows_i = offs_i.to(tl.int64)[:, None]
+        q_msk = in_i[:, None] & dmask[None, :]
+        q = tl.load(Q + b * stride_qb + h * stride_qh + rows_i * stride_qm + offs_d[None, :],
+                    mask=q_msk, other=0.0).to(tl.float32)
+        a_t = (q + u[None, :]).to(DOT_DTYPE)
+        qv_t = (q + vb[None, :]).to(DOT_DTYPE)
+        do = tl.load(DO + b * stride_dob + h * stride_doh + rows_i * stride_dom
+                     + offs_d[None, :], mask=q_msk, other=0.0).to(DOT_DTYPE)
+        l_off = b * stride_lb + h * stride_lh + offs_i.to(tl.int64) * stride_lm
+        lse2 = tl.load(LSE + l_off, mask=in_i, other=float("inf")) * 1.4426950408889634
+        delta = tl.load(DELTA + l_off, mask=in_i, other=0.0)
+
+        r_lo = _load_rows(R_h, j0 - i0 + Lq - BLOCK + w, R_ROWS, stride_rp, offs_d, D,
+                          DOT_DTYPE)
+        t_lo = tl.dot(qv_t, tl.trans(r_lo), input_precision=INPUT_PRECISION)
+        t_hi = tl.dot(qv_t, tl.trans(r_hi), input_precision=INPUT_PRECISION)
+        bd = _skew(t_lo, t_hi, BLOCK)
+        ac = tl.dot(a_t, tl.trans(k_t), input_precision=INPUT_PRECISION)
+        p = _probs(ac, bd, lse2, offs_i, offs_j, b, h, Lq, Lk, WL, WR, qk_scale2,
+                   KPM, stride_kpb, stride_kpn, MASK, stride_mb, stride_mh, stride_mm,
+                   stride_mn, HAS_KPM, HAS_MASK)
+        dp = tl.dot(do, tl.trans(v_t), input_precision=INPUT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dv = tl.dot(tl.trans(p.to(DOT_DTYPE)), do, dv, input_precision=INPUT_PRECISION)
+        dk = tl.dot(tl.trans(ds.to(DOT_DTYPE)), a_t, dk, input_precision=INPUT_PRECISION)
+        r_hi = r_lo
+
+    dk = dk * sm_scale
+    out_off = (b * stride_dkb + h * stride_dkh + offs_j.to(tl.int64)[:, None] * stride_dkn
+               + offs_d[None, :])
+    tl.store(DK + out_off, dk.to(DK.dtype.element_ty), mask=kv_msk)
+    tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_msk)
+
+
+@triton.jit
+def _rel_attn_bwd_dq_kernel(
+    Q, K, V, R, U, VB, DO, LSE, DELTA, DQ, DU_PART, DVB_PART, DR_ACC, KPM, MASK,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_rp, stride_rh,
+    stride_uh, stride_vbh,
+    stride_dob, stride_dom, stride_doh,
+    stride_lb, stride_lh, stride_lm,
+    stride_dqb, stride_dqm, stride_dqh,
+    stride_pb, stride_pm, stride_ph,
+    stride_drp, stride_drh,
+    stride_kpb, stride_kpn,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    H, Lq, Lk, R_ROWS, D,
+    sm_scale, WL, WR,
+    LQ_BUCKET, LK_BUCKET,  # autotune keys only
+    HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, ATOMIC_DR: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One program per (query tile, batch * head): dq of the tile (dA + dQv) and the row sums of
+    dA and dQv (du / dvb partials), looping over the key tiles of the window in increasing
+    order with the window chunk carried from tile to tile. With ATOMIC_DR also dr (atomics)."""
+    num_m = tl.cdiv(Lq, BLOCK)
+    m = num_m - 1 - tl.program_id(0)  # longest rows (causal) first
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b = pid_bh // H
+    h = pid_bh % H
+    mlen = Lk - Lq
+    qk_scale2 = sm_scale * 1.4426950408889634
+
+    i0 = m * BLOCK
+    offs_i = i0 + tl.arange(0, BLOCK)
+    in_i = offs_i < Lq
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    rows_i = offs_i.to(tl.int64)[:, None]
+    q_msk = in_i[:, None] & dmask[None, :]
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows_i * stride_qm + offs_d[None, :],
+                mask=q_msk, other=0.0).to(tl.float32)
+    u = tl.load(U + h * stride_uh + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    vb = tl.load(VB + h * stride_vbh + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    a_t = (q + u[None, :]).to(DOT_DTYPE)
+    qv_t = (q + vb[None, :]).to(DOT_DTYPE)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + rows_i * stride_dom + offs_d[None, :],
+                 mask=q_msk, other=0.0).to(DOT_DTYPE)
+    l_off = b * stride_lb + h * stride_lh + offs_i.to(tl.int64) * stride_lm
+    lse2 = tl.load(LSE + l_off, mask=in_i, other=float("inf")) * 1.4426950408889634
+    delta = tl.load(DELTA + l_off, mask=in_i, other=0.0)
+    R_h = R + h * stride_rh
+    K_bh = K + b * stride_kb + h * stride_kh
+    V_bh = V + b * stride_vb + h * stride_vh
+
+    # Keys this query tile may see: d = i + mlen - j in [-WR, WL].
+    j_lo = tl.where(WL >= 0, tl.maximum(i0 + mlen - WL, 0), 0)
+    j_hi = tl.where(WR >= 0, tl.minimum(i0 + BLOCK - 1 + mlen + WR, Lk - 1), Lk - 1)
+    n_lo = j_lo // BLOCK
+    n_hi = (tl.maximum(j_hi, -1) + BLOCK) // BLOCK
+
+    w = tl.arange(0, BLOCK)
+    lo_part = _lo_part(BLOCK)
+    p_lo = n_lo * BLOCK - i0 + Lq - BLOCK  # first r row of the lo chunk of the current tile
+    r_lo = _load_rows(R_h, p_lo + w, R_ROWS, stride_rp, offs_d, D, DOT_DTYPE)
+    t_lo = tl.dot(qv_t, tl.trans(r_lo), input_precision=INPUT_PRECISION)
+    g_prev = tl.zeros([BLOCK, BLOCK], dtype=DOT_DTYPE)  # pending hi part of the previous tile
+    dqa = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    dqv = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    for n in range(n_lo, n_hi):
+        j0 = n * BLOCK
+        offs_j = j0 + tl.arange(0, BLOCK)
+        kv_msk = (offs_j < Lk)[:, None] & dmask[None, :]
+        k_t = tl.load(K_bh + offs_j.to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
+                      mask=kv_msk, other=0.0).to(DOT_DTYPE)
+        v_t = tl.load(V_bh + offs_j.to(tl.int64)[:, None] * stride_vn + offs_d[None, :],
+                      mask=kv_msk, other=0.0).to(DOT_DTYPE)
+        r_hi = _load_rows(R_h, p_lo + BLOCK + w, R_ROWS, stride_rp, offs_d, D, DOT_DTYPE)
+        t_hi = tl.dot(qv_t, tl.trans(r_hi), input_precision=INPUT_PRECISION)
+        bd = _skew(t_lo, t_hi, BLOCK)
+        ac = tl.dot(a_t, tl.trans(k_t), input_precision=INPUT_PRECISION)
+        p = _probs(ac, bd, lse2, offs_i, offs_j, b, h, Lq, Lk, WL, WR, qk_scale2,
+                   KPM, stride_kpb, stride_kpn, MASK, stride_mb, stride_mh, stride_mm,
+                   stride_mn, HAS_KPM, HAS_MASK)
+        dp = tl.dot(do, tl.trans(v_t), input_precision=INPUT_PRECISION)
+        ds = (p * (dp - delta[:, None])).to(DOT_DTYPE)
+        dqa = tl.dot(ds, k_t, dqa, input_precision=INPUT_PRECISION)
+        g = _unskew_gather(ds, BLOCK)
+        # rows p_lo ..: lo part of this tile + hi part of the previous one (disjoint supports)
+        dt = tl.where(lo_part, g, g_prev)
+        dqv = tl.dot(dt, r_lo, dqv, input_precision=INPUT_PRECISION)
+        if ATOMIC_DR:
+            drw = tl.dot(tl.trans(dt), qv_t, input_precision=INPUT_PRECISION) * sm_scale
+            prow = p_lo + w
+            tl.atomic_add(DR_ACC + prow.to(tl.int64)[:, None] * stride_drp + h * stride_drh
+                          + offs_d[None, :], drw,
+                          mask=((prow >= 0) & (prow < R_ROWS))[:, None] & dmask[None, :])
+        g_prev = tl.where(lo_part, 0.0, g).to(DOT_DTYPE)
+        r_lo = r_hi
+        t_lo = t_hi
+        p_lo += BLOCK
+    # flush the hi part of the last tile
+    dqv = tl.dot(g_prev, r_lo, dqv, input_precision=INPUT_PRECISION)
+    if ATOMIC_DR:
+        drw = tl.dot(tl.trans(g_prev), qv_t, input_precision=INPUT_PRECISION) * sm_scale
+        prow = p_lo + w
+        tl.atomic_add(DR_ACC + prow.to(tl.int64)[:, None] * stride_drp + h * stride_drh
+                      + offs_d[None, :], drw,
+                      mask=((prow >= 0) & (prow < R_ROWS))[:, None] & dmask[None, :])
+
+    dqa = dqa * sm_scale
+    dqv = dqv * sm_scale
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + rows_i * stride_dqm + offs_d[None, :],
+             (dqa + dqv).to(DQ.dtype.element_ty), mask=q_msk)
+    part_off = b * stride_pb + m.to(tl.int64) * stride_pm + h * stride_ph + offs_d
+    tl.store(DU_PART + part_off, tl.sum(dqa, axis=0), mask=dmask)
+    tl.store(DVB_PART + part_off, tl.sum(dqv, axis=0), mask=dmask)
+
+
+@triton.jit
+def _rel_attn_bwd_dr_kernel(
+    Q, K, V, R, U, VB, DO, LSE, DELTA, Z, KPM, MASK,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_rp, stride_rh,
+    stride_uh, stride_vbh,
+    stride_dob, stride_dom, stride_doh,
+    stride_lb, stride_lh, stride_lm,
+    stride_zc, stride_zb, stride_zp, stride_zh,
+    stride_kpb, stride_kpn,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    H, Lq, Lk, R_ROWS, D,
+    sm_scale, WL, WR,
+    LQ_BUCKET, LK_BUCKET,  # autotune keys only
+    HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One program per (block diagonal t = n - m, batch * head): the dr contributions of the
+    tile pairs (m, m + t) of one batch and head, reduced in registers in a fixed order, written
+    to Z[0] (lo chunk rows) and Z[1] (hi chunk rows). No two programs write the same row of Z[c]."""
+    num_m = tl.cdiv(Lq, BLOCK)
+    num_n = tl.cdiv(Lk, BLOCK)
+    t = num_n - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b = pid_bh // H
+    h = pid_bh % H
+    mlen = Lk - Lq
+    qk_scale2 = sm_scale * 1.4426950408889634
+
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    w = tl.arange(0, BLOCK)
+    p_lo = t * BLOCK + Lq - BLOCK
+    p_hi = p_lo + BLOCK
+    R_h = R + h * stride_rh
+    r_lo = _load_rows(R_h, p_lo + w, R_ROWS, stride_rp, offs_d, D, DOT_DTYPE)
+    r_hi = _load_rows(R_h, p_hi + w, R_ROWS, stride_rp, offs_d, D, DOT_DTYPE)
+    u = tl.load(U + h * stride_uh + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    vb = tl.load(VB + h * stride_vbh + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    K_bh = K + b * stride_kb + h * stride_kh
+    V_bh = V + b * stride_vb + h * stride_vh
+
+    # Tile pairs (m, m + t) inside both sequences.
+    m_lo = tl.maximum(-t, 0)
+    m_hi = tl.minimum(num_m, num_n - t)
+    # Every pair of the diagonal has d = i + mlen - j in [mlen - tB - (B-1), mlen - tB + (B-1)]:
+    # skip the diagonal when that range misses the window, or when it has no row in [0, R).
+    d_min = mlen - t * BLOCK - (BLOCK - 1)
+    d_max = mlen - t * BLOCK + (BLOCK - 1)
+    skip = ((WR >= 0) & (d_max < -WR)) | ((WL >= 0) & (d_min > WL))
+    skip = skip | (p_hi + BLOCK - 1 < 0) | (p_lo >= R_ROWS)
+    m_hi = tl.where(skip, m_lo, m_hi)
+
+    lo_part = _lo_part(BLOCK)
+    dr_lo = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    dr_hi = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    for m in range(m_lo, m_hi):
+        i0 = m * BLOCK
+        j0 = i0 + t * BLOCK
+        offs_i = i0 + tl.arange(0, BLOCK)
+        offs_j = j0 + tl.arange(0, BLOCK)
+        in_i = offs_i < Lq
+        rows_i = offs_i.to(tl.int64)[:, None]
+        q_msk = in_i[:, None] & dmask[None, :]
+        q = tl.load(Q + b * stride_qb + h * stride_qh + rows_i * stride_qm + offs_d[None, :],
+                    mask=q_msk, other=0.0).to(tl.float32)
+        a_t = (q + u[None, :]).to(DOT_DTYPE)
+        qv_t = (q + vb[None, :]).to(DOT_DTYPE)
+        do = tl.load(DO + b * stride_dob + h * stride_doh + rows_i * stride_dom
+                     + offs_d[None, :], mask=q_msk, other=0.0).to(DOT_DTYPE)
+        l_off = b * stride_lb + h * stride_lh + offs_i.to(tl.int64) * stride_lm
+        lse2 = tl.load(LSE + l_off, mask=in_i, other=float("inf")) * 1.4426950408889634
+        delta = tl.load(DELTA + l_off, mask=in_i, other=0.0)
+        kv_msk = (offs_j < Lk)[:, None] & dmask[None, :]
+        k_t = tl.load(K_bh + offs_j.to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
+                      mask=kv_msk, other=0.0).to(DOT_DTYPE)
+        v_t = tl.load(V_bh + offs_j.to(tl.int64)[:, None] * stride_vn + offs_d[None, :],
+                      mask=kv_msk, other=0.0).to(DOT_DTYPE)
+
+        t_lo = tl.dot(qv_t, tl.trans(r_lo), input_precision=INPUT_PRECISION)
+        t_hi = tl.dot(qv_t, tl.trans(r_hi), input_precision=INPUT_PRECISION)
+        bd = _skew(t_lo, t_hi, BLOCK)
+        ac = tl.dot(a_t, tl.trans(k_t), input_precision=INPUT_PRECISION)
+        p = _probs(ac, bd, lse2, offs_i, offs_j, b, h, Lq, Lk, WL, WR, qk_scale2,
+                   KPM, stride_kpb, stride_kpn, MASK, stride_mb, stride_mh, stride_mm,
+                   stride_mn, HAS_KPM, HAS_MASK)
+        dp = tl.dot(do, tl.trans(v_t), input_precision=INPUT_PRECISION)
+        ds = (p * (dp - delta[:, None])).to(DOT_DTYPE)
+        g = _unskew_gather(ds, BLOCK)
+        dt_lo = tl.where(lo_part, g, 0.0).to(DOT_DTYPE)
+        dt_hi = tl.where(lo_part, 0.0, g).to(DOT_DTYPE)
+        dr_lo = tl.dot(tl.trans(dt_lo), qv_t, dr_lo, input_precision=INPUT_PRECISION)
+        dr_hi = tl.dot(tl.trans(dt_hi), qv_t, dr_hi, input_precision=INPUT_PRECISION)
+
+    Z_bh = Z + b * stride_zb + h * stride_zh + offs_d[None, :]
+    rows = p_lo + w
+    tl.store(Z_bh + rows.to(tl.int64)[:, None] * stride_zp, dr_lo * sm_scale,
+             mask=((rows >= 0) & (rows < R_ROWS))[:, None] & dmask[None, :])
+    rows = p_hi + w
+    tl.store(Z_bh + stride_zc + rows.to(tl.int64)[:, None] * stride_zp, dr_hi * sm_scale,
+             mask=((rows >= 0) & (rows < R_ROWS))[:, None] & dmask[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# Autotuning
+# ----------------------------------------------------------------------------------------------
+
+
+def _configs(max_block: int = 128):
+    if _INTERPRET:
+        return [triton.Config({"BLOCK": 16}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BLOCK": blk}, num_warps=nw, num_stages=ns)
+            for blk in (32, 64, 128) if blk <= max_block
+            for nw in (4, 8)
+            for ns in (1, 2)]
+
+
+def _prune(configs, named_args, **kwargs):
+    """Drop configs whose tiles cannot fit for large head dims (or that are wasteful for short
+    sequences); always keep at least one."""
+    block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
+    lq = named_args.get("Lq", 1 << 30)
+    lk = named_args.get("Lk", 1 << 30)
+    keep = []
+    for cfg in configs:
+        blk = cfg.kwargs["BLOCK"]
+        if block_d is not None and block_d > 128 and blk > 64:
+            continue
+        if blk > max(32, triton.next_power_of_2(max(lq, lk))):
+            continue
+        keep.append(cfg)
+    return keep or configs[:1]
+
+
+_KEY = ["BLOCK_D", "LQ_BUCKET", "LK_BUCKET", "HAS_KPM", "HAS_MASK", "INPUT_PRECISION"]
+_PRUNE = {"early_config_prune": _prune}
+
+_dkdv_kernel = triton.autotune(configs=_configs(), key=_KEY, prune_configs_by=_PRUNE)(
+    _rel_attn_bwd_dkdv_kernel)
+_dq_kernel = triton.autotune(configs=_configs(), key=_KEY + ["ATOMIC_DR"],
+                             prune_configs_by=_PRUNE,
+                             reset_to_zero=["DU_PART", "DVB_PART", "DR_ACC"])(
+    _rel_attn_bwd_dq_kernel)
+_dr_kernel = triton.autotune(configs=_configs(), key=_KEY, prune_configs_by=_PRUNE,
+                             reset_to_zero=["Z"])(_rel_attn_bwd_dr_kernel)
+
+
+def _bucket(n: int) -> int:
+    """Length bucket for the autotune key: next power of two, at least 64, capped at 16384."""
+    return min(16384, max(64, triton.next_power_of_2(int(n))))
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {list(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def _last_contig(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _check_args(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, key_padding_mask, attn_mask):
+    tensors = (("do", do), ("q", q), ("k", k), ("v", v), ("r", r), ("r_w_bias", r_w_bias),
+               ("r_r_bias", r_r_bias), ("out", out), ("lse", lse))
+    for name, t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"rel_attn_bwd: {name} must be a torch.Tensor, "
+                            f"got {type(t).__name__}")
+    if q.dim() != 4:
+        raise ValueError(f"rel_attn_bwd: q must be [B, Lq, H, D], got {_describe(q)}")
+    B, Lq, H, D = q.shape
+    if q.dtype not in _TL_DTYPES:
+        raise TypeError(f"rel_attn_bwd: q must be float16, bfloat16 or float32, got {q.dtype}")
+    if not 16 <= D <= 256:
+        raise ValueError(f"rel_attn_bwd: head dim must be in 16..256, got D={D}")
+    if k.dim() != 4 or k.shape[0] != B or k.shape[2:] != (H, D) or k.shape[1] < Lq:
+        raise ValueError(f"rel_attn_bwd: k must be [B, Lk, H, D] = [{B}, Lk >= {Lq}, {H}, {D}], "
+                         f"got {_describe(k)}")
+    Lk = k.shape[1]
+    expect = {"do": (B, Lq, H, D), "v": (B, Lk, H, D), "out": (B, Lq, H, D),
+              "r_w_bias": (H, D), "r_r_bias": (H, D), "lse": (B, H, Lq)}
+    for name, t in tensors:
+        if name in expect and tuple(t.shape) != expect[name]:
+            raise ValueError(f"rel_attn_bwd: {name} must have shape {list(expect[name])}, "
+                             f"got {_describe(t)}")
+        if t.device != q.device:
+            raise ValueError(f"rel_attn_bwd: {name} is on {t.device}, q is on {q.device}")
+        want = torch.float32 if name == "lse" else q.dtype
+        if t.dtype != want:
+            raise TypeError(f"rel_attn_bwd: {name} must have dtype {want}, got {t.dtype}")
+    if r.dim() != 3 or r.shape[1:] != (H, D) or r.shape[0] < 1:
+        raise ValueError(f"rel_attn_bwd: r must be [R, H, D] = [R >= 1, {H}, {D}], "
+                         f"got {_describe(r)}")
+    if key_padding_mask is not None:
+        if (key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != (B, Lk)
+                or key_padding_mask.device != q.device):
+            raise ValueError(f"rel_attn_bwd: key_padding_mask must be a bool [B, Lk] = "
+                             f"[{B}, {Lk}] tensor on {q.device}, got {_describe(key_padding_mask)}")
+    if attn_mask is not None:
+        if (attn_mask.dtype != torch.bool or tuple(attn_mask.shape) != (B, H, Lq, Lk)
+                or attn_mask.device != q.device):
+            raise ValueError(f"rel_attn_bwd: attn_mask must be a bool [B, H, Lq, Lk] = "
+                             f"[{B}, {H}, {Lq}, {Lk}] tensor on {q.device}, "
+                             f"got {_describe(attn_mask)}")
+
+
+def rel_attn_bwd(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.Tensor,
+    r_w_bias: torch.Tensor, r_r_bias: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    softmax_scale: float, window_left: int, window_right: int,
+    key_padding_mask: Optional[torch.Tensor] = None, attn_mask: Optional[torch.Tensor] = None,
+    deterministic: bool = True,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv, dr, du, dvb) of the fused relative attention, each with its
+    input's shape and dtype, contiguous.
+
+    ``out`` and ``lse`` are the forward's outputs (``lse`` [B, H, Lq] fp32, natural log, +inf
+    for rows with no allowed key). Masks as in ``rel_attn_fwd``: causal folded into
+    ``window_right = 0``, ``key_padding_mask`` bool [B, Lk] or None, ``attn_mask`` bool
+    [B, H, Lq, Lk] (any strides) or None, True = masked. ``deterministic=False`` reduces dr
+    with fp32 atomics in the dq kernel (faster; not bitwise reproducible).
+    """
+    _check_args(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, key_padding_mask, attn_mask)
+    B, Lq, H, D = q.shape
+    Lk = k.shape[1]
+    R_ROWS = r.shape[0]
+    dev = q.device
+    q, k, v, r, do, out = (_last_contig(t) for t in (q, k, v, r, do, out))
+    r_w_bias, r_r_bias = _last_contig(r_w_bias), _last_contig(r_r_bias)
+    lse = lse.contiguous()
+    wl, wr = int(window_left), int(window_right)
+    scale = float(softmax_scale)
+
+    if q.dtype == torch.bfloat16 and _INTERPRET:
+        dot_dtype = tl.float32  # the interpreter's bf16 dot is wrong (triton#11584)
+    else:
+        dot_dtype = _TL_DTYPES[q.dtype]
+    if q.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        precision = "ieee"
+    else:
+        precision = "tf32"
+    block_d = max(16, triton.next_power_of_2(D))
+
+    if key_padding_mask is not None:
+        kpm = key_padding_mask.view(torch.uint8)
+        kpm_strides = (kpm.stride(0), kpm.stride(1))
+    else:
+        kpm, kpm_strides = q, (0, 0)
+    if attn_mask is not None:
+        am = attn_mask.view(torch.uint8)
+        am_strides = tuple(am.stride())
+    else:
+        am, am_strides = q, (0, 0, 0, 0)
+
+    # delta = rowsum(dO * O)
+    delta = torch.empty((B, H, Lq), device=dev, dtype=torch.float32)
+    pre_block = 16 if _INTERPRET else 64
+    _rel_attn_bwd_preprocess_kernel[(triton.cdiv(Lq, pre_block), B * H)](
+        out, do, delta,
+        out.stride(0), out.stride(1), out.stride(2),
+        do.stride(0), do.stride(1), do.stride(2),
+        delta.stride(0), delta.stride(1), delta.stride(2),
+        H, Lq, D, BLOCK_M=pre_block, BLOCK_D=block_d)
+
+    common_in = (
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        r.stride(0), r.stride(1),
+        r_w_bias.stride(0), r_r_bias.stride(0),
+        do.stride(0), do.stride(1), do.stride(2),
+        lse.stride(0), lse.stride(1), lse.stride(2),
+    )
+    common_tail = dict(HAS_KPM=key_padding_mask is not None, HAS_MASK=attn_mask is not None,
+                       DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision, BLOCK_D=block_d)
+    sizes = (H, Lq, Lk, R_ROWS, D, scale, wl, wr, _bucket(Lq), _bucket(Lk))
+
+    # dk, dv: one program per key tile
+    dk = torch.empty((B, Lk, H, D), device=dev, dtype=q.dtype)
+    dv = torch.empty((B, Lk, H, D), device=dev, dtype=q.dtype)
+    _dkdv_kernel[lambda meta: (triton.cdiv(Lk, meta["BLOCK"]), B * H)](
+        q, k, v, r, r_w_bias, r_r_bias, do, lse, delta, dk, dv, kpm, am,
+        *common_in,
+        dk.stride(0), dk.stride(1), dk.stride(2),
+        *kpm_strides, *am_strides,
+        *sizes, **common_tail)
+
+    # dq (+ du / dvb partials; + dr with atomics when not deterministic): one program per
+    # query tile
+    dq = torch.empty((B, Lq, H, D), device=dev, dtype=q.dtype)
+    n_part = triton.cdiv(Lq, _MIN_BLOCK)
+    du_part = torch.zeros((B, n_part, H, D), device=dev, dtype=torch.float32)
+    dvb_part = torch.zeros((B, n_part, H, D), device=dev, dtype=torch.float32)
+    if deterministic:
+        dr_acc = du_part  # unused (ATOMIC_DR=False)
+    else:
+        dr_acc = torch.zeros((R_ROWS, H, D), device=dev, dtype=torch.float32)
+    _dq_kernel[lambda meta: (triton.cdiv(Lq, meta["BLOCK"]), B * H)](
+        q, k, v, r, r_w_bias, r_r_bias, do, lse, delta, dq, du_part, dvb_part, dr_acc, kpm, am,
+        *common_in,
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        du_part.stride(0), du_part.stride(1), du_part.stride(2),
+        dr_acc.stride(0), dr_acc.stride(1),
+        *kpm_strides, *am_strides,
+        *sizes, ATOMIC_DR=not deterministic, **common_tail)
+    du = du_part.sum(dim=(0, 1)).to(q.dtype)
+    dvb = dvb_part.sum(dim=(0, 1)).to(q.dtype)
+
+    if deterministic:
+        # dr: one program per block diagonal; Z[0] holds the lo chunks, Z[1] the hi chunks.
+        z = torch.zeros((2, B, R_ROWS, H, D), device=dev, dtype=torch.float32)
+        _dr_kernel[lambda meta: (triton.cdiv(Lq, meta["BLOCK"]) + triton.cdiv(Lk, meta["BLOCK"])
+                                 - 1, B * H)](
+            q, k, v, r, r_w_bias, r_r_bias, do, lse, delta, z, kpm, am,
+            *common_in,
+            z.stride(0), z.stride(1), z.stride(2), z.stride(3),
+            *kpm_strides, *am_strides,
+            *sizes, **common_tail)
+        dr = z.sum(dim=(0, 1)).to(q.dtype)
+    else:
+        dr = dr_acc.to(q.dtype)
+    return dq, dk, dv, dr, du, dvb
