@@ -1,0 +1,451 @@
+"""Conformer drop-ins: NeMo's ``RelPositionMultiHeadAttention`` and ESPnet's (current, not
+legacy) ``RelPositionMultiHeadedAttention``, computed by ``txl_kernels.rel_attention``.
+
+Same constructors, forward signatures, parameter names (state_dict keys) and return values as
+the originals, so checkpoints load with ``strict=True`` and the modules can replace the
+originals inside a Conformer encoder (see :func:`swap_rel_pos_attention`).
+
+Position table -> ``r``. Both frameworks pass ``pos_emb`` with ``2K - 1`` rows, row ``m``
+holding relative distance ``(K - 1) - m`` (``K`` = number of keys, cache included), and apply
+the same pad/reshape ``rel_shift``, which reads column ``m = j - i + Lq - 1`` of
+``(q + v) @ p^T`` for query ``i`` and key ``j`` (``Lq`` = number of queries). That is exactly
+``rel_attention``'s row index ``p = j - i + Lq - 1``, so the projected table passes with row
+offset 0: ``r = linear_pos(pos_emb).view(..., H, D)[0, :Lk + Lq - 1]`` (a view; rows past
+``Lk + Lq - 2`` are never read). Check: row ``p`` holds distance ``K - 1 - p = (i + Lk - Lq)
+- j``, the distance of query ``i`` (absolute position ``i + C`` after a cache of ``C``
+frames) to key ``j``. With a cache, ``Lq = T``, ``Lk = C + T`` and NeMo's ``pos_emb`` has
+``2(C + T) - 1`` rows, so the offset is still 0.
+
+Masks. Dense masks (``(B, T, K)``) pass through ``attn_mask`` and stay exact. A mask that is
+key padding by its shape (``(B, 1, K)``), the optional ``key_padding_mask`` / ``lengths``
+arguments and NeMo's limited context (``att_context_size``, a band) reach the kernel as
+``key_padding_mask`` / ``window_size``, so no ``[B, T, K]`` mask is read. Nothing here reads a
+tensor value on the host (no ``.item()``, no data-dependent branches).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from ..functional import BACKENDS, rel_attention
+
+__all__ = ["NeMoRelPositionMultiHeadAttention", "ESPnetRelPositionMultiHeadedAttention",
+           "swap_rel_pos_attention"]
+
+
+def _shape(t) -> str:
+    return f"{list(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+
+
+class _RelPosAttention(nn.Module):
+    """Shared plumbing: projections, position table, mask checks, the rel_attention call."""
+
+    _NAME = "_RelPosAttention"
+
+    def _init_common(self, n_head: int, n_feat: int, dropout_rate: float, use_bias: bool,
+                     backend: str) -> None:
+        if not isinstance(n_head, int) or not isinstance(n_feat, int) or n_head < 1 \
+                or n_feat < 1 or n_feat % n_head != 0:
+            raise ValueError(f"{self._NAME}: n_feat must be a positive multiple of n_head, "
+                             f"got n_head={n_head!r}, n_feat={n_feat!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"{self._NAME}: backend must be one of {BACKENDS}, got {backend!r}")
+        self.d_k = n_feat // n_head
+        self.s_d_k = self.d_k ** 0.5
+        self.h = n_head
+        self.n_feat = n_feat
+        self.backend = backend
+        self.linear_q = nn.Linear(n_feat, n_feat, bias=use_bias)
+        self.linear_k = nn.Linear(n_feat, n_feat, bias=use_bias)
+        self.linear_v = nn.Linear(n_feat, n_feat, bias=use_bias)
+        self.linear_out = nn.Linear(n_feat, n_feat, bias=use_bias)
+        self.dropout = nn.Dropout(p=dropout_rate)
+        self.linear_pos = nn.Linear(n_feat, n_feat, bias=False)
+
+    # -- checks --------------------------------------------------------------------------
+    def _check_seq(self, name: str, t, batch: Optional[int] = None) -> None:
+        if not isinstance(t, Tensor) or t.dim() != 3 or t.shape[-1] != self.n_feat \
+                or (batch is not None and t.shape[0] != batch):
+            b = "B" if batch is None else f"B={batch}"
+            raise ValueError(f"{self._NAME}: {name} must be ({b}, time, n_feat={self.n_feat}), "
+                             f"got {_shape(t)}")
+
+    def _check_pos_emb(self, pos_emb, batch: int, klen: int, hint: str) -> None:
+        if not isinstance(pos_emb, Tensor) or pos_emb.dim() != 3:
+            raise ValueError(f"{self._NAME}: pos_emb must be (1 or B, 2K - 1, n_feat), "
+                             f"got {_shape(pos_emb)}")
+        want = (2 * klen - 1, self.n_feat)
+        if pos_emb.shape[0] not in (1, batch) or tuple(pos_emb.shape[1:]) != want:
+            raise ValueError(
+                f"{self._NAME}: pos_emb must be (1 or B={batch}, 2K - 1 = {want[0]}, "
+                f"n_feat={self.n_feat}) for K={klen} keys{hint}, ordered from distance K - 1 "
+                f"down to -(K - 1); got {list(pos_emb.shape)}")
+
+    def _padding_args(self, key_padding_mask, lengths, batch: int, qlen: int, klen: int,
+                      device) -> Optional[Tensor]:
+        """key_padding_mask ([B, K] bool, True = padded) or lengths ([B] valid frames of the
+        current segment; cached keys count as valid) -> [B, K] bool, or None."""
+        if key_padding_mask is not None and lengths is not None:
+            raise ValueError(f"{self._NAME}: pass key_padding_mask or lengths, not both")
+        if key_padding_mask is not None:
+            if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool \
+                    or tuple(key_padding_mask.shape) != (batch, klen):
+                got = (f"{_shape(key_padding_mask)} {key_padding_mask.dtype}"
+                       if isinstance(key_padding_mask, Tensor) else _shape(key_padding_mask))
+                raise ValueError(f"{self._NAME}: key_padding_mask must be a bool tensor "
+                                 f"(B, K) = ({batch}, {klen}), True = padded key; got {got}")
+            return key_padding_mask
+        if lengths is not None:
+            if not isinstance(lengths, Tensor) or lengths.dim() != 1 \
+                    or lengths.shape[0] != batch or lengths.is_floating_point() \
+                    or lengths.dtype == torch.bool:
+                got = (f"{_shape(lengths)} {lengths.dtype}" if isinstance(lengths, Tensor)
+                       else _shape(lengths))
+                raise ValueError(f"{self._NAME}: lengths must be an integer tensor (B={batch},) "
+                                 f"of valid frames per sequence; got {got}")
+            lengths = lengths.to(device=device)
+            pos = torch.arange(klen, device=device)
+            return pos[None, :] >= (lengths[:, None] + (klen - qlen))
+        return None
+
+    # -- the attention -------------------------------------------------------------------
+    def _project(self, linear: nn.Linear, x: Tensor) -> Tensor:
+        y = linear(x)  # [B, L, H*D]
+        return y.view(*y.shape[:-1], self.h, self.d_k)  # a view: [B, L, H, D]
+
+    def _attend(self, query: Tensor, key: Tensor, value: Tensor, pos_emb: Tensor,
+                kpm: Optional[Tensor], attn_mask: Optional[Tensor],
+                window: Tuple[int, int], zero_triu: bool = False) -> Tensor:
+        """Projections + rel_attention. Returns [B, Lq, H, D]."""
+        B, Lq, Lk = query.shape[0], query.shape[1], key.shape[1]
+        q = self._project(self.linear_q, query)
+        k = self._project(self.linear_k, key)
+        v = self._project(self.linear_v, value)
+        if pos_emb.shape[0] > 1 and pos_emb.stride(0) == 0:
+            pos_emb = pos_emb[:1]  # an expanded table: project one copy
+        p = self._project(self.linear_pos, pos_emb)  # [1 or B, 2Lk - 1, H, D]
+        if zero_triu:
+            # ESPnet's zero_triu zeroes BD for j - i > Lk - Lq, i.e. rows p >= Lk: the one
+            # layout that needs a (small, [2Lk - 1, H, D]) copy.
+            r = torch.cat([p[:, :Lk], p.new_zeros(p.shape[0], Lq - 1, self.h, self.d_k)], 1)
+        else:
+            r = p[:, :Lk + Lq - 1]  # row offset 0 (module docstring); a strided view
+        u = self.pos_bias_u.to(q.dtype)
+        vb = self.pos_bias_v.to(q.dtype)
+        drop = self.dropout.p if self.training else 0.0
+
+        def call(qq, kk, vv, rr, kp, am):
+            return rel_attention(qq, kk, vv, rr, u, vb, causal=False, window_size=window,
+                                 key_padding_mask=kp, attn_mask=am,
+                                 softmax_scale=1.0 / self.s_d_k, dropout_p=drop,
+                                 backend=self.backend)
+
+        if r.shape[0] == 1:
+            return call(q, k, v, r[0], kpm, attn_mask)
+        # One position table per sequence: r has no batch axis, so run sequence by sequence.
+        outs = []
+        for b in range(B):
+            am = attn_mask
+            if am is not None and am.shape[0] != 1:
+                am = am[b:b + 1]
+            outs.append(call(q[b:b + 1], k[b:b + 1], v[b:b + 1], r[b],
+                             None if kpm is None else kpm[b:b + 1], am))
+        return torch.cat(outs, 0)
+
+    def _finish(self, out: Tensor, query_pad: Optional[Tensor]) -> Tensor:
+        B, Lq = out.shape[0], out.shape[1]
+        if query_pad is not None:
+            out = out.masked_fill(query_pad[:, :, None, None], 0.0)
+        return self.linear_out(out.reshape(B, Lq, self.n_feat))
+
+    def extra_repr(self) -> str:
+        return f"n_head={self.h}, n_feat={self.n_feat}, backend={self.backend!r}"
+
+
+class NeMoRelPositionMultiHeadAttention(_RelPosAttention):
+    """Drop-in for NeMo's ``RelPositionMultiHeadAttention`` (Conformer / FastConformer
+    ``self_attention_model="rel_pos"``), computed by ``txl_kernels.rel_attention``.
+
+    Args:
+        n_head, n_feat, dropout_rate: as in NeMo (dropout on the attention probabilities).
+        pos_bias_u, pos_bias_v: shared ``[H, D]`` parameters (the encoder's, with
+            ``untie_biases=False``), or None: the module then owns zero-initialised ones.
+        max_cache_len: kept as ``_max_cache_len``, as in NeMo.
+        use_bias: bias on linear_q/k/v/out (no bias keys in the state dict when False).
+        use_pytorch_sdpa, use_pytorch_sdpa_backends: accepted for signature compatibility and
+            ignored (the attention always runs through ``rel_attention``).
+        att_context_size: optional ``[left, right]`` limited context (NeMo's
+            ``att_context_size``, -1 = unlimited): passed to the kernel as ``window_size``, so
+            the band needs no dense mask. Applied on top of any mask given to ``forward``.
+            Can be changed later through the ``att_context_size`` attribute.
+        att_context_style: ``"regular"`` (a band). ``"chunked_limited"`` is a band only when
+            the right context is -1; otherwise it is not a window, so leave
+            ``att_context_size`` None and pass the encoder's dense mask.
+        backend: ``rel_attention`` backend: ``"auto"``, ``"reference"`` or ``"triton"``.
+
+    ``forward(query, key, value, mask, pos_emb, cache=None, *, key_padding_mask=None,
+    lengths=None)``:
+        query ``[B, T, n_feat]``, key / value ``[B, K, n_feat]``.
+        mask: bool, True = masked, one of
+            - ``(B, T, K)`` (also ``(1, T, K)``): NeMo's dense mask, applied as ``attn_mask``;
+            - ``(B, 1, K)``: key padding by shape: passed as ``key_padding_mask``;
+            - ``(B, K)``: key padding of the whole sequence, as NeMo's encoder builds it: keys
+              are masked and so are the queries of padded frames (query ``i`` is key
+              ``K - T + i``), whose rows give 0 like in NeMo's dense mask;
+            - None.
+        pos_emb: ``(1 or B, 2K - 1, n_feat)``, from distance ``K - 1`` down to ``-(K - 1)``
+            (NeMo's ``RelPositionalEncoding(x, cache_len)``). A ``B``-row table that is not an
+            expanded view runs the sequences one by one.
+        cache: optional ``[B, C, n_feat]``; then, as in NeMo's ``update_cache``, keys and
+            values are both ``cat(cache, key)`` (``value`` is not used), ``K = C + T``, and the
+            return value is ``(out, new_cache)`` with ``new_cache = cat(cache[:, keep:],
+            query[:, :keep])``, ``keep = T - cache_drop_size``.
+        key_padding_mask: optional bool ``[B, K]`` (True = padded), or lengths: optional
+            integer ``[B]`` valid frames of the current segment (cached keys count as valid).
+            Same meaning as a ``(B, K)`` mask (padded queries give 0); combined with ``mask``.
+            Pass ``mask=None`` with these and ``att_context_size`` to read no dense mask.
+
+    Rows whose keys are all masked give 0 before ``linear_out`` (NeMo sets masked
+    probabilities to 0). ``self.cache_drop_size`` defaults to 0; NeMo's
+    ``setup_streaming_params`` sets it on its own classes only, so set it on this module too
+    (:func:`swap_rel_pos_attention` copies it). Under autocast NeMo upcasts the attention to
+    fp32; this module computes in the autocast dtype (the fused kernel accumulates in fp32).
+    """
+
+    _NAME = "NeMoRelPositionMultiHeadAttention"
+
+    def __init__(self, n_head: int, n_feat: int, dropout_rate: float,
+                 pos_bias_u: Optional[nn.Parameter] = None,
+                 pos_bias_v: Optional[nn.Parameter] = None, max_cache_len: int = 0,
+                 use_bias: bool = True, use_pytorch_sdpa: bool = False,
+                 use_pytorch_sdpa_backends=None, att_context_size: Optional[Sequence[int]] = None,
+                 att_context_style: str = "regular", backend: str = "auto"):
+        super().__init__()
+        self._init_common(n_head, n_feat, dropout_rate, use_bias, backend)
+        self.use_bias = use_bias
+        self.dropout_rate = dropout_rate
+        self._max_cache_len = max_cache_len
+        self.cache_drop_size = 0
+        if pos_bias_u is None or pos_bias_v is None:
+            self.pos_bias_u = nn.Parameter(torch.zeros(self.h, self.d_k))
+            self.pos_bias_v = nn.Parameter(torch.zeros(self.h, self.d_k))
+        else:
+            for name, t in (("pos_bias_u", pos_bias_u), ("pos_bias_v", pos_bias_v)):
+                if tuple(t.shape) != (self.h, self.d_k):
+                    raise ValueError(f"{self._NAME}: {name} must be [n_head, d_k] = "
+                                     f"[{self.h}, {self.d_k}], got {list(t.shape)}")
+            self.pos_bias_u = pos_bias_u
+            self.pos_bias_v = pos_bias_v
+        if att_context_style not in ("regular", "chunked_limited"):
+            raise ValueError(f"{self._NAME}: att_context_style must be 'regular' or "
+                             f"'chunked_limited', got {att_context_style!r}")
+        self.att_context_style = att_context_style
+        self.att_context_size = att_context_size
+
+    @property
+    def att_context_size(self) -> Optional[List[int]]:
+        return None if self._window == (-1, -1) else list(self._window)
+
+    @att_context_size.setter
+    def att_context_size(self, value) -> None:
+        if value is None:
+            self._window = (-1, -1)
+            return
+        ok = (isinstance(value, (list, tuple)) and len(value) == 2
+              and all(isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in value))
+        if not ok:
+            raise ValueError(f"{self._NAME}: att_context_size must be [left, right] ints >= -1 "
+                             f"(-1 = unlimited), got {value!r}")
+        if self.att_context_style == "chunked_limited" and value[1] != -1:
+            raise ValueError(
+                f"{self._NAME}: att_context_style='chunked_limited' with right context "
+                f"{value[1]} is not a band; leave att_context_size None and pass the encoder's "
+                f"dense mask instead")
+        self._window = (int(value[0]), int(value[1]))
+
+    def _mask_args(self, mask, batch: int, qlen: int, klen: int):
+        """-> (key padding [B, K] or None, dense [B|1, 1, T, K] or None, query padding or None)."""
+        if mask is None:
+            return None, None, None
+        if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+            got = f"dtype {mask.dtype}" if isinstance(mask, Tensor) else type(mask).__name__
+            raise TypeError(f"{self._NAME}: mask must be a bool tensor (True = masked), got {got}")
+        shape = tuple(mask.shape)
+        if mask.dim() == 2 and shape == (batch, klen):
+            return mask, None, mask[:, klen - qlen:]
+        if mask.dim() == 3 and shape[0] in (1, batch) and shape[2] == klen:
+            if shape[1] == 1:
+                return mask[:, 0].expand(batch, klen), None, None
+            if shape[1] == qlen:
+                return None, mask.unsqueeze(1), None
+        raise ValueError(f"{self._NAME}: mask must be (B, T, K) = ({batch}, {qlen}, {klen}), "
+                         f"(B, 1, K) or (B, K) with True = masked (K = keys, cache included); "
+                         f"got {list(shape)}")
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor],
+                pos_emb: Tensor, cache: Optional[Tensor] = None, *,
+                key_padding_mask: Optional[Tensor] = None, lengths: Optional[Tensor] = None):
+        self._check_seq("query", query)
+        B, T = query.shape[0], query.shape[1]
+        self._check_seq("key", key, B)
+        new_cache = None
+        if cache is not None:
+            self._check_seq("cache", cache, B)
+            key = value = torch.cat([cache, key], dim=1)
+            keep = T - self.cache_drop_size
+            new_cache = torch.cat([cache[:, keep:, :], query[:, :keep, :]], dim=1)
+        else:
+            self._check_seq("value", value, B)
+            if value.shape[1] != key.shape[1]:
+                raise ValueError(f"{self._NAME}: value must have key's length {key.shape[1]}, "
+                                 f"got {list(value.shape)}")
+        K = key.shape[1]
+        if K < T:
+            raise ValueError(f"{self._NAME}: need at least as many keys as queries, got "
+                             f"query {list(query.shape)} and keys {list(key.shape)}")
+        hint = (f" (K = cache {cache.shape[1]} + time {T})" if cache is not None else "")
+        self._check_pos_emb(pos_emb, B, K, hint)
+        kpm, dense, qpad = self._mask_args(mask, B, T, K)
+        extra = self._padding_args(key_padding_mask, lengths, B, T, K, query.device)
+        if extra is not None:
+            kpm = extra if kpm is None else kpm | extra
+            extra_q = extra[:, K - T:]
+            qpad = extra_q if qpad is None else qpad | extra_q
+        out = self._attend(query, key, value, pos_emb, kpm, dense, self._window)
+        out = self._finish(out, qpad)
+        return out if cache is None else (out, new_cache)
+
+    @classmethod
+    def from_module(cls, module: nn.Module, **kwargs) -> "NeMoRelPositionMultiHeadAttention":
+        """Wrap a NeMo ``RelPositionMultiHeadAttention``: the new module shares its linear
+        layers and biases (same Parameter objects, nothing copied) and copies
+        ``_max_cache_len``, ``cache_drop_size``, dropout and training mode. ``kwargs`` go to
+        the constructor (``backend``, ``att_context_size``, ...)."""
+        n_feat = module.linear_q.in_features
+        with torch.device("meta"):
+            new = cls(module.h, n_feat, module.dropout.p, module.pos_bias_u, module.pos_bias_v,
+                      max_cache_len=getattr(module, "_max_cache_len", 0),
+                      use_bias=module.linear_q.bias is not None, **kwargs)
+        for name in ("linear_q", "linear_k", "linear_v", "linear_out", "linear_pos"):
+            setattr(new, name, getattr(module, name))
+        new.cache_drop_size = getattr(module, "cache_drop_size", None) or 0
+        new.train(module.training)
+        return new
+
+
+class ESPnetRelPositionMultiHeadedAttention(_RelPosAttention):
+    """Drop-in for ESPnet's current ``RelPositionMultiHeadedAttention`` (``rel_pos_type=
+    "latest"``; not ``LegacyRelPositionMultiHeadedAttention``), computed by
+    ``txl_kernels.rel_attention``.
+
+    Args:
+        n_head, n_feat, dropout_rate, zero_triu: as in ESPnet (``zero_triu`` zeroes the
+            position term of pairs with key after query).
+        backend: ``rel_attention`` backend: ``"auto"``, ``"reference"`` or ``"triton"``.
+
+    ``forward(query, key, value, pos_emb, mask=None, *, key_padding_mask=None, lengths=None)``:
+        query / key / value ``[B, T, n_feat]`` (self-attention: ESPnet's rel_shift needs as
+        many keys as queries). pos_emb ``(1 or B, 2T - 1, n_feat)`` from distance ``T - 1``
+        down to ``-(T - 1)`` (ESPnet's ``RelPositionalEncoding``). mask True = keep (bool or
+        integer, as ESPnet's ``mask.eq(0)``): ``(B, 1, T)`` is key padding (passed as
+        ``key_padding_mask``, no dense mask), ``(B, T, T)`` is applied densely; or None.
+        key_padding_mask (bool ``[B, T]``, True = padded) / lengths (integer ``[B]``) are
+        alternatives to a ``(B, 1, T)`` mask, with ``rel_attention``'s polarity.
+
+    Rows whose keys are all masked give 0 before ``linear_out``. ``self.attn`` stays None
+    (the probabilities are never materialised on the fused path).
+    """
+
+    _NAME = "ESPnetRelPositionMultiHeadedAttention"
+
+    def __init__(self, n_head: int, n_feat: int, dropout_rate: float, zero_triu: bool = False,
+                 backend: str = "auto"):
+        super().__init__()
+        self._init_common(n_head, n_feat, dropout_rate, True, backend)
+        self.attn = None
+        self.zero_triu = zero_triu
+        self.pos_bias_u = nn.Parameter(torch.empty(self.h, self.d_k))
+        self.pos_bias_v = nn.Parameter(torch.empty(self.h, self.d_k))
+        nn.init.xavier_uniform_(self.pos_bias_u)
+        nn.init.xavier_uniform_(self.pos_bias_v)
+
+    def _mask_args(self, mask, batch: int, qlen: int, klen: int):
+        """-> (key padding [B, K] or None, dense [B|1, 1, T, K] or None), True = masked."""
+        if mask is None:
+            return None, None
+        if not isinstance(mask, Tensor) or mask.is_floating_point() or mask.is_complex():
+            got = f"dtype {mask.dtype}" if isinstance(mask, Tensor) else type(mask).__name__
+            raise TypeError(f"{self._NAME}: mask must be a bool or integer tensor "
+                            f"(True / nonzero = keep), got {got}")
+        shape = tuple(mask.shape)
+        if mask.dim() == 3 and shape[0] in (1, batch) and shape[2] == klen:
+            masked = ~mask if mask.dtype == torch.bool else mask.eq(0)
+            if shape[1] == 1:
+                return masked[:, 0].expand(batch, klen), None
+            if shape[1] == qlen:
+                return None, masked.unsqueeze(1)
+        raise ValueError(f"{self._NAME}: mask must be (B, 1, T) or (B, T, T) with B={batch}, "
+                         f"T={qlen}, True = keep; got {list(shape)}")
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, pos_emb: Tensor,
+                mask: Optional[Tensor] = None, *, key_padding_mask: Optional[Tensor] = None,
+                lengths: Optional[Tensor] = None) -> Tensor:
+        self._check_seq("query", query)
+        B, T = query.shape[0], query.shape[1]
+        self._check_seq("key", key, B)
+        self._check_seq("value", value, B)
+        if key.shape[1] != T or value.shape[1] != T:
+            raise ValueError(f"{self._NAME}: key and value must have the query's length "
+                             f"T={T} (self-attention), got key {list(key.shape)}, "
+                             f"value {list(value.shape)}")
+        self._check_pos_emb(pos_emb, B, T, "")
+        kpm, dense = self._mask_args(mask, B, T, T)
+        extra = self._padding_args(key_padding_mask, lengths, B, T, T, query.device)
+        if extra is not None:
+            kpm = extra if kpm is None else kpm | extra
+        out = self._attend(query, key, value, pos_emb, kpm, dense, (-1, -1),
+                           zero_triu=self.zero_triu)
+        return self._finish(out, None)
+
+    @classmethod
+    def from_module(cls, module: nn.Module, **kwargs) -> "ESPnetRelPositionMultiHeadedAttention":
+        """Wrap an ESPnet ``RelPositionMultiHeadedAttention``: the new module shares its
+        parameters (same Parameter objects) and copies zero_triu, dropout and training mode.
+        ``kwargs`` go to the constructor (``backend``)."""
+        n_feat = module.linear_q.in_features
+        with torch.device("meta"):
+            new = cls(module.h, n_feat, module.dropout.p,
+                      zero_triu=getattr(module, "zero_triu", False), **kwargs)
+        for name in ("linear_q", "linear_k", "linear_v", "linear_out", "linear_pos",
+                     "pos_bias_u", "pos_bias_v"):
+            setattr(new, name, getattr(module, name))
+        new.train(module.training)
+        return new
+
+
+def swap_rel_pos_attention(model: nn.Module, backend: str = "auto",
+                           att_context_size: Optional[Sequence[int]] = None) -> int:
+    """Replace, inside ``model``, every NeMo ``RelPositionMultiHeadAttention`` and every
+    ESPnet ``RelPositionMultiHeadedAttention`` (matched by class name and package, so NeMo's
+    Longformer variant and ESPnet's legacy class are left alone) by the drop-ins above,
+    sharing their parameters (:meth:`from_module`). ``att_context_size`` (NeMo only) sets the
+    window, e.g. ``encoder.att_context_size`` for a ``"regular"`` style encoder. Returns the
+    number of modules replaced. Call it before building the optimizer or after: the
+    Parameter objects are the same."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            cls_name, pkg = type(child).__name__, type(child).__module__.split(".")[0]
+            if cls_name == "RelPositionMultiHeadAttention" and pkg == "nemo":
+                new = NeMoRelPositionMultiHeadAttention.from_module(
+                    child, backend=backend, att_context_size=att_context_size)
+            elif cls_name == "RelPositionMultiHeadedAttention" and pkg in ("espnet", "espnet2"):
+                new = ESPnetRelPositionMultiHeadedAttention.from_module(child, backend=backend)
+            else:
+                continue
+            setattr(parent, name, new)
+            count += 1
+    return count
