@@ -1,0 +1,34 @@
+"""The one test body shared by the pytest-benchmark files."""
+import pytest
+import torch
+
+from benchmarks import runner
+
+
+def run(benchmark, case, provider):
+    if case.device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("GPU shape: needs a CUDA device (the CPU subset runs instead)")
+    if case.device == "cpu" and torch.cuda.is_available():
+        pytest.skip("CPU smoke shape: a CUDA device is present, the full shapes run instead")
+    reason = runner.skip_reason(case, provider)
+    if reason:
+        pytest.skip(reason)
+    benchmark.group = f"{case.kind} | {case.group} {case.shape.label} | {case.dtype} {case.mode}"
+    rounds_range = (3, 20, 0.5) if case.device == "cuda" else (3, 3, 0.0)
+
+    def timer(step, first_s):
+        lo, hi, target = rounds_range
+        rounds = runner.n_reps(first_s, target, lo, hi)
+        benchmark.pedantic(step, rounds=rounds, iterations=1, warmup_rounds=0)
+        stats = getattr(getattr(benchmark, "stats", None), "stats", None)
+        return list(stats.data) if stats is not None else []
+
+    rec = runner.run_case(case, provider, timer, raise_errors=True)
+    if rec["status"] == "ok":
+        benchmark.extra_info.update(rec)
+        runner.PYTEST_RECORDS.append(benchmark.extra_info)
+        return
+    runner.PYTEST_RECORDS.append(rec)
+    if rec["status"] == "oom":
+        pytest.skip(f"OOM: {rec['reason']}")
+    pytest.skip(rec["reason"])

@@ -1,0 +1,301 @@
+#!/usr/bin/env python
+"""One command on a GPU machine: the correctness tests, then the whole benchmark matrix.
+
+    python benchmarks/report.py                  # one H200: tests + matrix, under 8 minutes
+    python benchmarks/report.py --copy-to DIR    # also copy every written file into DIR
+    python benchmarks/report.py --cpu-smoke      # end-to-end check on a machine without a GPU
+
+Steps:
+ 1. ``pytest tests/ -x -q`` (tests pick CUDA automatically when it is present). A failure is
+    reported in the results section and the exit status, but the matrix still runs (GPU time
+    is scarce); fused numbers from a failing run are marked as such.
+ 2. Every case of ``benchmarks/shapes.py`` (the same definitions as the pytest-benchmark suite)
+    through every provider of ``benchmarks/providers.py`` on the same inputs: one warm-up call
+    (compilation, autotuning), one call measuring the peak memory, then a bounded number of
+    synchronised calls (enough for about ``--target-s`` seconds, between ``--min-reps`` and
+    ``--max-reps``); the median is reported. Out-of-memory is recorded and the matrix goes on.
+    Cases run in priority order (bf16 first); once ``--budget-s`` (counted from the start,
+    tests included) is spent, the remaining cases are recorded as not run.
+ 3. Prints the markdown tables (time, TFLOP/s, peak memory, speed-up and memory ratio against
+    each baseline), writes a JSON of the records, a PNG of time and memory against sequence
+    length, and replaces the results section of BENCHMARKS.md (date, GPU, torch and triton
+    versions, the exact command).
+
+``--cpu-smoke`` runs the same code on the small CPU shapes: the reference path and the
+baselines that run on CPU, ``tests/test_bench_providers.py`` as the correctness step, no fused
+timing (never under the Triton interpreter), output in a temporary folder, BENCHMARKS.md left
+alone unless ``--md`` is given. Its times are not GPU numbers and must not be published.
+
+Exit status: 0 when the tests passed and no provider raised an error (out-of-memory is not an
+error); 1 otherwise; 2 for a usage problem (e.g. no CUDA device without ``--cpu-smoke``).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import results, shapes  # noqa: E402  (torch-free)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="small CPU shapes, no fused timing, output in a temp dir")
+    ap.add_argument("--skip-tests", action="store_true", help="do not run the correctness tests")
+    ap.add_argument("--tests", nargs="*", default=None,
+                    help="test paths (default: tests/; with --cpu-smoke: "
+                         "tests/test_bench_providers.py)")
+    ap.add_argument("--tests-timeout-s", type=float, default=240.0,
+                    help="kill the correctness tests after this long (default 240)")
+    ap.add_argument("--budget-s", type=float, default=470.0,
+                    help="total wall-clock budget, tests included (default 470: under 8 min)")
+    ap.add_argument("--target-s", type=float, default=None,
+                    help="timed seconds per (case, provider) (default 0.25 GPU, 0 CPU)")
+    ap.add_argument("--min-reps", type=int, default=None, help="default 3 GPU, 2 CPU")
+    ap.add_argument("--max-reps", type=int, default=None, help="default 25 GPU, 2 CPU")
+    ap.add_argument("--kinds", nargs="*", default=None, choices=shapes.KIND_ORDER)
+    ap.add_argument("--groups", nargs="*", default=None,
+                    help="only these groups (txl_train, txl_eval, conformer, long, "
+                         "conformer_module, update_mems)")
+    ap.add_argument("--providers", nargs="*", default=None)
+    ap.add_argument("--dtypes", nargs="*", default=None, choices=("bf16", "fp16"))
+    ap.add_argument("--out-dir", default=None,
+                    help="where the JSON, PNG and markdown go (default benchmarks/results; "
+                         "a temp dir with --cpu-smoke)")
+    ap.add_argument("--md", default=None,
+                    help="markdown file whose results section is replaced (default "
+                         "BENCHMARKS.md; none with --cpu-smoke)")
+    ap.add_argument("--no-md", action="store_true", help="do not touch any BENCHMARKS.md")
+    ap.add_argument("--copy-to", default=None,
+                    help="also copy every written file (and the updated markdown) here")
+    return ap.parse_args(argv)
+
+
+def environment(device: str) -> dict:
+    import torch
+
+    try:
+        import triton
+        triton_v = triton.__version__
+    except Exception as exc:  # pragma: no cover
+        triton_v = f"not importable ({exc})"
+    gpu = "none (CPU smoke run)"
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        gpu = f"{props.name}, {props.total_memory / 2 ** 30:.0f} GiB"
+    return dict(
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        gpu=gpu, torch=torch.__version__, triton=triton_v, cuda=str(torch.version.cuda),
+        python=platform.python_version(), host_cpu=platform.processor() or platform.machine())
+
+
+def run_tests(paths, timeout_s: float) -> dict:
+    cmd = [sys.executable, "-m", "pytest", *paths, "-x", "-q", "-p", "no:cacheprovider"]
+    print(f"\n== correctness: {shlex.join(cmd[2:])} (timeout {timeout_s:.0f} s)", flush=True)
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"")
+        out = out.decode(errors="replace") if isinstance(out, bytes) else out
+        print(out[-3000:])
+        return dict(status="timed out", line=f"`pytest {' '.join(paths)} -x -q` TIMED OUT after "
+                                             f"{timeout_s:.0f} s", seconds=time.time() - t0)
+    out = proc.stdout + proc.stderr
+    tail = [ln for ln in out.strip().splitlines() if ln.strip()]
+    last = tail[-1].strip("= ") if tail else "(no output)"
+    print("\n".join(tail[-25:]), flush=True)
+    ok = proc.returncode == 0
+    status = "passed" if ok else "FAILED"
+    line = f"`pytest {' '.join(paths)} -x -q` {status}: {last}"
+    if not ok:
+        line += " (fused numbers below are NOT validated)"
+    return dict(status=status, line=line, seconds=time.time() - t0, rc=proc.returncode)
+
+
+def select_cases(args, device):
+    cases = shapes.all_cases(device, args.dtypes)
+    if args.kinds:
+        cases = [c for c in cases if c.kind in args.kinds]
+    if args.groups:
+        cases = [c for c in cases if c.group in args.groups]
+    return cases
+
+
+def fmt_progress(rec: dict, elapsed: float) -> str:
+    if rec["status"] == "ok":
+        rate = (f"{rec['tflops']:.3g} TFLOP/s" if rec.get("tflops") is not None else
+                f"{rec['bandwidth_gbs']:.3g} GB/s" if rec.get("bandwidth_gbs") else "")
+        what = (f"{rec['time_s'] * 1e3:.3f} ms x{rec['reps']}  {rate}  "
+                f"peak {results.fmt_bytes(rec['peak_bytes'])}")
+    else:
+        what = f"{rec['status'].upper()}: {rec['reason'][:140]}"
+    return (f"[{elapsed:6.1f}s] {rec['group']:<16} {rec['label']:<34} {rec['dtype']:<4} "
+            f"{rec['mode']:<7} {rec['provider']:<14} {what}")
+
+
+def run_matrix(cases, device: str, provider_filter, timer, deadline: float, t_start: float,
+               log=print):
+    """Every (case, provider), attention inputs shared by the providers of a case."""
+    import torch
+
+    from benchmarks import runner
+
+    records = []
+    for case in cases:
+        names = [p for p in shapes.PROVIDER_ORDER[case.kind]
+                 if not provider_filter or p in provider_filter]
+        if not names:
+            continue
+        shared = None
+        for name in names:
+            if time.time() > deadline:
+                rec = runner.base_record(case, name)
+                rec.update(status="skipped", reason="not run: time budget (--budget-s) spent")
+            else:
+                if (case.kind == "attention" and shared is None
+                        and runner.skip_reason(case, name) is None):
+                    try:
+                        shared = runner.make_inputs(case, name)
+                    except Exception as exc:  # inputs alone out of memory: every provider
+                        if not runner.is_oom(exc):
+                            raise
+                        shared = None
+                rec = runner.run_case(case, name, timer, inputs=shared)
+            records.append(rec)
+            log(fmt_progress(rec, time.time() - t_start))
+        del shared
+        runner.free_memory(torch.device(case.device))
+    return records
+
+
+def main(argv=None) -> int:
+    t_start = time.time()
+    args = parse_args(argv)
+    command = shlex.join(["python", "benchmarks/report.py", *(argv if argv is not None
+                                                              else sys.argv[1:])])
+    if not args.cpu_smoke and os.environ.get("TRITON_INTERPRET", "0") == "1":
+        print("TRITON_INTERPRET=1 is set: the GPU report times the compiled fused kernel; "
+              "unset it (or use --cpu-smoke).", file=sys.stderr)
+        return 2
+
+    import torch
+
+    device = "cpu" if args.cpu_smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("No CUDA device: the GPU report needs one. For an end-to-end check of this "
+              "script without a GPU run `python benchmarks/report.py --cpu-smoke`.",
+              file=sys.stderr)
+        return 2
+    env = environment(device)
+    print(f"txl_kernels benchmark report: {env['date']}; GPU {env['gpu']}; torch {env['torch']}; "
+          f"triton {env['triton']}; CUDA {env['cuda']}")
+    print(f"command: {command}", flush=True)
+
+    # 1. correctness
+    if args.skip_tests:
+        tests = dict(status="skipped", line="not run (--skip-tests)")
+    else:
+        paths = args.tests if args.tests else (
+            ["tests/test_bench_providers.py"] if args.cpu_smoke else ["tests/"])
+        tests = run_tests(paths, args.tests_timeout_s)
+    print(f"correctness: {tests['line']}", flush=True)
+
+    # 2. the matrix
+    from benchmarks import runner
+
+    gpu = device == "cuda"
+    target = args.target_s if args.target_s is not None else (0.25 if gpu else 0.0)
+    lo = args.min_reps if args.min_reps is not None else (3 if gpu else 2)
+    hi = args.max_reps if args.max_reps is not None else (25 if gpu else 2)
+    timer = runner.bounded_timer(target, lo, max(lo, hi))
+    cases = select_cases(args, device)
+    reserve = 15.0  # writing the tables, JSON, plot
+    deadline = t_start + args.budget_s - reserve
+    print(f"\n== matrix: {len(cases)} cases on {device}; budget ends in "
+          f"{max(0.0, deadline - time.time()):.0f} s", flush=True)
+    records = run_matrix(cases, device, set(args.providers or ()), timer, deadline, t_start)
+    results.add_ratios(records)
+
+    # 3. output
+    tag = "cpu-smoke" if args.cpu_smoke else "".join(
+        ch if ch.isalnum() else "-" for ch in env["gpu"].split(",")[0].lower()).strip("-")
+    out_dir = Path(args.out_dir) if args.out_dir else (
+        Path(tempfile.mkdtemp(prefix="txl-bench-smoke-")) if args.cpu_smoke
+        else ROOT / "benchmarks" / "results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    json_path = out_dir / f"results-{tag}.json"
+    json_path.write_text(json.dumps(dict(env=env, command=command, tests=tests,
+                                         records=records), indent=1, default=str))
+    written.append(json_path)
+    png_path = out_dir / f"results-{tag}.png"
+    try:
+        png = results.plot(records, str(png_path),
+                           title=f"txl_kernels benchmarks, {env['gpu']}, {env['date']}")
+    except Exception as exc:  # the numbers matter more than the picture
+        print(f"plot failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        png = None
+    if png:
+        written.append(png_path)
+
+    md_path = None
+    if not args.no_md:
+        if args.md:
+            md_path = Path(args.md)
+        elif not args.cpu_smoke:
+            md_path = ROOT / "BENCHMARKS.md"
+    plot_rel = None
+    if png:
+        base = md_path.resolve().parent if md_path else out_dir.resolve()
+        plot_rel = os.path.relpath(png_path.resolve(), base)
+    section = results.results_section(records, env, command, tests["line"], plot_rel)
+    if args.cpu_smoke:
+        section = section.replace(
+            "### Latest run:", "### CPU SMOKE RUN (not GPU numbers, do not publish):", 1)
+    snippet = out_dir / f"results-{tag}.md"
+    snippet.write_text(section)
+    written.append(snippet)
+    print("\n" + section, flush=True)
+    if md_path is not None:
+        text = md_path.read_text() if md_path.exists() else "# Benchmarks\n"
+        md_path.write_text(results.update_section(text, section))
+        written.append(md_path)
+        print(f"updated the results section of {md_path}")
+    if args.copy_to:
+        dest = Path(args.copy_to)
+        dest.mkdir(parents=True, exist_ok=True)
+        for p in written:
+            shutil.copy2(p, dest / p.name)
+        print(f"copied {', '.join(p.name for p in written)} to {dest}")
+    print("wrote: " + ", ".join(str(p) for p in written))
+
+    errors = [r for r in records if r["status"] == "error"]
+    for r in errors:
+        print(f"ERROR {r['provider']} {r['group']} {r['label']} {r['dtype']} {r['mode']}: "
+              f"{r['reason']}", file=sys.stderr)
+    not_run = sum(r["status"] == "skipped" and "time budget" in r["reason"] for r in records)
+    if not_run:
+        print(f"{not_run} (case, provider) pairs not run: time budget spent", file=sys.stderr)
+    print(f"total {time.time() - t_start:.0f} s")
+    tests_ok = tests["status"] in ("passed", "skipped")
+    return 0 if tests_ok and not errors else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""Run one (case, provider): build the inputs, the timed step (synchronised inside), measure the
+peak memory, time it with a bounded number of repetitions, turn an out-of-memory into a
+record, and free the memory so the matrix goes on.
+
+Shared by the pytest-benchmark suite (which times with ``benchmark.pedantic``) and by
+``report.py`` (which times with :func:`time_reps`).
+"""
+from __future__ import annotations
+
+import gc
+import math
+import time
+import warnings
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from . import providers as P
+from .shapes import FWD, FWD_BWD, Case
+
+# Records of the pytest run (ok ones are the benchmark's extra_info dicts themselves), read by
+# benchmarks/conftest.py at session end to add the ratios and print the tables.
+PYTEST_RECORDS: List[dict] = []
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    # Allocation failures raised as plain RuntimeError by some paths (CPU allocator, cuBLAS
+    # workspace, compiled kernels).
+    msg = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("out of memory" in msg
+                                             or "can't allocate memory" in msg)
+
+
+def provider_for(case: Case, name: str) -> P.Provider:
+    table = P.PROVIDERS_BY_KIND[case.kind]
+    if name not in table:
+        raise KeyError(f"no provider {name!r} for kind {case.kind!r}; have {list(table)}")
+    return table[name]
+
+
+def skip_reason(case: Case, name: str) -> Optional[str]:
+    return P.skip_reason(provider_for(case, name), case.device)
+
+
+def make_inputs(case: Case, name: str, seed: int = 0):
+    """Inputs for (case, provider). Attention inputs do not depend on the provider (the report
+    builds them once per case and shares them); module inputs carry the provider's module."""
+    grad = case.mode == FWD_BWD
+    if case.kind == "attention":
+        return P.make_attn_inputs(case.shape, case.dtype, case.device, requires_grad=grad,
+                                  seed=seed)
+    if case.kind == "conformer_module":
+        return P.make_module_inputs(case.shape, case.dtype, case.device,
+                                    P.MODULE_BACKEND[name], requires_grad=grad, seed=seed)
+    if case.kind == "update_mems":
+        return P.make_mems_inputs(case.shape, case.dtype, case.device, seed=seed)
+    raise ValueError(f"unknown kind {case.kind!r}")
+
+
+def make_step(case: Case, name: str, inputs) -> Callable[[], None]:
+    """The timed call: one forward (or forward + backward) that synchronises before it returns.
+    Backward uses ``torch.autograd.grad`` so nothing accumulates between calls."""
+    fn = provider_for(case, name).fn
+    device = torch.device(case.device)
+    if case.kind == "update_mems" or case.mode == FWD:
+        def step():
+            with torch.no_grad():
+                out = fn(inputs)
+            sync(device)
+            del out
+        return step
+    if case.mode != FWD_BWD:
+        raise ValueError(f"unknown mode {case.mode!r}")
+    if case.kind == "attention":
+        grad_in = inputs.tensors()
+    else:
+        grad_in = inputs.grad_inputs()
+    holder: Dict[str, torch.Tensor] = {}
+
+    def step():
+        out = fn(inputs)
+        if "g" not in holder:  # fixed upstream gradient, made once
+            g = torch.Generator(device=out.device).manual_seed(7)
+            holder["g"] = torch.randn(out.shape, generator=g, device=out.device,
+                                      dtype=torch.float32).to(out.dtype)
+        grads = torch.autograd.grad(out, grad_in, holder["g"], allow_unused=True)
+        sync(device)
+        del out, grads
+    return step
+
+
+def measure_once(step: Callable[[], None], device: torch.device):
+    """Run ``step`` once; return (seconds, peak bytes allocated, bytes allocated before).
+    Peak memory is ``torch.cuda.max_memory_allocated`` after a reset (None on CPU)."""
+    if device.type == "cuda":
+        sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    t0 = time.perf_counter()
+    step()
+    dt = time.perf_counter() - t0
+    if device.type == "cuda":
+        return dt, torch.cuda.max_memory_allocated(device), base
+    return dt, None, None
+
+
+def n_reps(first_s: float, target_s: float, min_reps: int, max_reps: int) -> int:
+    if first_s <= 0:
+        return max_reps
+    return int(min(max_reps, max(min_reps, math.ceil(target_s / first_s))))
+
+
+def time_reps(step: Callable[[], None], reps: int) -> List[float]:
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def median(xs: List[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def base_record(case: Case, name: str) -> dict:
+    shape = case.shape
+    rec = dict(kind=case.kind, key=case.key, group=case.group, device=case.device,
+               label=shape.label, dtype=case.dtype, mode=case.mode, provider=name,
+               seqlen=shape.seqlen, series=series_of(case), status="ok", reason="",
+               time_s=None, reps=0, flops=case.flops(), tflops=None, bandwidth_gbs=None,
+               peak_bytes=None, work_bytes=None, note="")
+    return rec
+
+
+def series_of(case: Case) -> str:
+    """Plot series: the case without its sequence length."""
+    s = case.shape
+    if case.kind == "attention":
+        extra = ("causal" if s.causal else "full") + (" pad" if s.key_padding else "")
+        mem = f" mem/q={s.mem // s.Lq}" if s.mem and s.group != "txl_eval" else ""
+        return f"{s.group} B{s.B} H{s.H} D{s.D} {extra}{mem} {case.dtype} {case.mode}"
+    if case.kind == "conformer_module":
+        return f"{s.group} B{s.B} H{s.H} D{s.D} {case.dtype} {case.mode}"
+    return f"{s.group} {case.dtype}"
+
+
+def finish_record(rec: dict, case: Case, times: List[float]) -> dict:
+    rec["reps"] = len(times)
+    if not times:
+        return rec
+    t = median(times)
+    rec["time_s"] = t
+    rec["time_min_s"] = min(times)
+    if rec["flops"]:
+        rec["tflops"] = rec["flops"] / t / 1e12
+    if case.kind == "update_mems":
+        rec["bandwidth_gbs"] = case.shape.moved_bytes(P.DTYPES[case.dtype].itemsize) / t / 1e9
+    return rec
+
+
+def run_case(case: Case, name: str, timer: Callable[[Callable[[], None], float], List[float]],
+             inputs=None, raise_errors: bool = False) -> dict:
+    """Run (case, provider) and return its record.
+
+    ``timer(step, first_call_seconds)`` returns the list of per-call seconds. Status:
+    ``ok``; ``skipped`` (not timed here, ``reason`` says why, or a missing piece that could not
+    be imported); ``oom`` (out of memory: memory freed, the matrix goes on); ``error`` (any
+    other exception, only when ``raise_errors`` is False).
+    """
+    rec = base_record(case, name)
+    reason = skip_reason(case, name)
+    if reason:
+        rec.update(status="skipped", reason=reason)
+        return rec
+    device = torch.device(case.device)
+    step = None
+    failure = None
+    try:
+        if inputs is None:
+            inputs = make_inputs(case, name)
+        step = make_step(case, name, inputs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()  # warm-up: compilation, autotuning, extension build
+        notes = sorted({str(w.message).splitlines()[0][:160] for w in caught
+                        if not issubclass(w.category, (DeprecationWarning, FutureWarning))})
+        if notes:
+            rec["note"] = "; ".join(notes)[:400]
+        first_s, peak, base = measure_once(step, device)
+        rec["peak_bytes"] = peak
+        rec["work_bytes"] = None if peak is None else peak - base
+        times = timer(step, first_s)
+        finish_record(rec, case, times)
+    except ImportError as exc:
+        failure = ("skipped", f"a piece is missing: {type(exc).__name__}: {exc}"[:400])
+    except Exception as exc:  # noqa: BLE001 - classified below, re-raised on request
+        if is_oom(exc):
+            failure = ("oom", f"out of memory: {str(exc).splitlines()[0][:300]}")
+        elif raise_errors:
+            raise
+        else:
+            failure = ("error", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                       if str(exc) else type(exc).__name__)
+    if failure is not None:
+        rec.update(status=failure[0], reason=failure[1], time_s=None, tflops=None)
+    # Drop every reference to the inputs and intermediates before the next provider runs.
+    del step, inputs
+    free_memory(device)
+    return rec
+
+
+def bounded_timer(target_s: float, min_reps: int, max_reps: int):
+    """A timer for report.py: ``n_reps(first call)`` repetitions, each synchronised."""
+    def timer(step, first_s):
+        return time_reps(step, n_reps(first_s, target_s, min_reps, max_reps))
+    return timer
