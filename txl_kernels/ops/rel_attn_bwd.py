@@ -96,6 +96,36 @@ _MIN_BLOCK = 16  # smallest BLOCK of any config; sizes the du / dvb partial buff
 
 
 @triton.jit
+def _round_bf16(x):
+    """fp32 -> fp32 holding the nearest bfloat16 (ties to even). Only used under the
+    interpreter, whose fp32 -> bf16 conversion truncates."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _operand(x, IN_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
+    """Round x to the input dtype, the precision of the tensor-core operands (as the forward
+    does). UPCAST (interpreter, bf16): the rounded value is kept in fp32 for tl.dot."""
+    if UPCAST:
+        y = _round_bf16(x)
+    else:
+        y = x.to(IN_DTYPE)
+    return y
+
+
+@triton.jit
+def _output(x, OUT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
+    """fp32 -> output dtype, rounding to nearest also under the interpreter."""
+    if UPCAST:
+        y = _round_bf16(x).to(OUT_DTYPE)
+    else:
+        y = x.to(OUT_DTYPE)
+    return y
+
+
+@triton.jit
 def _skew(t_lo, t_hi, BLOCK: tl.constexpr):
     """BD[a, b] = T[a, b - a + BLOCK - 1] over the window T = [t_lo | t_hi] ([BLOCK, 2 BLOCK])."""
     a = tl.arange(0, BLOCK)[:, None]
@@ -205,7 +235,7 @@ def _rel_attn_bwd_dkdv_kernel(
     sm_scale, WL, WR,
     LQ_BUCKET, LK_BUCKET,  # autotune keys only
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """One program per (key tile, batch * head): dk and dv of the tile, looping over the query
@@ -249,8 +279,8 @@ def _rel_attn_bwd_dkdv_kernel(
         q_msk = in_i[:, None] & dmask[None, :]
         q = tl.load(Q + b * stride_qb + h * stride_qh + rows_i * stride_qm + offs_d[None, :],
                     mask=q_msk, other=0.0).to(tl.float32)
-        a_t = (q + u[None, :]).to(DOT_DTYPE)
-        qv_t = (q + vb[None, :]).to(DOT_DTYPE)
+        a_t = _operand(q + u[None, :], Q.dtype.element_ty, UPCAST)
+        qv_t = _operand(q + vb[None, :], Q.dtype.element_ty, UPCAST)
         do = tl.load(DO + b * stride_dob + h * stride_doh + rows_i * stride_dom
                      + offs_d[None, :], mask=q_msk, other=0.0).to(DOT_DTYPE)
         l_off = b * stride_lb + h * stride_lh + offs_i.to(tl.int64) * stride_lm
@@ -268,15 +298,17 @@ def _rel_attn_bwd_dkdv_kernel(
                    stride_mn, HAS_KPM, HAS_MASK)
         dp = tl.dot(do, tl.trans(v_t), input_precision=INPUT_PRECISION)
         ds = p * (dp - delta[:, None])
-        dv = tl.dot(tl.trans(p.to(DOT_DTYPE)), do, dv, input_precision=INPUT_PRECISION)
-        dk = tl.dot(tl.trans(ds.to(DOT_DTYPE)), a_t, dk, input_precision=INPUT_PRECISION)
+        dv = tl.dot(tl.trans(_operand(p, Q.dtype.element_ty, UPCAST)), do, dv,
+                    input_precision=INPUT_PRECISION)
+        dk = tl.dot(tl.trans(_operand(ds, Q.dtype.element_ty, UPCAST)), a_t, dk,
+                    input_precision=INPUT_PRECISION)
         r_hi = r_lo
 
     dk = dk * sm_scale
     out_off = (b * stride_dkb + h * stride_dkh + offs_j.to(tl.int64)[:, None] * stride_dkn
                + offs_d[None, :])
-    tl.store(DK + out_off, dk.to(DK.dtype.element_ty), mask=kv_msk)
-    tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_msk)
+    tl.store(DK + out_off, _output(dk, DK.dtype.element_ty, UPCAST), mask=kv_msk)
+    tl.store(DV + out_off, _output(dv, DV.dtype.element_ty, UPCAST), mask=kv_msk)
 
 
 @triton.jit
@@ -298,7 +330,7 @@ def _rel_attn_bwd_dq_kernel(
     sm_scale, WL, WR,
     LQ_BUCKET, LK_BUCKET,  # autotune keys only
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, ATOMIC_DR: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """One program per (query tile, batch * head): dq of the tile (dA + dQv) and the row sums of
@@ -323,8 +355,8 @@ def _rel_attn_bwd_dq_kernel(
                 mask=q_msk, other=0.0).to(tl.float32)
     u = tl.load(U + h * stride_uh + offs_d, mask=dmask, other=0.0).to(tl.float32)
     vb = tl.load(VB + h * stride_vbh + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    a_t = (q + u[None, :]).to(DOT_DTYPE)
-    qv_t = (q + vb[None, :]).to(DOT_DTYPE)
+    a_t = _operand(q + u[None, :], Q.dtype.element_ty, UPCAST)
+    qv_t = _operand(q + vb[None, :], Q.dtype.element_ty, UPCAST)
     do = tl.load(DO + b * stride_dob + h * stride_doh + rows_i * stride_dom + offs_d[None, :],
                  mask=q_msk, other=0.0).to(DOT_DTYPE)
     l_off = b * stride_lb + h * stride_lh + offs_i.to(tl.int64) * stride_lm
@@ -364,7 +396,7 @@ def _rel_attn_bwd_dq_kernel(
                    KPM, stride_kpb, stride_kpn, MASK, stride_mb, stride_mh, stride_mm,
                    stride_mn, HAS_KPM, HAS_MASK)
         dp = tl.dot(do, tl.trans(v_t), input_precision=INPUT_PRECISION)
-        ds = (p * (dp - delta[:, None])).to(DOT_DTYPE)
+        ds = _operand(p * (dp - delta[:, None]), Q.dtype.element_ty, UPCAST)
         dqa = tl.dot(ds, k_t, dqa, input_precision=INPUT_PRECISION)
         g = _unskew_gather(ds, BLOCK)
         # rows p_lo ..: lo part of this tile + hi part of the previous one (disjoint supports)
@@ -392,7 +424,7 @@ def _rel_attn_bwd_dq_kernel(
     dqa = dqa * sm_scale
     dqv = dqv * sm_scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + rows_i * stride_dqm + offs_d[None, :],
-             (dqa + dqv).to(DQ.dtype.element_ty), mask=q_msk)
+             _output(dqa + dqv, DQ.dtype.element_ty, UPCAST), mask=q_msk)
     part_off = b * stride_pb + m.to(tl.int64) * stride_pm + h * stride_ph + offs_d
     tl.store(DU_PART + part_off, tl.sum(dqa, axis=0), mask=dmask)
     tl.store(DVB_PART + part_off, tl.sum(dqv, axis=0), mask=dmask)
@@ -415,7 +447,7 @@ def _rel_attn_bwd_dr_kernel(
     sm_scale, WL, WR,
     LQ_BUCKET, LK_BUCKET,  # autotune keys only
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """One program per (block diagonal t = n - m, batch * head): the dr contributions of the
@@ -467,8 +499,8 @@ def _rel_attn_bwd_dr_kernel(
         q_msk = in_i[:, None] & dmask[None, :]
         q = tl.load(Q + b * stride_qb + h * stride_qh + rows_i * stride_qm + offs_d[None, :],
                     mask=q_msk, other=0.0).to(tl.float32)
-        a_t = (q + u[None, :]).to(DOT_DTYPE)
-        qv_t = (q + vb[None, :]).to(DOT_DTYPE)
+        a_t = _operand(q + u[None, :], Q.dtype.element_ty, UPCAST)
+        qv_t = _operand(q + vb[None, :], Q.dtype.element_ty, UPCAST)
         do = tl.load(DO + b * stride_dob + h * stride_doh + rows_i * stride_dom
                      + offs_d[None, :], mask=q_msk, other=0.0).to(DOT_DTYPE)
         l_off = b * stride_lb + h * stride_lh + offs_i.to(tl.int64) * stride_lm
@@ -488,7 +520,7 @@ def _rel_attn_bwd_dr_kernel(
                    KPM, stride_kpb, stride_kpn, MASK, stride_mb, stride_mh, stride_mm,
                    stride_mn, HAS_KPM, HAS_MASK)
         dp = tl.dot(do, tl.trans(v_t), input_precision=INPUT_PRECISION)
-        ds = (p * (dp - delta[:, None])).to(DOT_DTYPE)
+        ds = _operand(p * (dp - delta[:, None]), Q.dtype.element_ty, UPCAST)
         g = _unskew_gather(ds, BLOCK)
         dt_lo = tl.where(lo_part, g, 0.0).to(DOT_DTYPE)
         dt_hi = tl.where(lo_part, 0.0, g).to(DOT_DTYPE)
@@ -640,8 +672,11 @@ def rel_attn_bwd(
     wl, wr = int(window_left), int(window_right)
     scale = float(softmax_scale)
 
-    if q.dtype == torch.bfloat16 and _INTERPRET:
-        dot_dtype = tl.float32  # the interpreter's bf16 dot is wrong (triton#11584)
+    # The interpreter's bf16 dot is wrong (triton#11584): bf16 operands are rounded to bf16
+    # (round to nearest) but kept in fp32 for tl.dot.
+    upcast = q.dtype == torch.bfloat16 and _INTERPRET
+    if upcast:
+        dot_dtype = tl.float32
     else:
         dot_dtype = _TL_DTYPES[q.dtype]
     if q.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
@@ -681,7 +716,8 @@ def rel_attn_bwd(
         lse.stride(0), lse.stride(1), lse.stride(2),
     )
     common_tail = dict(HAS_KPM=key_padding_mask is not None, HAS_MASK=attn_mask is not None,
-                       DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision, BLOCK_D=block_d)
+                       DOT_DTYPE=dot_dtype, UPCAST=upcast, INPUT_PRECISION=precision,
+                       BLOCK_D=block_d)
     sizes = (H, Lq, Lk, R_ROWS, D, scale, wl, wr, _bucket(Lq), _bucket(Lk))
 
     # dk, dv: one program per key tile
