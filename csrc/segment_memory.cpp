@@ -1,0 +1,195 @@
+// Segment-memory update for Transformer-XL: checks, the CPU implementation, the CUDA dispatch
+// and the pybind11 binding. Built just-in-time by txl_kernels/_build.py; the CUDA part
+// (segment_memory_cuda.cu) is compiled in, with -DTXL_WITH_CUDA, only where a CUDA toolkit is
+// found.
+//
+//   update_mems(hids, mems, mem_len, ext_len) -> list of new memories
+//
+// hids: L tensors [qlen, bsz, d]; mems: empty (no memory) or L tensors, each [mlen, bsz, d] or
+// the legacy 1-D empty placeholder torch.empty(0) (no memory for that layer). Per layer:
+//   end = mlen + max(0, qlen - ext_len), beg = max(0, end - mem_len),
+//   new_mem = cat([mem, hid], 0)[beg:end] as a fresh contiguous tensor (never aliasing inputs).
+// Any strides are accepted. The Python wrapper (txl_kernels/memory.py) validates arguments with
+// messages naming them; the checks here guard direct callers.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/core/DeviceGuard.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "segment_memory.h"
+
+namespace txl_kernels {
+namespace {
+
+bool is_placeholder(const at::Tensor& m) { return m.dim() == 1 && m.numel() == 0; }
+
+template <typename scalar_t>
+void copy_layer_cpu(const LayerDesc& L) {
+  const int64_t rows = L.n * L.bsz;
+  if (rows == 0 || L.d == 0) return;
+  const auto* mem = reinterpret_cast<const scalar_t*>(L.mem_ptr);
+  const auto* hid = reinterpret_cast<const scalar_t*>(L.hid_ptr);
+  auto* out = reinterpret_cast<scalar_t*>(L.out_ptr);
+  const int64_t grain = std::max<int64_t>(1, 32768 / L.d);
+  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t t = r / L.bsz;
+      const int64_t b = r - t * L.bsz;
+      const int64_t s = L.beg + t;  // row of cat([mem, hid], 0)
+      const scalar_t* src;
+      int64_t sd;
+      if (s < L.mlen) {
+        src = mem + s * L.mem_s0 + b * L.mem_s1;
+        sd = L.mem_s2;
+      } else {
+        src = hid + (s - L.mlen) * L.hid_s0 + b * L.hid_s1;
+        sd = L.hid_s2;
+      }
+      scalar_t* dst = out + r * L.d;
+      if (sd == 1) {
+        std::memcpy(dst, src, static_cast<size_t>(L.d) * sizeof(scalar_t));
+      } else {
+        for (int64_t c = 0; c < L.d; ++c) dst[c] = src[c * sd];
+      }
+    }
+  });
+}
+
+#ifdef TXL_WITH_CUDA
+bool aligned16(int64_t ptr) { return ptr % 16 == 0; }
+
+// Whether every row of every layer can be copied as aligned 16-byte vectors.
+bool rows_vectorizable(const std::vector<LayerDesc>& descs, int64_t elem) {
+  for (const auto& L : descs) {
+    if (L.n * L.bsz == 0) continue;
+    if ((L.d * elem) % 16 != 0 || !aligned16(L.out_ptr)) return false;
+    if (L.hid_s2 != 1 || !aligned16(L.hid_ptr) || (L.hid_s0 * elem) % 16 != 0 ||
+        (L.hid_s1 * elem) % 16 != 0)
+      return false;
+    if (L.mlen > 0 && (L.mem_s2 != 1 || !aligned16(L.mem_ptr) || (L.mem_s0 * elem) % 16 != 0 ||
+                       (L.mem_s1 * elem) % 16 != 0))
+      return false;
+  }
+  return true;
+}
+#endif
+
+}  // namespace
+
+std::vector<at::Tensor> update_mems(const std::vector<at::Tensor>& hids,
+                                    const std::vector<at::Tensor>& mems, int64_t mem_len,
+                                    int64_t ext_len) {
+  TORCH_CHECK(mem_len >= 0, "update_mems: mem_len must be >= 0, got ", mem_len);
+  TORCH_CHECK(ext_len >= 0, "update_mems: ext_len must be >= 0, got ", ext_len);
+  const int64_t num_layers = static_cast<int64_t>(hids.size());
+  TORCH_CHECK(mems.empty() || mems.size() == hids.size(),
+              "update_mems: mems must be empty or have one tensor per layer (", num_layers,
+              "), got ", mems.size());
+  if (num_layers == 0) return {};
+
+  const auto dtype = hids[0].scalar_type();
+  const auto device = hids[0].device();
+  TORCH_CHECK(device.is_cpu() || device.is_cuda(),
+              "update_mems: tensors must be on CPU or CUDA, got ", device);
+
+  std::vector<LayerDesc> descs(num_layers);
+  std::vector<at::Tensor> outs;
+  outs.reserve(num_layers);
+  int64_t max_rows = 0, max_d = 0;
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const at::Tensor& h = hids[l];
+    TORCH_CHECK(h.dim() == 3, "update_mems: hids[", l, "] must be [qlen, bsz, d], got ",
+                h.sizes());
+    TORCH_CHECK(h.scalar_type() == dtype, "update_mems: hids[", l, "] has dtype ",
+                h.scalar_type(), ", hids[0] has ", dtype);
+    TORCH_CHECK(h.device() == device, "update_mems: hids[", l, "] is on ", h.device(),
+                ", hids[0] is on ", device);
+    const int64_t qlen = h.size(0), bsz = h.size(1), d = h.size(2);
+    LayerDesc& L = descs[l];
+    L = LayerDesc{};
+    L.hid_ptr = reinterpret_cast<int64_t>(h.data_ptr());
+    L.hid_s0 = h.stride(0);
+    L.hid_s1 = h.stride(1);
+    L.hid_s2 = h.stride(2);
+    int64_t mlen = 0;
+    if (!mems.empty() && !is_placeholder(mems[l])) {
+      const at::Tensor& m = mems[l];
+      TORCH_CHECK(m.dim() == 3 && m.size(1) == bsz && m.size(2) == d, "update_mems: mems[", l,
+                  "] must be [mlen, ", bsz, ", ", d, "] to match hids[", l, "], got ", m.sizes());
+      TORCH_CHECK(m.scalar_type() == dtype, "update_mems: mems[", l, "] has dtype ",
+                  m.scalar_type(), ", hids has ", dtype);
+      TORCH_CHECK(m.device() == device, "update_mems: mems[", l, "] is on ", m.device(),
+                  ", hids is on ", device);
+      mlen = m.size(0);
+      if (mlen > 0) {
+        L.mem_ptr = reinterpret_cast<int64_t>(m.data_ptr());
+        L.mem_s0 = m.stride(0);
+        L.mem_s1 = m.stride(1);
+        L.mem_s2 = m.stride(2);
+      }
+    }
+    const int64_t end = mlen + std::max<int64_t>(0, qlen - ext_len);
+    const int64_t beg = std::max<int64_t>(0, end - mem_len);
+    L.mlen = mlen;
+    L.beg = beg;
+    L.n = end - beg;
+    L.bsz = bsz;
+    L.d = d;
+    outs.push_back(at::empty({L.n, bsz, d}, h.options()));
+    L.out_ptr = reinterpret_cast<int64_t>(outs.back().data_ptr());
+    max_rows = std::max(max_rows, L.n * bsz);
+    max_d = std::max(max_d, d);
+  }
+
+  if (device.is_cpu()) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "update_mems_cpu", [&] {
+      for (const auto& L : descs) copy_layer_cpu<scalar_t>(L);
+    });
+    return outs;
+  }
+
+#ifdef TXL_WITH_CUDA
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 ||
+                  dtype == at::kDouble,
+              "update_mems: unsupported dtype ", dtype);
+  if (max_rows == 0 || max_d == 0) return outs;
+  c10::DeviceGuard guard(device);
+  const int64_t elem = static_cast<int64_t>(c10::elementSize(dtype));
+  const bool vec = rows_vectorizable(descs, elem);
+  const int64_t max_vecs = vec ? max_d * elem / 16 : max_d;
+  // One host-to-device copy of the descriptor table (pinned, asynchronous on the current
+  // stream; the caching host allocator keeps the buffer alive until the copy is done), then
+  // one kernel launch on the same stream.
+  at::Tensor table_host =
+      at::empty({num_layers, kDescFields}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  std::memcpy(table_host.data_ptr<int64_t>(), descs.data(), descs.size() * sizeof(LayerDesc));
+  at::Tensor table = table_host.to(device, /*non_blocking=*/true);
+  launch_update_mems_cuda(reinterpret_cast<const LayerDesc*>(table.data_ptr<int64_t>()),
+                          num_layers, max_rows, max_vecs, vec ? 16 : 0,
+                          static_cast<int>(dtype), static_cast<int>(device.index()));
+  return outs;
+#else
+  TORCH_CHECK(false,
+              "update_mems: this build of the txl_kernels extension has no CUDA kernel "
+              "(compiled without a CUDA toolkit); got tensors on ", device);
+#endif
+}
+
+}  // namespace txl_kernels
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "txl_kernels C++/CUDA extension: Transformer-XL segment-memory update";
+  m.def("update_mems", &txl_kernels::update_mems, pybind11::arg("hids"), pybind11::arg("mems"),
+        pybind11::arg("mem_len"), pybind11::arg("ext_len") = 0,
+        "New memories per layer: cat([mems[l], hids[l]], 0)[beg:end] as fresh contiguous "
+        "tensors, end = mlen + max(0, qlen - ext_len), beg = max(0, end - mem_len).");
+#ifdef TXL_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+}

@@ -1,0 +1,194 @@
+"""Transformer-XL segment-memory update: ``update_mems``.
+
+The original ``MemTransformerLM._update_mems`` computes, per layer l,
+``cat([mems[l], hids[l]], dim=0)[beg:end].detach()`` with ``end = mlen + max(0, qlen - ext_len)``
+and ``beg = max(0, end - mem_len)``, but calls ``_update_mems(hids, mems, qlen, mlen)`` against
+the signature ``(hids, mems, mlen, qlen)``: mlen and qlen swapped, which is wrong whenever they
+differ and ext_len > 0. Here mlen is the memory length and qlen the segment length, per layer.
+
+The work is done by the C++ extension (``csrc/``, built on first use by
+:mod:`txl_kernels._build`): a parallel row copy on CPU, and on CUDA a single kernel launch for
+all layers. Where the extension cannot be built (no ninja, no C++ compiler, no CUDA toolkit for
+CUDA tensors) a pure-torch implementation is used and a warning saying why is issued once per
+device type. Both give the formula's values bit for bit (they only copy).
+
+The new memories are fresh contiguous tensors that never alias ``hids`` or ``mems`` (the
+original's are views into the concatenation, which keeps the whole ``cat`` alive).
+"""
+from __future__ import annotations
+
+import operator
+import warnings
+from typing import List, Optional, Sequence, Set
+
+import torch
+
+from . import _build
+
+__all__ = ["update_mems", "MEMORY_BACKENDS"]
+
+MEMORY_BACKENDS = ("auto", "extension", "torch")
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_WARNED: Set[str] = set()
+
+
+def _shape(t: torch.Tensor) -> str:
+    return f"shape {list(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def _as_len(name: str, value) -> int:
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dim() != 0):
+        raise TypeError(f"update_mems: {name} must be a non-negative int, got {value!r}")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise TypeError(f"update_mems: {name} must be a non-negative int, got "
+                        f"{type(value).__name__} {value!r}") from None
+    if n < 0:
+        raise ValueError(f"update_mems: {name} must be >= 0, got {n}")
+    return n
+
+
+def _is_placeholder(m: torch.Tensor) -> bool:
+    """The original code's ``torch.empty(0)`` 'no memory yet' placeholder."""
+    return m.dim() == 1 and m.numel() == 0
+
+
+def _check(hids, mems, mem_len, ext_len):
+    mem_len = _as_len("mem_len", mem_len)
+    ext_len = _as_len("ext_len", ext_len)
+    if isinstance(hids, torch.Tensor) or not isinstance(hids, (list, tuple)):
+        raise TypeError(f"update_mems: hids must be a list or tuple of per-layer tensors "
+                        f"[qlen, bsz, d], got {type(hids).__name__}")
+    hids = list(hids)
+    for l, h in enumerate(hids):
+        if not isinstance(h, torch.Tensor):
+            raise TypeError(f"update_mems: hids[{l}] must be a torch.Tensor [qlen, bsz, d], "
+                            f"got {type(h).__name__}")
+        if h.dim() != 3:
+            raise ValueError(f"update_mems: hids[{l}] must be 3-D [qlen, bsz, d] (seq-first), "
+                             f"got {_shape(h)}")
+        if h.dtype not in _DTYPES:
+            raise TypeError(f"update_mems: hids[{l}] must be float32, float16, bfloat16 or "
+                            f"float64, got {h.dtype}")
+        if h.dtype != hids[0].dtype:
+            raise TypeError(f"update_mems: all hids must have one dtype; hids[0] is "
+                            f"{hids[0].dtype}, hids[{l}] is {h.dtype}")
+        if h.device != hids[0].device:
+            raise ValueError(f"update_mems: all hids must be on one device; hids[0] is on "
+                             f"{hids[0].device}, hids[{l}] is on {h.device}")
+    if mems is None:
+        mems = []
+    elif isinstance(mems, torch.Tensor) or not isinstance(mems, (list, tuple)):
+        raise TypeError(f"update_mems: mems must be None or a list or tuple with one tensor "
+                        f"[mlen, bsz, d] per layer, got {type(mems).__name__}")
+    mems = list(mems)
+    if mems and len(mems) != len(hids):
+        raise ValueError(f"update_mems: mems has {len(mems)} layers but hids has {len(hids)}; "
+                         f"pass one memory per layer (or None / [] for no memory)")
+    for l, m in enumerate(mems):
+        if not isinstance(m, torch.Tensor):
+            raise TypeError(f"update_mems: mems[{l}] must be a torch.Tensor [mlen, bsz, d], "
+                            f"got {type(m).__name__}")
+        if _is_placeholder(m):
+            continue  # no memory for this layer yet; its dtype and device do not matter
+        h = hids[l]
+        if m.dim() != 3:
+            raise ValueError(f"update_mems: mems[{l}] must be 3-D [mlen, bsz, d] or an empty "
+                             f"tensor, got {_shape(m)}")
+        if m.shape[1] != h.shape[1]:
+            raise ValueError(f"update_mems: mems[{l}] has batch size (bsz) {m.shape[1]} but "
+                             f"hids[{l}] has {h.shape[1]}")
+        if m.shape[2] != h.shape[2]:
+            raise ValueError(f"update_mems: mems[{l}] has feature size (d) {m.shape[2]} but "
+                             f"hids[{l}] has {h.shape[2]}")
+        if m.dtype != h.dtype:
+            raise TypeError(f"update_mems: mems[{l}] has dtype {m.dtype} but hids[{l}] has "
+                            f"{h.dtype}")
+        if m.device != h.device:
+            raise ValueError(f"update_mems: mems[{l}] is on {m.device} but hids[{l}] is on "
+                             f"{h.device}")
+    return hids, mems, mem_len, ext_len
+
+
+def _update_mems_torch(hids: List[torch.Tensor], mems: List[torch.Tensor], mem_len: int,
+                       ext_len: int) -> List[torch.Tensor]:
+    """Pure-torch implementation (the fallback): the same rows, copied with ``copy_``."""
+    out = []
+    with torch.no_grad():
+        for l, h in enumerate(hids):
+            m = mems[l] if mems and not _is_placeholder(mems[l]) else None
+            mlen = m.shape[0] if m is not None else 0
+            qlen, bsz, d = h.shape
+            end = mlen + max(0, qlen - ext_len)
+            beg = max(0, end - mem_len)
+            new = torch.empty((end - beg, bsz, d), dtype=h.dtype, device=h.device)
+            from_mem = max(0, min(end, mlen) - beg)  # rows taken from the memory
+            if from_mem:
+                new[:from_mem].copy_(m[beg:beg + from_mem])
+            if end - beg > from_mem:
+                hb = max(0, beg - mlen)
+                new[from_mem:].copy_(h[hb:end - mlen])
+            out.append(new)
+    return out
+
+
+def _extension_for(device: torch.device):
+    """(extension module, "") when it can handle tensors on ``device``, else (None, why)."""
+    if device.type not in ("cpu", "cuda"):
+        return None, f"the C++ extension has no kernel for {device.type} tensors"
+    ext = _build.load_extension()
+    if ext is None:
+        return None, str(_build.extension_status()["reason"])
+    if device.type == "cuda" and not getattr(ext, "with_cuda", False):
+        return None, ("the C++ extension was built without its CUDA kernel: "
+                      + str(_build.extension_status()["cuda_reason"]))
+    return ext, ""
+
+
+def _warn_once(device_type: str, reason: str) -> None:
+    if device_type in _WARNED:
+        return
+    _WARNED.add(device_type)
+    warnings.warn(f"txl_kernels.update_mems: using the pure-torch fallback for {device_type} "
+                  f"tensors because {reason}", RuntimeWarning, stacklevel=3)
+
+
+def update_mems(hids: Sequence[torch.Tensor], mems: Optional[Sequence[torch.Tensor]],
+                mem_len: int, ext_len: int = 0, *, backend: str = "auto") -> List[torch.Tensor]:
+    """New Transformer-XL memories: per layer ``cat([mems[l], hids[l]], 0)[beg:end].detach()``.
+
+    Args:
+        hids: list/tuple of L tensors ``[qlen, bsz, d]`` (seq-first), one dtype and device.
+        mems: None, ``[]``, or L tensors ``[mlen, bsz, d]`` (same bsz, d, dtype, device as the
+            layer's hids); an empty 1-D tensor (``torch.empty(0)``, the original code's
+            placeholder) means no memory for that layer.
+        mem_len: memory length to keep (>= 0). 0 gives empty ``[0, bsz, d]`` memories.
+        ext_len: extended-context length (>= 0): the last ``ext_len`` positions of the segment
+            are not put into the memory.
+        backend: "auto" (the C++/CUDA extension, else the torch fallback with a one-time
+            warning), "extension" (raise RuntimeError if it is unavailable) or "torch".
+
+    Returns:
+        A list of L fresh contiguous tensors ``[end - beg, bsz, d]`` that do not require grad,
+        where ``end = mlen + max(0, qlen - ext_len)`` and ``beg = max(0, end - mem_len)``. Any
+        strides are accepted.
+    """
+    if backend not in MEMORY_BACKENDS:
+        raise ValueError(f"update_mems: backend must be one of {MEMORY_BACKENDS}, "
+                         f"got {backend!r}")
+    hids, mems, mem_len, ext_len = _check(hids, mems, mem_len, ext_len)
+    if not hids:
+        return []
+    if backend == "torch":
+        return _update_mems_torch(hids, mems, mem_len, ext_len)
+    device = hids[0].device
+    ext, reason = _extension_for(device)
+    if ext is None:
+        if backend == "extension":
+            raise RuntimeError(f"update_mems: backend='extension' is not available for "
+                               f"{device.type} tensors: {reason}")
+        _warn_once(device.type, reason)
+        return _update_mems_torch(hids, mems, mem_len, ext_len)
+    return list(ext.update_mems([h.detach() for h in hids], [m.detach() for m in mems],
+                                mem_len, ext_len))
