@@ -200,24 +200,30 @@ def _flex_with_table(q, k, v, bd, block_mask, scale):
 
 
 _FLEX_COMPILED: Dict[str, Callable] = {}
+# torch.compile's ``dynamic`` for the flex provider. None (the default, automatic dynamic
+# shapes): the first length of a (dtype, mode, mask kind) compiles a static graph, the next one
+# a graph with symbolic lengths that the remaining lengths reuse, so the matrix does not pay a
+# compile per length. False: one static graph per shape (set by ``report.py --flex-static``).
+FLEX_DYNAMIC: Optional[bool] = None
 
 
 def _flex_callable(device: torch.device, compiled: Optional[bool]) -> Callable:
-    """FlexAttention is fast only compiled; on CUDA the provider compiles (dynamic=False, one
-    graph per shape and dtype, so the recompile limit is raised for the whole matrix). Eager
-    mode (CPU, tests) runs FlexAttention's reference implementation."""
+    """FlexAttention is fast only compiled; on CUDA the provider compiles (the recompile limit
+    is raised for the whole matrix). Eager mode (CPU, tests) runs FlexAttention's reference
+    implementation."""
     if compiled is None:
         compiled = device.type == "cuda"
     if not compiled:
         return _flex_with_table
-    if "fn" not in _FLEX_COMPILED:
+    key = f"dynamic={FLEX_DYNAMIC}"
+    if key not in _FLEX_COMPILED:
         import torch._dynamo.config as dcfg
 
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(dcfg, name):
                 setattr(dcfg, name, max(getattr(dcfg, name), 256))
-        _FLEX_COMPILED["fn"] = torch.compile(_flex_with_table, dynamic=False)
-    return _FLEX_COMPILED["fn"]
+        _FLEX_COMPILED[key] = torch.compile(_flex_with_table, dynamic=FLEX_DYNAMIC)
+    return _FLEX_COMPILED[key]
 
 
 def flex_block_mask(inp: AttnInputs):

@@ -74,6 +74,9 @@ def parse_args(argv=None):
                          "conformer_module, update_mems)")
     ap.add_argument("--providers", nargs="*", default=None)
     ap.add_argument("--dtypes", nargs="*", default=None, choices=("bf16", "fp16"))
+    ap.add_argument("--flex-static", action="store_true",
+                    help="compile FlexAttention with dynamic=False (one compile per shape; "
+                         "default: automatic dynamic shapes)")
     ap.add_argument("--out-dir", default=None,
                     help="where the JSON, PNG and markdown go (default benchmarks/results; "
                          "a temp dir with --cpu-smoke)")
@@ -217,7 +220,10 @@ def main(argv=None) -> int:
     print(f"correctness: {tests['line']}", flush=True)
 
     # 2. the matrix
-    from benchmarks import runner
+    from benchmarks import providers, runner
+
+    if args.flex_static:
+        providers.FLEX_DYNAMIC = False
 
     gpu = device == "cuda"
     target = args.target_s if args.target_s is not None else (0.25 if gpu else 0.0)

@@ -154,7 +154,18 @@ def format_markdown(records: List[dict], include_skipped: bool = True,
                 if rec.get("status") in ("skipped", "error") and rec.get("reason"):
                     notes.append(f"- {rec['provider']} on {rec['group']} {rec['label']} "
                                  f"{rec['dtype']} {rec['mode']}: {rec['status']}: {rec['reason']}")
+        warm = []
+        for recs in cases.values():
+            for rec in recs:
+                if rec.get("status") == "ok" and rec.get("note"):
+                    line = f"- {rec['provider']}: {rec['note']}"
+                    if line not in warm:
+                        warm.append(line)
         out.append("")
+        if warm:
+            out.append("Warnings at the warm-up call:\n")
+            out += warm[:20]
+            out.append("")
         if notes:
             # One line per distinct reason keeps the table readable.
             seen, uniq = set(), []
