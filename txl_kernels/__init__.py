@@ -3,12 +3,18 @@
 Public API:
     rel_attention      functional relative attention (reference or fused Triton backend)
     FusedRelAttention  drop-in for Transformer-XL's RelPartialLearnableMultiHeadAttn
+    NeMoRelPositionMultiHeadAttention, ESPnetRelPositionMultiHeadedAttention: Conformer drop-ins
+    update_mems        segment-memory update (JIT-built C++/CUDA extension, torch fallback)
 """
 from .functional import BACKENDS, fused_available, rel_attention
-from .modules import FusedRelAttention
+from .modules import (ESPnetRelPositionMultiHeadedAttention, FusedRelAttention,
+                      NeMoRelPositionMultiHeadAttention, swap_rel_pos_attention)
+from .memory import update_mems
 from .reference import rel_attention_reference, rel_shift, rel_shift_pad_reshape
 
 __version__ = "0.1.0"
 
-__all__ = ["rel_attention", "FusedRelAttention", "fused_available", "BACKENDS", "rel_attention_reference",
-           "rel_shift", "rel_shift_pad_reshape", "__version__"]
+__all__ = ["rel_attention", "FusedRelAttention", "NeMoRelPositionMultiHeadAttention",
+           "ESPnetRelPositionMultiHeadedAttention", "swap_rel_pos_attention", "update_mems",
+           "fused_available", "BACKENDS", "rel_attention_reference", "rel_shift",
+           "rel_shift_pad_reshape", "__version__"]

@@ -1,4 +1,7 @@
 """Drop-in attention modules built on ``txl_kernels.rel_attention``."""
+from .conformer import (ESPnetRelPositionMultiHeadedAttention, NeMoRelPositionMultiHeadAttention,
+                        swap_rel_pos_attention)
 from .transformer_xl import FusedRelAttention, band_window_of_mask
 
-__all__ = ["FusedRelAttention", "band_window_of_mask"]
+__all__ = ["FusedRelAttention", "band_window_of_mask", "NeMoRelPositionMultiHeadAttention",
+           "ESPnetRelPositionMultiHeadedAttention", "swap_rel_pos_attention"]

@@ -1,0 +1,174 @@
+"""``python -m txl_kernels``: environment report, extension build, and a self-check.
+
+Like DeepSpeed's ``ds_report``: prints the environment (torch, triton, CUDA, nvcc, ninja,
+device) and which backends are usable here and why not; builds the segment-memory extension
+(saying so: a first build takes a minute or more); then runs a Transformer-XL-base-shaped layer
+(10 heads of 41, d_model 410), scaled to run in seconds on a CPU, through every usable
+backend, forward and backward, and prints each one's max difference from the reference, its
+time and its memory. Exits 1 if a usable backend disagrees with the reference.
+
+Without a GPU the fused Triton kernels run under the Triton interpreter
+(``TRITON_INTERPRET=1``, set here before triton is imported unless already set).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import txl_kernels  # noqa: E402
+from txl_kernels import FusedRelAttention, fused_available, update_mems  # noqa: E402
+from txl_kernels import _build  # noqa: E402
+
+# Transformer-XL base (WikiText-103): n_head 10, d_model 410, d_head 41, tgt_len 150, mem 150.
+BASE = dict(n_head=10, d_model=410, d_head=41)
+SHAPES = {
+    "cpu": dict(qlen=24, mlen=24, bsz=2),
+    "cuda": dict(qlen=150, mlen=150, bsz=16),
+}
+# A backend disagrees with the reference when its error is above these (max abs, on outputs and
+# gradients, relative to the reference's largest magnitude).
+TOLERANCE = {torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+
+
+def _row(key: str, value: str) -> None:
+    print(f"  {key:<28} {value}")
+
+
+def _activation_bytes(fn):
+    """Run fn() and return (result, bytes of distinct storages saved for backward)."""
+    seen = {}
+
+    def pack(t):
+        try:
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        except Exception:  # pragma: no cover - tensor subclasses without storage
+            pass
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+def _run_layer(layer, inputs, device):
+    w, r, mems, mask = inputs
+    w = w.detach().requires_grad_(True)
+    layer.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    out, saved = _activation_bytes(lambda: layer(w, r, attn_mask=mask, mems=mems))
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out)
+    out.backward(g)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        mem = f"{(torch.cuda.max_memory_allocated() - base) / 2**20:8.1f} MiB peak"
+    else:
+        mem = f"{saved / 2**20:8.2f} MiB saved for backward"
+    elapsed = time.perf_counter() - t0
+    grads = [w.grad] + [p.grad for p in layer.parameters()]
+    return out.detach(), [x.detach().clone() for x in grads], elapsed, mem
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m txl_kernels", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                    help="default: float16 on CUDA, float32 on CPU")
+    ap.add_argument("--no-build", action="store_true", help="skip building the extension")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype) if args.dtype else (
+        torch.float16 if device.type == "cuda" else torch.float32)
+    failures = []
+
+    print(f"txl_kernels {txl_kernels.__version__}: environment")
+    for key, value in _build.build_report():
+        _row(key, value)
+
+    print("\nbackends")
+    _row("reference", "usable (einsum path, any device)")
+    fused_ok, why = fused_available(device)
+    _row(f"triton on {device.type}", ("usable: " if fused_ok else "not usable: ") + why)
+
+    print("\nsegment-memory extension (update_mems)")
+    if args.no_build:
+        _row("build", "skipped (--no-build)")
+    else:
+        print("  building/loading the C++ extension (the first build takes a minute or more)...",
+              flush=True)
+        t0 = time.perf_counter()
+        ext = _build.load_extension(verbose=False)
+        _row("extension", (f"loaded in {time.perf_counter() - t0:.1f} s" if ext is not None
+                           else f"not available: {_build.extension_status()['reason']}"))
+    hids = [torch.randn(5, 3, 8, device=device) for _ in range(2)]
+    mems = [torch.randn(7, 3, 8, device=device) for _ in range(2)]
+    new = update_mems(hids, mems, mem_len=6, ext_len=1)
+    want = [torch.cat([m, h])[max(0, 7 + 4 - 6):7 + 4] for m, h in zip(mems, hids)]
+    same = all(torch.equal(a, b) for a, b in zip(new, want))
+    _row("update_mems == formula", "yes" if same else "NO")
+    if not same:
+        failures.append("update_mems")
+
+    shape = SHAPES["cuda" if device.type == "cuda" else "cpu"]
+    qlen, mlen, bsz = shape["qlen"], shape["mlen"], shape["bsz"]
+    print(f"\nTransformer-XL layer: n_head {BASE['n_head']}, d_head {BASE['d_head']}, d_model "
+          f"{BASE['d_model']}, qlen {qlen}, mem {mlen}, bsz {bsz}, {dtype}, {device}, "
+          f"forward + backward")
+    torch.manual_seed(0)
+    layers = {}
+    backends = ["reference"] + (["triton"] if fused_ok else [])
+    for name in backends:
+        layers[name] = FusedRelAttention(**BASE, dropout=0.0, untie_r=True, backend=name).to(
+            device=device, dtype=dtype)
+        layers[name].load_state_dict(layers["reference"].state_dict())
+    g = torch.Generator().manual_seed(1)
+    klen = qlen + mlen
+    w = torch.randn(qlen, bsz, BASE["d_model"], generator=g).to(device, dtype)
+    mem = torch.randn(mlen, bsz, BASE["d_model"], generator=g).to(device, dtype)
+    pos = torch.arange(klen - 1, -1, -1.0)
+    inv_freq = 1 / (10000 ** (torch.arange(0.0, BASE["d_model"], 2.0) / BASE["d_model"]))
+    r = torch.cat([torch.outer(pos, inv_freq).sin(), torch.outer(pos, inv_freq).cos()], -1)
+    r = r[:, None, :].to(device, dtype)
+    mask = torch.triu(torch.ones(qlen, klen, dtype=torch.uint8, device=device), 1 + mlen)[..., None]
+
+    ref_out, ref_grads, _, _ = None, None, None, None
+    print(f"  {'backend':<12} {'max |diff| out':>15} {'max |diff| grads':>17} {'time':>10}   memory")
+    for name in backends:
+        _run_layer(layers[name], (w, r, mem, mask), device)  # warm-up (compiles kernels)
+        out, grads, elapsed, memstr = _run_layer(layers[name], (w, r, mem, mask), device)
+        if name == "reference":
+            ref_out, ref_grads = out, grads
+            d_out = d_grad = 0.0
+        else:
+            d_out = (out.float() - ref_out.float()).abs().max().item()
+            d_grad = max(((a.float() - b.float()).abs().max() / max(1.0, b.float().abs().max()))
+                         .item() for a, b in zip(grads, ref_grads))
+            scale = max(1.0, ref_out.float().abs().max().item())
+            if not (d_out / scale <= TOLERANCE[dtype] and d_grad <= TOLERANCE[dtype]):
+                failures.append(name)
+        print(f"  {name:<12} {d_out:>15.3e} {d_grad:>17.3e} {elapsed * 1e3:>8.1f} ms   {memstr}")
+
+    if fused_ok and device.type == "cpu":
+        print("  (the triton row ran under the Triton interpreter: a correctness check, not a "
+              "speed measurement)")
+    if failures:
+        print(f"\nFAILED: {', '.join(failures)} disagree with the reference")
+        return 1
+    print("\nOK: every usable backend agrees with the reference")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
