@@ -195,13 +195,17 @@ def legend() -> str:
 
 
 def summary_lines(records: List[dict], ours: Optional[Dict[str, str]] = None) -> List[str]:
-    """One line per case: this library's speed-up against each baseline (for a headline)."""
+    """One line per case of the first dtype (update_mems: every case): this library's provider
+    (``fused``, ``nemo_fused``, ``update_mems``) against each baseline, for a headline."""
     ours = ours or {k: v[0] for k, v in PROVIDER_ORDER.items()}
     if any("speedup_vs" not in r for r in records):
         add_ratios(records)
+    first = next((r["dtype"] for r in records if r["kind"] != "update_mems"), None)
     lines = []
     for kind, cases in _ordered(records).items():
         for key, recs in cases.items():
+            if kind != "update_mems" and recs[0]["dtype"] != first:
+                continue
             mine = [r for r in recs if r["provider"] == ours.get(kind) and r["status"] == "ok"]
             if not mine:
                 continue
@@ -235,8 +239,9 @@ def results_section(records: List[dict], env: Dict[str, str], command: str,
     lines.append("")
     head = summary_lines(records)
     if head:
-        lines.append("Headline (fused speed-up against each baseline; `X OOM` = the baseline "
-                     "ran out of memory):")
+        lines.append("Headline: this library (`fused`, `nemo_fused`, `update_mems`) against "
+                     "each baseline, time ratio (> 1 = faster); `X OOM` = the baseline ran out "
+                     "of memory. Full tables below.")
         lines.append("")
         lines += [f"- {h}" for h in head]
         lines.append("")
