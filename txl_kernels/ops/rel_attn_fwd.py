@@ -1,0 +1,551 @@
+"""Fused Transformer-XL relative attention, forward (Triton).
+
+What it computes (see ``txl_kernels.functional.rel_attention``), per batch b and head h::
+
+    S[i, j] = scale * ((q_i + u) . k_j + (q_i + vb) . r[p]),   p = j - i + Lq - 1
+    out_i   = sum_j softmax_j(S[i, :] over allowed j) v_j,      lse_i = log sum_j exp(S[i, j])
+
+without ever writing an Lq x Lk tensor to global memory.
+
+Algorithm. One program owns a query tile ``[i0, i0 + BM)`` of one (b, h) (and, with split-K,
+one slice of the key range) and walks its key tiles ``[j0, j0 + BN)`` with an online softmax
+(FlashAttention-2): scores in fp32, pre-scaled by ``scale * log2(e)`` so that ``exp2`` is
+used, running max / sum per row, ``P @ V`` accumulated in fp32 (P rounded to the input dtype
+for the tensor-core product, as the reference does). AC = ``(q + u) @ K^T`` is one ``tl.dot``.
+
+BD and the skew. The tile needs r rows ``p in [j0 - i0 - (BM - 1) + Lq - 1, j0 - i0 + BN - 1 +
+Lq - 1]``: a window of ``BM + BN - 1`` rows starting at ``base = j0 - i0 - (BM - 1) + Lq - 1``.
+``T = (q + vb) @ Rwin^T`` runs on the tensor cores, and the relative shift becomes an on-chip
+skew ``BD[a, c] = T[a, w]`` with ``w = c + sh_a``, ``sh_a = BM - 1 - a``. The window is held as
+``C`` chunks of BN rows (``C = 2`` when BM <= BN, ``C = 3`` when BN < BM <= 2 BN), each chunk's
+``T_k`` a [BM, BN] register tile. Row a reads chunk ``sh_a // BN`` at columns
+``>= sh_a % BN`` and the next chunk at columns ``< sh_a % BN``: the two sets never collide, so
+the chunks first merge elementwise (``tl.where``, no data movement) and the skew is then ONE
+same-shape ``tl.gather`` along axis 1, a per-row rotation ``BD[a, c] = M[a, (c + sh_a) % BN]``.
+(Gathering each chunk separately would double the gathers and the live index tensors. On sm_90
+Triton lowers this gather to a layout conversion through shared memory and two warp shuffles per
+element; that and register pressure are the costs to watch.)
+
+Window reuse. Key tile n + 1's window starts BN rows after tile n's, so chunks 1..C-1 of tile n
+are chunks 0..C-2 of tile n + 1: they stay in registers and only one new [BM, BN] chunk product
+``(q + vb) @ r[new BN rows]^T`` is computed per key tile. BD therefore costs one extra QK-sized
+product per tile (forward matmul work 1.5x plain attention), plus ``C - 1`` chunk products once
+per program to prime the window.
+
+Masking and tile skipping. With ``d = (i + Lk - Lq) - j``, a pair is allowed iff
+``(wl < 0 or d <= wl) and (wr < 0 or -d <= wr)`` (causal is ``wr = 0``), the key is not padded
+(``key_padding_mask[b, j]``) and ``attn_mask[b, h, i, j]`` is False. The window / causal masks
+come from indices; the loop bounds start at the first key tile that any row of the query tile
+may see and stop after the last, so fully masked tiles outside the band are never computed.
+The padding and dense masks are loaded per tile (any strides; broadcast views with stride 0 are
+read in place). r rows outside ``[0, R)`` are loaded as zeros (masked loads, never read): they
+only meet disallowed pairs, which the mask removes. Rows with no allowed key give output 0 and
+``lse = +inf`` (the backward relies on that convention).
+
+Split-K. When ``B * H * cdiv(Lq, 64)`` programs cannot fill the GPU (the Transformer-XL
+evaluation shapes: Lq 64 against Lk ~ 4k), the key tiles of each query tile are divided among
+``num_splits`` programs; each writes its normalised partial output and log2-sum-exp to a small
+fp32 workspace ``[B * H, splits, Lq, D]`` and a combine kernel merges them. ``num_splits`` is
+chosen from the SM count, or forced with the launcher keyword.
+
+Limits. Head dims 16..256 (padded to a power-of-two BLOCK_D with masked loads); fp16, bf16,
+fp32 (fp32 products use IEEE fp32 when ``torch.get_float32_matmul_precision() == "highest"``,
+else TF32; exact fp32 runs on the FMA units, much slower than the tensor-core paths). Any
+strides, but a q, k, v, r, u or vb whose last dimension is not contiguous is copied first.
+BLOCK_M <= 2 BLOCK_N (at most three window chunks). Offsets are int64 (tensors over 2^31
+elements); grid (B * H, query tiles, splits), so B * H < 2^31 and Lq < 65536 * BLOCK_M.
+Registers are the tight resource: one [BM, BLOCK_D] fp32 accumulator, the (q + u) and (q + vb)
+tiles, the scores and C - 1 carried [BM, BN] window chunks, so large BLOCK_N / BLOCK_D
+configs are not offered. No dropout (``rel_attention`` runs the reference path for
+dropout_p > 0).
+
+Interpreter and tuning. Under ``TRITON_INTERPRET=1`` one fixed 16 x 16 config is used and bf16
+dot operands are upcast to fp32 (the interpreter's bf16 ``tl.dot`` is wrong:
+triton-lang/triton#11584; so is its bf16 arithmetic, hence q + u and q + vb are always summed
+in fp32 and rounded once; and its fp32 -> bf16 conversion truncates, so bf16 roundings are done
+to nearest-even with bit arithmetic there). On GPU the block sizes are autotuned per bucket
+(next powers of two of Lq and Lk, BLOCK_D, dtype, precision, mask flags, splits);
+``TXL_KERNELS_AUTOTUNE=0`` uses one default config instead.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["rel_attn_fwd", "choose_num_splits", "autotune_enabled"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_LOG2E = 1.4426950408889634
+
+# Fixed small config under the interpreter: 16 x 16 tiles, so that odd lengths span several
+# tiles and every loop / mask path runs on tiny shapes.
+INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16}
+
+
+@triton.jit
+def _window_chunk(qv, R, r_off_h, stride_rp, row0, R_rows, D,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+                  DOT_PREC: tl.constexpr):
+    """T_c = qv @ r[row0 : row0 + BLOCK_N]^T ([BM, BN], fp32); rows outside [0, R) read as 0."""
+    offs_p = row0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    ptrs = R + r_off_h + offs_p.to(tl.int64)[:, None] * stride_rp + offs_d[None, :]
+    msk = ((offs_p >= 0) & (offs_p < R_rows))[:, None] & (offs_d < D)[None, :]
+    rc = tl.load(ptrs, mask=msk, other=0.0)
+    if UPCAST:
+        rc = rc.to(tl.float32)
+    return tl.dot(qv, tl.trans(rc), input_precision=DOT_PREC)
+
+
+@triton.jit
+def _round_bf16(x):
+    """fp32 -> fp32 holding the nearest bfloat16 (ties to even). Used only under the
+    interpreter, whose fp32 -> bf16 conversion truncates."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rel_attn_fwd_kernel(
+    Q, K, V, R, U, VB, Out, Lse, OPart, LPart, KPM, MASK,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_rp, stride_rh,
+    stride_uh, stride_vbh,
+    stride_ob, stride_om, stride_oh,
+    stride_kpm_b, stride_kpm_n,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    H, Lq, Lk, R_rows, D, window_left, window_right, num_splits, qk_scale,
+    LQ_BUCKET, LK_BUCKET,  # autotune keys only
+    HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
+    SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    # Heaviest query tiles (largest i0 under causal masks) first.
+    m_tile = tl.num_programs(1) - 1 - tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    mlen = Lk - Lq
+    i0 = m_tile * BLOCK_M
+
+    offs_m = i0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    m_ok = offs_m < Lq
+    d_ok = offs_d < D
+
+    # ---- query tiles: (q + u) for AC and (q + vb) for BD, rounded to the input dtype
+    q_ptrs = (Q + b * stride_qb + h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qm
+              + offs_d[None, :])
+    # (sums in fp32, rounded once: also sidesteps the interpreter's bf16 arithmetic)
+    q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    u = tl.load(U + h * stride_uh + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    vb = tl.load(VB + h * stride_vbh + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    if UPCAST:  # interpreter, bf16: fp32 operands holding bf16 values
+        qu = _round_bf16(q + u[None, :])
+        qv = _round_bf16(q + vb[None, :])
+    else:
+        qu = (q + u[None, :]).to(Q.dtype.element_ty)
+        qv = (q + vb[None, :]).to(Q.dtype.element_ty)
+
+    # ---- key range this query tile may see (window / causal), as whole key tiles
+    i_last = tl.minimum(i0 + BLOCK_M, Lq) - 1
+    lo = 0
+    hi = Lk
+    if HAS_WL:
+        lo = tl.maximum(i0 + mlen - window_left, 0)
+    if HAS_WR:
+        hi = tl.minimum(i_last + mlen + window_right + 1, Lk)
+    t_lo = lo // BLOCK_N
+    t_hi = tl.maximum((hi + BLOCK_N - 1) // BLOCK_N, t_lo)
+    per_split = (t_hi - t_lo + num_splits - 1) // num_splits
+    t_begin = t_lo + pid_s * per_split
+    t_end = tl.minimum(t_begin + per_split, t_hi)
+
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    r_off_h = h * stride_rh
+
+    # ---- skew. Tile element (a, c) needs window column w = c + sh_a, sh_a = BM - 1 - a,
+    # i.e. chunk w // BN at column w % BN. Row a reads chunk c0_a = sh_a // BN at columns
+    # >= s_a = sh_a % BN and chunk c0_a + 1 at columns < s_a: the two never collide, so the
+    # chunks merge elementwise (M) and the skew is one row rotation: BD[a, c] = M[a, w % BN].
+    sh = (BLOCK_M - 1) - tl.arange(0, BLOCK_M)
+    rot_idx = (offs_n0[None, :] + sh[:, None]) % BLOCK_N
+    take_first = offs_n0[None, :] >= (sh % BLOCK_N)[:, None]
+    if BLOCK_M > BLOCK_N:
+        first_is_0 = (sh < BLOCK_N)[:, None]
+    # ---- prime the window: chunks 0 .. C-2 of the first tile
+    base0 = t_begin * BLOCK_N - i0 - (BLOCK_M - 1) + Lq - 1
+    t0 = _window_chunk(qv, R, r_off_h, stride_rp, base0, R_rows, D,
+                       BLOCK_N, BLOCK_D, UPCAST, DOT_PREC)
+    if BLOCK_M > BLOCK_N:  # C == 3
+        t1 = _window_chunk(qv, R, r_off_h, stride_rp, base0 + BLOCK_N, R_rows, D,
+                           BLOCK_N, BLOCK_D, UPCAST, DOT_PREC)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    for t in range(t_begin, t_end):
+        j0 = t * BLOCK_N
+        offs_n = j0 + offs_n0
+        n_ok = offs_n < Lk
+        kv_msk = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
+                    mask=kv_msk, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(qu, tl.trans(k), input_precision=DOT_PREC)
+
+        # BD: one new window chunk per key tile, the others carried over from the last tile
+        base = j0 - i0 - (BLOCK_M - 1) + Lq - 1
+        if BLOCK_M > BLOCK_N:
+            t2 = _window_chunk(qv, R, r_off_h, stride_rp, base + 2 * BLOCK_N, R_rows, D,
+                               BLOCK_N, BLOCK_D, UPCAST, DOT_PREC)
+            merged = tl.where(take_first, tl.where(first_is_0, t0, t1),
+                              tl.where(first_is_0, t1, t2))
+            t0 = t1
+            t1 = t2
+        else:
+            tn = _window_chunk(qv, R, r_off_h, stride_rp, base + BLOCK_N, R_rows, D,
+                               BLOCK_N, BLOCK_D, UPCAST, DOT_PREC)
+            merged = tl.where(take_first, t0, tn)
+            t0 = tn
+        bd = tl.gather(merged, rot_idx, 1)
+        s = (s + bd) * qk_scale
+
+        # ---- masks from indices, then the optional padding / dense masks
+        allowed = m_ok[:, None] & n_ok[None, :]
+        dist = (offs_m[:, None] + mlen) - offs_n[None, :]
+        if HAS_WL:
+            allowed = allowed & (dist <= window_left)
+        if HAS_WR:
+            allowed = allowed & (-dist <= window_right)
+        if HAS_KPM:
+            kp = tl.load(KPM + b * stride_kpm_b + offs_n.to(tl.int64) * stride_kpm_n,
+                         mask=n_ok, other=1)
+            allowed = allowed & (kp == 0)[None, :]
+        if HAS_MASK:
+            am = tl.load(MASK + b * stride_mb + h * stride_mh
+                         + offs_m.to(tl.int64)[:, None] * stride_mm
+                         + offs_n.to(tl.int64)[None, :] * stride_mn,
+                         mask=m_ok[:, None] & n_ok[None, :], other=1)
+            allowed = allowed & (am == 0)
+        s = tl.where(allowed, s, float("-inf"))
+
+        # ---- online softmax (log2 domain)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vn + offs_d[None, :],
+                    mask=kv_msk, other=0.0)
+        if UPCAST:
+            pv = _round_bf16(p)
+            v = v.to(tl.float32)
+        else:
+            pv = p.to(V.dtype.element_ty)
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    has_key = l_i > 0.0
+    l_safe = tl.where(has_key, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    if SPLIT:
+        # partial: normalised output and log2-sum-exp (-inf when this slice saw no key)
+        row = (pid_bh.to(tl.int64) * num_splits + pid_s) * Lq + offs_m.to(tl.int64)
+        tl.store(OPart + row[:, None] * D + offs_d[None, :], o,
+                 mask=m_ok[:, None] & d_ok[None, :])
+        tl.store(LPart + row, tl.where(has_key, m_i + tl.math.log2(l_safe), float("-inf")),
+                 mask=m_ok)
+    else:
+        if UPCAST:
+            o = _round_bf16(o)
+        o_ptrs = (Out + b * stride_ob + h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_om
+                  + offs_d[None, :])
+        tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+        lse = tl.where(has_key, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453,
+                       float("inf"))
+        tl.store(Lse + pid_bh.to(tl.int64) * Lq + offs_m, lse, mask=m_ok)
+
+
+@triton.jit
+def _rel_attn_fwd_combine_kernel(
+    OPart, LPart, Out, Lse,
+    stride_ob, stride_om, stride_oh,
+    H, Lq, D, num_splits,
+    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Merge split-K partials: out = sum_s 2^(l_s - L) o_s, L = log2 sum_s 2^l_s."""
+    pid_bh = tl.program_id(0)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < Lq
+    d_ok = offs_d < D
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    row0 = pid_bh.to(tl.int64) * num_splits * Lq + offs_m.to(tl.int64)
+
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for s in range(num_splits):
+        ls = tl.load(LPart + row0 + s * Lq, mask=m_ok, other=float("-inf"))
+        m = tl.maximum(m, ls)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    den = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for s in range(num_splits):
+        row = row0 + s * Lq
+        ls = tl.load(LPart + row, mask=m_ok, other=float("-inf"))
+        w = tl.math.exp2(ls - m_safe)
+        os_ = tl.load(OPart + row[:, None] * D + offs_d[None, :],
+                      mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        acc += w[:, None] * os_
+        den += w
+    has_key = den > 0.0
+    den_safe = tl.where(has_key, den, 1.0)
+    o = acc / den_safe[:, None]
+    if UPCAST:
+        o = _round_bf16(o)
+    o_ptrs = (Out + b * stride_ob + h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_om
+              + offs_d[None, :])
+    tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    lse = tl.where(has_key, (m_safe + tl.math.log2(den_safe)) * 0.6931471805599453,
+                   float("inf"))
+    tl.store(Lse + pid_bh.to(tl.int64) * Lq + offs_m, lse, mask=m_ok)
+
+
+# --------------------------------------------------------------------------------------------
+# Autotuning (GPU only)
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). Chosen from sm_90 compiles (register use and
+# spills, shared memory): the carried window chunk, the AC / BD accumulators and the output
+# accumulator make this kernel register-heavy, so BLOCK_N 128 is only offered for D <= 64.
+# The BLOCK_M 32 configs serve exact fp32 ("ieee" products run on the FMA units).
+_CONFIG_TABLE = (
+    (64, 32, 4, 2), (64, 32, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2),
+    (64, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3),
+    (32, 16, 4, 2), (32, 32, 4, 2),
+)
+
+
+def _hopper_configs():
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=nw, num_stages=ns)
+            for bm, bn, nw, ns in _CONFIG_TABLE]
+
+
+def _config_ok(bm, bn, nw, ns, block_d, exact_fp32):
+    if bm > 2 * bn:  # the window is held in at most three BN-row chunks
+        return False
+    if exact_fp32:
+        return bm <= 64 and bn <= 32 and ns <= 2
+    if bm < 64:
+        return False
+    if block_d >= 128 and bn > 64:
+        return False
+    if block_d >= 256:
+        return bm == 64 and bn <= 64 and ns <= 2
+    return True
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    block_d = kwargs["BLOCK_D"]
+    exact_fp32 = named_args["Q"].dtype == torch.float32 and kwargs["DOT_PREC"] == "ieee"
+    out = [c for c in configs
+           if _config_ok(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages,
+                         block_d, exact_fp32)]
+    if not out:
+        cfg = dict(_default_config(block_d, exact_fp32))
+        nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
+        out = [triton.Config(cfg, num_warps=nw, num_stages=ns)]
+    return out
+
+
+def _default_config(block_d: int, exact_fp32: bool) -> dict:
+    """The config used on GPU when autotuning is off (TXL_KERNELS_AUTOTUNE=0)."""
+    if exact_fp32:
+        return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    if block_d >= 256:
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+
+
+def autotune_enabled() -> bool:
+    """GPU block sizes are autotuned unless TXL_KERNELS_AUTOTUNE=0 (read at each call)."""
+    return os.environ.get("TXL_KERNELS_AUTOTUNE", "1") != "0"
+
+
+_AUTOTUNE_KEYS = ["LQ_BUCKET", "LK_BUCKET", "BLOCK_D", "num_splits", "HAS_WL", "HAS_WR",
+                  "HAS_KPM", "HAS_MASK", "SPLIT", "DOT_PREC"]
+
+_rel_attn_fwd_kernel_tuned = triton.autotune(
+    configs=_hopper_configs(), key=_AUTOTUNE_KEYS,
+    prune_configs_by={"early_config_prune": _prune_configs},
+)(_rel_attn_fwd_kernel)
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def choose_num_splits(B: int, H: int, Lq: int, Lk: int, window_left: int, window_right: int,
+                      num_sms: int) -> int:
+    """Split the keys when the (b, h, query tile) programs cannot fill ``num_sms`` SMs.
+
+    Aims at about four programs per SM, with at least 256 keys (the span a query tile may see
+    under the window) per split so that priming the window stays a small overhead.
+    """
+    base = B * H * triton.cdiv(Lq, 64)
+    if base >= 2 * num_sms:
+        return 1
+    span = Lk
+    if window_left >= 0 and window_right >= 0:
+        span = min(Lk, window_left + window_right + 64)
+    elif window_left >= 0:
+        span = min(Lk, window_left + 64 + Lq)
+    elif window_right >= 0:
+        span = min(Lk, Lk - Lq + window_right + 64)
+    by_keys = max(1, span // 256)
+    return int(max(1, min(triton.cdiv(4 * num_sms, base), by_keys, 64)))
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def rel_attn_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.Tensor,
+    r_w_bias: torch.Tensor, r_r_bias: torch.Tensor, softmax_scale: float,
+    window_left: int, window_right: int,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    attn_mask: Optional[torch.Tensor] = None,
+    *, num_splits: Optional[int] = None, config: Optional[dict] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Fused forward. Returns ``out [B, Lq, H, D]`` (q's dtype, contiguous) and
+    ``lse [B, H, Lq]`` (fp32, natural log, ``+inf`` for rows with no allowed key).
+
+    q ``[B, Lq, H, D]``, k / v ``[B, Lk, H, D]``, r ``[R, H, D]``, biases ``[H, D]``, any
+    strides; masks as normalised by ``rel_attention`` (bool, True = masked; ``attn_mask``
+    broadcastable to ``[B, H, Lq, Lk]``).
+
+    Keywords (testing / tuning): ``num_splits`` forces the split-K factor (1 = no split;
+    default: chosen from the SM count on GPU, 1 under the interpreter); ``config`` =
+    ``{"BLOCK_M": .., "BLOCK_N": .., "num_warps": .., "num_stages": ..}`` bypasses the
+    autotuner (BLOCK_M <= 2 * BLOCK_N, powers of two >= 16).
+    """
+    B, Lq, H, D = q.shape
+    Lk = k.shape[1]
+    R_rows = r.shape[0]
+    dtype = q.dtype
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"rel_attn_fwd: unsupported dtype {dtype}")
+    if not all(t.dtype == dtype for t in (k, v, r, r_w_bias, r_r_bias)):
+        raise TypeError("rel_attn_fwd: all inputs must share q's dtype")
+    if tuple(k.shape) != (B, Lk, H, D) or tuple(v.shape) != (B, Lk, H, D) or Lk < Lq:
+        raise ValueError(f"rel_attn_fwd: bad k / v shapes {list(k.shape)} / {list(v.shape)} "
+                         f"for q {list(q.shape)}")
+    if tuple(r.shape[1:]) != (H, D) or tuple(r_w_bias.shape) != (H, D) \
+            or tuple(r_r_bias.shape) != (H, D):
+        raise ValueError("rel_attn_fwd: r must be [R, H, D] and the biases [H, D]")
+    if not 16 <= D <= 256:
+        raise ValueError(f"rel_attn_fwd: head dim {D} outside 16..256")
+    q, k, v, r, u, vb = (_last_dim_contiguous(t) for t in (q, k, v, r, r_w_bias, r_r_bias))
+
+    out = torch.empty((B, Lq, H, D), dtype=dtype, device=q.device)
+    lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
+
+    has_kpm = key_padding_mask is not None
+    kpm = key_padding_mask.view(torch.uint8) if has_kpm else q
+    kpm_strides = (kpm.stride(0), kpm.stride(1)) if has_kpm else (0, 0)
+    has_mask = attn_mask is not None
+    if has_mask:
+        am = attn_mask.expand(B, H, Lq, Lk).view(torch.uint8)
+        am_strides = am.stride()
+    else:
+        am, am_strides = q, (0, 0, 0, 0)
+
+    if num_splits is None:
+        if q.device.type == "cuda" and not _INTERPRET:
+            num_splits = choose_num_splits(B, H, Lq, Lk, window_left, window_right,
+                                           _sm_count(q.device.index or 0))
+        else:
+            num_splits = 1
+    num_splits = max(1, int(num_splits))
+    split = num_splits > 1
+    if split:
+        o_part = torch.empty((B * H, num_splits, Lq, D), dtype=torch.float32, device=q.device)
+        l_part = torch.empty((B * H, num_splits, Lq), dtype=torch.float32, device=q.device)
+    else:
+        o_part, l_part = lse, lse  # unused
+
+    if dtype == torch.float32:
+        dot_prec = "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    else:
+        dot_prec = "ieee"
+    upcast = _INTERPRET and dtype == torch.bfloat16
+    block_d = max(16, _next_pow2(D))
+
+    args = (
+        q, k, v, r, u, vb, out, lse, o_part, l_part, kpm, am,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        r.stride(0), r.stride(1),
+        u.stride(0), vb.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
+        kpm_strides[0], kpm_strides[1],
+        am_strides[0], am_strides[1], am_strides[2], am_strides[3],
+        H, Lq, Lk, R_rows, D, int(window_left), int(window_right), num_splits,
+        float(softmax_scale) * _LOG2E,
+        _next_pow2(Lq), _next_pow2(Lk),
+    )
+    meta = dict(HAS_WL=window_left >= 0, HAS_WR=window_right >= 0, HAS_KPM=has_kpm,
+                HAS_MASK=has_mask, SPLIT=split, UPCAST=upcast, DOT_PREC=dot_prec,
+                BLOCK_D=block_d)
+
+    def grid(META):
+        return (B * H, triton.cdiv(Lq, META["BLOCK_M"]), num_splits)
+
+    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
+        if config is None and _INTERPRET:
+            config = INTERPRET_CONFIG
+        elif config is None and not autotune_enabled():
+            config = _default_config(block_d, dtype == torch.float32 and dot_prec == "ieee")
+        if config is not None:
+            cfg = dict(config)
+            bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+            if bm > 2 * bn:
+                raise ValueError("rel_attn_fwd: config needs BLOCK_M <= 2 * BLOCK_N")
+            cfg.setdefault("num_warps", 4)
+            cfg.setdefault("num_stages", 1 if _INTERPRET else 2)
+            _rel_attn_fwd_kernel[grid(dict(BLOCK_M=bm))](*args, BLOCK_M=bm, BLOCK_N=bn, **meta,
+                                                        **cfg)
+        else:
+            _rel_attn_fwd_kernel_tuned[grid](*args, **meta)
+        if split:
+            bm_c = 16 if _INTERPRET else 64
+            _rel_attn_fwd_combine_kernel[(B * H, triton.cdiv(Lq, bm_c))](
+                o_part, l_part, out, lse, out.stride(0), out.stride(1), out.stride(2),
+                H, Lq, D, num_splits, UPCAST=upcast, BLOCK_M=bm_c, BLOCK_D=block_d,
+                num_warps=4)
+    return out, lse
+
