@@ -51,7 +51,7 @@ def oracle(q, k, v, r, u, vb, softmax_scale, wl, wr, kpm=None, mask=None):
 
 
 def _floor(dtype, truth):
-    mag = max(1.0, float(truth.abs().max()))
+    mag = max(1.0, float(truth.detach().abs().max()))
     return {torch.float32: 2e-5, torch.float64: 1e-10}.get(dtype, 1e-4) * mag
 
 
