@@ -115,18 +115,16 @@ def _normalize_masks(q, k, causal, window_size, key_padding_mask, attn_mask):
 
 def _check_position_rows(lq: int, lk: int, rlen: int, wl: int, wr: int) -> None:
     """Raise if an allowed pair (by causal / window structure) needs an r row outside [0, R)."""
-    mlen = lk - lq
-    # p = j - i + Lq - 1 = mlen + Lq - 1 - d. d ranges over [mlen - (Lk-1) ... ] clipped by window.
-    d_min = -(lk - 1 - 0) + mlen  # i = 0, j = Lk - 1 -> d = mlen - (Lk - 1) = -(Lq - 1)
-    d_max = (lq - 1) + mlen       # i = Lq - 1, j = 0
+    # Over all pairs, d = (i + Lk - Lq) - j spans [-(Lq - 1), Lk - 1]; the window clips it, and
+    # p = j - i + Lq - 1 = Lk - 1 - d.
+    d_min, d_max = -(lq - 1), lk - 1
     if wr >= 0:
         d_min = max(d_min, -wr)
     if wl >= 0:
         d_max = min(d_max, wl)
     if d_min > d_max:
         return  # no pair is allowed at all
-    p_lo = mlen + lq - 1 - d_max
-    p_hi = mlen + lq - 1 - d_min
+    p_lo, p_hi = lk - 1 - d_max, lk - 1 - d_min
     if p_lo < 0 or p_hi >= rlen:
         raise ValueError(
             f"rel_attention: r has {rlen} rows, but the allowed pairs (Lq={lq}, Lk={lk}, "
