@@ -2,8 +2,9 @@
 r_w_bias, r_r_bias) against torch autograd of the float64 reference, with PyTorch's same math in
 the same precision as the yardstick (tests/helpers.py ``assert_within``).
 
-The kernels are fed ``(out, lse)`` from ``rel_attention_reference(..., return_lse=True)``, so
-these tests do not depend on the fused forward; the end-to-end tests at the bottom go through
+The kernels are fed the ``(out, lse)`` an exact forward would save (``_forward_outputs``, the
+reference math in float64, checked against ``rel_attention_reference(..., return_lse=True)``),
+so these tests do not depend on the fused forward; the end-to-end tests at the bottom go through
 ``rel_attention(..., backend="triton")`` and ``.backward()``.
 
 Runs under TRITON_INTERPRET=1 on CPU tensors (tests/conftest.py) and on the GPU when there is one.
@@ -75,6 +76,20 @@ def _check(ts, scale, wl, wr, kpm=None, mask=None, **kw):
 def _inputs(B, Lq, Lk, H, D, R=None, dtype=torch.float32, layout="bshd", seed=0):
     return make_inputs(B, Lq, Lk, H, D, R=R, dtype=dtype, device=FUSED_DEVICE, layout=layout,
                        seed=seed, requires_grad=True)
+
+
+def test_forward_outputs_match_reference():
+    """The test-side forward emulation equals the reference's (out, lse) on float64 inputs."""
+    B, Lq, Lk, H, D = 2, 9, 14, 2, 16
+    ts = make_inputs(B, Lq, Lk, H, D, R=Lq + Lk - 1, dtype=torch.float64, seed=40)
+    kpm = torch.zeros(B, Lk, dtype=torch.bool)
+    kpm[1] = True  # every row of batch 1 fully masked
+    mask = torch.rand(B, H, Lq, Lk, generator=torch.Generator().manual_seed(40)) < 0.3
+    for wl, wr in ((-1, 0), (4, 2), (-1, -1)):
+        out, lse = _forward_outputs(ts, 0.3, wl, wr, kpm, mask)
+        ref_out, ref_lse = rel_attention_reference(*ts, 0.3, wl, wr, kpm, mask, return_lse=True)
+        torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse, ref_lse.float(), rtol=1e-6, atol=0.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -390,3 +405,25 @@ def test_cuda_tf32_follows_matmul_precision():
         _check(ts, 0.125, -1, 0)
     finally:
         torch.set_float32_matmul_precision(prev)
+
+
+def test_autotune_pruning_keeps_configs_that_fit():
+    """The GPU config list is pruned to tiles that fit on sm_90 (shared memory sizes from
+    ahead-of-time compiles); checked here on the pruning function itself."""
+    import triton
+
+    from txl_kernels.ops.rel_attn_bwd import _make_prune
+
+    configs = [triton.Config({"BLOCK": b}, num_warps=w) for b in (16, 32, 64) for w in (4, 8)]
+
+    def blocks(extra, dtype, block_d, L=4096):
+        q = torch.empty(1, 1, 1, 1, dtype=dtype)
+        kept = _make_prune(extra)(configs, {"Q": q, "Lq": L, "Lk": L}, BLOCK_D=block_d)
+        return sorted({c.kwargs["BLOCK"] for c in kept})
+
+    assert blocks(False, torch.float16, 64) == [32, 64]
+    assert blocks(True, torch.bfloat16, 256) == [32]
+    assert blocks(False, torch.float32, 128) == [32]
+    assert blocks(False, torch.float32, 256) == [32]
+    assert blocks(True, torch.float32, 256) == [16]
+    assert blocks(False, torch.float16, 64, L=20) == [32]

@@ -29,8 +29,8 @@ the pair uses window column w = b - a + BLOCK - 1, so
                                                                                   (one gather)
 
 ``tl.gather`` is used with index and source of the same [BLOCK, BLOCK] shape, which avoids the
-wider-index gather that trips the GPU compiler (triton-lang/triton#5836). Out-of-range rows
-(p < 0 or p >= R) are loaded as zeros, never read, and their gradient is never written.
+wider-index gather that trips the GPU compiler (triton-lang/triton#5836). Rows outside [0, R)
+are never read (masked loads give 0; they only meet masked pairs) and never written.
 
 Window reuse: in the dq kernel (one query tile, key tiles in increasing order) the hi chunk of key
 tile n is the lo chunk of tile n + 1, so T_hi, the R_hi rows and the pending dT_hi part are
@@ -51,6 +51,10 @@ P and dS once more (a third pass). du and dvb: the dq kernel writes the row sums
 of its query tile to per-(batch, query tile) partials, summed by torch in a fixed order. Two
 calls on the same inputs therefore give bitwise-equal gradients.
 
+Work per tile pair, in QK-sized products: dk/dv 6 (AC, 2 BD chunks, dP, dV, dK), dq 5 (AC, 1 BD
+chunk, dP, dA, dQv), dr 6 (AC, 2 BD chunks, dP, 2 dr chunks): 17, against 7 for a
+FlashAttention-2-style backward of plain attention without atomics.
+
 Non-deterministic fast mode (``deterministic=False``): the dq kernel also forms dr from the merged
 dT tile it already has (one more product per tile) and adds it to an fp32 [R, H, D] buffer with
 ``tl.atomic_add``; the dr kernel is not launched.
@@ -65,14 +69,20 @@ Memory: no Lq x Lk tensor is written to global memory. Workspace: delta [B, H, L
 partials Z [2, B, R, H, D] fp32 (the atomic mode: [R, H, D]), the du / dvb partials
 [B, ceil(Lq / 16), H, D] fp32: O(B * H * (Lq + Lk + R) * D) in all.
 
-Precision and limits: fp16 / bf16 / fp32 inputs, fp32 accumulation; P and dS are rounded to the
-input dtype before their products, as in FlashAttention. fp32 inputs follow
+Precision and limits: fp16 / bf16 / fp32 inputs, fp32 accumulation. The tensor-core operands
+are rounded to the input dtype exactly as the forward rounds them (q + u and q + vb), so the
+recomputed S matches the forward's and P = exp(S - lse) is consistent; P and dS are rounded to
+the input dtype before their products, as in FlashAttention; delta uses the stored (rounded) O,
+as FlashAttention does. fp32 inputs follow
 ``torch.get_float32_matmul_precision()`` ("highest" -> exact fp32 products, else TF32). Head dims
 16..256 (padded to a power of two with masked loads). Any Lq >= 1 and Lk >= Lq; any strides with
 stride(-1) == 1 (other tensors are copied). int64 offsets. Under ``TRITON_INTERPRET=1`` one fixed
-config (BLOCK 16) is used and bf16 operands are upcast to fp32 before ``tl.dot`` (the
-interpreter's bf16 dot is wrong, triton-lang/triton#11584); on a GPU the block size and
-num_warps are autotuned per (head dim, bucketed lengths, masks, dtype).
+config (BLOCK 16) is used, and bf16 operands are rounded to bf16 (round to nearest even,
+emulated: the interpreter's fp32 -> bf16 cast truncates) but kept in fp32 for ``tl.dot`` (the
+interpreter's bf16 dot is wrong, triton-lang/triton#11584); on a GPU the block size (32 / 64,
+16 only for fp32 with D > 128 in the dr kernel; square tiles, pruned by head dim and dtype to
+what fits on sm_90), num_warps (4 / 8) and num_stages are autotuned per (head dim, bucketed
+lengths, masks, dtype, fp32 precision); accumulated outputs are zeroed between tuning runs.
 """
 from __future__ import annotations
 
@@ -201,8 +211,8 @@ def _rel_attn_bwd_preprocess_kernel(
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] in fp32."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)
+    pid_bh = tl.program_id(0).to(tl.int64)
+    pid_m = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -238,10 +248,10 @@ def _rel_attn_bwd_dkdv_kernel(
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """One program per (key tile, batch * head): dk and dv of the tile, looping over the query
+    """One program per (batch * head, key tile): dk and dv of the tile, looping over the query
     tiles that the window lets see it."""
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)
+    pid_bh = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
     mlen = Lk - Lq
@@ -333,12 +343,12 @@ def _rel_attn_bwd_dq_kernel(
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """One program per (query tile, batch * head): dq of the tile (dA + dQv) and the row sums of
+    """One program per (batch * head, query tile): dq of the tile (dA + dQv) and the row sums of
     dA and dQv (du / dvb partials), looping over the key tiles of the window in increasing
     order with the window chunk carried from tile to tile. With ATOMIC_DR also dr (atomics)."""
     num_m = tl.cdiv(Lq, BLOCK)
-    m = num_m - 1 - tl.program_id(0)  # longest rows (causal) first
-    pid_bh = tl.program_id(1).to(tl.int64)
+    pid_bh = tl.program_id(0).to(tl.int64)
+    m = num_m - 1 - tl.program_id(1)  # longest rows (causal) first
     b = pid_bh // H
     h = pid_bh % H
     mlen = Lk - Lq
@@ -450,13 +460,13 @@ def _rel_attn_bwd_dr_kernel(
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """One program per (block diagonal t = n - m, batch * head): the dr contributions of the
+    """One program per (batch * head, block diagonal t = n - m): the dr contributions of the
     tile pairs (m, m + t) of one batch and head, reduced in registers in a fixed order, written
     to Z[0] (lo chunk rows) and Z[1] (hi chunk rows). No two programs write the same row of Z[c]."""
     num_m = tl.cdiv(Lq, BLOCK)
     num_n = tl.cdiv(Lk, BLOCK)
-    t = num_n - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)
+    pid_bh = tl.program_id(0).to(tl.int64)
+    t = num_n - 1 - tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
     mlen = Lk - Lq
@@ -541,42 +551,54 @@ def _rel_attn_bwd_dr_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def _configs(max_block: int = 128):
+def _configs():
     if _INTERPRET:
         return [triton.Config({"BLOCK": 16}, num_warps=4, num_stages=1)]
     return [triton.Config({"BLOCK": blk}, num_warps=nw, num_stages=ns)
-            for blk in (32, 64, 128) if blk <= max_block
+            for blk in (16, 32, 64)
             for nw in (4, 8)
             for ns in (1, 2)]
 
 
-def _prune(configs, named_args, **kwargs):
-    """Drop configs whose tiles cannot fit for large head dims (or that are wasteful for short
-    sequences); always keep at least one."""
-    block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
-    lq = named_args.get("Lq", 1 << 30)
-    lk = named_args.get("Lk", 1 << 30)
-    keep = []
-    for cfg in configs:
-        blk = cfg.kwargs["BLOCK"]
-        if block_d is not None and block_d > 128 and blk > 64:
-            continue
-        if blk > max(32, triton.next_power_of_2(max(lq, lk))):
-            continue
-        keep.append(cfg)
-    return keep or configs[:1]
+def _make_prune(extra_tiles: bool):
+    """Keep the blocks whose tiles fit in shared memory / registers (from sm_90 compiles: fp32
+    needs twice the bytes, and the dr kernel holds two more [BLOCK, BLOCK_D] tiles), BLOCK 16
+    only where nothing larger fits, none far larger than the sequences; at least one config.
+    (BLOCK 128 is not offered: an iteration keeps about six fp32 [BLOCK, BLOCK] tiles live,
+    384 KB at 128, more than an SM's register file, and each variant takes ~30 s to compile.)"""
+
+    def prune(configs, named_args, **kwargs):
+        block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D", 64))
+        q = named_args.get("Q")
+        wide = q is not None and q.element_size() == 4
+        if not wide:
+            max_block = 64 if block_d <= 128 else 32
+        else:
+            max_block = 64 if block_d <= 64 else 32
+            if extra_tiles and block_d > 128:
+                max_block = 16
+        lq = named_args.get("Lq", 1 << 30)
+        lk = named_args.get("Lk", 1 << 30)
+        max_block = min(max_block, max(32, triton.next_power_of_2(max(lq, lk))))
+        keep = [cfg for cfg in configs
+                if cfg.kwargs["BLOCK"] <= max_block
+                and (cfg.kwargs["BLOCK"] > 16 or max_block == 16)]
+        return keep or configs[:1]
+
+    return prune
 
 
 _KEY = ["BLOCK_D", "LQ_BUCKET", "LK_BUCKET", "HAS_KPM", "HAS_MASK", "INPUT_PRECISION"]
-_PRUNE = {"early_config_prune": _prune}
 
-_dkdv_kernel = triton.autotune(configs=_configs(), key=_KEY, prune_configs_by=_PRUNE)(
+_dkdv_kernel = triton.autotune(configs=_configs(), key=_KEY,
+                               prune_configs_by={"early_config_prune": _make_prune(False)})(
     _rel_attn_bwd_dkdv_kernel)
 _dq_kernel = triton.autotune(configs=_configs(), key=_KEY + ["ATOMIC_DR"],
-                             prune_configs_by=_PRUNE,
+                             prune_configs_by={"early_config_prune": _make_prune(False)},
                              reset_to_zero=["DU_PART", "DVB_PART", "DR_ACC"])(
     _rel_attn_bwd_dq_kernel)
-_dr_kernel = triton.autotune(configs=_configs(), key=_KEY, prune_configs_by=_PRUNE,
+_dr_kernel = triton.autotune(configs=_configs(), key=_KEY,
+                             prune_configs_by={"early_config_prune": _make_prune(True)},
                              reset_to_zero=["Z"])(_rel_attn_bwd_dr_kernel)
 
 
@@ -699,7 +721,7 @@ def rel_attn_bwd(
     # delta = rowsum(dO * O)
     delta = torch.empty((B, H, Lq), device=dev, dtype=torch.float32)
     pre_block = 16 if _INTERPRET else 64
-    _rel_attn_bwd_preprocess_kernel[(triton.cdiv(Lq, pre_block), B * H)](
+    _rel_attn_bwd_preprocess_kernel[(B * H, triton.cdiv(Lq, pre_block))](
         out, do, delta,
         out.stride(0), out.stride(1), out.stride(2),
         do.stride(0), do.stride(1), do.stride(2),
@@ -723,7 +745,7 @@ def rel_attn_bwd(
     # dk, dv: one program per key tile
     dk = torch.empty((B, Lk, H, D), device=dev, dtype=q.dtype)
     dv = torch.empty((B, Lk, H, D), device=dev, dtype=q.dtype)
-    _dkdv_kernel[lambda meta: (triton.cdiv(Lk, meta["BLOCK"]), B * H)](
+    _dkdv_kernel[lambda meta: (B * H, triton.cdiv(Lk, meta["BLOCK"]))](
         q, k, v, r, r_w_bias, r_r_bias, do, lse, delta, dk, dv, kpm, am,
         *common_in,
         dk.stride(0), dk.stride(1), dk.stride(2),
@@ -740,7 +762,7 @@ def rel_attn_bwd(
         dr_acc = du_part  # unused (ATOMIC_DR=False)
     else:
         dr_acc = torch.zeros((R_ROWS, H, D), device=dev, dtype=torch.float32)
-    _dq_kernel[lambda meta: (triton.cdiv(Lq, meta["BLOCK"]), B * H)](
+    _dq_kernel[lambda meta: (B * H, triton.cdiv(Lq, meta["BLOCK"]))](
         q, k, v, r, r_w_bias, r_r_bias, do, lse, delta, dq, du_part, dvb_part, dr_acc, kpm, am,
         *common_in,
         dq.stride(0), dq.stride(1), dq.stride(2),
@@ -754,8 +776,8 @@ def rel_attn_bwd(
     if deterministic:
         # dr: one program per block diagonal; Z[0] holds the lo chunks, Z[1] the hi chunks.
         z = torch.zeros((2, B, R_ROWS, H, D), device=dev, dtype=torch.float32)
-        _dr_kernel[lambda meta: (triton.cdiv(Lq, meta["BLOCK"]) + triton.cdiv(Lk, meta["BLOCK"])
-                                 - 1, B * H)](
+        _dr_kernel[lambda meta: (B * H, triton.cdiv(Lq, meta["BLOCK"])
+                                 + triton.cdiv(Lk, meta["BLOCK"]) - 1)](
             q, k, v, r, r_w_bias, r_r_bias, do, lse, delta, z, kpm, am,
             *common_in,
             z.stride(0), z.stride(1), z.stride(2), z.stride(3),
