@@ -22,8 +22,8 @@ Tiles are square, BLOCK x BLOCK. The query tile [i0, i0 + BLOCK) and key tile
 p0 + BLOCK ..; its last row is never needed). With a = query row and b = key column in the tile,
 the pair uses window column w = b - a + BLOCK - 1, so
 
-    skew:    BD[a, b] = (b <= a) ? T_lo[a, idx] : T_hi[a, idx],   T_x = Qv R_x^T,
-             idx = (b - a + BLOCK - 1) mod BLOCK                                  (two gathers)
+    skew:    BD[a, b] = M[a, (b - a + BLOCK - 1) mod BLOCK],   T_x = Qv R_x^T,
+             M[a, x] = T_lo[a, x] if x + a >= BLOCK - 1 else T_hi[a, x]            (one gather)
     unskew:  G[a, w] = dS[a, (w + a + 1) mod BLOCK];  dT_lo = G where w + a >= BLOCK - 1,
              dT_hi = G elsewhere;   dQv += dT_lo R_lo + dT_hi R_hi,  dr_x += dT_x^T Qv
                                                                                   (one gather)
@@ -137,11 +137,15 @@ def _output(x, OUT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _skew(t_lo, t_hi, BLOCK: tl.constexpr):
-    """BD[a, b] = T[a, b - a + BLOCK - 1] over the window T = [t_lo | t_hi] ([BLOCK, 2 BLOCK])."""
+    """BD[a, b] = T[a, b - a + BLOCK - 1] over the window T = [t_lo | t_hi] ([BLOCK, 2 BLOCK]).
+
+    Row a reads t_lo at columns x >= BLOCK - 1 - a (pairs b <= a) and t_hi at the other
+    columns (b > a), so the two chunks merge elementwise and one gather rotates each row."""
     a = tl.arange(0, BLOCK)[:, None]
     b = tl.arange(0, BLOCK)[None, :]
+    merged = tl.where(b + a >= BLOCK - 1, t_lo, t_hi)  # here b plays the column x
     idx = (b - a + BLOCK - 1) & (BLOCK - 1)
-    return tl.where(b <= a, tl.gather(t_lo, idx, 1), tl.gather(t_hi, idx, 1))
+    return tl.gather(merged, idx, 1)
 
 
 @triton.jit
