@@ -95,7 +95,7 @@ import triton.language as tl
 
 __all__ = ["rel_attn_bwd"]
 
-_LOG2E = 1.4426950408889634
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _MIN_BLOCK = 16  # smallest BLOCK of any config; sizes the du / dvb partial buffers
 
@@ -259,7 +259,7 @@ def _rel_attn_bwd_dkdv_kernel(
     b = pid_bh // H
     h = pid_bh % H
     mlen = Lk - Lq
-    qk_scale2 = sm_scale * 1.4426950408889634
+    qk_scale2 = sm_scale * LOG2E
 
     j0 = pid_n * BLOCK
     offs_j = j0 + tl.arange(0, BLOCK)
@@ -298,7 +298,7 @@ def _rel_attn_bwd_dkdv_kernel(
         do = tl.load(DO + b * stride_dob + h * stride_doh + rows_i * stride_dom
                      + offs_d[None, :], mask=q_msk, other=0.0).to(DOT_DTYPE)
         l_off = b * stride_lb + h * stride_lh + offs_i.to(tl.int64) * stride_lm
-        lse2 = tl.load(LSE + l_off, mask=in_i, other=float("inf")) * 1.4426950408889634
+        lse2 = tl.load(LSE + l_off, mask=in_i, other=float("inf")) * LOG2E
         delta = tl.load(DELTA + l_off, mask=in_i, other=0.0)
 
         r_lo = _load_rows(R_h, j0 - i0 + Lq - BLOCK + w, R_ROWS, stride_rp, offs_d, D,
@@ -356,7 +356,7 @@ def _rel_attn_bwd_dq_kernel(
     b = pid_bh // H
     h = pid_bh % H
     mlen = Lk - Lq
-    qk_scale2 = sm_scale * 1.4426950408889634
+    qk_scale2 = sm_scale * LOG2E
 
     i0 = m * BLOCK
     offs_i = i0 + tl.arange(0, BLOCK)
@@ -374,7 +374,7 @@ def _rel_attn_bwd_dq_kernel(
     do = tl.load(DO + b * stride_dob + h * stride_doh + rows_i * stride_dom + offs_d[None, :],
                  mask=q_msk, other=0.0).to(DOT_DTYPE)
     l_off = b * stride_lb + h * stride_lh + offs_i.to(tl.int64) * stride_lm
-    lse2 = tl.load(LSE + l_off, mask=in_i, other=float("inf")) * 1.4426950408889634
+    lse2 = tl.load(LSE + l_off, mask=in_i, other=float("inf")) * LOG2E
     delta = tl.load(DELTA + l_off, mask=in_i, other=0.0)
     R_h = R + h * stride_rh
     K_bh = K + b * stride_kb + h * stride_kh
@@ -474,7 +474,7 @@ def _rel_attn_bwd_dr_kernel(
     b = pid_bh // H
     h = pid_bh % H
     mlen = Lk - Lq
-    qk_scale2 = sm_scale * 1.4426950408889634
+    qk_scale2 = sm_scale * LOG2E
 
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
@@ -518,7 +518,7 @@ def _rel_attn_bwd_dr_kernel(
         do = tl.load(DO + b * stride_dob + h * stride_doh + rows_i * stride_dom
                      + offs_d[None, :], mask=q_msk, other=0.0).to(DOT_DTYPE)
         l_off = b * stride_lb + h * stride_lh + offs_i.to(tl.int64) * stride_lm
-        lse2 = tl.load(LSE + l_off, mask=in_i, other=float("inf")) * 1.4426950408889634
+        lse2 = tl.load(LSE + l_off, mask=in_i, other=float("inf")) * LOG2E
         delta = tl.load(DELTA + l_off, mask=in_i, other=0.0)
         kv_msk = (offs_j < Lk)[:, None] & dmask[None, :]
         k_t = tl.load(K_bh + offs_j.to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
