@@ -427,3 +427,19 @@ def test_autotune_pruning_keeps_configs_that_fit():
     assert blocks(False, torch.float32, 256) == [32]
     assert blocks(True, torch.float32, 256) == [16]
     assert blocks(False, torch.float16, 64, L=20) == [32]
+
+
+def test_public_deterministic_flag():
+    """rel_attention(deterministic=False) reaches the atomic dR path; gradients still match."""
+    grads = {}
+    for det in (True, False):
+        ts = [t.detach().requires_grad_(True)
+              for t in _inputs(2, 21, 40, 2, 16, R=60, seed=23)]
+        out = txl_kernels.rel_attention(*ts, causal=False, window_size=(25, 4),
+                                        backend="triton", deterministic=det)
+        out.backward(torch.ones_like(out))
+        grads[det] = [t.grad for t in ts]
+    for a, b in zip(grads[True], grads[False]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        txl_kernels.rel_attention(*grads[True], backend="triton", deterministic=1)

@@ -148,6 +148,7 @@ def rel_attention(
     softmax_scale: Optional[float] = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
+    deterministic: bool = True,
 ) -> torch.Tensor:
     """Transformer-XL relative multi-head attention.
 
@@ -180,6 +181,9 @@ def rel_attention(
         backend: ``"reference"`` (einsum path, any device), ``"triton"`` (fused kernel; CUDA
             tensors, or CPU tensors under ``TRITON_INTERPRET=1``) or ``"auto"`` (fused where it
             can run, else reference).
+        deterministic: fused backward only. True (default): the gradient of r is reduced in a
+            fixed order, so two backward passes give bitwise-equal gradients. False: a faster
+            path that accumulates it with fp32 atomics (run-to-run bit differences).
 
     Rows whose keys are all masked give output 0 and zero gradients.
     Raises ValueError if an allowed pair needs a row of r outside ``[0, R)``.
@@ -231,6 +235,9 @@ def rel_attention(
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) \
             or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"rel_attention: dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"rel_attention: deterministic must be a bool, "
+                        f"got {type(deterministic).__name__}")
     if backend not in BACKENDS:
         raise ValueError(f"rel_attention: backend must be one of {BACKENDS}, got {backend!r}")
 
@@ -255,6 +262,7 @@ def rel_attention(
     if use_fused:
         from .ops import rel_attn_func  # imports triton lazily
 
-        return rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask)
+        return rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
+                             deterministic)
     return rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr,
                                    kpm, mask, float(dropout_p))
