@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 from collections import OrderedDict
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional
 
 from .shapes import BASELINES, FWD_BWD_FLOP_FACTOR, KIND_ORDER, PROVIDER_ORDER
 

@@ -17,7 +17,7 @@ a machine without a GPU and finishes in a couple of minutes).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 FWD = "fwd"

@@ -6,7 +6,6 @@ Data flows one way: modules -> ``rel_attention`` (checks, mask normalisation, ba
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Optional, Tuple
 
 import torch

@@ -86,17 +86,17 @@ lengths, masks, dtype, fp32 precision); accumulated outputs are zeroed between t
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
+from ._common import INTERPRET, dot_precision, last_dim_contiguous, round_bf16
+
 __all__ = ["rel_attn_bwd"]
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _MIN_BLOCK = 16  # smallest BLOCK of any config; sizes the du / dvb partial buffers
 
 
@@ -106,20 +106,11 @@ _MIN_BLOCK = 16  # smallest BLOCK of any config; sizes the du / dvb partial buff
 
 
 @triton.jit
-def _round_bf16(x):
-    """fp32 -> fp32 holding the nearest bfloat16 (ties to even). Only used under the
-    interpreter, whose fp32 -> bf16 conversion truncates."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _operand(x, IN_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
     """Round x to the input dtype, the precision of the tensor-core operands (as the forward
     does). UPCAST (interpreter, bf16): the rounded value is kept in fp32 for tl.dot."""
     if UPCAST:
-        y = _round_bf16(x)
+        y = round_bf16(x)
     else:
         y = x.to(IN_DTYPE)
     return y
@@ -129,7 +120,7 @@ def _operand(x, IN_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
 def _output(x, OUT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
     """fp32 -> output dtype, rounding to nearest also under the interpreter."""
     if UPCAST:
-        y = _round_bf16(x).to(OUT_DTYPE)
+        y = round_bf16(x).to(OUT_DTYPE)
     else:
         y = x.to(OUT_DTYPE)
     return y
@@ -556,7 +547,7 @@ def _rel_attn_bwd_dr_kernel(
 
 
 def _configs():
-    if _INTERPRET:
+    if INTERPRET:
         return [triton.Config({"BLOCK": 16}, num_warps=4, num_stages=1)]
     return [triton.Config({"BLOCK": blk}, num_warps=nw, num_stages=ns)
             for blk in (16, 32, 64)
@@ -620,10 +611,6 @@ _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.floa
 
 def _describe(t: torch.Tensor) -> str:
     return f"shape {list(t.shape)}, dtype {t.dtype}, device {t.device}"
-
-
-def _last_contig(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _check_args(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, key_padding_mask, attn_mask):
@@ -692,23 +679,20 @@ def rel_attn_bwd(
     Lk = k.shape[1]
     R_ROWS = r.shape[0]
     dev = q.device
-    q, k, v, r, do, out = (_last_contig(t) for t in (q, k, v, r, do, out))
-    r_w_bias, r_r_bias = _last_contig(r_w_bias), _last_contig(r_r_bias)
+    q, k, v, r, do, out = (last_dim_contiguous(t) for t in (q, k, v, r, do, out))
+    r_w_bias, r_r_bias = last_dim_contiguous(r_w_bias), last_dim_contiguous(r_r_bias)
     lse = lse.contiguous()
     wl, wr = int(window_left), int(window_right)
     scale = float(softmax_scale)
 
     # The interpreter's bf16 dot is wrong (triton#11584): bf16 operands are rounded to bf16
     # (round to nearest) but kept in fp32 for tl.dot.
-    upcast = q.dtype == torch.bfloat16 and _INTERPRET
+    upcast = q.dtype == torch.bfloat16 and INTERPRET
     if upcast:
         dot_dtype = tl.float32
     else:
         dot_dtype = _TL_DTYPES[q.dtype]
-    if q.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
-        precision = "ieee"
-    else:
-        precision = "tf32"
+    precision = dot_precision(q.dtype)
     block_d = max(16, triton.next_power_of_2(D))
 
     if key_padding_mask is not None:
@@ -724,7 +708,7 @@ def rel_attn_bwd(
 
     # delta = rowsum(dO * O)
     delta = torch.empty((B, H, Lq), device=dev, dtype=torch.float32)
-    pre_block = 16 if _INTERPRET else 64
+    pre_block = 16 if INTERPRET else 64
     _rel_attn_bwd_preprocess_kernel[(B * H, triton.cdiv(Lq, pre_block))](
         out, do, delta,
         out.stride(0), out.stride(1), out.stride(2),

@@ -71,16 +71,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
+from ._common import (INTERPRET, autotune_enabled, dot_precision, last_dim_contiguous,
+                      round_bf16)
+
 __all__ = ["rel_attn_fwd", "choose_num_splits", "autotune_enabled"]
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _LOG2E = 1.4426950408889634
 
 # Fixed small config under the interpreter: 16 x 16 tiles, so that odd lengths span several
@@ -101,15 +102,6 @@ def _window_chunk(qv, R, r_off_h, stride_rp, row0, R_rows, D,
     if UPCAST:
         rc = rc.to(tl.float32)
     return tl.dot(qv, tl.trans(rc), input_precision=DOT_PREC)
-
-
-@triton.jit
-def _round_bf16(x):
-    """fp32 -> fp32 holding the nearest bfloat16 (ties to even). Used only under the
-    interpreter, whose fp32 -> bf16 conversion truncates."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -152,8 +144,8 @@ def _rel_attn_fwd_kernel(
     u = tl.load(U + h * stride_uh + offs_d, mask=d_ok, other=0.0).to(tl.float32)
     vb = tl.load(VB + h * stride_vbh + offs_d, mask=d_ok, other=0.0).to(tl.float32)
     if UPCAST:  # interpreter, bf16: fp32 operands holding bf16 values
-        qu = _round_bf16(q + u[None, :])
-        qv = _round_bf16(q + vb[None, :])
+        qu = round_bf16(q + u[None, :])
+        qv = round_bf16(q + vb[None, :])
     else:
         qu = (q + u[None, :]).to(Q.dtype.element_ty)
         qv = (q + vb[None, :]).to(Q.dtype.element_ty)
@@ -253,7 +245,7 @@ def _rel_attn_fwd_kernel(
         v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vn + offs_d[None, :],
                     mask=kv_msk, other=0.0)
         if UPCAST:
-            pv = _round_bf16(p)
+            pv = round_bf16(p)
             v = v.to(tl.float32)
         else:
             pv = p.to(V.dtype.element_ty)
@@ -272,7 +264,7 @@ def _rel_attn_fwd_kernel(
                  mask=m_ok)
     else:
         if UPCAST:
-            o = _round_bf16(o)
+            o = round_bf16(o)
         o_ptrs = (Out + b * stride_ob + h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_om
                   + offs_d[None, :])
         tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
@@ -317,7 +309,7 @@ def _rel_attn_fwd_combine_kernel(
     den_safe = tl.where(has_key, den, 1.0)
     o = acc / den_safe[:, None]
     if UPCAST:
-        o = _round_bf16(o)
+        o = round_bf16(o)
     o_ptrs = (Out + b * stride_ob + h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_om
               + offs_d[None, :])
     tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
@@ -381,11 +373,6 @@ def _default_config(block_d: int, exact_fp32: bool) -> dict:
     return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 
 
-def autotune_enabled() -> bool:
-    """GPU block sizes are autotuned unless TXL_KERNELS_AUTOTUNE=0 (read at each call)."""
-    return os.environ.get("TXL_KERNELS_AUTOTUNE", "1") != "0"
-
-
 _AUTOTUNE_KEYS = ["LQ_BUCKET", "LK_BUCKET", "BLOCK_D", "num_splits", "HAS_WL", "HAS_WR",
                   "HAS_KPM", "HAS_MASK", "SPLIT", "DOT_PREC"]
 
@@ -422,10 +409,6 @@ def choose_num_splits(B: int, H: int, Lq: int, Lk: int, window_left: int, window
         span = min(Lk, Lk - Lq + window_right + 64)
     by_keys = max(1, span // 256)
     return int(max(1, min(triton.cdiv(4 * num_sms, base), by_keys, 64)))
-
-
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
 def _next_pow2(n: int) -> int:
@@ -468,7 +451,7 @@ def rel_attn_fwd(
         raise ValueError("rel_attn_fwd: r must be [R, H, D] and the biases [H, D]")
     if not 16 <= D <= 256:
         raise ValueError(f"rel_attn_fwd: head dim {D} outside 16..256")
-    q, k, v, r, u, vb = (_last_dim_contiguous(t) for t in (q, k, v, r, r_w_bias, r_r_bias))
+    q, k, v, r, u, vb = (last_dim_contiguous(t) for t in (q, k, v, r, r_w_bias, r_r_bias))
 
     out = torch.empty((B, Lq, H, D), dtype=dtype, device=q.device)
     lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
@@ -484,7 +467,7 @@ def rel_attn_fwd(
         am, am_strides = q, (0, 0, 0, 0)
 
     if num_splits is None:
-        if q.device.type == "cuda" and not _INTERPRET:
+        if q.device.type == "cuda" and not INTERPRET:
             num_splits = choose_num_splits(B, H, Lq, Lk, window_left, window_right,
                                            _sm_count(q.device.index or 0))
         else:
@@ -497,11 +480,8 @@ def rel_attn_fwd(
     else:
         o_part, l_part = lse, lse  # unused
 
-    if dtype == torch.float32:
-        dot_prec = "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
-    else:
-        dot_prec = "ieee"
-    upcast = _INTERPRET and dtype == torch.bfloat16
+    dot_prec = dot_precision(dtype)
+    upcast = INTERPRET and dtype == torch.bfloat16
     block_d = max(16, _next_pow2(D))
 
     args = (
@@ -526,7 +506,7 @@ def rel_attn_fwd(
         return (B * H, triton.cdiv(Lq, META["BLOCK_M"]), num_splits)
 
     with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
-        if config is None and _INTERPRET:
+        if config is None and INTERPRET:
             config = INTERPRET_CONFIG
         elif config is None and not autotune_enabled():
             config = _default_config(block_d, dtype == torch.float32 and dot_prec == "ieee")
@@ -536,13 +516,13 @@ def rel_attn_fwd(
             if bm > 2 * bn:
                 raise ValueError("rel_attn_fwd: config needs BLOCK_M <= 2 * BLOCK_N")
             cfg.setdefault("num_warps", 4)
-            cfg.setdefault("num_stages", 1 if _INTERPRET else 2)
+            cfg.setdefault("num_stages", 1 if INTERPRET else 2)
             _rel_attn_fwd_kernel[grid(dict(BLOCK_M=bm))](*args, BLOCK_M=bm, BLOCK_N=bn, **meta,
                                                         **cfg)
         else:
             _rel_attn_fwd_kernel_tuned[grid](*args, **meta)
         if split:
-            bm_c = 16 if _INTERPRET else 64
+            bm_c = 16 if INTERPRET else 64
             _rel_attn_fwd_combine_kernel[(B * H, triton.cdiv(Lq, bm_c))](
                 o_part, l_part, out, lse, out.stride(0), out.stride(1), out.stride(2),
                 H, Lq, D, num_splits, UPCAST=upcast, BLOCK_M=bm_c, BLOCK_D=block_d,

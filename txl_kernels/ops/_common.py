@@ -1,0 +1,39 @@
+"""Pieces shared by the forward and backward kernels: interpreter detection, operand rounding,
+fp32 product precision, stride normalisation and the autotuning switch."""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# TRITON_INTERPRET is read once, as triton itself does when it decorates the kernels.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def round_bf16(x):
+    """fp32 -> fp32 holding the nearest bfloat16 (ties to even). Used only under the
+    interpreter, whose fp32 -> bf16 conversion truncates."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return bits.to(tl.float32, bitcast=True)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input_precision: fp32 inputs follow torch.get_float32_matmul_precision()
+    ("highest" -> exact IEEE fp32 products, otherwise TF32); fp16 / bf16 products are exact."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+        return "tf32"
+    return "ieee"
+
+
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """The kernels need stride(-1) == 1 only; anything else is copied (nothing else is)."""
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def autotune_enabled() -> bool:
+    """GPU block sizes are autotuned unless TXL_KERNELS_AUTOTUNE=0 (read at each call)."""
+    return os.environ.get("TXL_KERNELS_AUTOTUNE", "1") != "0"
