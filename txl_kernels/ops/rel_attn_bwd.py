@@ -197,6 +197,44 @@ def _probs(ac, bd, lse2, offs_i, offs_j, b, h, Lq, Lk, WL, WR, qk_scale2,
 
 
 @triton.jit
+def _load_query_tile(Q, DO, LSE, DELTA, b, h, offs_i, offs_d, u, vb, Lq, D,
+                     stride_qb, stride_qm, stride_qh, stride_dob, stride_dom, stride_doh,
+                     stride_lb, stride_lh, stride_lm,
+                     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
+    """One query tile's operands: (q + u) and (q + vb) rounded as the forward rounds them,
+    dO, the log-sum-exp in log2 units (+inf past Lq) and delta."""
+    in_i = offs_i < Lq
+    rows_i = offs_i.to(tl.int64)[:, None]
+    q_msk = in_i[:, None] & (offs_d < D)[None, :]
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows_i * stride_qm + offs_d[None, :],
+                mask=q_msk, other=0.0).to(tl.float32)
+    a_t = _operand(q + u[None, :], Q.dtype.element_ty, UPCAST)
+    qv_t = _operand(q + vb[None, :], Q.dtype.element_ty, UPCAST)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + rows_i * stride_dom + offs_d[None, :],
+                 mask=q_msk, other=0.0).to(DOT_DTYPE)
+    l_off = b * stride_lb + h * stride_lh + offs_i.to(tl.int64) * stride_lm
+    lse2 = tl.load(LSE + l_off, mask=in_i, other=float("inf")) * LOG2E
+    delta = tl.load(DELTA + l_off, mask=in_i, other=0.0)
+    return a_t, qv_t, do, lse2, delta
+
+
+@triton.jit
+def _recompute_p_dp(a_t, do, k_t, v_t, t_lo, t_hi, lse2, offs_i, offs_j, b, h, Lq, Lk, WL, WR,
+                    qk_scale2, KPM, stride_kpb, stride_kpn, MASK, stride_mb, stride_mh,
+                    stride_mm, stride_mn, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
+                    INPUT_PRECISION: tl.constexpr, BLOCK: tl.constexpr):
+    """P (recomputed from lse, 0 where masked) and dP = dO V^T on one tile; t_lo / t_hi are the
+    two window chunks (q + vb) @ R^T that the skew turns into BD."""
+    bd = _skew(t_lo, t_hi, BLOCK)
+    ac = tl.dot(a_t, tl.trans(k_t), input_precision=INPUT_PRECISION)
+    p = _probs(ac, bd, lse2, offs_i, offs_j, b, h, Lq, Lk, WL, WR, qk_scale2,
+               KPM, stride_kpb, stride_kpn, MASK, stride_mb, stride_mh, stride_mm,
+               stride_mn, HAS_KPM, HAS_MASK)
+    dp = tl.dot(do, tl.trans(v_t), input_precision=INPUT_PRECISION)
+    return p, dp
+
+
+@triton.jit
 def _rel_attn_bwd_preprocess_kernel(
     O, DO, DELTA,
     stride_ob, stride_om, stride_oh,
@@ -279,29 +317,19 @@ def _rel_attn_bwd_dkdv_kernel(
     for m in range(m_lo, m_hi):
         i0 = m * BLOCK
         offs_i = i0 + tl.arange(0, BLOCK)
-        in_i = offs_i < Lq
-        rows_i = offs_i.to(tl.int64)[:, None]
-        q_msk = in_i[:, None] & dmask[None, :]
-        q = tl.load(Q + b * stride_qb + h * stride_qh + rows_i * stride_qm + offs_d[None, :],
-                    mask=q_msk, other=0.0).to(tl.float32)
-        a_t = _operand(q + u[None, :], Q.dtype.element_ty, UPCAST)
-        qv_t = _operand(q + vb[None, :], Q.dtype.element_ty, UPCAST)
-        do = tl.load(DO + b * stride_dob + h * stride_doh + rows_i * stride_dom
-                     + offs_d[None, :], mask=q_msk, other=0.0).to(DOT_DTYPE)
-        l_off = b * stride_lb + h * stride_lh + offs_i.to(tl.int64) * stride_lm
-        lse2 = tl.load(LSE + l_off, mask=in_i, other=float("inf")) * LOG2E
-        delta = tl.load(DELTA + l_off, mask=in_i, other=0.0)
+        a_t, qv_t, do, lse2, delta = _load_query_tile(
+            Q, DO, LSE, DELTA, b, h, offs_i, offs_d, u, vb, Lq, D,
+            stride_qb, stride_qm, stride_qh, stride_dob, stride_dom, stride_doh,
+            stride_lb, stride_lh, stride_lm, DOT_DTYPE, UPCAST)
 
         r_lo = _load_rows(R_h, j0 - i0 + Lq - BLOCK + w, R_ROWS, stride_rp, offs_d, D,
                           DOT_DTYPE)
         t_lo = tl.dot(qv_t, tl.trans(r_lo), input_precision=INPUT_PRECISION)
         t_hi = tl.dot(qv_t, tl.trans(r_hi), input_precision=INPUT_PRECISION)
-        bd = _skew(t_lo, t_hi, BLOCK)
-        ac = tl.dot(a_t, tl.trans(k_t), input_precision=INPUT_PRECISION)
-        p = _probs(ac, bd, lse2, offs_i, offs_j, b, h, Lq, Lk, WL, WR, qk_scale2,
-                   KPM, stride_kpb, stride_kpn, MASK, stride_mb, stride_mh, stride_mm,
-                   stride_mn, HAS_KPM, HAS_MASK)
-        dp = tl.dot(do, tl.trans(v_t), input_precision=INPUT_PRECISION)
+        p, dp = _recompute_p_dp(a_t, do, k_t, v_t, t_lo, t_hi, lse2, offs_i, offs_j, b, h, Lq,
+                                Lk, WL, WR, qk_scale2, KPM, stride_kpb, stride_kpn, MASK,
+                                stride_mb, stride_mh, stride_mm, stride_mn, HAS_KPM, HAS_MASK,
+                                INPUT_PRECISION, BLOCK)
         ds = p * (dp - delta[:, None])
         dv = tl.dot(tl.trans(_operand(p, Q.dtype.element_ty, UPCAST)), do, dv,
                     input_precision=INPUT_PRECISION)
@@ -356,17 +384,12 @@ def _rel_attn_bwd_dq_kernel(
     dmask = offs_d < D
     rows_i = offs_i.to(tl.int64)[:, None]
     q_msk = in_i[:, None] & dmask[None, :]
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows_i * stride_qm + offs_d[None, :],
-                mask=q_msk, other=0.0).to(tl.float32)
     u = tl.load(U + h * stride_uh + offs_d, mask=dmask, other=0.0).to(tl.float32)
     vb = tl.load(VB + h * stride_vbh + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    a_t = _operand(q + u[None, :], Q.dtype.element_ty, UPCAST)
-    qv_t = _operand(q + vb[None, :], Q.dtype.element_ty, UPCAST)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + rows_i * stride_dom + offs_d[None, :],
-                 mask=q_msk, other=0.0).to(DOT_DTYPE)
-    l_off = b * stride_lb + h * stride_lh + offs_i.to(tl.int64) * stride_lm
-    lse2 = tl.load(LSE + l_off, mask=in_i, other=float("inf")) * LOG2E
-    delta = tl.load(DELTA + l_off, mask=in_i, other=0.0)
+    a_t, qv_t, do, lse2, delta = _load_query_tile(
+        Q, DO, LSE, DELTA, b, h, offs_i, offs_d, u, vb, Lq, D,
+        stride_qb, stride_qm, stride_qh, stride_dob, stride_dom, stride_doh,
+        stride_lb, stride_lh, stride_lm, DOT_DTYPE, UPCAST)
     R_h = R + h * stride_rh
     K_bh = K + b * stride_kb + h * stride_kh
     V_bh = V + b * stride_vb + h * stride_vh
@@ -395,12 +418,10 @@ def _rel_attn_bwd_dq_kernel(
                       mask=kv_msk, other=0.0).to(DOT_DTYPE)
         r_hi = _load_rows(R_h, p_lo + BLOCK + w, R_ROWS, stride_rp, offs_d, D, DOT_DTYPE)
         t_hi = tl.dot(qv_t, tl.trans(r_hi), input_precision=INPUT_PRECISION)
-        bd = _skew(t_lo, t_hi, BLOCK)
-        ac = tl.dot(a_t, tl.trans(k_t), input_precision=INPUT_PRECISION)
-        p = _probs(ac, bd, lse2, offs_i, offs_j, b, h, Lq, Lk, WL, WR, qk_scale2,
-                   KPM, stride_kpb, stride_kpn, MASK, stride_mb, stride_mh, stride_mm,
-                   stride_mn, HAS_KPM, HAS_MASK)
-        dp = tl.dot(do, tl.trans(v_t), input_precision=INPUT_PRECISION)
+        p, dp = _recompute_p_dp(a_t, do, k_t, v_t, t_lo, t_hi, lse2, offs_i, offs_j, b, h, Lq,
+                                Lk, WL, WR, qk_scale2, KPM, stride_kpb, stride_kpn, MASK,
+                                stride_mb, stride_mh, stride_mm, stride_mn, HAS_KPM, HAS_MASK,
+                                INPUT_PRECISION, BLOCK)
         ds = _operand(p * (dp - delta[:, None]), Q.dtype.element_ty, UPCAST)
         dqa = tl.dot(ds, k_t, dqa, input_precision=INPUT_PRECISION)
         g = _unskew_gather(ds, BLOCK)
@@ -499,18 +520,10 @@ def _rel_attn_bwd_dr_kernel(
         j0 = i0 + t * BLOCK
         offs_i = i0 + tl.arange(0, BLOCK)
         offs_j = j0 + tl.arange(0, BLOCK)
-        in_i = offs_i < Lq
-        rows_i = offs_i.to(tl.int64)[:, None]
-        q_msk = in_i[:, None] & dmask[None, :]
-        q = tl.load(Q + b * stride_qb + h * stride_qh + rows_i * stride_qm + offs_d[None, :],
-                    mask=q_msk, other=0.0).to(tl.float32)
-        a_t = _operand(q + u[None, :], Q.dtype.element_ty, UPCAST)
-        qv_t = _operand(q + vb[None, :], Q.dtype.element_ty, UPCAST)
-        do = tl.load(DO + b * stride_dob + h * stride_doh + rows_i * stride_dom
-                     + offs_d[None, :], mask=q_msk, other=0.0).to(DOT_DTYPE)
-        l_off = b * stride_lb + h * stride_lh + offs_i.to(tl.int64) * stride_lm
-        lse2 = tl.load(LSE + l_off, mask=in_i, other=float("inf")) * LOG2E
-        delta = tl.load(DELTA + l_off, mask=in_i, other=0.0)
+        a_t, qv_t, do, lse2, delta = _load_query_tile(
+            Q, DO, LSE, DELTA, b, h, offs_i, offs_d, u, vb, Lq, D,
+            stride_qb, stride_qm, stride_qh, stride_dob, stride_dom, stride_doh,
+            stride_lb, stride_lh, stride_lm, DOT_DTYPE, UPCAST)
         kv_msk = (offs_j < Lk)[:, None] & dmask[None, :]
         k_t = tl.load(K_bh + offs_j.to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
                       mask=kv_msk, other=0.0).to(DOT_DTYPE)
@@ -519,12 +532,10 @@ def _rel_attn_bwd_dr_kernel(
 
         t_lo = tl.dot(qv_t, tl.trans(r_lo), input_precision=INPUT_PRECISION)
         t_hi = tl.dot(qv_t, tl.trans(r_hi), input_precision=INPUT_PRECISION)
-        bd = _skew(t_lo, t_hi, BLOCK)
-        ac = tl.dot(a_t, tl.trans(k_t), input_precision=INPUT_PRECISION)
-        p = _probs(ac, bd, lse2, offs_i, offs_j, b, h, Lq, Lk, WL, WR, qk_scale2,
-                   KPM, stride_kpb, stride_kpn, MASK, stride_mb, stride_mh, stride_mm,
-                   stride_mn, HAS_KPM, HAS_MASK)
-        dp = tl.dot(do, tl.trans(v_t), input_precision=INPUT_PRECISION)
+        p, dp = _recompute_p_dp(a_t, do, k_t, v_t, t_lo, t_hi, lse2, offs_i, offs_j, b, h, Lq,
+                                Lk, WL, WR, qk_scale2, KPM, stride_kpb, stride_kpn, MASK,
+                                stride_mb, stride_mh, stride_mm, stride_mn, HAS_KPM, HAS_MASK,
+                                INPUT_PRECISION, BLOCK)
         ds = _operand(p * (dp - delta[:, None]), Q.dtype.element_ty, UPCAST)
         g = _unskew_gather(ds, BLOCK)
         dt_lo = tl.where(lo_part, g, 0.0).to(DOT_DTYPE)
