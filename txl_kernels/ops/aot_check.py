@@ -1,0 +1,833 @@
+"""Ahead-of-time compile check of the fused Triton kernels for Hopper (sm_90), without a GPU.
+
+    python -m txl_kernels.ops.aot_check [--quick] [--json PATH] [--only REGEX] [--jobs N]
+                                        [--list] [--strict]
+
+What it checks. Every ``@triton.jit`` kernel of ``rel_attn_fwd.py`` and ``rel_attn_bwd.py``
+(entry points, i.e. jit functions that return nothing; the ``@triton.jit`` helpers they call
+are compiled inside them) is compiled with ``triton.compile`` for
+``GPUTarget("cuda", 90, 32)`` through the whole pipeline: Triton IR, TritonGPU IR with the
+Hopper layouts (layout conversions, the ``tl.gather`` lowering -- cf. triton-lang/triton#5836 --,
+wgmma selection, software pipelining), LLVM IR, PTX, and ``ptxas`` (bundled with Triton) to a
+cubin, with register allocation. The interpreter tests exercise none of this. A case FAILs
+when any stage raises, or when the kernel needs more shared memory than an sm_90 block can
+have (227 KiB; that error would otherwise only appear at launch time). An autotune config
+over that limit is reported as OOR instead: Triton's autotuner skips configs that raise
+OutOfResources, so it only fails the run when no config of that launch fits (or with
+``--strict``); it is listed as a config to prune.
+
+Which cases. The signatures are not written by hand: the real launchers (``rel_attn_fwd``,
+``rel_attn_bwd``) are called on ``meta`` tensors (shapes and strides, no data) with the
+kernel objects temporarily replaced by recorders, so the checker sees exactly the arguments
+and meta-parameters a launch passes (the ``uint8`` mask views, the placeholder pointers passed
+when a mask is absent, the stride values). They are then specialised with Triton's own launch
+binder, as a GPU launch would: pointer element types, ``i32`` / ``i64`` ints, the ints equal to 1
+that become constants, the 16-divisibility hints of pointers and ints. For autotuned kernels
+(``triton.autotune`` / ``triton.heuristics`` are unwrapped) each config that the module's
+pruning keeps for that launch is compiled; with ``TXL_KERNELS_AUTOTUNE=0`` the forward's
+default config is added. The grid: dtypes fp16, bf16, fp32 with TF32 and with IEEE products
+(``torch.get_float32_matmul_precision``), head dims 64, 128, 256 and 41 (padded to
+BLOCK_D 64, strides not divisible by 16), and two flag sets: all off (no window, no masks, one
+split, deterministic dr) and all on (causal + left window, key padding mask, dense mask,
+split-K, both the deterministic dr and the atomic dr). Identical compiles are done once.
+``--quick`` (CI): flags all on, head dims 64 and 128, the largest offered config of each
+kernel (largest tile, then most warps and stages) for every dtype.
+
+Each compile prints the kernel, the case and config, OK / FAIL, registers per thread, spill
+stores / loads (bytes, from ptxas' report), shared memory, the count of Hopper ``wgmma``
+and of ``mma.sync`` tensor-core instructions in the PTX, an estimate of resident blocks per SM
+(from registers, shared memory and warps) and the compile time, then a per-kernel summary.
+Exit status 1 if any compile fails, a launcher cannot be driven, or a kernel of either module
+is never launched by any case. ``--json PATH`` writes every result; ``--list`` prints the
+cases without compiling; ``--only REGEX`` keeps the kernels whose name matches. Compiles run
+in a fresh Triton cache (so each really compiles) in ``--jobs`` processes (default 2).
+
+What it cannot check. Nothing runs: numerical results, races, out-of-bounds accesses,
+deadlocks and speed need a GPU (the GPU tests and the benchmark suite). Register and spill
+figures are ptxas' static allocation; occupancy is an estimate. The compiles use this Triton
+version's and this ptxas's code generation; a different Triton may lay the kernels out
+differently. Launch-time specialisation on pointer alignment is assumed to be the usual
+16-byte-aligned torch allocation.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import dataclasses
+import inspect
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+KERNEL_MODULES = ("txl_kernels.ops.rel_attn_fwd", "txl_kernels.ops.rel_attn_bwd")
+
+# sm_90 (H100 / H200) resource limits.
+SM90_MAX_SHARED_PER_BLOCK = 232448  # bytes, opt-in maximum of dynamic shared memory per block
+SM90_SHARED_PER_SM = 233472          # bytes
+SM90_SHARED_RESERVED_PER_BLOCK = 1024
+SM90_REGS_PER_SM = 65536
+SM90_MAX_WARPS_PER_SM = 64
+SM90_MAX_BLOCKS_PER_SM = 32
+
+DTYPE_CASES = ("fp16", "bf16", "fp32-tf32", "fp32-ieee")
+HEAD_DIMS_FULL = (64, 128, 256, 41)
+HEAD_DIMS_QUICK = (64, 128)
+FLAG_SETS = ("off", "on")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in ("", "0", "false",
+                                                                            "off", "no")
+
+
+# ----------------------------------------------------------------------------------------------
+# Compiling one kernel
+# ----------------------------------------------------------------------------------------------
+
+
+def _target():
+    from triton.backends.compiler import GPUTarget
+    return GPUTarget("cuda", 90, 32)
+
+
+_PTXAS_PATTERNS = {
+    "regs": re.compile(r"Used (\d+) registers"),
+    "spill": re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads"),
+    "stack": re.compile(r"(\d+) bytes stack frame"),
+}
+
+
+def _parse_ptxas_log(log: str, name: str) -> Dict[str, Optional[int]]:
+    """Registers / spills / stack of entry function ``name`` from a ``ptxas -v`` log."""
+    start = log.find(f"Compiling entry function '{name}'")
+    part = log[start:] if start >= 0 else log
+    out: Dict[str, Optional[int]] = {"regs": None, "spill_stores": None, "spill_loads": None,
+                                     "stack": None}
+    m = _PTXAS_PATTERNS["regs"].search(part)
+    if m:
+        out["regs"] = int(m.group(1))
+    m = _PTXAS_PATTERNS["spill"].search(part)
+    if m:
+        out["spill_stores"], out["spill_loads"] = int(m.group(1)), int(m.group(2))
+    m = _PTXAS_PATTERNS["stack"].search(part)
+    if m:
+        out["stack"] = int(m.group(1))
+    return out
+
+
+def _blocks_per_sm(regs: Optional[int], shared: Optional[int], num_warps: int) -> Optional[int]:
+    """Estimated resident blocks per sm_90 SM (registers allocated per warp in units of 256)."""
+    if regs is None or shared is None:
+        return None
+    regs_per_warp = -(-max(regs, 1) * 32 // 256) * 256
+    by_regs = (SM90_REGS_PER_SM // regs_per_warp) // num_warps
+    by_smem = SM90_SHARED_PER_SM // (shared + SM90_SHARED_RESERVED_PER_BLOCK)
+    by_warps = SM90_MAX_WARPS_PER_SM // num_warps
+    return int(min(by_regs, by_smem, by_warps, SM90_MAX_BLOCKS_PER_SM))
+
+
+def _first_line(text: str, limit: int = 400) -> str:
+    """The informative part of a compiler error: its last non-empty lines, shortened."""
+    lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
+    if not lines:
+        return "(no message)"
+    msg = " | ".join(lines[-3:])
+    return msg if len(msg) <= limit else msg[: limit - 3] + "..."
+
+
+def compile_kernel(fn, signature: Dict[str, str], constexprs: Optional[Dict] = None,
+                   attrs: Optional[Dict] = None, num_warps: int = 4, num_stages: int = 2,
+                   extra_options: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Compile ``fn`` (a ``triton.jit`` JITFunction) for sm_90 and describe the result.
+
+    ``signature`` maps every argument name to a Triton type string (``"*fp16"``, ``"i32"``,
+    ``"fp32"``, ``"constexpr"``); ``constexprs`` maps names or index paths to values; ``attrs``
+    are the launch specialisation hints (``{(i,): [["tt.divisibility", 16]]}``). Never raises
+    for a compile problem: returns ``status`` "OK" or "FAIL" with ``error``.
+    """
+    import triton
+    from triton import knobs
+    from triton.compiler import ASTSource
+
+    res: Dict[str, Any] = {"kernel": getattr(fn, "__name__", str(fn)), "status": "FAIL",
+                           "error": None, "regs": None, "spill_stores": None,
+                           "spill_loads": None, "stack": None, "shared": None, "wgmma": None,
+                           "mma_sync": None, "blocks_per_sm": None, "seconds": None,
+                           "num_warps": num_warps, "num_stages": num_stages}
+    if type(fn).__name__ != "JITFunction":
+        res["error"] = (f"{res['kernel']} is a {type(fn).__name__}, not a compiled-mode "
+                        "JITFunction (is TRITON_INTERPRET set?)")
+        return res
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    options.update(extra_options or {})
+    log = io.StringIO()
+    old_dump = knobs.nvidia.dump_ptxas_log
+    t0 = time.perf_counter()
+    try:
+        knobs.nvidia.dump_ptxas_log = True  # ptxas -v report, printed by Triton: captured
+        with contextlib.redirect_stdout(log):
+            src = ASTSource(fn, signature, constexprs, attrs)
+            kernel = triton.compile(src, target=_target(), options=options)
+    except Exception as exc:  # any stage: frontend, MLIR passes, LLVM, ptxas
+        res["seconds"] = round(time.perf_counter() - t0, 2)
+        res["error"] = f"{type(exc).__name__}: {_first_line(str(exc))}"
+        return res
+    finally:
+        knobs.nvidia.dump_ptxas_log = old_dump
+    res["seconds"] = round(time.perf_counter() - t0, 2)
+    md = kernel.metadata
+    res["shared"] = int(getattr(md, "shared", 0) or 0)
+    ptx = kernel.asm.get("ptx", "")
+    if isinstance(ptx, bytes):
+        ptx = ptx.decode(errors="replace")
+    ttir = kernel.asm.get("ttir", "")
+    res["has_dot"] = "tt.dot" in (ttir if isinstance(ttir, str) else "")
+    res["wgmma"] = len(re.findall(r"\bwgmma\.mma_async", ptx))
+    res["mma_sync"] = len(re.findall(r"\bmma\.sync", ptx))
+    res.update(_parse_ptxas_log(log.getvalue(), getattr(md, "name", res["kernel"])))
+    if res["regs"] is None:  # cache hit (no ptxas run): ask cuobjdump for the cubin's usage
+        res.update(_cuobjdump_usage(kernel.asm.get("cubin")))
+    res["blocks_per_sm"] = _blocks_per_sm(res["regs"], res["shared"], num_warps)
+    if res["shared"] > SM90_MAX_SHARED_PER_BLOCK:
+        res["oor"] = True
+        res["error"] = (f"needs {res['shared']} bytes of shared memory, more than the "
+                        f"{SM90_MAX_SHARED_PER_BLOCK} an sm_90 block can have (the launch "
+                        "would fail with OutOfResources)")
+        return res
+    res["status"] = "OK"
+    return res
+
+
+def _cuobjdump_usage(cubin: Optional[bytes]) -> Dict[str, Optional[int]]:
+    out: Dict[str, Optional[int]] = {}
+    if not cubin:
+        return out
+    try:
+        from triton import knobs
+        tool = knobs.nvidia.cuobjdump.path
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(cubin)
+            path = f.name
+        try:
+            text = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True,
+                                  timeout=60).stdout
+        finally:
+            os.unlink(path)
+    except Exception:
+        return out
+    m = re.search(r"REG:(\d+)", text)
+    if m:
+        out["regs"] = int(m.group(1))
+    m = re.search(r"STACK:(\d+)", text)
+    if m:
+        out["stack"] = int(m.group(1))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel discovery
+# ----------------------------------------------------------------------------------------------
+
+
+def _is_jit_function(obj) -> bool:
+    return type(obj).__name__ in ("JITFunction", "InterpretedFunction") and hasattr(obj, "fn")
+
+
+def _returns_value(fn) -> bool:
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn.fn)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    return any(isinstance(node, ast.Return) and node.value is not None
+               for node in ast.walk(tree))
+
+
+def entry_kernels(module) -> Dict[str, Any]:
+    """The ``@triton.jit`` entry points defined in ``module`` (jit functions that return
+    nothing; the value-returning ones are helpers inlined into them), by name."""
+    out = {}
+    for name, obj in vars(module).items():
+        if _is_jit_function(obj) and getattr(obj.fn, "__module__", None) == module.__name__ \
+                and not _returns_value(obj):
+            out[obj.fn.__name__] = obj
+    return out
+
+
+def _unwrap(obj):
+    """Innermost JITFunction of Autotuner / Heuristics wrappers, and the wrapper chain."""
+    chain = []
+    while not _is_jit_function(obj):
+        chain.append(obj)
+        obj = obj.fn
+    return obj, chain
+
+
+# ----------------------------------------------------------------------------------------------
+# Capturing launches from the real launchers
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """One launcher call: dtype (and fp32 matmul precision), head dim, flag set."""
+    dtype: str   # one of DTYPE_CASES
+    head_dim: int
+    flags: str   # "off" | "on"
+
+    @property
+    def label(self) -> str:
+        return f"{self.dtype} D{self.head_dim} flags-{self.flags}"
+
+
+@dataclasses.dataclass
+class Launch:
+    obj: Any            # what the launcher indexed: JITFunction, Autotuner or Heuristics
+    args: tuple
+    kwargs: dict
+
+
+class _Recorder:
+    """Stands in for a kernel object during a launcher call: ``kernel[grid](*args, **kw)``
+    records the call instead of launching; other attributes come from the real object."""
+
+    def __init__(self, obj, log: List[Launch]):
+        self._obj = obj
+        self._log = log
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self._log.append(Launch(self._obj, args, dict(kwargs)))
+        return launch
+
+    def run(self, *args, grid=None, warmup=False, **kwargs):
+        self._log.append(Launch(self._obj, args, dict(kwargs)))
+
+    def __getattr__(self, name):
+        return getattr(self._obj, name)
+
+
+@contextlib.contextmanager
+def _recording(module, log: List[Launch]):
+    """Replace the module's kernel objects (entry JITFunctions and the autotune / heuristics
+    wrappers around them) by recorders for the duration of the block."""
+    from triton.runtime.autotuner import Autotuner, Heuristics
+    saved = {}
+    for name, obj in list(vars(module).items()):
+        if isinstance(obj, (Autotuner, Heuristics)) or (
+                _is_jit_function(obj) and not _returns_value(obj)):
+            saved[name] = obj
+            setattr(module, name, _Recorder(obj, log))
+    try:
+        yield
+    finally:
+        for name, obj in saved.items():
+            setattr(module, name, obj)
+
+
+@contextlib.contextmanager
+def _environment(dtype_case: str, autotune: bool):
+    import torch
+    old_prec = torch.get_float32_matmul_precision()
+    old_env = os.environ.get("TXL_KERNELS_AUTOTUNE")
+    try:
+        if dtype_case == "fp32-ieee":
+            torch.set_float32_matmul_precision("highest")
+        elif dtype_case == "fp32-tf32":
+            torch.set_float32_matmul_precision("high")
+        if autotune:
+            os.environ.pop("TXL_KERNELS_AUTOTUNE", None)
+        else:
+            os.environ["TXL_KERNELS_AUTOTUNE"] = "0"
+        yield
+    finally:
+        torch.set_float32_matmul_precision(old_prec)
+        if old_env is None:
+            os.environ.pop("TXL_KERNELS_AUTOTUNE", None)
+        else:
+            os.environ["TXL_KERNELS_AUTOTUNE"] = old_env
+
+
+def _torch_dtype(dtype_case: str):
+    import torch
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(dtype_case, torch.float32)
+
+
+def _shapes(sc: Scenario) -> dict:
+    """Launch shapes on meta tensors. Flags off: a square training segment whose sizes are
+    multiples of 16. Flags on: odd lengths with a memory (Lk > Lq), a causal + left window,
+    key padding, a dense mask, 4 key splits."""
+    if sc.flags == "off":
+        return dict(B=2, H=8, Lq=1024, Lk=1024, R=1024, wl=-1, wr=-1, kpm=False, mask=False,
+                    splits=1, deterministic=(True,))
+    return dict(B=2, H=8, Lq=300, Lk=1000, R=1000, wl=256, wr=0, kpm=True, mask=True,
+                splits=4, deterministic=(True, False))
+
+
+def _meta_inputs(sc: Scenario, s: dict):
+    import torch
+    dt = _torch_dtype(sc.dtype)
+    B, H, Lq, Lk, R, D = s["B"], s["H"], s["Lq"], s["Lk"], s["R"], sc.head_dim
+
+    def t(*shape, dtype=dt):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    kpm = t(B, Lk, dtype=torch.bool) if s["kpm"] else None
+    mask = t(B, H, Lq, Lk, dtype=torch.bool) if s["mask"] else None
+    return (t(B, Lq, H, D), t(B, Lk, H, D), t(B, Lk, H, D), t(R, H, D), t(H, D), t(H, D),
+            kpm, mask)
+
+
+def _drive_fwd(module, sc: Scenario) -> None:
+    s = _shapes(sc)
+    q, k, v, r, u, vb, kpm, mask = _meta_inputs(sc, s)
+    module.rel_attn_fwd(q, k, v, r, u, vb, sc.head_dim ** -0.5, s["wl"], s["wr"], kpm, mask,
+                        num_splits=s["splits"])
+
+
+def _drive_bwd(module, sc: Scenario) -> None:
+    import torch
+    s = _shapes(sc)
+    q, k, v, r, u, vb, kpm, mask = _meta_inputs(sc, s)
+    out = torch.empty_like(q)
+    do = torch.empty_like(q)
+    lse = torch.empty(s["B"], s["H"], s["Lq"], dtype=torch.float32, device="meta")
+    for det in s["deterministic"]:
+        module.rel_attn_bwd(do, q, k, v, r, u, vb, out, lse, sc.head_dim ** -0.5, s["wl"],
+                            s["wr"], key_padding_mask=kpm, attn_mask=mask, deterministic=det)
+
+
+# Module -> how to call its launcher for a scenario (the only place that knows the launchers'
+# signatures; the kernels' own signatures are taken from the recorded calls).
+DRIVERS: Dict[str, Callable] = {
+    "txl_kernels.ops.rel_attn_fwd": _drive_fwd,
+    "txl_kernels.ops.rel_attn_bwd": _drive_bwd,
+}
+
+
+@dataclasses.dataclass
+class Job:
+    module: str
+    kernel: str
+    signature: Dict[str, str]
+    constexprs: Dict[Tuple[int, ...], Any]
+    attrs: Dict[Tuple[int, ...], Any]
+    num_warps: int
+    num_stages: int
+    extra_options: Dict[str, Any]
+    config: str                      # meta-parameters that come from the config / launch
+    cases: List[str] = dataclasses.field(default_factory=list)
+    scenarios: List[Scenario] = dataclasses.field(default_factory=list)
+    largest_key: Tuple = ()
+    autotuned: bool = True           # False if some launch uses this config without a tuner
+    groups: List[str] = dataclasses.field(default_factory=list)  # launches that offer it
+
+    def arg_name(self, path) -> str:
+        """Argument name of a constexpr / attr index path."""
+        names = list(self.signature)
+        idx = path[0] if isinstance(path, tuple) else path
+        return names[idx] if isinstance(idx, int) and idx < len(names) else str(idx)
+
+    def key(self) -> str:
+        return repr((self.module, self.kernel, sorted(self.signature.items()),
+                     sorted((k, repr(v)) for k, v in self.constexprs.items()),
+                     sorted((k, repr(v)) for k, v in self.attrs.items()),
+                     self.num_warps, self.num_stages, sorted(self.extra_options.items())))
+
+
+_CONFIG_OPTION_NAMES = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+
+
+def _specialise(backend, fn, args: tuple, kwargs: dict):
+    """What ``fn[grid](*args, **kwargs)`` would compile: Triton's launch binder."""
+    from triton import knobs
+    from triton.runtime.jit import create_function_from_signature
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    kwargs = dict(kwargs)
+    kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args,
+                                                          specialization, options)
+    return options, signature, constexprs, attrs
+
+
+def jobs_from_launch(backend, module_name: str, launch: Launch) -> List[Job]:
+    """Compile jobs for one recorded launch: one per config the autotuner would try."""
+    from triton.runtime.autotuner import Autotuner, Heuristics
+    fn, chain = _unwrap(launch.obj)
+    variants: List[Tuple[dict, str]] = [(dict(launch.kwargs), "")]
+    for wrapper in chain:
+        nxt = []
+        for kw, cfg_label in variants:
+            if isinstance(wrapper, Autotuner):
+                wrapper.nargs = dict(zip(wrapper.arg_names, launch.args))
+                try:
+                    configs = (wrapper.prune_configs(kw) if len(wrapper.configs) > 1
+                               else list(wrapper.configs))
+                finally:
+                    wrapper.nargs = None
+                for cfg in configs:
+                    nxt.append(({**kw, **cfg.all_kwargs()}, "autotune"))
+            elif isinstance(wrapper, Heuristics):
+                kw = dict(kw)
+                named = {**dict(zip(wrapper.arg_names, launch.args)), **kw}
+                for name, heur in wrapper.values.items():
+                    kw[name] = heur(named)
+                nxt.append((kw, cfg_label))
+            else:
+                raise TypeError(f"cannot unwrap {type(wrapper).__name__} around {fn.__name__}")
+        variants = nxt
+
+    defaults = backend.parse_options({}).__dict__
+    jobs = []
+    for kw, source in variants:
+        options, signature, constexprs, attrs = _specialise(backend, fn, launch.args, kw)
+        opts = options.__dict__
+        extra = {k: v for k, v in opts.items()
+                 if k not in ("num_warps", "num_stages", "debug") and k in kw
+                 and v != defaults.get(k)}
+        names = list(signature)
+        meta_names = [n for n in names if n.startswith("BLOCK") and n in kw]
+        cfg = " ".join(f"{n}={kw[n]}" for n in meta_names)
+        cfg = f"{cfg} w{opts['num_warps']} s{opts['num_stages']}".strip()
+        if source:
+            cfg += f" ({source})"
+        blocks = 1
+        for n in meta_names:
+            if n != "BLOCK_D" and isinstance(kw[n], int):
+                blocks *= kw[n]
+        jobs.append(Job(module_name, fn.__name__, dict(signature), dict(constexprs),
+                        dict(attrs), int(opts["num_warps"]), int(opts["num_stages"]), extra,
+                        cfg, largest_key=(blocks, opts["num_warps"], opts["num_stages"]),
+                        autotuned=bool(source)))
+    return jobs
+
+
+def collect_jobs(head_dims: Sequence[int] = HEAD_DIMS_FULL,
+                 dtypes: Sequence[str] = DTYPE_CASES,
+                 flag_sets: Sequence[str] = FLAG_SETS,
+                 modules: Sequence[str] = KERNEL_MODULES) -> Tuple[List[Job], Dict[str, List[str]],
+                                                                   List[str], Dict[str, List[str]]]:
+    """All distinct compile jobs over the grid, the entry kernels of each module, the errors
+    met while driving the launchers (each one is a failure), and the launch groups (recorded
+    launch -> keys of the jobs it offers: its autotune configs, or its one fixed config)."""
+    import importlib
+    from triton.compiler import make_backend
+    backend = make_backend(_target())
+    jobs: Dict[str, Job] = {}
+    kernels: Dict[str, List[str]] = {}
+    errors: List[str] = []
+    groups: Dict[str, List[str]] = {}
+    for mod_name in modules:
+        module = importlib.import_module(mod_name)
+        kernels[mod_name] = sorted(entry_kernels(module))
+        drive = DRIVERS[mod_name]
+        for dtype in dtypes:
+            for d in head_dims:
+                for flags in flag_sets:
+                    sc = Scenario(dtype, d, flags)
+                    for autotune in (True, False):
+                        log: List[Launch] = []
+                        try:
+                            with _environment(dtype, autotune), _recording(module, log):
+                                drive(module, sc)
+                            for n, launch in enumerate(log):
+                                gid = (f"{mod_name} {sc.label} autotune-"
+                                       f"{'on' if autotune else 'off'} launch {n}")
+                                for new in jobs_from_launch(backend, mod_name, launch):
+                                    job = jobs.setdefault(new.key(), new)
+                                    job.autotuned = job.autotuned and new.autotuned
+                                    job.groups.append(gid)
+                                    groups.setdefault(gid, []).append(job.key())
+                                    if sc.label not in job.cases:
+                                        job.cases.append(sc.label)
+                                        job.scenarios.append(sc)
+                        except Exception as exc:
+                            errors.append(f"{mod_name}: launcher failed for {sc.label} "
+                                          f"(autotune={'on' if autotune else 'off'}): "
+                                          f"{type(exc).__name__}: {_first_line(str(exc))}")
+    out = list(jobs.values())
+    _label_variants(out)
+    return out, kernels, errors, groups
+
+
+def _label_variants(jobs: List[Job]) -> None:
+    """Add to the config label the non-BLOCK constexprs that tell apart jobs of one kernel
+    in one case (e.g. ATOMIC_DR=True / False): the case label alone does not show them."""
+    groups: Dict[Tuple[str, str, str], List[Job]] = {}
+    for job in jobs:
+        for case in job.cases:
+            groups.setdefault((job.module, job.kernel, case), []).append(job)
+    varying: Dict[Tuple[str, str], set] = {}
+    for (mod, kern, _), members in groups.items():
+        values: Dict[str, set] = {}
+        for job in members:
+            for path, val in job.constexprs.items():
+                name = job.arg_name(path)
+                if not name.startswith("BLOCK"):
+                    values.setdefault(name, set()).add(repr(val))
+        names = {n for n, vals in values.items() if len(vals) > 1}
+        varying.setdefault((mod, kern), set()).update(names)
+    for job in jobs:
+        names = varying.get((job.module, job.kernel), set())
+        extra = [f"{job.arg_name(p)}={v}" for p, v in job.constexprs.items()
+                 if job.arg_name(p) in names]
+        if extra:
+            job.config = f"{job.config} {' '.join(extra)}"
+
+
+def quick_subset(jobs: List[Job]) -> List[Job]:
+    """Per (kernel, dtype, head dim), in the flags-on cases: the largest config(s) (tile area,
+    then warps, then stages) of each kernel variant (jobs differing in non-BLOCK constexprs,
+    e.g. the deterministic and the atomic dr, are variants). A kernel only launched with
+    flags off would keep its largest flags-off config."""
+    groups: Dict[Tuple, List[Tuple[Job, Scenario]]] = {}
+    for job in jobs:
+        for sc in job.scenarios:
+            groups.setdefault((job.module, job.kernel, sc.dtype, sc.head_dim, sc.flags),
+                              []).append((job, sc))
+    chosen: Dict[str, Job] = {}
+    for (mod, kern, dtype, d, flags), members in groups.items():
+        if flags != "on" and (mod, kern, dtype, d, "on") in groups:
+            continue
+        by_variant: Dict[str, List[Job]] = {}
+        for job, _ in members:
+            variant = repr(sorted((k, repr(v)) for k, v in job.constexprs.items()
+                                  if not job.arg_name(k).startswith("BLOCK")))
+            by_variant.setdefault(variant, []).append(job)
+        for vjobs in by_variant.values():
+            top = max(j.largest_key for j in vjobs)
+            for j in vjobs:
+                if j.largest_key == top:
+                    chosen[j.key()] = j
+    return list(chosen.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# Running
+# ----------------------------------------------------------------------------------------------
+
+
+def _compile_job(job: Job) -> Dict[str, Any]:
+    import importlib
+    module = importlib.import_module(job.module)
+    fn = getattr(module, job.kernel, None)
+    if fn is None or not _is_jit_function(fn):
+        res = {"status": "FAIL", "error": f"{job.module}.{job.kernel} not found as a jit function"}
+    else:
+        res = compile_kernel(fn, job.signature, job.constexprs, job.attrs, job.num_warps,
+                             job.num_stages, job.extra_options)
+        if res["status"] == "FAIL" and res.get("oor") and job.autotuned:
+            # Triton's autotuner skips a config that raises OutOfResources at launch: not a
+            # failure by itself, as long as another config of the launch fits (checked in
+            # the summary), but a config worth pruning.
+            res["status"] = "OOR"
+    res.update(module=job.module, kernel=job.kernel, config=job.config, cases=list(job.cases),
+               key=job.key(), autotuned=job.autotuned)
+    return res
+
+
+def format_result(res: Dict[str, Any]) -> str:
+    def num(v, unit=""):
+        return "-" if v is None else f"{v}{unit}"
+
+    spills = ("-" if res.get("spill_stores") is None
+              else f"{res['spill_stores']}/{res['spill_loads']}B")
+    head = (f"{res['status']:<4} {res['kernel']:<32} {res.get('config', ''):<44} "
+            f"regs {num(res.get('regs')):>3}  spill {spills:>9}  "
+            f"smem {num(res.get('shared')):>6}B  wgmma {num(res.get('wgmma')):>3}  "
+            f"mma {num(res.get('mma_sync')):>3}  blk/SM {num(res.get('blocks_per_sm')):>2}  "
+            f"{num(res.get('seconds'), 's'):>6}  [{'; '.join(res.get('cases', []))}]")
+    if res["status"] != "OK":
+        head += f"\n     error: {res.get('error')}"
+    return head
+
+
+def _summary(results: List[Dict[str, Any]], kernels: Dict[str, List[str]],
+             errors: List[str], groups: Dict[str, List[str]],
+             strict: bool = False) -> Tuple[List[str], bool]:
+    """Per-kernel summary lines and the verdict. FAIL: a compile error, a fixed-config launch
+    that cannot fit, an autotuned launch none of whose (all compiled) configs fit, a kernel
+    never launched, a launcher error; with ``strict`` also any OOR config."""
+    lines = []
+    ok = not errors
+    by_key = {r.get("key"): r for r in results}
+    for mod, names in kernels.items():
+        for name in names:
+            rows = [r for r in results if r["module"] == mod and r["kernel"] == name]
+            if not rows:
+                lines.append(f"FAIL {name}: not launched by any case, not compiled")
+                ok = False
+                continue
+            n_ok = sum(r["status"] == "OK" for r in rows)
+            n_fail = sum(r["status"] == "FAIL" for r in rows)
+            n_oor = sum(r["status"] == "OOR" for r in rows)
+            bad = n_fail > 0 or (strict and n_oor > 0)
+            ok = ok and not bad
+            good = [r for r in rows if r["status"] == "OK"]
+            regs = [r["regs"] for r in good if r.get("regs") is not None]
+            spilling = [r for r in good if (r.get("spill_stores") or 0) > 0]
+            smem = [r["shared"] for r in good if r.get("shared") is not None]
+            lines.append(
+                f"{'FAIL' if bad else 'OK  '} {name}: {n_ok}/{len(rows)} compiled OK"
+                + (f", {n_fail} FAILED" if n_fail else "")
+                + (f", {n_oor} over the sm_90 shared-memory limit (OOR)" if n_oor else "")
+                + (f"; regs {min(regs)}..{max(regs)}" if regs else "")
+                + (f", smem <= {max(smem)}B" if smem else "")
+                + f", {len(spilling)} of {len(good)} spill")
+    for gid, keys in sorted(groups.items()):
+        members = [by_key.get(k) for k in keys]
+        if not members or any(m is None for m in members):
+            continue  # not all of this launch's configs were compiled (--quick / --only)
+        if not any(m["status"] == "OK" for m in members) \
+                and any(m["status"] == "OOR" for m in members):
+            lines.append(f"FAIL {gid}: none of its {len(members)} autotune configs fits in "
+                         "sm_90 shared memory, the launch would fail")
+            ok = False
+    oor = [r for r in results if r["status"] == "OOR"]
+    if oor:
+        lines.append(f"note: {len(oor)} autotune config(s) exceed the sm_90 shared-memory "
+                     "limit; Triton's autotuner discards them at launch (wasted compile time: "
+                     "prune them):")
+        for r in oor:
+            lines.append(f"    {r['kernel']} {r['config']} smem {r.get('shared')}B "
+                         f"[{'; '.join(r.get('cases', []))}]")
+    no_tc = [r for r in results if r["status"] == "OK" and r.get("wgmma") == 0
+             and r.get("mma_sync") == 0 and _expects_tensor_cores(r)]
+    if no_tc:
+        lines.append(f"note: {len(no_tc)} compile(s) with tl.dot and a tensor-core dtype have "
+                     "no wgmma / mma instruction:")
+        for r in no_tc:
+            lines.append(f"    {r['kernel']} {r['config']} [{'; '.join(r.get('cases', []))}]")
+    for err in errors:
+        lines.append(f"FAIL {err}")
+    return lines, ok
+
+
+def _expects_tensor_cores(res: Dict[str, Any]) -> bool:
+    """A kernel that calls tl.dot, compiled for fp16 / bf16 / tf32 in every case."""
+    if not res.get("has_dot"):
+        return False
+    return all(not c.startswith("fp32-ieee") for c in res.get("cases", []))
+
+
+def run_checks(quick: bool = False, jobs: int = 2, only: Optional[str] = None,
+               list_only: bool = False, strict: bool = False,
+               out=None) -> Tuple[int, Dict[str, Any]]:
+    """Collect and compile the cases; print one line per compile and a summary. Returns
+    (exit status, report dict)."""
+    out = out or sys.stdout
+    if _interpreting():
+        raise RuntimeError("aot_check needs TRITON_INTERPRET unset before triton is imported "
+                           "(run `python -m txl_kernels.ops.aot_check`, which re-executes "
+                           "itself without it)")
+    t_start = time.perf_counter()
+    head_dims = HEAD_DIMS_QUICK if quick else HEAD_DIMS_FULL
+    flag_sets = ("on",) if quick else FLAG_SETS
+    all_jobs, kernels, errors, groups = collect_jobs(head_dims=head_dims, flag_sets=flag_sets)
+    selected = quick_subset(all_jobs) if quick else all_jobs
+    if only:
+        rx = re.compile(only)
+        selected = [j for j in selected if rx.search(j.kernel)]
+        kernels = {m: [k for k in ks if rx.search(k)] for m, ks in kernels.items()}
+    selected.sort(key=lambda j: (j.module, j.kernel, j.cases[0], j.config))
+    print(f"aot_check: {len(selected)} compiles for sm_90 ({'quick' if quick else 'full'} set; "
+          f"{len(all_jobs)} distinct cases collected in {time.perf_counter() - t_start:.1f}s), "
+          f"{jobs} worker(s)", file=out, flush=True)
+    for err in errors:
+        print(f"FAIL {err}", file=out, flush=True)
+    if list_only:
+        for j in selected:
+            print(f"     {j.kernel:<32} {j.config:<44} [{'; '.join(j.cases)}]", file=out)
+        return (0 if not errors else 1), {"jobs": len(selected)}
+
+    results: List[Dict[str, Any]] = []
+    cache_dir = tempfile.mkdtemp(prefix="txl_aot_cache_")
+    old_cache = os.environ.get("TRITON_CACHE_DIR")
+    os.environ["TRITON_CACHE_DIR"] = cache_dir  # fresh: every case really compiles
+    try:
+        if jobs <= 1:
+            for job in selected:
+                res = _compile_job(job)
+                results.append(res)
+                print(format_result(res), file=out, flush=True)
+        else:
+            import concurrent.futures as cf
+            import multiprocessing as mp
+            with cf.ProcessPoolExecutor(max_workers=jobs,
+                                        mp_context=mp.get_context("spawn")) as pool:
+                futures = {pool.submit(_compile_job, job): job for job in selected}
+                for fut in cf.as_completed(futures):
+                    job = futures[fut]
+                    try:
+                        res = fut.result()
+                    except Exception as exc:  # a worker died (e.g. a compiler crash)
+                        res = {"status": "FAIL", "module": job.module, "kernel": job.kernel,
+                               "config": job.config, "cases": job.cases, "key": job.key(),
+                               "error": f"worker failed: {type(exc).__name__}: "
+                                        f"{_first_line(str(exc))}"}
+                    results.append(res)
+                    print(format_result(res), file=out, flush=True)
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        if old_cache is None:
+            os.environ.pop("TRITON_CACHE_DIR", None)
+        else:
+            os.environ["TRITON_CACHE_DIR"] = old_cache
+
+    results.sort(key=lambda r: (r["module"], r["kernel"], r.get("cases", [""])[0],
+                                r.get("config", "")))
+    lines, ok = _summary(results, kernels, errors, groups, strict)
+    wall = time.perf_counter() - t_start
+    print("summary:", file=out)
+    for ln in lines:
+        print("  " + ln, file=out)
+    n_ok = sum(r["status"] == "OK" for r in results)
+    print(f"aot_check: {n_ok}/{len(results)} compiled OK for sm_90 in {wall:.1f}s -> "
+          f"{'PASS' if ok else 'FAIL'}", file=out, flush=True)
+    report = {"target": "cuda sm_90 (warp 32)", "quick": quick, "ok": ok,
+              "wall_seconds": round(wall, 1), "kernels": kernels, "errors": errors,
+              "results": results}
+    return (0 if ok else 1), report
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "TRITON_INTERPRET" in os.environ:
+        # @triton.jit gives interpreter functions when it is set: run again without it.
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        return subprocess.call([sys.executable, "-m", "txl_kernels.ops.aot_check", *argv],
+                               env=env)
+    parser = argparse.ArgumentParser(
+        prog="python -m txl_kernels.ops.aot_check",
+        description="Compile the fused Triton kernels for sm_90 (H100 / H200) without a GPU.")
+    parser.add_argument("--quick", action="store_true",
+                        help="CI subset: flags all on, D 64 and 128, largest config per "
+                             "kernel and dtype")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--only", metavar="REGEX", help="only kernels whose name matches")
+    parser.add_argument("--jobs", type=int, default=2, help="compile processes (default 2)")
+    parser.add_argument("--list", action="store_true", help="list the cases, compile nothing")
+    parser.add_argument("--strict", action="store_true",
+                        help="also fail on autotune configs over the shared-memory limit")
+    opts = parser.parse_args(argv)
+    rc, report = run_checks(quick=opts.quick, jobs=max(1, opts.jobs), only=opts.only,
+                            list_only=opts.list, strict=opts.strict)
+    if opts.json and not opts.list:
+        with open(opts.json, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
