@@ -12,7 +12,7 @@ import torch
 
 from .reference import rel_attention_reference
 
-__all__ = ["rel_attention", "fused_available", "BACKENDS"]
+__all__ = ["rel_attention", "fused_available", "mask_to_band", "BACKENDS"]
 
 BACKENDS = ("auto", "reference", "triton")
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -112,6 +112,39 @@ def _normalize_masks(q, k, causal, window_size, key_padding_mask, attn_mask):
     return wl, wr, key_padding_mask, attn_mask
 
 
+def mask_to_band(attn_mask: torch.Tensor) -> torch.Tensor:
+    """Describe a bool mask (True = masked, broadcastable to ``[B, H, Lq, Lk]``, last two
+    dims ``[Lq, Lk]``) as a band, on its device and without a host sync.
+
+    Returns an int32 tensor ``[is_band, left, right]`` on the mask's device: ``is_band`` is 1
+    when the mask allows exactly the pairs with ``-right <= d <= left`` (``d = (i + Lk - Lq) -
+    j``, -1 = unbounded side), for every batch and head, and at least one pair; else 0. Pass it
+    as ``rel_attention(..., attn_mask=mask, attn_mask_band=mask_to_band(mask))``: the fused
+    kernel then reads no mask and skips the tiles outside the band when it is one, and reads
+    the mask densely when it is not, decided on the device. Transformer-XL's causal mask
+    ``triu(ones(Lq, Lk), 1 + mlen)`` gives ``[1, -1, 0]``, its same_length mask
+    ``[1, mem_len - 1, 0]``.
+    """
+    if attn_mask.dtype != torch.bool:
+        raise TypeError(f"mask_to_band: attn_mask must be a bool tensor (True = masked), "
+                        f"got {attn_mask.dtype}")
+    if attn_mask.dim() < 2:
+        raise ValueError(f"mask_to_band: attn_mask must have at least 2 dims [..., Lq, Lk], "
+                         f"got {list(attn_mask.shape)}")
+    lq, lk = attn_mask.shape[-2:]
+    dev = attn_mask.device
+    d = (torch.arange(lq, device=dev)[:, None] + (lk - lq)) - torch.arange(lk, device=dev)
+    allowed = ~attn_mask
+    big = lk + lq
+    d_max = torch.where(allowed, d, -big).amax()   # -big when nothing is allowed
+    d_min = torch.where(allowed, d, big).amin()
+    band_allowed = (d <= d_max) & (d >= d_min)
+    is_band = (allowed == band_allowed).all() & (d_max >= d_min)
+    left = torch.where(d_max >= lk - 1, -1, d_max)
+    right = torch.where(-d_min >= lq - 1, -1, -d_min)
+    return torch.stack([is_band.to(torch.int32), left.to(torch.int32), right.to(torch.int32)])
+
+
 def _check_position_rows(lq: int, lk: int, rlen: int, wl: int, wr: int) -> None:
     """Raise if an allowed pair (by causal / window structure) needs an r row outside [0, R)."""
     # Over all pairs, d = (i + Lk - Lq) - j spans [-(Lq - 1), Lk - 1]; the window clips it, and
@@ -144,6 +177,7 @@ def rel_attention(
     window_size: Tuple[int, int] = (-1, -1),
     key_padding_mask: Optional[torch.Tensor] = None,
     attn_mask: Optional[torch.Tensor] = None,
+    attn_mask_band: Optional[torch.Tensor] = None,
     softmax_scale: Optional[float] = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
@@ -174,6 +208,13 @@ def rel_attention(
         key_padding_mask: optional bool ``[B, Lk]``, True = padded key (never attended).
         attn_mask: optional bool tensor broadcastable to ``[B, H, Lq, Lk]``, True = masked
             (Transformer-XL's polarity). Combined with the masks above.
+        attn_mask_band: optional int32 ``[3]`` tensor from :func:`mask_to_band` (attn_mask),
+            on q's device. Decided on the device, without a host sync: when it says the mask
+            is a band, the fused kernel reads no mask and skips the tiles outside the band;
+            otherwise it reads attn_mask densely. The result is the same either way. Rows of r
+            that only pairs outside causal / window_size could need are then not checked on
+            the host: rows outside ``[0, R)`` count as zero (the band, when it is one, excludes
+            them).
         softmax_scale: defaults to ``D ** -0.5``.
         dropout_p: dropout on the attention probabilities. The fused kernel has no dropout:
             ``dropout_p > 0`` runs the reference path. Pass 0.0 at evaluation.
@@ -241,7 +282,18 @@ def rel_attention(
         raise ValueError(f"rel_attention: backend must be one of {BACKENDS}, got {backend!r}")
 
     wl, wr, kpm, mask = _normalize_masks(q, k, causal, window_size, key_padding_mask, attn_mask)
-    _check_position_rows(Lq, Lk, r.shape[0], wl, wr)
+    if attn_mask_band is not None:
+        if mask is None:
+            raise ValueError("rel_attention: attn_mask_band needs attn_mask")
+        if not isinstance(attn_mask_band, torch.Tensor) or attn_mask_band.dtype != torch.int32 \
+                or tuple(attn_mask_band.shape) != (3,):
+            raise TypeError(f"rel_attention: attn_mask_band must be the int32 [3] tensor of "
+                            f"mask_to_band(attn_mask), got {attn_mask_band!r:.80}")
+        if attn_mask_band.device != q.device:
+            raise ValueError(f"rel_attention: attn_mask_band is on {attn_mask_band.device}, "
+                             f"q is on {q.device}")
+    else:
+        _check_position_rows(Lq, Lk, r.shape[0], wl, wr)
 
     use_fused = False
     if backend != "reference" and dropout_p == 0.0:
@@ -262,6 +314,6 @@ def rel_attention(
         from .ops import rel_attn_func  # imports triton lazily
 
         return rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                             deterministic)
+                             attn_mask_band, deterministic)
     return rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr,
-                                   kpm, mask, float(dropout_p))
+                                   kpm, mask, float(dropout_p), attn_mask_band=attn_mask_band)

@@ -57,12 +57,15 @@ def allowed_pairs(
     key_padding_mask: Optional[torch.Tensor],
     attn_mask: Optional[torch.Tensor],
     device: torch.device,
+    attn_mask_band: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Boolean tensor broadcastable to ``[B, H, Lq, Lk]``: True where query i may attend key j.
 
     ``d = (i + Lk - Lq) - j``; allowed iff ``(window_left < 0 or d <= window_left)`` and
     ``(window_right < 0 or -d <= window_right)``, the key is not padded and ``attn_mask`` is
-    False there. Causal is ``window_right == 0``.
+    False there. Causal is ``window_right == 0``. With ``attn_mask_band`` (see
+    ``functional.mask_to_band``), attn_mask is replaced by its band when the band's flag is
+    set, selected on the device (``torch.where``, no host sync).
     """
     i = torch.arange(lq, device=device).unsqueeze(1)
     j = torch.arange(lk, device=device).unsqueeze(0)
@@ -76,7 +79,12 @@ def allowed_pairs(
     if key_padding_mask is not None:
         allowed = allowed & ~key_padding_mask[:, None, None, :]
     if attn_mask is not None:
-        allowed = allowed & ~attn_mask
+        masked = attn_mask
+        if attn_mask_band is not None:
+            on, bl, br = attn_mask_band.long().unbind()
+            out_of_band = ((bl >= 0) & (d > bl)) | ((br >= 0) & (-d > br))
+            masked = torch.where(on != 0, out_of_band, attn_mask)
+        allowed = allowed & ~masked
     return allowed
 
 
@@ -94,6 +102,7 @@ def rel_attention_reference(
     attn_mask: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
     return_lse: bool = False,
+    attn_mask_band: Optional[torch.Tensor] = None,
 ):
     """Einsum relative attention. q ``[B, Lq, H, D]``, k/v ``[B, Lk, H, D]``, r ``[R, H, D]``,
     biases ``[H, D]``; masks already normalised (causal folded into ``window_right = 0``,
@@ -115,7 +124,7 @@ def rel_attention_reference(
     scores = (ac.to(acc_dtype) + bd.to(acc_dtype)) * softmax_scale
 
     allowed = allowed_pairs(lq, lk, window_left, window_right, key_padding_mask, attn_mask,
-                            q.device)
+                            q.device, attn_mask_band)
     scores = scores.masked_fill(~allowed, float("-inf"))
     row_has_key = allowed.any(dim=-1, keepdim=True)
     # Rows without any allowed key: softmax over zeros, then multiplied by 0, so the output

@@ -37,3 +37,18 @@ def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 def autotune_enabled() -> bool:
     """GPU block sizes are autotuned unless TXL_KERNELS_AUTOTUNE=0 (read at each call)."""
     return os.environ.get("TXL_KERNELS_AUTOTUNE", "1") != "0"
+
+
+@triton.jit
+def apply_mask_band(BAND, WL, WR):
+    """Read ``[is_band, left, right]`` (``functional.mask_to_band``) from device memory.
+
+    Returns the window narrowed by the band when ``is_band`` (-1 = unbounded on either side,
+    for both the inputs and the band), and ``is_band`` itself: the kernels then skip the dense
+    mask's loads, so tiles outside the band are skipped and no mask byte is read."""
+    on = tl.load(BAND) != 0
+    bl = tl.load(BAND + 1)
+    br = tl.load(BAND + 2)
+    nl = tl.where(bl < 0, WL, tl.where(WL < 0, bl, tl.minimum(WL, bl)))
+    nr = tl.where(br < 0, WR, tl.where(WR < 0, br, tl.minimum(WR, br)))
+    return tl.where(on, nl, WL), tl.where(on, nr, WR), on

@@ -92,7 +92,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, dot_precision, last_dim_contiguous, round_bf16
+from ._common import (INTERPRET, apply_mask_band, dot_precision, last_dim_contiguous,
+                      round_bf16)
 
 __all__ = ["rel_attn_bwd"]
 
@@ -168,7 +169,7 @@ def _load_rows(PTR, rows, n_rows, stride_row, offs_d, D, DOT_DTYPE: tl.constexpr
 @triton.jit
 def _probs(ac, bd, lse2, offs_i, offs_j, b, h, Lq, Lk, WL, WR, qk_scale2,
            KPM, stride_kpb, stride_kpn, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-           HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr):
+           band_on, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr):
     """P = exp(S - lse) on one tile, 0 on masked pairs, out-of-range rows / columns, and rows
     whose lse is +inf (no allowed key)."""
     mlen = Lk - Lq
@@ -185,7 +186,7 @@ def _probs(ac, bd, lse2, offs_i, offs_j, b, h, Lq, Lk, WL, WR, qk_scale2,
         am = tl.load(MASK + b * stride_mb + h * stride_mh
                      + offs_i.to(tl.int64)[:, None] * stride_mm
                      + offs_j.to(tl.int64)[None, :] * stride_mn,
-                     mask=in_i[:, None] & in_j[None, :], other=1)
+                     mask=in_i[:, None] & in_j[None, :] & (band_on == 0), other=0)
         valid = valid & (am == 0)
     s = tl.where(valid, (ac + bd) * qk_scale2, float("-inf"))
     return tl.exp2(s - lse2[:, None])
@@ -221,7 +222,7 @@ def _load_query_tile(Q, DO, LSE, DELTA, b, h, offs_i, offs_d, u, vb, Lq, D,
 @triton.jit
 def _recompute_p_dp(a_t, do, k_t, v_t, t_lo, t_hi, lse2, offs_i, offs_j, b, h, Lq, Lk, WL, WR,
                     qk_scale2, KPM, stride_kpb, stride_kpn, MASK, stride_mb, stride_mh,
-                    stride_mm, stride_mn, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
+                    stride_mm, stride_mn, band_on, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
                     INPUT_PRECISION: tl.constexpr, BLOCK: tl.constexpr):
     """P (recomputed from lse, 0 where masked) and dP = dO V^T on one tile; t_lo / t_hi are the
     two window chunks (q + vb) @ R^T that the skew turns into BD."""
@@ -229,7 +230,7 @@ def _recompute_p_dp(a_t, do, k_t, v_t, t_lo, t_hi, lse2, offs_i, offs_j, b, h, L
     ac = tl.dot(a_t, tl.trans(k_t), input_precision=INPUT_PRECISION)
     p = _probs(ac, bd, lse2, offs_i, offs_j, b, h, Lq, Lk, WL, WR, qk_scale2,
                KPM, stride_kpb, stride_kpn, MASK, stride_mb, stride_mh, stride_mm,
-               stride_mn, HAS_KPM, HAS_MASK)
+               stride_mn, band_on, HAS_KPM, HAS_MASK)
     dp = tl.dot(do, tl.trans(v_t), input_precision=INPUT_PRECISION)
     return p, dp
 
@@ -263,7 +264,7 @@ def _rel_attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _rel_attn_bwd_dkdv_kernel(
-    Q, K, V, R, U, VB, DO, LSE, DELTA, DK, DV, KPM, MASK,
+    Q, K, V, R, U, VB, DO, LSE, DELTA, DK, DV, KPM, MASK, BAND,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -277,7 +278,7 @@ def _rel_attn_bwd_dkdv_kernel(
     H, Lq, Lk, R_ROWS, D,
     sm_scale, WL, WR,
     LQ_BUCKET, LK_BUCKET,  # autotune keys only
-    HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -289,6 +290,9 @@ def _rel_attn_bwd_dkdv_kernel(
     h = pid_bh % H
     mlen = Lk - Lq
     qk_scale2 = sm_scale * LOG2E
+    band_on = False
+    if HAS_BAND:  # a dense mask that is a band: its window, and no mask loads
+        WL, WR, band_on = apply_mask_band(BAND, WL, WR)
 
     j0 = pid_n * BLOCK
     offs_j = j0 + tl.arange(0, BLOCK)
@@ -328,8 +332,8 @@ def _rel_attn_bwd_dkdv_kernel(
         t_hi = tl.dot(qv_t, tl.trans(r_hi), input_precision=INPUT_PRECISION)
         p, dp = _recompute_p_dp(a_t, do, k_t, v_t, t_lo, t_hi, lse2, offs_i, offs_j, b, h, Lq,
                                 Lk, WL, WR, qk_scale2, KPM, stride_kpb, stride_kpn, MASK,
-                                stride_mb, stride_mh, stride_mm, stride_mn, HAS_KPM, HAS_MASK,
-                                INPUT_PRECISION, BLOCK)
+                                stride_mb, stride_mh, stride_mm, stride_mn, band_on, HAS_KPM,
+                                HAS_MASK, INPUT_PRECISION, BLOCK)
         ds = p * (dp - delta[:, None])
         dv = tl.dot(tl.trans(_operand(p, Q.dtype.element_ty, UPCAST)), do, dv,
                     input_precision=INPUT_PRECISION)
@@ -346,7 +350,7 @@ def _rel_attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _rel_attn_bwd_dq_kernel(
-    Q, K, V, R, U, VB, DO, LSE, DELTA, DQ, DU_PART, DVB_PART, DR_ACC, KPM, MASK,
+    Q, K, V, R, U, VB, DO, LSE, DELTA, DQ, DU_PART, DVB_PART, DR_ACC, KPM, MASK, BAND,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -362,7 +366,7 @@ def _rel_attn_bwd_dq_kernel(
     H, Lq, Lk, R_ROWS, D,
     sm_scale, WL, WR,
     LQ_BUCKET, LK_BUCKET,  # autotune keys only
-    HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, ATOMIC_DR: tl.constexpr,
+    HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr, ATOMIC_DR: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -376,6 +380,9 @@ def _rel_attn_bwd_dq_kernel(
     h = pid_bh % H
     mlen = Lk - Lq
     qk_scale2 = sm_scale * LOG2E
+    band_on = False
+    if HAS_BAND:  # a dense mask that is a band: its window, and no mask loads
+        WL, WR, band_on = apply_mask_band(BAND, WL, WR)
 
     i0 = m * BLOCK
     offs_i = i0 + tl.arange(0, BLOCK)
@@ -420,8 +427,8 @@ def _rel_attn_bwd_dq_kernel(
         t_hi = tl.dot(qv_t, tl.trans(r_hi), input_precision=INPUT_PRECISION)
         p, dp = _recompute_p_dp(a_t, do, k_t, v_t, t_lo, t_hi, lse2, offs_i, offs_j, b, h, Lq,
                                 Lk, WL, WR, qk_scale2, KPM, stride_kpb, stride_kpn, MASK,
-                                stride_mb, stride_mh, stride_mm, stride_mn, HAS_KPM, HAS_MASK,
-                                INPUT_PRECISION, BLOCK)
+                                stride_mb, stride_mh, stride_mm, stride_mn, band_on, HAS_KPM,
+                                HAS_MASK, INPUT_PRECISION, BLOCK)
         ds = _operand(p * (dp - delta[:, None]), Q.dtype.element_ty, UPCAST)
         dqa = tl.dot(ds, k_t, dqa, input_precision=INPUT_PRECISION)
         g = _unskew_gather(ds, BLOCK)
@@ -458,7 +465,7 @@ def _rel_attn_bwd_dq_kernel(
 
 @triton.jit
 def _rel_attn_bwd_dr_kernel(
-    Q, K, V, R, U, VB, DO, LSE, DELTA, Z, KPM, MASK,
+    Q, K, V, R, U, VB, DO, LSE, DELTA, Z, KPM, MASK, BAND,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -472,7 +479,7 @@ def _rel_attn_bwd_dr_kernel(
     H, Lq, Lk, R_ROWS, D,
     sm_scale, WL, WR,
     LQ_BUCKET, LK_BUCKET,  # autotune keys only
-    HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -487,6 +494,9 @@ def _rel_attn_bwd_dr_kernel(
     h = pid_bh % H
     mlen = Lk - Lq
     qk_scale2 = sm_scale * LOG2E
+    band_on = False
+    if HAS_BAND:  # a dense mask that is a band: its window, and no mask loads
+        WL, WR, band_on = apply_mask_band(BAND, WL, WR)
 
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
@@ -534,8 +544,8 @@ def _rel_attn_bwd_dr_kernel(
         t_hi = tl.dot(qv_t, tl.trans(r_hi), input_precision=INPUT_PRECISION)
         p, dp = _recompute_p_dp(a_t, do, k_t, v_t, t_lo, t_hi, lse2, offs_i, offs_j, b, h, Lq,
                                 Lk, WL, WR, qk_scale2, KPM, stride_kpb, stride_kpn, MASK,
-                                stride_mb, stride_mh, stride_mm, stride_mn, HAS_KPM, HAS_MASK,
-                                INPUT_PRECISION, BLOCK)
+                                stride_mb, stride_mh, stride_mm, stride_mn, band_on, HAS_KPM,
+                                HAS_MASK, INPUT_PRECISION, BLOCK)
         ds = _operand(p * (dp - delta[:, None]), Q.dtype.element_ty, UPCAST)
         g = _unskew_gather(ds, BLOCK)
         dt_lo = tl.where(lo_part, g, 0.0).to(DOT_DTYPE)
@@ -594,7 +604,7 @@ def _make_prune(extra_tiles: bool):
     return prune
 
 
-_KEY = ["BLOCK_D", "LQ_BUCKET", "LK_BUCKET", "HAS_KPM", "HAS_MASK", "INPUT_PRECISION"]
+_KEY = ["BLOCK_D", "LQ_BUCKET", "LK_BUCKET", "HAS_KPM", "HAS_MASK", "HAS_BAND", "INPUT_PRECISION"]
 
 _dkdv_kernel = triton.autotune(configs=_configs(), key=_KEY,
                                prune_configs_by={"early_config_prune": _make_prune(False)})(
@@ -674,7 +684,7 @@ def rel_attn_bwd(
     r_w_bias: torch.Tensor, r_r_bias: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     softmax_scale: float, window_left: int, window_right: int,
     key_padding_mask: Optional[torch.Tensor] = None, attn_mask: Optional[torch.Tensor] = None,
-    deterministic: bool = True,
+    attn_mask_band: Optional[torch.Tensor] = None, deterministic: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv, dr, du, dvb) of the fused relative attention, each with its
     input's shape and dtype, contiguous.
@@ -736,7 +746,10 @@ def rel_attn_bwd(
         do.stride(0), do.stride(1), do.stride(2),
         lse.stride(0), lse.stride(1), lse.stride(2),
     )
+    has_band = attn_mask_band is not None and attn_mask is not None
+    band = attn_mask_band if has_band else delta  # unused without a band
     common_tail = dict(HAS_KPM=key_padding_mask is not None, HAS_MASK=attn_mask is not None,
+                       HAS_BAND=has_band,
                        DOT_DTYPE=dot_dtype, UPCAST=upcast, INPUT_PRECISION=precision,
                        BLOCK_D=block_d)
     sizes = (H, Lq, Lk, R_ROWS, D, scale, wl, wr, _bucket(Lq), _bucket(Lk))
@@ -745,7 +758,7 @@ def rel_attn_bwd(
     dk = torch.empty((B, Lk, H, D), device=dev, dtype=q.dtype)
     dv = torch.empty((B, Lk, H, D), device=dev, dtype=q.dtype)
     _dkdv_kernel[lambda meta: (B * H, triton.cdiv(Lk, meta["BLOCK"]))](
-        q, k, v, r, r_w_bias, r_r_bias, do, lse, delta, dk, dv, kpm, am,
+        q, k, v, r, r_w_bias, r_r_bias, do, lse, delta, dk, dv, kpm, am, band,
         *common_in,
         dk.stride(0), dk.stride(1), dk.stride(2),
         *kpm_strides, *am_strides,
@@ -762,7 +775,7 @@ def rel_attn_bwd(
     else:
         dr_acc = torch.zeros((R_ROWS, H, D), device=dev, dtype=torch.float32)
     _dq_kernel[lambda meta: (B * H, triton.cdiv(Lq, meta["BLOCK"]))](
-        q, k, v, r, r_w_bias, r_r_bias, do, lse, delta, dq, du_part, dvb_part, dr_acc, kpm, am,
+        q, k, v, r, r_w_bias, r_r_bias, do, lse, delta, dq, du_part, dvb_part, dr_acc, kpm, am, band,
         *common_in,
         dq.stride(0), dq.stride(1), dq.stride(2),
         du_part.stride(0), du_part.stride(1), du_part.stride(2),
@@ -777,7 +790,7 @@ def rel_attn_bwd(
         z = torch.zeros((2, B, R_ROWS, H, D), device=dev, dtype=torch.float32)
         _dr_kernel[lambda meta: (B * H, triton.cdiv(Lq, meta["BLOCK"])
                                  + triton.cdiv(Lk, meta["BLOCK"]) - 1)](
-            q, k, v, r, r_w_bias, r_r_bias, do, lse, delta, z, kpm, am,
+            q, k, v, r, r_w_bias, r_r_bias, do, lse, delta, z, kpm, am, band,
             *common_in,
             z.stride(0), z.stride(1), z.stride(2), z.stride(3),
             *kpm_strides, *am_strides,

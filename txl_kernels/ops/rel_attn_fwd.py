@@ -77,8 +77,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (INTERPRET, autotune_enabled, dot_precision, last_dim_contiguous,
-                      round_bf16)
+from ._common import (INTERPRET, apply_mask_band, autotune_enabled, dot_precision,
+                      last_dim_contiguous, round_bf16)
 
 __all__ = ["rel_attn_fwd", "choose_num_splits", "autotune_enabled"]
 
@@ -106,7 +106,7 @@ def _window_chunk(qv, R, r_off_h, stride_rp, row0, R_rows, D,
 
 @triton.jit
 def _rel_attn_fwd_kernel(
-    Q, K, V, R, U, VB, Out, Lse, OPart, LPart, KPM, MASK,
+    Q, K, V, R, U, VB, Out, Lse, OPart, LPart, KPM, MASK, BAND,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -118,7 +118,7 @@ def _rel_attn_fwd_kernel(
     H, Lq, Lk, R_rows, D, window_left, window_right, num_splits, qk_scale,
     LQ_BUCKET, LK_BUCKET,  # autotune keys only
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
-    SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_BAND: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
@@ -149,6 +149,11 @@ def _rel_attn_fwd_kernel(
     else:
         qu = (q + u[None, :]).to(Q.dtype.element_ty)
         qv = (q + vb[None, :]).to(Q.dtype.element_ty)
+
+    # ---- a dense mask that is a band (decided on the device): its window, and no mask loads
+    band_on = False
+    if HAS_BAND:  # the launcher then sets HAS_WL = HAS_WR = True (unbounded = Lk + Lq)
+        window_left, window_right, band_on = apply_mask_band(BAND, window_left, window_right)
 
     # ---- key range this query tile may see (window / causal), as whole key tiles
     i_last = tl.minimum(i0 + BLOCK_M, Lq) - 1
@@ -229,10 +234,11 @@ def _rel_attn_fwd_kernel(
                          mask=n_ok, other=1)
             allowed = allowed & (kp == 0)[None, :]
         if HAS_MASK:
+            # (out-of-range pairs are already excluded; with a band, nothing is loaded)
             am = tl.load(MASK + b * stride_mb + h * stride_mh
                          + offs_m.to(tl.int64)[:, None] * stride_mm
                          + offs_n.to(tl.int64)[None, :] * stride_mn,
-                         mask=m_ok[:, None] & n_ok[None, :], other=1)
+                         mask=m_ok[:, None] & n_ok[None, :] & (band_on == 0), other=0)
             allowed = allowed & (am == 0)
         s = tl.where(allowed, s, float("-inf"))
 
@@ -374,7 +380,7 @@ def _default_config(block_d: int, exact_fp32: bool) -> dict:
 
 
 _AUTOTUNE_KEYS = ["LQ_BUCKET", "LK_BUCKET", "BLOCK_D", "num_splits", "HAS_WL", "HAS_WR",
-                  "HAS_KPM", "HAS_MASK", "SPLIT", "DOT_PREC"]
+                  "HAS_KPM", "HAS_MASK", "HAS_BAND", "SPLIT", "DOT_PREC"]
 
 _rel_attn_fwd_kernel_tuned = triton.autotune(
     configs=_hopper_configs(), key=_AUTOTUNE_KEYS,
@@ -421,14 +427,17 @@ def rel_attn_fwd(
     window_left: int, window_right: int,
     key_padding_mask: Optional[torch.Tensor] = None,
     attn_mask: Optional[torch.Tensor] = None,
-    *, num_splits: Optional[int] = None, config: Optional[dict] = None,
+    *, attn_mask_band: Optional[torch.Tensor] = None,
+    num_splits: Optional[int] = None, config: Optional[dict] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Fused forward. Returns ``out [B, Lq, H, D]`` (q's dtype, contiguous) and
     ``lse [B, H, Lq]`` (fp32, natural log, ``+inf`` for rows with no allowed key).
 
     q ``[B, Lq, H, D]``, k / v ``[B, Lk, H, D]``, r ``[R, H, D]``, biases ``[H, D]``, any
     strides; masks as normalised by ``rel_attention`` (bool, True = masked; ``attn_mask``
-    broadcastable to ``[B, H, Lq, Lk]``).
+    broadcastable to ``[B, H, Lq, Lk]``). ``attn_mask_band``: int32 ``[is_band, left,
+    right]`` on the device (``functional.mask_to_band(attn_mask)``): when ``is_band``, the
+    mask is applied as that window (tiles outside skipped, nothing loaded), else densely.
 
     Keywords (testing / tuning): ``num_splits`` forces the split-K factor (1 = no split;
     default: chosen from the SM count on GPU, 1 under the interpreter); ``config`` =
@@ -481,11 +490,16 @@ def rel_attn_fwd(
         o_part, l_part = lse, lse  # unused
 
     dot_prec = dot_precision(dtype)
+    has_band = attn_mask_band is not None and has_mask
+    band = attn_mask_band if has_band else lse  # unused without a band
+    # With a band the window checks are compiled in; an unbounded side becomes Lk + Lq.
+    wl_arg = int(window_left) if window_left >= 0 or not has_band else Lk + Lq
+    wr_arg = int(window_right) if window_right >= 0 or not has_band else Lk + Lq
     upcast = INTERPRET and dtype == torch.bfloat16
     block_d = max(16, _next_pow2(D))
 
     args = (
-        q, k, v, r, u, vb, out, lse, o_part, l_part, kpm, am,
+        q, k, v, r, u, vb, out, lse, o_part, l_part, kpm, am, band,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -494,12 +508,12 @@ def rel_attn_fwd(
         out.stride(0), out.stride(1), out.stride(2),
         kpm_strides[0], kpm_strides[1],
         am_strides[0], am_strides[1], am_strides[2], am_strides[3],
-        H, Lq, Lk, R_rows, D, int(window_left), int(window_right), num_splits,
+        H, Lq, Lk, R_rows, D, wl_arg, wr_arg, num_splits,
         float(softmax_scale) * _LOG2E,
         _next_pow2(Lq), _next_pow2(Lk),
     )
-    meta = dict(HAS_WL=window_left >= 0, HAS_WR=window_right >= 0, HAS_KPM=has_kpm,
-                HAS_MASK=has_mask, SPLIT=split, UPCAST=upcast, DOT_PREC=dot_prec,
+    meta = dict(HAS_WL=window_left >= 0 or has_band, HAS_WR=window_right >= 0 or has_band,
+                HAS_KPM=has_kpm, HAS_MASK=has_mask, HAS_BAND=has_band, SPLIT=split, UPCAST=upcast, DOT_PREC=dot_prec,
                 BLOCK_D=block_d)
 
     def grid(META):

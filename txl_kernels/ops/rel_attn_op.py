@@ -27,16 +27,18 @@ __all__ = ["rel_attn_func"]
 def _rel_attn_fwd_op(
     q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor, r_r_bias: Tensor,
     softmax_scale: float, window_left: int, window_right: int,
-    key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor], deterministic: bool = True,
+    key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor],
+    attn_mask_band: Optional[Tensor] = None, deterministic: bool = True,
 ) -> Tuple[Tensor, Tensor]:
     # ``deterministic`` is not used by the forward; it is carried to the backward op.
     return rel_attn_fwd(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left,
-                        window_right, key_padding_mask, attn_mask)
+                        window_right, key_padding_mask, attn_mask,
+                        attn_mask_band=attn_mask_band)
 
 
 @_rel_attn_fwd_op.register_fake
 def _(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
-      key_padding_mask, attn_mask, deterministic=True):
+      key_padding_mask, attn_mask, attn_mask_band=None, deterministic=True):
     B, Lq, H, D = q.shape
     out = q.new_empty((B, Lq, H, D))
     lse = q.new_empty((B, H, Lq), dtype=torch.float32)
@@ -47,16 +49,17 @@ def _(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
 def _rel_attn_bwd_op(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor, r_r_bias: Tensor,
     out: Tensor, lse: Tensor, softmax_scale: float, window_left: int, window_right: int,
-    key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor], deterministic: bool = True,
+    key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor],
+    attn_mask_band: Optional[Tensor] = None, deterministic: bool = True,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     return rel_attn_bwd(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, softmax_scale,
                         window_left, window_right, key_padding_mask, attn_mask,
-                        deterministic=deterministic)
+                        attn_mask_band=attn_mask_band, deterministic=deterministic)
 
 
 @_rel_attn_bwd_op.register_fake
 def _(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, softmax_scale, window_left, window_right,
-      key_padding_mask, attn_mask, deterministic=True):
+      key_padding_mask, attn_mask, attn_mask_band=None, deterministic=True):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format),
@@ -67,28 +70,30 @@ def _(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, softmax_scale, window_left, 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
-     key_padding_mask, attn_mask, deterministic) = inputs
+     key_padding_mask, attn_mask, attn_mask_band, deterministic) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, r, r_w_bias, r_r_bias, out, lse, key_padding_mask,
-                          attn_mask)
+                          attn_mask, attn_mask_band)
     ctx.softmax_scale = softmax_scale
     ctx.window = (window_left, window_right)
     ctx.deterministic = deterministic
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, r, r_w_bias, r_r_bias, out, lse, key_padding_mask, attn_mask = ctx.saved_tensors
+    (q, k, v, r, r_w_bias, r_r_bias, out, lse, key_padding_mask, attn_mask,
+     attn_mask_band) = ctx.saved_tensors
     dq, dk, dv, dr, du, dvb = _rel_attn_bwd_op(
         dout, q, k, v, r, r_w_bias, r_r_bias, out, lse, ctx.softmax_scale, ctx.window[0],
-        ctx.window[1], key_padding_mask, attn_mask, ctx.deterministic)
-    return dq, dk, dv, dr, du, dvb, None, None, None, None, None, None
+        ctx.window[1], key_padding_mask, attn_mask, attn_mask_band, ctx.deterministic)
+    return dq, dk, dv, dr, du, dvb, None, None, None, None, None, None, None
 
 
 _rel_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
-                  key_padding_mask=None, attn_mask=None, deterministic=True) -> Tensor:
+                  key_padding_mask=None, attn_mask=None, attn_mask_band=None,
+                  deterministic=True) -> Tensor:
     """Fused relative attention on validated, normalised arguments (see functional.py).
 
     Under autocast the inputs are cast to the autocast dtype first, as autocast does for
@@ -99,5 +104,6 @@ def rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, wi
         dtype = torch.get_autocast_dtype(device_type)
         q, k, v, r, r_w_bias, r_r_bias = (t.to(dtype) for t in (q, k, v, r, r_w_bias, r_r_bias))
     out, _ = _rel_attn_fwd_op(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left,
-                              window_right, key_padding_mask, attn_mask, deterministic)
+                              window_right, key_padding_mask, attn_mask, attn_mask_band,
+                              deterministic)
     return out
