@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import txl_kernels.modules.transformer_xl as txl_mod
-from txl_kernels import FusedRelAttention
+from txl_kernels import FusedRelAttention, mask_to_band
 
 from helpers import FUSED_DEVICE
 from txl_original import PositionalEmbedding, RelPartialLearnableMultiHeadAttn, dec_attn_mask
@@ -58,8 +58,9 @@ def test_matches_original_same_length(qlen, mlen, mem_len):
     orig, ours = _pair()
     w, r, rwb, rrb, mems = _data(qlen, mlen)
     mask = dec_attn_mask(qlen, mlen, w.device, same_length=True, mem_len=mem_len)
-    window = txl_mod.band_window_of_mask(mask.bool())
-    assert window is not None and window[1] == 0
+    is_band, left, right = mask_to_band(mask.bool()[:, :, 0]).tolist()
+    assert is_band == 1 and right == 0
+    assert left == (mem_len - 1 if qlen + mlen > mem_len else -1)
     want = orig(w, r, rwb, rrb, attn_mask=mask, mems=mems)
     torch.testing.assert_close(ours(w, r, rwb, rrb, attn_mask=mask, mems=mems), want,
                                rtol=1e-6, atol=1e-7)  # original rounds scores to fp32
@@ -79,13 +80,13 @@ def test_other_masks_are_applied_densely():
     extra = torch.rand(qlen, qlen + mlen, 3) < 0.3
     extra[:, -1] = False  # keep every row non-empty (the original would give NaN rows)
     for mask in (causal | extra, (causal | extra[:, :, :1])[:, :, 0]):
-        assert txl_mod.band_window_of_mask(mask) is None
+        assert mask_to_band(mask if mask.dim() == 2 else mask.permute(2, 0, 1))[0] == 0
         want = orig(w, r, rwb, rrb, attn_mask=mask, mems=mems)
         torch.testing.assert_close(ours(w, r, rwb, rrb, attn_mask=mask, mems=mems), want,
                                    rtol=1e-6, atol=1e-7)  # original rounds scores to fp32
 
 
-def test_detect_sends_causal_window_not_dense(monkeypatch):
+def test_detect_passes_band_without_host_sync(monkeypatch):
     seen = []
     real = txl_mod.rel_attention
 
@@ -95,23 +96,31 @@ def test_detect_sends_causal_window_not_dense(monkeypatch):
 
     monkeypatch.setattr(txl_mod, "rel_attention", spy)
     calls = []
-    real_band = txl_mod.band_window_of_mask
-    monkeypatch.setattr(txl_mod, "band_window_of_mask", lambda m: calls.append(1) or real_band(m))
+    real_band = txl_mod.mask_to_band
+    monkeypatch.setattr(txl_mod, "mask_to_band", lambda m: calls.append(1) or real_band(m))
     _, ours = _pair()
     w, r, rwb, rrb, mems = _data(5, 3)
     mask = dec_attn_mask(5, 3, w.device)
-    ours(w, r, rwb, rrb, attn_mask=mask, mems=mems)
-    ours(w, r, rwb, rrb, attn_mask=mask, mems=mems)  # same mask object: cached, no re-check
+
+    def no_host_read(*args, **kwargs):
+        raise AssertionError("host read of a tensor value during forward")
+
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist", "__bool__", "__int__", "__float__", "numpy"):
+            m.setattr(torch.Tensor, name, no_host_read)
+        ours(w, r, rwb, rrb, attn_mask=mask, mems=mems)
+        ours(w, r, rwb, rrb, attn_mask=mask, mems=mems)  # same mask object: cached
     assert len(calls) == 1
     q, k, v, rr, kw = seen[0]
-    assert kw["causal"] is True and kw["window_size"] == (-1, 0) and kw["attn_mask"] is None
-    # q, k, v, r are strided views of the projections, not copies
+    assert kw["attn_mask_band"].tolist() == [1, -1, 0]
+    assert kw["attn_mask_band"] is seen[1][4]["attn_mask_band"]
+    # q, k, v, r are strided views of the projections, not copies (r is not padded either)
     assert q._base is not None and k._base is not None and v._base is not None
-    assert rr._base is not None
+    assert rr._base is not None and rr.shape[0] == r.shape[0]
     assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
-    mask[0, -1, 0] = 0  # in-place change (unmasks a future key): re-checked, now dense
+    mask[0, -1, 0] = 0  # in-place change (unmasks a future key): recomputed, now not a band
     ours(w, r, rwb, rrb, attn_mask=mask, mems=mems)
-    assert len(calls) == 2 and seen[-1][4]["attn_mask"] is not None
+    assert len(calls) == 2 and seen[-1][4]["attn_mask_band"][0].item() == 0
 
 
 def test_mems_empty_and_none_equal():

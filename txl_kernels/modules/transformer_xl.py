@@ -8,60 +8,44 @@ kernel where it can run, the einsum reference elsewhere).
 from __future__ import annotations
 
 import weakref
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..functional import rel_attention
+from ..functional import mask_to_band, rel_attention
 
-__all__ = ["FusedRelAttention", "band_window_of_mask"]
+__all__ = ["FusedRelAttention"]
 
 _MASK_MODES = ("detect", "dense", "causal")
 
 
-def band_window_of_mask(mask: torch.Tensor) -> Optional[Tuple[int, int]]:
-    """If ``mask`` (bool, True = masked, ``[Lq, Lk]`` or ``[Lq, Lk, n]``) is the causal mask
-    Transformer-XL builds (``triu(ones, 1 + mlen)``), or that mask plus a same_length band
-    (``tril(ones, -shift)``), return the equivalent ``window_size`` (``(-1, 0)`` or
-    ``(left, 0)``); otherwise None. Costs one device-to-host read."""
-    m = mask if mask.dtype == torch.bool else mask.bool()
-    if m.dim() == 2:
-        m = m[:, :, None]
-    lq, lk = m.shape[0], m.shape[1]
-    i = torch.arange(lq, device=m.device)[:, None, None]
-    j = torch.arange(lk, device=m.device)[None, :, None]
-    d = i + (lk - lq) - j
-    allowed = ~m
-    # Largest allowed distance (-1 when nothing is allowed), and whether the mask equals the
-    # band "d < 0 or d > d_max", both computed on device and read back together.
-    d_max = torch.where(allowed, d, torch.full_like(d, -1)).amax()
-    is_band = (m == ((d < 0) | (d > d_max))).all()
-    d_max_v, is_band_v = torch.stack([d_max, is_band.long()]).tolist()
-    if not is_band_v or d_max_v < 0:
-        return None
-    wl = -1 if d_max_v >= lk - 1 else int(d_max_v)
-    return (wl, 0)
-
-
 # Shared by every layer: the model builds one mask per forward and passes it to all layers, so
-# it is checked once. Keyed by id(); an entry is valid while its weak reference still points to
-# the same tensor and the tensor's version counter (in-place changes) is unchanged.
-_MASK_CACHE: dict = {}
-_MASK_CACHE_SIZE = 16
+# its band descriptor is computed once (on the device, no host sync). Keyed by id(); an entry
+# is valid while its weak reference still points to the same tensor and the tensor's version
+# counter (in-place changes) is unchanged.
+_BAND_CACHE: dict = {}
+_BAND_CACHE_SIZE = 16
 
 
-def _cached_band_window(mask: torch.Tensor) -> Optional[Tuple[int, int]]:
-    hit = _MASK_CACHE.get(id(mask))
-    if hit is not None and hit[0]() is mask and hit[1] == mask._version:
+def _dense_mask_and_band(attn_mask: torch.Tensor):
+    """attn_mask (uint8 / bool, [qlen, klen] or [qlen, klen, n]) as a bool mask broadcastable
+    to [B, H, Lq, Lk], and its band descriptor; cached per mask tensor."""
+    hit = _BAND_CACHE.get(id(attn_mask))
+    if hit is not None and hit[0]() is attn_mask and hit[1] == attn_mask._version:
         return hit[2]
-    window = band_window_of_mask(mask)
-    if len(_MASK_CACHE) >= _MASK_CACHE_SIZE:
-        for key in [k for k, v in _MASK_CACHE.items() if v[0]() is None] or list(_MASK_CACHE):
-            del _MASK_CACHE[key]
-    _MASK_CACHE[id(mask)] = (weakref.ref(mask), mask._version, window)
-    return window
+    mask = attn_mask if attn_mask.dtype == torch.bool else attn_mask.bool()
+    if mask.dim() == 2:
+        dense = mask  # broadcasts over batch and heads
+    else:
+        dense = mask.permute(2, 0, 1)[:, None]  # [1 or B, 1, Lq, Lk], a view
+    value = (dense, mask_to_band(dense))
+    if len(_BAND_CACHE) >= _BAND_CACHE_SIZE:
+        for k in [k for k, v in _BAND_CACHE.items() if v[0]() is None] or list(_BAND_CACHE):
+            del _BAND_CACHE[k]
+    _BAND_CACHE[id(attn_mask)] = (weakref.ref(attn_mask), attn_mask._version, value)
+    return value
 
 
 class FusedRelAttention(nn.Module):
@@ -74,12 +58,13 @@ class FusedRelAttention(nn.Module):
         untie_r: if True the layer owns ``r_w_bias`` and ``r_r_bias`` parameters ``[H, D]``
             (HF TransfoXL's untie_r layers); biases passed to ``forward`` still take precedence.
         mask_mode: how ``attn_mask`` reaches the kernel.
-            ``"detect"`` (default): a mask equal to Transformer-XL's causal mask
-            ``triu(ones(qlen, klen), 1 + mlen)``, optionally with a same_length band, is passed
-            as ``causal`` / ``window_size`` so masked tiles are skipped. The check runs once per
-            mask tensor, shared by all layers (cached while the tensor lives and is not modified
-            in place); the model passes one mask object to every layer, so it costs one
-            device-to-host read per model forward, not per layer call. Any other mask is applied densely.
+            ``"detect"`` (default): the mask goes to the kernel with its band descriptor
+            (``txl_kernels.mask_to_band``), computed on the device, with no host sync, once per
+            mask tensor and shared by all layers (the model passes one mask object to every
+            layer; cached while the tensor lives and is not modified in place). When the mask
+            is Transformer-XL's causal mask ``triu(ones(qlen, klen), 1 + mlen)``, optionally
+            with a same_length band, the kernel reads no mask and skips the masked tiles, as
+            with ``causal`` / ``window_size``; any other mask is applied densely.
             ``"dense"``: always apply ``attn_mask`` densely.
             ``"causal"``: no check and no host sync (torch.compile friendly): the layer is
             causal, with ``window_size=(mem_len - 1, 0)`` if ``same_length``; ``attn_mask``
@@ -133,17 +118,14 @@ class FusedRelAttention(nn.Module):
             self.r_r_bias = None
 
     # -- mask handling -------------------------------------------------------------------
-    @staticmethod
-    def _window_of(mask: torch.Tensor) -> Optional[Tuple[int, int]]:
-        return _cached_band_window(mask)
-
     def _mask_args(self, attn_mask, qlen: int, klen: int, bsz: int):
-        """(causal, window_size, dense bool mask broadcastable to [B, H, Lq, Lk] or None)."""
+        """(causal, window_size, dense bool mask broadcastable to [B, H, Lq, Lk] or None,
+        its band descriptor or None)."""
         if self.mask_mode == "causal":
             wl = self.mem_len - 1 if self.same_length else -1
-            return True, (wl, 0), None
+            return True, (wl, 0), None, None
         if attn_mask is None:
-            return False, (-1, -1), None
+            return False, (-1, -1), None, None
         if attn_mask.dtype not in (torch.bool, torch.uint8):
             raise TypeError(f"FusedRelAttention: attn_mask must be uint8 or bool (1 = masked), "
                             f"got {attn_mask.dtype}")
@@ -153,16 +135,8 @@ class FusedRelAttention(nn.Module):
             raise ValueError(f"FusedRelAttention: attn_mask must be [qlen, klen] = "
                              f"[{qlen}, {klen}] or [qlen, klen, 1 or bsz={bsz}], "
                              f"got {list(attn_mask.shape)}")
-        mask = attn_mask if attn_mask.dtype == torch.bool else attn_mask.bool()
-        if self.mask_mode == "detect":
-            window = self._window_of(attn_mask)
-            if window is not None:
-                return True, window, None
-        if mask.dim() == 2:
-            dense = mask  # broadcasts over batch and heads
-        else:
-            dense = mask.permute(2, 0, 1)[:, None]  # [1 or B, 1, Lq, Lk], a view
-        return False, (-1, -1), dense
+        dense, band = _dense_mask_and_band(attn_mask)
+        return False, (-1, -1), dense, band if self.mask_mode == "detect" else None
 
     # -- forward ---------------------------------------------------------------------------
     def forward(self, w: torch.Tensor, r: torch.Tensor, r_w_bias: Optional[torch.Tensor] = None,
@@ -199,15 +173,15 @@ class FusedRelAttention(nn.Module):
         rlen = r.shape[0]
         r_head_k = self.r_net(r).view(rlen, H, D)
 
-        causal, window, dense = self._mask_args(attn_mask, qlen, klen, bsz)
-        if not causal:
+        causal, window, dense, band = self._mask_args(attn_mask, qlen, klen, bsz)
+        if not causal and band is None:
             # Pairs right of the diagonal need rows rlen .. klen + qlen - 2: they count as zero.
             need = klen + qlen - 1
             if rlen < need:
                 r_head_k = F.pad(r_head_k, (0, 0, 0, 0, 0, need - rlen))
         attn_vec = rel_attention(
             q, k, v, r_head_k, r_w_bias.to(q.dtype), r_r_bias.to(q.dtype), causal=causal,
-            window_size=window, attn_mask=dense, softmax_scale=self.scale,
+            window_size=window, attn_mask=dense, attn_mask_band=band, softmax_scale=self.scale,
             dropout_p=self.dropatt_p if self.training else 0.0, backend=self.backend)
         # [B, Lq, H, D] -> [Lq, B, H*D]
         attn_vec = attn_vec.transpose(0, 1).reshape(qlen, bsz, H * D)
