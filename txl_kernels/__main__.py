@@ -164,7 +164,7 @@ def main(argv=None) -> int:
         print("  (the triton row ran under the Triton interpreter: a correctness check, not a "
               "speed measurement)")
     if failures:
-        print(f"\nFAILED: {', '.join(failures)} disagree with the reference")
+        print(f"\nFAILED: {', '.join(failures)}: does not agree with the reference")
         return 1
     print("\nOK: every usable backend agrees with the reference")
     return 0
