@@ -31,24 +31,12 @@ template <typename scalar_t>
 void copy_layer_cpu(const LayerDesc& L) {
   const int64_t rows = L.n * L.bsz;
   if (rows == 0 || L.d == 0) return;
-  const auto* mem = reinterpret_cast<const scalar_t*>(L.mem_ptr);
-  const auto* hid = reinterpret_cast<const scalar_t*>(L.hid_ptr);
   auto* out = reinterpret_cast<scalar_t*>(L.out_ptr);
   const int64_t grain = std::max<int64_t>(1, 32768 / L.d);
   at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const int64_t t = r / L.bsz;
-      const int64_t b = r - t * L.bsz;
-      const int64_t s = L.beg + t;  // row of cat([mem, hid], 0)
-      const scalar_t* src;
       int64_t sd;
-      if (s < L.mlen) {
-        src = mem + s * L.mem_s0 + b * L.mem_s1;
-        sd = L.mem_s2;
-      } else {
-        src = hid + (s - L.mlen) * L.hid_s0 + b * L.hid_s1;
-        sd = L.hid_s2;
-      }
+      const scalar_t* src = row_source<scalar_t>(L, r, &sd);
       scalar_t* dst = out + r * L.d;
       if (sd == 1) {
         std::memcpy(dst, src, static_cast<size_t>(L.d) * sizeof(scalar_t));

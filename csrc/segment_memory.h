@@ -29,6 +29,30 @@ struct LayerDesc {
 constexpr int kDescFields = static_cast<int>(sizeof(LayerDesc) / sizeof(int64_t));
 static_assert(sizeof(LayerDesc) == 14 * sizeof(int64_t), "LayerDesc must be 14 int64 fields");
 
+#ifdef __CUDACC__
+#define TXL_HOST_DEVICE __host__ __device__
+#else
+#define TXL_HOST_DEVICE
+#endif
+
+// Source of output row r = (t, b) of one layer: row s = beg + t of cat([mem, hid], 0), i.e.
+// mem[s, b] if s < mlen else hid[s - mlen, b]. Returns its first element and sets *stride to
+// its element stride along d. Shared by the CPU loop and the CUDA kernel.
+template <typename scalar_t>
+TXL_HOST_DEVICE inline const scalar_t* row_source(const LayerDesc& L, int64_t r,
+                                                  int64_t* stride) {
+  const int64_t t = r / L.bsz;
+  const int64_t b = r - t * L.bsz;
+  const int64_t s = L.beg + t;
+  if (s < L.mlen) {
+    *stride = L.mem_s2;
+    return reinterpret_cast<const scalar_t*>(L.mem_ptr) + s * L.mem_s0 + b * L.mem_s1;
+  }
+  *stride = L.hid_s2;
+  return reinterpret_cast<const scalar_t*>(L.hid_ptr) + (s - L.mlen) * L.hid_s0 +
+         b * L.hid_s1;
+}
+
 #ifdef TXL_WITH_CUDA
 // Launch ONE kernel that performs every layer's copy. desc_device points to num_layers
 // LayerDesc in device memory. dtype is a c10::ScalarType (as int, to keep this header free of

@@ -29,24 +29,12 @@ __global__ void update_mems_kernel(const LayerDesc* __restrict__ descs) {
   const LayerDesc L = descs[blockIdx.y];
   const int64_t rows = L.n * L.bsz;
   const int64_t width = L.d / kVec;  // vectors (or elements) per row
-  const auto* mem = reinterpret_cast<const scalar_t*>(L.mem_ptr);
-  const auto* hid = reinterpret_cast<const scalar_t*>(L.hid_ptr);
   auto* out = reinterpret_cast<scalar_t*>(L.out_ptr);
   const int64_t row_step = static_cast<int64_t>(gridDim.x) * blockDim.y;
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y; r < rows;
        r += row_step) {
-    const int64_t t = r / L.bsz;
-    const int64_t b = r - t * L.bsz;
-    const int64_t s = L.beg + t;  // row of cat([mem, hid], 0)
-    const scalar_t* src;
     int64_t sd;
-    if (s < L.mlen) {
-      src = mem + s * L.mem_s0 + b * L.mem_s1;
-      sd = L.mem_s2;
-    } else {
-      src = hid + (s - L.mlen) * L.hid_s0 + b * L.hid_s1;
-      sd = L.hid_s2;
-    }
+    const scalar_t* src = row_source<scalar_t>(L, r, &sd);
     scalar_t* dst = out + r * L.d;
     if constexpr (kVec > 1) {
       const auto* vsrc = reinterpret_cast<const vec_t*>(src);
