@@ -30,8 +30,9 @@ default config is added. The grid: dtypes fp16, bf16, fp32 with TF32 and with IE
 BLOCK_D 64, strides not divisible by 16), and two flag sets: all off (no window, no masks, one
 split, deterministic dr) and all on (causal + left window, key padding mask, dense mask,
 split-K, both the deterministic dr and the atomic dr). Identical compiles are done once.
-``--quick`` (CI): flags all on, head dims 64 and 128, the largest offered config of each
-kernel (largest tile, then most warps and stages) for every dtype.
+``--quick`` (CI): flags all on, head dims 64 and 128, for every dtype the largest offered
+config of each kernel (largest tile, then most warps and stages) and every fixed config
+(launched without an autotuner to fall back on, e.g. the forward's default config).
 
 Each compile prints the kernel, the case and config, OK / FAIL, registers per thread, spill
 stores / loads (bytes, from ptxas' report), shared memory, the count of Hopper ``wgmma``
@@ -428,6 +429,7 @@ class Job:
     scenarios: List[Scenario] = dataclasses.field(default_factory=list)
     largest_key: Tuple = ()
     autotuned: bool = True           # False if some launch uses this config without a tuner
+    sources: List[str] = dataclasses.field(default_factory=list)  # "autotune" / "fixed"
     groups: List[str] = dataclasses.field(default_factory=list)  # launches that offer it
 
     def arg_name(self, path) -> str:
@@ -498,8 +500,6 @@ def jobs_from_launch(backend, module_name: str, launch: Launch) -> List[Job]:
         meta_names = [n for n in names if n.startswith("BLOCK") and n in kw]
         cfg = " ".join(f"{n}={kw[n]}" for n in meta_names)
         cfg = f"{cfg} w{opts['num_warps']} s{opts['num_stages']}".strip()
-        if source:
-            cfg += f" ({source})"
         blocks = 1
         for n in meta_names:
             if n != "BLOCK_D" and isinstance(kw[n], int):
@@ -507,7 +507,8 @@ def jobs_from_launch(backend, module_name: str, launch: Launch) -> List[Job]:
         jobs.append(Job(module_name, fn.__name__, dict(signature), dict(constexprs),
                         dict(attrs), int(opts["num_warps"]), int(opts["num_stages"]), extra,
                         cfg, largest_key=(blocks, opts["num_warps"], opts["num_stages"]),
-                        autotuned=bool(source)))
+                        autotuned=bool(source),
+                        sources=["autotune" if source else "fixed"]))
     return jobs
 
 
@@ -545,6 +546,9 @@ def collect_jobs(head_dims: Sequence[int] = HEAD_DIMS_FULL,
                                 for new in jobs_from_launch(backend, mod_name, launch):
                                     job = jobs.setdefault(new.key(), new)
                                     job.autotuned = job.autotuned and new.autotuned
+                                    for src in new.sources:
+                                        if src not in job.sources:
+                                            job.sources.append(src)
                                     job.groups.append(gid)
                                     groups.setdefault(gid, []).append(job.key())
                                     if sc.label not in job.cases:
@@ -556,6 +560,11 @@ def collect_jobs(head_dims: Sequence[int] = HEAD_DIMS_FULL,
                                           f"{type(exc).__name__}: {_first_line(str(exc))}")
     out = list(jobs.values())
     _label_variants(out)
+    for job in out:
+        # "autotune": a config the autotuner tries; "fixed": launched as is (no fallback), e.g.
+        # the forward's default config under TXL_KERNELS_AUTOTUNE=0
+        if "autotune" in job.sources:
+            job.config += f" ({' + '.join(sorted(job.sources))})"
     return out, kernels, errors, groups
 
 
@@ -587,8 +596,9 @@ def _label_variants(jobs: List[Job]) -> None:
 def quick_subset(jobs: List[Job]) -> List[Job]:
     """Per (kernel, dtype, head dim), in the flags-on cases: the largest config(s) (tile area,
     then warps, then stages) of each kernel variant (jobs differing in non-BLOCK constexprs,
-    e.g. the deterministic and the atomic dr, are variants). A kernel only launched with
-    flags off would keep its largest flags-off config."""
+    e.g. the deterministic and the atomic dr, are variants), and every fixed-config launch
+    (no autotuner to fall back on: the forward's TXL_KERNELS_AUTOTUNE=0 default, the
+    untuned kernels). A kernel only launched with flags off would keep its flags-off jobs."""
     groups: Dict[Tuple, List[Tuple[Job, Scenario]]] = {}
     for job in jobs:
         for sc in job.scenarios:
@@ -606,7 +616,7 @@ def quick_subset(jobs: List[Job]) -> List[Job]:
         for vjobs in by_variant.values():
             top = max(j.largest_key for j in vjobs)
             for j in vjobs:
-                if j.largest_key == top:
+                if j.largest_key == top or not j.autotuned:
                     chosen[j.key()] = j
     return list(chosen.values())
 
