@@ -300,7 +300,7 @@ def skip_reason(provider: Provider, device) -> Optional[str]:
         return "needs a CUDA device (none here)"
     if provider.cuda_only and device.type != "cuda":
         return provider.cuda_only_reason
-    if provider.name in ("fused", "nemo_fused") and _interpreting():
+    if provider.name in ("fused", "nemo_fused", "espnet_fused") and _interpreting():
         return "TRITON_INTERPRET=1 is set: the fused path is never timed under the interpreter"
     return None
 
@@ -327,16 +327,23 @@ class ModuleInputs:
 
 
 def make_nemo_module(n_head: int, n_feat: int, backend: str, dtype, device,
-                     seed: int = 0) -> torch.nn.Module:
-    """The library's NeMo-compatible module (``txl_kernels.modules.conformer``) on ``backend``.
+                     seed: int = 0, family: str = "nemo") -> torch.nn.Module:
+    """The library's NeMo-compatible (or, with ``family="espnet"``, ESPnet-compatible) module
+    (``txl_kernels.modules.conformer``) on ``backend``.
 
     The backend is passed to the constructor when it takes one, else set as the ``backend``
     attribute; if neither exists the module cannot be pinned to a backend and this raises.
     """
-    from txl_kernels.modules.conformer import NeMoRelPositionMultiHeadAttention as M
+    from txl_kernels.modules import conformer
 
+    if family == "espnet":
+        M = conformer.ESPnetRelPositionMultiHeadedAttention
+        kw = dict(n_head=n_head, n_feat=n_feat, dropout_rate=0.0)
+    else:
+        M = conformer.NeMoRelPositionMultiHeadAttention
+        kw = dict(n_head=n_head, n_feat=n_feat, dropout_rate=0.0, pos_bias_u=None,
+                  pos_bias_v=None)
     params = inspect.signature(M.__init__).parameters
-    kw = dict(n_head=n_head, n_feat=n_feat, dropout_rate=0.0, pos_bias_u=None, pos_bias_v=None)
     with torch.random.fork_rng(devices=[]):  # same weights for every provider, global RNG kept
         torch.manual_seed(seed)
         mod = M(**kw, backend=backend) if "backend" in params else M(**kw)
@@ -356,11 +363,12 @@ def make_nemo_module(n_head: int, n_feat: int, backend: str, dtype, device,
 
 
 def make_module_inputs(shape, dtype, device, backend: str, requires_grad: bool = False,
-                       seed: int = 0, module: Optional[torch.nn.Module] = None) -> ModuleInputs:
+                       seed: int = 0, module: Optional[torch.nn.Module] = None,
+                       family: str = "nemo") -> ModuleInputs:
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     device = torch.device(device)
     mod = module if module is not None else make_nemo_module(shape.H, shape.n_feat, backend,
-                                                             dtype, device, seed)
+                                                             dtype, device, seed, family)
     for p in mod.parameters():
         p.requires_grad_(requires_grad)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -397,6 +405,21 @@ def nemo_reference(inp: ModuleInputs) -> torch.Tensor:
     return _module_forward(inp)
 
 
+def _espnet_forward(inp: ModuleInputs) -> torch.Tensor:
+    """The ESPnet drop-in's forward: its (B, 1, T) keep-mask (True = keep) is key padding by
+    its shape, so it reaches the kernel as key_padding_mask (no dense mask)."""
+    keep = None if inp.key_padding_mask is None else ~inp.key_padding_mask[:, None, :]
+    return inp.module(inp.x, inp.x, inp.x, inp.pos_emb, keep)
+
+
+def espnet_fused(inp: ModuleInputs) -> torch.Tensor:
+    return _espnet_forward(inp)
+
+
+def espnet_reference(inp: ModuleInputs) -> torch.Tensor:
+    return _espnet_forward(inp)
+
+
 def nemo_sdpa_bias(inp: ModuleInputs) -> torch.Tensor:
     """NeMo's own algorithm on its SDPA path, with the module's weights: the projections,
     ``sdpa_bias`` for the attention (BD in full as a float mask), padded query rows zeroed,
@@ -428,10 +451,18 @@ MODULE_PROVIDERS: Dict[str, Provider] = {
                  "NeMoRelPositionMultiHeadAttention, backend='reference'"),
         Provider("nemo_sdpa_bias", nemo_sdpa_bias, False, "",
                  "NeMo's algorithm on its SDPA path (BD as a float mask), same weights"),
+        Provider("espnet_fused", espnet_fused, True,
+                 "the fused Triton path is timed only on CUDA, never under the Triton "
+                 "interpreter", "ESPnetRelPositionMultiHeadedAttention, backend='triton'"),
+        Provider("espnet_reference", espnet_reference, False, "",
+                 "ESPnetRelPositionMultiHeadedAttention, backend='reference' (ESPnet's "
+                 "algorithm: full AC + BD, rel_shift, softmax)"),
     )
 }
 MODULE_BACKEND = {"nemo_fused": "triton", "nemo_reference": "reference",
-                  "nemo_sdpa_bias": "reference"}
+                  "nemo_sdpa_bias": "reference", "espnet_fused": "triton",
+                  "espnet_reference": "reference"}
+MODULE_FAMILY = {name: name.split("_")[0] for name in MODULE_BACKEND}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ END = "<!-- benchmark-results:end -->"
 
 KIND_TITLES = {
     "attention": "Attention level (`rel_attention` inputs, every provider on the same tensors)",
-    "conformer_module": "Conformer module level (NeMo drop-in, projections included)",
+    "conformer_module": "Conformer module level (NeMo and ESPnet drop-ins, projections included)",
     "update_mems": "update_mems (all layers)",
 }
 

@@ -64,7 +64,8 @@ def make_inputs(case: Case, name: str, seed: int = 0):
                                   seed=seed)
     if case.kind == "conformer_module":
         return P.make_module_inputs(case.shape, case.dtype, case.device,
-                                    P.MODULE_BACKEND[name], requires_grad=grad, seed=seed)
+                                    P.MODULE_BACKEND[name], requires_grad=grad, seed=seed,
+                                    family=P.MODULE_FAMILY[name])
     if case.kind == "update_mems":
         return P.make_mems_inputs(case.shape, case.dtype, case.device, seed=seed)
     raise ValueError(f"unknown kind {case.kind!r}")

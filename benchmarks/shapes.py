@@ -8,7 +8,8 @@ Cases come in three kinds:
 
 * ``attention``: ``rel_attention``-level inputs (q ``[B, Lq, H, D]``, k/v ``[B, Lk, H, D]``,
   r ``[R, H, D]``, u/v ``[H, D]``, masks), every provider of ``providers.ATTN_PROVIDERS``.
-* ``conformer_module``: the NeMo-compatible Conformer attention module, projections included.
+* ``conformer_module``: the NeMo- and ESPnet-compatible Conformer attention modules,
+  projections included.
 * ``update_mems``: the Transformer-XL memory update, library op against per-layer cat + slice.
 
 Each kind has GPU cases (the real shapes, run only where CUDA is present) and a small CPU
@@ -326,7 +327,8 @@ def all_cases(device: str, dtypes: Optional[Sequence[str]] = None) -> List[Case]
 
 PROVIDER_ORDER = {
     "attention": ("fused", "reference", "sdpa_bias", "flex", "sdpa_plain"),
-    "conformer_module": ("nemo_fused", "nemo_reference", "nemo_sdpa_bias"),
+    "conformer_module": ("nemo_fused", "nemo_reference", "nemo_sdpa_bias", "espnet_fused",
+                         "espnet_reference"),
     "update_mems": ("update_mems", "torch_cat"),
 }
 BASELINES = {kind: names[1:] for kind, names in PROVIDER_ORDER.items()}

@@ -1,5 +1,5 @@
-"""Conformer module level (projections included): the NeMo drop-in on the fused and the
-reference backend, and NeMo's SDPA algorithm with the same weights."""
+"""Conformer module level (projections included): the NeMo and ESPnet drop-ins on the fused
+and the reference backend, and NeMo's SDPA algorithm with the same weights."""
 import pytest
 
 from benchmarks import shapes

@@ -239,8 +239,25 @@ def test_module_providers_pin_their_backend():
     _conformer_module_or_skip()
     mshape = shapes.module_shapes("cpu")[0]
     for name, backend in P.MODULE_BACKEND.items():
-        inp = P.make_module_inputs(mshape, "fp32", "cpu", backend)
+        inp = P.make_module_inputs(mshape, "fp32", "cpu", backend, family=P.MODULE_FAMILY[name])
         assert inp.module.backend == backend, name
+        want = "ESPnet" if name.startswith("espnet") else "NeMo"
+        assert type(inp.module).__name__.startswith(want), name
+
+
+@pytest.mark.parametrize("key_padding", [True, False])
+def test_espnet_module_provider_matches_nemo_on_unpadded_rows(key_padding):
+    """Same weights and inputs: the ESPnet drop-in computes the same attention as the NeMo one
+    on every query row that is not padded (NeMo also zeroes padded query rows)."""
+    _conformer_module_or_skip()
+    mshape = shapes.ModuleShape("m", 3, 2, 16, 19, shapes.MODES, "cpu", key_padding=key_padding)
+    nemo = P.make_module_inputs(mshape, "fp32", "cpu", "reference")
+    esp = P.make_module_inputs(mshape, "fp32", "cpu", "reference", family="espnet")
+    esp.module.load_state_dict(nemo.module.state_dict())
+    a, b = P.nemo_reference(nemo), P.espnet_reference(esp)
+    keep = torch.ones(a.shape[:2], dtype=torch.bool) if nemo.key_padding_mask is None \
+        else ~nemo.key_padding_mask
+    torch.testing.assert_close(b[keep], a[keep], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("ext_len", [0, 3])
