@@ -27,9 +27,10 @@ that become constants, the 16-divisibility hints of pointers and ints. For autot
 pruning keeps for that launch is compiled; with ``TXL_KERNELS_AUTOTUNE=0`` the forward's
 default config is added. The grid: dtypes fp16, bf16, fp32 with TF32 and with IEEE products
 (``torch.get_float32_matmul_precision``), head dims 64, 128, 256 and 41 (padded to
-BLOCK_D 64, strides not divisible by 16), and two flag sets: all off (no window, no masks, one
-split, deterministic dr) and all on (causal + left window, key padding mask, dense mask,
-split-K, both the deterministic dr and the atomic dr). Identical compiles are done once.
+BLOCK_D 64, strides not divisible by 16), and the flag sets: all off (no window, no masks, one
+split, deterministic dr), all on (causal + left window, key padding mask, dense mask with its
+on-device band descriptor, split-K, both the deterministic dr and the atomic dr), and all on
+with the dense mask but no band descriptor. Identical compiles are done once.
 ``--quick`` (CI): flags all on, head dims 64 and 128, for every dtype the largest offered
 config of each kernel (largest tile, then most warps and stages) and every fixed config
 (launched without an autotuner to fall back on, e.g. the forward's default config).
@@ -82,7 +83,10 @@ SM90_MAX_BLOCKS_PER_SM = 32
 DTYPE_CASES = ("fp16", "bf16", "fp32-tf32", "fp32-ieee")
 HEAD_DIMS_FULL = (64, 128, 256, 41)
 HEAD_DIMS_QUICK = (64, 128)
-FLAG_SETS = ("off", "on")
+# "off": no window, no masks, one split, deterministic dr. "on": everything on (causal + left
+# window, key padding, dense mask with its on-device band descriptor, split-K, deterministic
+# and atomic dr). "on-noband": the same, the dense mask without a band descriptor.
+FLAG_SETS = ("off", "on", "on-noband")
 
 
 def _interpreting() -> bool:
@@ -282,7 +286,7 @@ class Scenario:
     """One launcher call: dtype (and fp32 matmul precision), head dim, flag set."""
     dtype: str   # one of DTYPE_CASES
     head_dim: int
-    flags: str   # "off" | "on"
+    flags: str   # one of FLAG_SETS
 
     @property
     def label(self) -> str:
@@ -365,12 +369,13 @@ def _torch_dtype(dtype_case: str):
 def _shapes(sc: Scenario) -> dict:
     """Launch shapes on meta tensors. Flags off: a square training segment whose sizes are
     multiples of 16. Flags on: odd lengths with a memory (Lk > Lq), a causal + left window,
-    key padding, a dense mask, 4 key splits."""
+    key padding, a dense mask (with its band descriptor unless "on-noband"), 4 key splits,
+    deterministic and atomic dr."""
     if sc.flags == "off":
         return dict(B=2, H=8, Lq=1024, Lk=1024, R=1024, wl=-1, wr=-1, kpm=False, mask=False,
-                    splits=1, deterministic=(True,))
+                    band=False, splits=1, deterministic=(True,))
     return dict(B=2, H=8, Lq=300, Lk=1000, R=1000, wl=256, wr=0, kpm=True, mask=True,
-                splits=4, deterministic=(True, False))
+                band=sc.flags == "on", splits=4, deterministic=(True, False))
 
 
 def _meta_inputs(sc: Scenario, s: dict):
@@ -383,27 +388,31 @@ def _meta_inputs(sc: Scenario, s: dict):
 
     kpm = t(B, Lk, dtype=torch.bool) if s["kpm"] else None
     mask = t(B, H, Lq, Lk, dtype=torch.bool) if s["mask"] else None
+    band = t(3, dtype=torch.int32) if s["band"] else None  # functional.mask_to_band's output
     return (t(B, Lq, H, D), t(B, Lk, H, D), t(B, Lk, H, D), t(R, H, D), t(H, D), t(H, D),
-            kpm, mask)
+            kpm, mask, band)
 
 
 def _drive_fwd(module, sc: Scenario) -> None:
     s = _shapes(sc)
-    q, k, v, r, u, vb, kpm, mask = _meta_inputs(sc, s)
+    q, k, v, r, u, vb, kpm, mask, band = _meta_inputs(sc, s)
+    extra = {} if band is None else {"attn_mask_band": band}
     module.rel_attn_fwd(q, k, v, r, u, vb, sc.head_dim ** -0.5, s["wl"], s["wr"], kpm, mask,
-                        num_splits=s["splits"])
+                        num_splits=s["splits"], **extra)
 
 
 def _drive_bwd(module, sc: Scenario) -> None:
     import torch
     s = _shapes(sc)
-    q, k, v, r, u, vb, kpm, mask = _meta_inputs(sc, s)
+    q, k, v, r, u, vb, kpm, mask, band = _meta_inputs(sc, s)
+    extra = {} if band is None else {"attn_mask_band": band}
     out = torch.empty_like(q)
     do = torch.empty_like(q)
     lse = torch.empty(s["B"], s["H"], s["Lq"], dtype=torch.float32, device="meta")
     for det in s["deterministic"]:
         module.rel_attn_bwd(do, q, k, v, r, u, vb, out, lse, sc.head_dim ** -0.5, s["wl"],
-                            s["wr"], key_padding_mask=kpm, attn_mask=mask, deterministic=det)
+                            s["wr"], key_padding_mask=kpm, attn_mask=mask, deterministic=det,
+                            **extra)
 
 
 # Module -> how to call its launcher for a scenario (the only place that knows the launchers'
