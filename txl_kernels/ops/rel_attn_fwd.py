@@ -343,7 +343,7 @@ def _hopper_configs():
             for bm, bn, nw, ns in _CONFIG_TABLE]
 
 
-def _config_ok(bm, bn, nw, ns, block_d, exact_fp32):
+def _config_ok(bm, bn, nw, ns, block_d, exact_fp32, wide=False):
     if bm > 2 * bn:  # the window is held in at most three BN-row chunks
         return False
     if exact_fp32:
@@ -352,29 +352,32 @@ def _config_ok(bm, bn, nw, ns, block_d, exact_fp32):
         return False
     if block_d >= 128 and bn > 64:
         return False
-    if block_d >= 256:
-        return bm == 64 and bn <= 64 and ns <= 2
+    if block_d >= 256:  # BN 64 needs 272 KiB of shared memory (sm_90 blocks: 227 KiB)
+        return bm == 64 and bn <= 32 and ns <= 2
+    if wide and (bn > 64 or (block_d >= 128 and bm == 64 and bn == 64)):
+        return False  # TF32: these tiles need 272..368 KiB of shared memory
     return True
 
 
 def _prune_configs(configs, named_args, **kwargs):
     block_d = kwargs["BLOCK_D"]
-    exact_fp32 = named_args["Q"].dtype == torch.float32 and kwargs["DOT_PREC"] == "ieee"
+    wide = named_args["Q"].dtype == torch.float32
+    exact_fp32 = wide and kwargs["DOT_PREC"] == "ieee"
     out = [c for c in configs
            if _config_ok(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages,
-                         block_d, exact_fp32)]
+                         block_d, exact_fp32, wide)]
     if not out:
-        cfg = dict(_default_config(block_d, exact_fp32))
+        cfg = dict(_default_config(block_d, exact_fp32, wide))
         nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
         out = [triton.Config(cfg, num_warps=nw, num_stages=ns)]
     return out
 
 
-def _default_config(block_d: int, exact_fp32: bool) -> dict:
+def _default_config(block_d: int, exact_fp32: bool, wide: bool = False) -> dict:
     """The config used on GPU when autotuning is off (TXL_KERNELS_AUTOTUNE=0)."""
     if exact_fp32:
         return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
-    if block_d >= 256:
+    if block_d >= 256 or (wide and block_d >= 128):
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
     return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 
@@ -523,7 +526,8 @@ def rel_attn_fwd(
         if config is None and INTERPRET:
             config = INTERPRET_CONFIG
         elif config is None and not autotune_enabled():
-            config = _default_config(block_d, dtype == torch.float32 and dot_prec == "ieee")
+            config = _default_config(block_d, dtype == torch.float32 and dot_prec == "ieee",
+                                     dtype == torch.float32)
         if config is not None:
             cfg = dict(config)
             bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
