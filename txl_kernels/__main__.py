@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     r = r[:, None, :].to(device, dtype)
     mask = torch.triu(torch.ones(qlen, klen, dtype=torch.uint8, device=device), 1 + mlen)[..., None]
 
-    ref_out, ref_grads, _, _ = None, None, None, None
+    ref_out = ref_grads = None
     print(f"  {'backend':<12} {'max |diff| out':>15} {'max |diff| grads':>17} {'time':>10}   memory")
     for name in backends:
         _run_layer(layers[name], (w, r, mem, mask), device)  # warm-up (compiles kernels)

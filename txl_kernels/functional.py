@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .reference import rel_attention_reference
+from .reference import pair_distance, rel_attention_reference
 
 __all__ = ["rel_attention", "fused_available", "mask_to_band", "BACKENDS"]
 
@@ -132,8 +132,7 @@ def mask_to_band(attn_mask: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"mask_to_band: attn_mask must have at least 2 dims [..., Lq, Lk], "
                          f"got {list(attn_mask.shape)}")
     lq, lk = attn_mask.shape[-2:]
-    dev = attn_mask.device
-    d = (torch.arange(lq, device=dev)[:, None] + (lk - lq)) - torch.arange(lk, device=dev)
+    d = pair_distance(lq, lk, attn_mask.device)
     allowed = ~attn_mask
     big = lk + lq
     d_max = torch.where(allowed, d, -big).amax()   # -big when nothing is allowed

@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["rel_shift", "rel_shift_pad_reshape", "rel_attention_reference", "allowed_pairs"]
+__all__ = ["rel_shift", "rel_shift_pad_reshape", "rel_attention_reference", "allowed_pairs",
+           "pair_distance", "in_window"]
 
 
 def rel_shift_pad_reshape(x: torch.Tensor) -> torch.Tensor:
@@ -49,6 +50,18 @@ def rel_shift(bdt: torch.Tensor, klen: int) -> torch.Tensor:
     )
 
 
+def pair_distance(lq: int, lk: int, device) -> torch.Tensor:
+    """``d[i, j] = (i + Lk - Lq) - j`` ([Lq, Lk], int64): the distance of every pair, memory
+    first (bottom-right aligned)."""
+    return (torch.arange(lq, device=device)[:, None] + (lk - lq)) - torch.arange(lk, device=device)
+
+
+def in_window(d: torch.Tensor, left, right) -> torch.Tensor:
+    """``(left < 0 or d <= left) and (right < 0 or -d <= right)``; -1 = unbounded side.
+    ``left`` / ``right`` may be ints or 0-d tensors (read on the device, no host sync)."""
+    return ((left < 0) | (d <= left)) & ((right < 0) | (-d <= right))
+
+
 def allowed_pairs(
     lq: int,
     lk: int,
@@ -67,23 +80,15 @@ def allowed_pairs(
     ``functional.mask_to_band``), attn_mask is replaced by its band when the band's flag is
     set, selected on the device (``torch.where``, no host sync).
     """
-    i = torch.arange(lq, device=device).unsqueeze(1)
-    j = torch.arange(lk, device=device).unsqueeze(0)
-    d = i + (lk - lq) - j
-    allowed = torch.ones(lq, lk, dtype=torch.bool, device=device)
-    if window_left >= 0:
-        allowed &= d <= window_left
-    if window_right >= 0:
-        allowed &= -d <= window_right
-    allowed = allowed[None, None]
+    d = pair_distance(lq, lk, device)
+    allowed = in_window(d, window_left, window_right)[None, None]
     if key_padding_mask is not None:
         allowed = allowed & ~key_padding_mask[:, None, None, :]
     if attn_mask is not None:
         masked = attn_mask
         if attn_mask_band is not None:
             on, bl, br = attn_mask_band.long().unbind()
-            out_of_band = ((bl >= 0) & (d > bl)) | ((br >= 0) & (-d > br))
-            masked = torch.where(on != 0, out_of_band, attn_mask)
+            masked = torch.where(on != 0, ~in_window(d, bl, br), attn_mask)
         allowed = allowed & ~masked
     return allowed
 
