@@ -60,7 +60,7 @@ def test_error_message_says_what_came():
     q, k, v, r, u, vb = _inputs()
     with pytest.raises(ValueError) as e:
         _call(q[0], k, v, r, u, vb)
-    assert "shape (5, 2, 16)" in str(e.value) and "dtype torch.float32" in str(e.value)
+    assert "shape [5, 2, 16]" in str(e.value) and "dtype torch.float32" in str(e.value)
 
 
 def test_device_mismatch():

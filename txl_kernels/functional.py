@@ -5,28 +5,17 @@ Data flows one way: modules -> ``rel_attention`` (checks, mask normalisation, ba
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Tuple
 
 import torch
 
+from ._utils import (FUSED_DTYPES, FUSED_MAX_HEADDIM, FUSED_MIN_HEADDIM, REF_DTYPES, describe,
+                     interpreting)
 from .reference import pair_distance, rel_attention_reference
 
 __all__ = ["rel_attention", "fused_available", "mask_to_band", "BACKENDS"]
 
 BACKENDS = ("auto", "reference", "triton")
-_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_REF_DTYPES = _FUSED_DTYPES + (torch.float64,)
-FUSED_MIN_HEADDIM, FUSED_MAX_HEADDIM = 16, 256
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _describe(t: torch.Tensor) -> str:
-    return (f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}, "
-            f"strides {tuple(t.stride())}")
 
 
 def _check_tensor(name: str, t, ndim: int, layout: str) -> None:
@@ -34,8 +23,8 @@ def _check_tensor(name: str, t, ndim: int, layout: str) -> None:
         raise TypeError(f"rel_attention: {name} must be a torch.Tensor of layout {layout}, "
                         f"got {type(t).__name__}")
     if t.dim() != ndim:
-        raise ValueError(f"rel_attention: {name} must be {ndim}-D {layout}, got {_describe(t)}")
-    if t.dtype not in _REF_DTYPES:
+        raise ValueError(f"rel_attention: {name} must be {ndim}-D {layout}, got {describe(t)}")
+    if t.dtype not in REF_DTYPES:
         raise TypeError(f"rel_attention: {name} must be float16, bfloat16, float32 or float64, "
                         f"got {t.dtype}")
 
@@ -47,11 +36,11 @@ def fused_available(device: torch.device) -> Tuple[bool, str]:
     except Exception as exc:  # pragma: no cover - triton is a dependency
         return False, f"triton cannot be imported ({exc})"
     if device.type == "cuda":
-        if _interpreting():
+        if interpreting():
             return False, "TRITON_INTERPRET=1 is set, which runs kernels on CPU tensors only"
         return True, "CUDA device"
     if device.type == "cpu":
-        if _interpreting():
+        if interpreting():
             return True, "TRITON_INTERPRET=1 (Triton interpreter on CPU; slow, for testing)"
         return False, ("CPU tensors need TRITON_INTERPRET=1 set before triton is imported "
                        "(the Triton interpreter); there is no compiled CPU kernel")
@@ -297,7 +286,7 @@ def rel_attention(
     use_fused = False
     if backend != "reference" and dropout_p == 0.0:
         ok, why = fused_available(q.device)
-        shape_ok = (q.dtype in _FUSED_DTYPES
+        shape_ok = (q.dtype in FUSED_DTYPES
                     and FUSED_MIN_HEADDIM <= D <= FUSED_MAX_HEADDIM)
         if backend == "triton":
             if not ok:

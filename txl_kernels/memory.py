@@ -24,16 +24,13 @@ from typing import List, Optional, Sequence, Set
 import torch
 
 from . import _build
+from ._utils import describe
 
 __all__ = ["update_mems", "MEMORY_BACKENDS"]
 
 MEMORY_BACKENDS = ("auto", "extension", "torch")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _WARNED: Set[str] = set()
-
-
-def _shape(t: torch.Tensor) -> str:
-    return f"shape {list(t.shape)}, dtype {t.dtype}, device {t.device}"
 
 
 def _as_len(name: str, value) -> int:
@@ -67,7 +64,7 @@ def _check(hids, mems, mem_len, ext_len):
                             f"got {type(h).__name__}")
         if h.dim() != 3:
             raise ValueError(f"update_mems: hids[{l}] must be 3-D [qlen, bsz, d] (seq-first), "
-                             f"got {_shape(h)}")
+                             f"got {describe(h)}")
         if h.dtype not in _DTYPES:
             raise TypeError(f"update_mems: hids[{l}] must be float32, float16, bfloat16 or "
                             f"float64, got {h.dtype}")
@@ -95,7 +92,7 @@ def _check(hids, mems, mem_len, ext_len):
         h = hids[l]
         if m.dim() != 3:
             raise ValueError(f"update_mems: mems[{l}] must be 3-D [mlen, bsz, d] or an empty "
-                             f"tensor, got {_shape(m)}")
+                             f"tensor, got {describe(m)}")
         if m.shape[1] != h.shape[1]:
             raise ValueError(f"update_mems: mems[{l}] has batch size (bsz) {m.shape[1]} but "
                              f"hids[{l}] has {h.shape[1]}")

@@ -8,8 +8,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .._utils import interpreting
+
 # TRITON_INTERPRET is read once, as triton itself does when it decorates the kernels.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRET = interpreting()
 
 
 @triton.jit

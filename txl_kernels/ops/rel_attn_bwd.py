@@ -92,6 +92,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._utils import describe
 from ._common import (INTERPRET, apply_mask_band, dot_precision, last_dim_contiguous,
                       round_bf16)
 
@@ -630,10 +631,6 @@ def _bucket(n: int) -> int:
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-def _describe(t: torch.Tensor) -> str:
-    return f"shape {list(t.shape)}, dtype {t.dtype}, device {t.device}"
-
-
 def _check_args(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, key_padding_mask, attn_mask):
     tensors = (("do", do), ("q", q), ("k", k), ("v", v), ("r", r), ("r_w_bias", r_w_bias),
                ("r_r_bias", r_r_bias), ("out", out), ("lse", lse))
@@ -642,7 +639,7 @@ def _check_args(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, key_padding_mask, 
             raise TypeError(f"rel_attn_bwd: {name} must be a torch.Tensor, "
                             f"got {type(t).__name__}")
     if q.dim() != 4:
-        raise ValueError(f"rel_attn_bwd: q must be [B, Lq, H, D], got {_describe(q)}")
+        raise ValueError(f"rel_attn_bwd: q must be [B, Lq, H, D], got {describe(q)}")
     B, Lq, H, D = q.shape
     if q.dtype not in _TL_DTYPES:
         raise TypeError(f"rel_attn_bwd: q must be float16, bfloat16 or float32, got {q.dtype}")
@@ -650,14 +647,14 @@ def _check_args(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, key_padding_mask, 
         raise ValueError(f"rel_attn_bwd: head dim must be in 16..256, got D={D}")
     if k.dim() != 4 or k.shape[0] != B or k.shape[2:] != (H, D) or k.shape[1] < Lq:
         raise ValueError(f"rel_attn_bwd: k must be [B, Lk, H, D] = [{B}, Lk >= {Lq}, {H}, {D}], "
-                         f"got {_describe(k)}")
+                         f"got {describe(k)}")
     Lk = k.shape[1]
     expect = {"do": (B, Lq, H, D), "v": (B, Lk, H, D), "out": (B, Lq, H, D),
               "r_w_bias": (H, D), "r_r_bias": (H, D), "lse": (B, H, Lq)}
     for name, t in tensors:
         if name in expect and tuple(t.shape) != expect[name]:
             raise ValueError(f"rel_attn_bwd: {name} must have shape {list(expect[name])}, "
-                             f"got {_describe(t)}")
+                             f"got {describe(t)}")
         if t.device != q.device:
             raise ValueError(f"rel_attn_bwd: {name} is on {t.device}, q is on {q.device}")
         want = torch.float32 if name == "lse" else q.dtype
@@ -665,18 +662,18 @@ def _check_args(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, key_padding_mask, 
             raise TypeError(f"rel_attn_bwd: {name} must have dtype {want}, got {t.dtype}")
     if r.dim() != 3 or r.shape[1:] != (H, D) or r.shape[0] < 1:
         raise ValueError(f"rel_attn_bwd: r must be [R, H, D] = [R >= 1, {H}, {D}], "
-                         f"got {_describe(r)}")
+                         f"got {describe(r)}")
     if key_padding_mask is not None:
         if (key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != (B, Lk)
                 or key_padding_mask.device != q.device):
             raise ValueError(f"rel_attn_bwd: key_padding_mask must be a bool [B, Lk] = "
-                             f"[{B}, {Lk}] tensor on {q.device}, got {_describe(key_padding_mask)}")
+                             f"[{B}, {Lk}] tensor on {q.device}, got {describe(key_padding_mask)}")
     if attn_mask is not None:
         if (attn_mask.dtype != torch.bool or tuple(attn_mask.shape) != (B, H, Lq, Lk)
                 or attn_mask.device != q.device):
             raise ValueError(f"rel_attn_bwd: attn_mask must be a bool [B, H, Lq, Lk] = "
                              f"[{B}, {H}, {Lq}, {Lk}] tensor on {q.device}, "
-                             f"got {_describe(attn_mask)}")
+                             f"got {describe(attn_mask)}")
 
 
 def rel_attn_bwd(
