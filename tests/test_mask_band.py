@@ -21,9 +21,9 @@ def _same_length(lq, lk, mem_len):
 
 
 @pytest.mark.parametrize("lq,lk,mem_len,want", [
-    (5, 8, None, [1, -1, 0]),
-    (4, 4, None, [1, -1, 0]),
-    (1, 7, None, [1, -1, -1]),        # one query sees every key: no bound at all
+    (5, 8, None, [1, 7, 0]),          # unbounded left side: Lk - 1 (no sentinel)
+    (4, 4, None, [1, 3, 0]),
+    (1, 7, None, [1, 6, 0]),          # one query sees every key: the shapes' whole range
     (6, 12, 6, [1, 5, 0]),            # same_length: d <= mem_len - 1
     (6, 9, 6, [1, 5, 0]),
 ])
@@ -42,9 +42,66 @@ def test_mask_to_band_rejects_non_bands():
     per_batch = torch.stack([causal, causal.clone()])
     per_batch[1, 0, 0] = True  # batch 1 differs: not one band for all
     assert mask_to_band(per_batch[:, None])[0] == 0
-    assert mask_to_band(torch.ones(3, 3, dtype=torch.bool))[0] == 0  # nothing allowed
     with pytest.raises(TypeError, match="bool"):
         mask_to_band(causal.to(torch.uint8))
+
+
+def test_mask_to_band_any_sign_and_empty():
+    """Bands that leave out the diagonal are plain bounds of either sign (never read as
+    "unbounded"); a mask that allows nothing is the band that allows nothing."""
+    strictly_causal = torch.triu(torch.ones(4, 4, dtype=torch.bool))  # allowed: d >= 1
+    assert mask_to_band(strictly_causal).tolist() == [1, 3, -1]
+    future_only = torch.tril(torch.ones(4, 7, dtype=torch.bool), 3)   # allowed: d <= -1
+    assert mask_to_band(future_only).tolist() == [1, -1, 3]
+    d = torch.arange(5)[:, None] + 3 - torch.arange(8)
+    assert mask_to_band((d < 2) | (d > 5)).tolist() == [1, 5, -2]      # 2 <= d <= 5
+    assert mask_to_band(torch.ones(3, 5, dtype=torch.bool)).tolist() == [1, -3, -5]
+    assert mask_to_band(torch.ones(0, 2, 3, 5, dtype=torch.bool)).tolist() == [1, -3, -5]
+    assert mask_to_band(torch.ones(3, 0, dtype=torch.bool)).tolist() == [1, -3, 0]
+
+
+def _signed_masks(lq, lk):
+    d = torch.arange(lq)[:, None] + (lk - lq) - torch.arange(lk)
+    return {
+        "strictly_causal": torch.triu(torch.ones(lq, lk, dtype=torch.bool), lk - lq),
+        "future_only": d >= 0,
+        "distance_2_to_5": (d < 2) | (d > 5),
+        "distance_-6_to_-1": (d < -6) | (d > -1),
+        "nothing": torch.ones(lq, lk, dtype=torch.bool),
+    }
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("name", ["strictly_causal", "future_only", "distance_2_to_5",
+                                  "distance_-6_to_-1", "nothing"])
+def test_band_of_any_sign_equals_dense_mask(backend, name):
+    """Regression: a band without the diagonal was read as unbounded (row 0 of a strictly
+    causal mask attended). Forward and every gradient equal the dense mask's."""
+    B, Lq, Lk, H, D = 1, 9, 13, 2, 16
+    mask = _signed_masks(Lq, Lk)[name].to(FUSED_DEVICE)
+    results = []
+    for band in (None, mask_to_band(mask)):
+        ts = make_inputs(B, Lq, Lk, H, D, R=Lk + Lq - 1, device=FUSED_DEVICE,
+                         requires_grad=True, seed=6)
+        out = rel_attention(*ts, causal=False, attn_mask=mask, attn_mask_band=band,
+                            backend=backend)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+                     .to(out.device))
+        results.append([out.detach()] + [t.grad for t in ts])
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    empty_rows = mask.all(-1)
+    assert (results[1][0][:, empty_rows] == 0).all()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_strictly_causal_band_row_zero_attends_nothing(backend):
+    """The issue's example: no self-attention, no memory: row 0 has no key, output 0."""
+    m = torch.triu(torch.ones(4, 4, dtype=torch.bool)).to(FUSED_DEVICE)
+    ts = make_inputs(1, 4, 4, 2, 16, R=7, device=FUSED_DEVICE, seed=1)
+    out = rel_attention(*ts, causal=False, attn_mask=m, attn_mask_band=mask_to_band(m),
+                        backend=backend)
+    assert (out[:, 0] == 0).all() and (out[:, 1:] != 0).any()
 
 
 def _masks(lq, lk):

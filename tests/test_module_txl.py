@@ -60,7 +60,7 @@ def test_matches_original_same_length(qlen, mlen, mem_len):
     mask = dec_attn_mask(qlen, mlen, w.device, same_length=True, mem_len=mem_len)
     is_band, left, right = mask_to_band(mask.bool()[:, :, 0]).tolist()
     assert is_band == 1 and right == 0
-    assert left == (mem_len - 1 if qlen + mlen > mem_len else -1)
+    assert left == min(mem_len - 1, qlen + mlen - 1)
     want = orig(w, r, rwb, rrb, attn_mask=mask, mems=mems)
     torch.testing.assert_close(ours(w, r, rwb, rrb, attn_mask=mask, mems=mems), want,
                                rtol=1e-6, atol=1e-7)  # original rounds scores to fp32
@@ -112,7 +112,7 @@ def test_detect_passes_band_without_host_sync(monkeypatch):
         ours(w, r, rwb, rrb, attn_mask=mask, mems=mems)  # same mask object: cached
     assert len(calls) == 1
     q, k, v, rr, kw = seen[0]
-    assert kw["attn_mask_band"].tolist() == [1, -1, 0]
+    assert kw["attn_mask_band"].tolist() == [1, 7, 0]
     assert kw["attn_mask_band"] is seen[1][4]["attn_mask_band"]
     # q, k, v, r are strided views of the projections, not copies (r is not padded either)
     assert q._base is not None and k._base is not None and v._base is not None
@@ -190,3 +190,26 @@ def test_fused_backend_matches_original(dtype):
     got = ours(w, r, rwb, rrb, attn_mask=mask, mems=mems)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("qlen,mlen", [(5, 0), (4, 3)])
+def test_detect_strictly_causal_mask_equals_dense(backend, qlen, mlen):
+    """Regression: detect mode with ``triu(ones(qlen, klen), mlen)`` (no self-attention)
+    attended row 0 through a band read as unbounded. Forward and gradients equal dense mode."""
+    dtype = torch.float64 if backend == "reference" else torch.float32
+    _, detect = _pair(dtype=dtype, backend=backend)
+    _, dense = _pair(dtype=dtype, backend=backend, mask_mode="dense")
+    detect, dense = detect.to(FUSED_DEVICE), dense.to(FUSED_DEVICE)
+    w, r, rwb, rrb, mems = (None if t is None else t.to(FUSED_DEVICE)
+                            for t in _data(qlen, mlen, bsz=2, dtype=dtype))
+    mask = torch.triu(torch.ones(qlen, qlen + mlen, dtype=torch.uint8, device=FUSED_DEVICE),
+                      mlen)
+    outs = []
+    for mod in (detect, dense):
+        ww = w.detach().requires_grad_(True)
+        out = mod(ww, r, rwb, rrb, attn_mask=mask, mems=mems)
+        out.square().sum().backward()
+        outs.append([out.detach(), ww.grad] + [p.grad for p in mod.parameters()])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -11,7 +11,7 @@ import torch
 
 from ._utils import (FUSED_DTYPES, FUSED_MAX_HEADDIM, FUSED_MIN_HEADDIM, REF_DTYPES, describe,
                      interpreting)
-from .reference import pair_distance, rel_attention_reference
+from .reference import in_band, pair_distance, rel_attention_reference
 
 __all__ = ["rel_attention", "fused_available", "mask_to_band", "BACKENDS"]
 
@@ -105,31 +105,41 @@ def mask_to_band(attn_mask: torch.Tensor) -> torch.Tensor:
     """Describe a bool mask (True = masked, broadcastable to ``[B, H, Lq, Lk]``, last two
     dims ``[Lq, Lk]``) as a band, on its device and without a host sync.
 
-    Returns an int32 tensor ``[is_band, left, right]`` on the mask's device: ``is_band`` is 1
+    Returns an int32 tensor ``[is_band, left, right]`` on the mask's device. ``is_band`` is 1
     when the mask allows exactly the pairs with ``-right <= d <= left`` (``d = (i + Lk - Lq) -
-    j``, -1 = unbounded side), for every batch and head, and at least one pair; else 0. Pass it
-    as ``rel_attention(..., attn_mask=mask, attn_mask_band=mask_to_band(mask))``: the fused
-    kernel then reads no mask and skips the tiles outside the band when it is one, and reads
-    the mask densely when it is not, decided on the device. Transformer-XL's causal mask
-    ``triu(ones(Lq, Lk), 1 + mlen)`` gives ``[1, -1, 0]``, its same_length mask
-    ``[1, mem_len - 1, 0]``.
+    j``) for every batch and head, else 0. ``left`` and ``right`` are plain bounds, never
+    sentinels: either may be negative (a band that leaves out the diagonal, e.g. ``right =
+    -1`` when every allowed pair has ``d >= 1``), and they are clamped to what the shapes
+    hold (``-Lq <= left <= Lk - 1``, ``-Lk <= right <= Lq - 1``), so a side without a bound
+    reads ``Lk - 1`` / ``Lq - 1``. A mask that allows nothing (or has no elements) is the band
+    ``[1, -Lq, -Lk]``, which allows no pair.
+
+    Pass it as ``rel_attention(..., attn_mask=mask, attn_mask_band=mask_to_band(mask))``:
+    when it is a band that contains the diagonal side it bounds (``left >= 0`` and ``right >=
+    0``, e.g. every causal / same_length / sliding-window mask), the fused kernel reads no
+    mask and skips the tiles outside the band; otherwise it reads the mask densely, decided on
+    the device. The result is the same either way. Transformer-XL's causal mask ``triu(ones(
+    Lq, Lk), 1 + mlen)`` gives ``[1, Lk - 1, 0]``, its same_length mask ``[1, mem_len - 1,
+    0]``.
     """
-    if attn_mask.dtype != torch.bool:
+    if not isinstance(attn_mask, torch.Tensor) or attn_mask.dtype != torch.bool:
+        got = attn_mask.dtype if isinstance(attn_mask, torch.Tensor) else type(attn_mask).__name__
         raise TypeError(f"mask_to_band: attn_mask must be a bool tensor (True = masked), "
-                        f"got {attn_mask.dtype}")
+                        f"got {got}")
     if attn_mask.dim() < 2:
         raise ValueError(f"mask_to_band: attn_mask must have at least 2 dims [..., Lq, Lk], "
                          f"got {list(attn_mask.shape)}")
     lq, lk = attn_mask.shape[-2:]
+    if attn_mask.numel() == 0:  # no pair at all: the band that allows nothing
+        return torch.tensor([1, -lq, -lk], dtype=torch.int32, device=attn_mask.device)
     d = pair_distance(lq, lk, attn_mask.device)
     allowed = ~attn_mask
     big = lk + lq
     d_max = torch.where(allowed, d, -big).amax()   # -big when nothing is allowed
-    d_min = torch.where(allowed, d, big).amin()
-    band_allowed = (d <= d_max) & (d >= d_min)
-    is_band = (allowed == band_allowed).all() & (d_max >= d_min)
-    left = torch.where(d_max >= lk - 1, -1, d_max)
-    right = torch.where(-d_min >= lq - 1, -1, -d_min)
+    d_min = torch.where(allowed, d, big).amin()    # +big when nothing is allowed
+    left = d_max.clamp(-lq, lk - 1)
+    right = (-d_min).clamp(-lk, lq - 1)
+    is_band = (allowed == in_band(d, left, right)).all()
     return torch.stack([is_band.to(torch.int32), left.to(torch.int32), right.to(torch.int32)])
 
 

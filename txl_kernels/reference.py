@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["rel_shift", "rel_shift_pad_reshape", "rel_attention_reference", "allowed_pairs",
-           "pair_distance", "in_window"]
+           "pair_distance", "in_window", "in_band"]
 
 
 def rel_shift_pad_reshape(x: torch.Tensor) -> torch.Tensor:
@@ -62,6 +62,12 @@ def in_window(d: torch.Tensor, left, right) -> torch.Tensor:
     return ((left < 0) | (d <= left)) & ((right < 0) | (-d <= right))
 
 
+def in_band(d: torch.Tensor, left, right) -> torch.Tensor:
+    """``-right <= d <= left`` with plain bounds (no sentinel; either may be negative): the
+    pairs of a band descriptor ``[is_band, left, right]`` (``functional.mask_to_band``)."""
+    return (d <= left) & (-d <= right)
+
+
 def allowed_pairs(
     lq: int,
     lk: int,
@@ -88,7 +94,7 @@ def allowed_pairs(
         masked = attn_mask
         if attn_mask_band is not None:
             on, bl, br = attn_mask_band.long().unbind()
-            masked = torch.where(on != 0, ~in_window(d, bl, br), attn_mask)
+            masked = torch.where(on != 0, ~in_band(d, bl, br), attn_mask)
         allowed = allowed & ~masked
     return allowed
 

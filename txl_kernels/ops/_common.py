@@ -45,12 +45,17 @@ def autotune_enabled() -> bool:
 def apply_mask_band(BAND, WL, WR):
     """Read ``[is_band, left, right]`` (``functional.mask_to_band``) from device memory.
 
-    Returns the window narrowed by the band when ``is_band`` (-1 = unbounded on either side,
-    for both the inputs and the band), and ``is_band`` itself: the kernels then skip the dense
-    mask's loads, so tiles outside the band are skipped and no mask byte is read."""
+    ``WL`` / ``WR`` are the call's window (-1 = unbounded side); the band's ``left`` /
+    ``right`` are plain bounds (``-right <= d <= left``, either may be negative). Returns the
+    window narrowed by the band and whether the band replaces the dense mask. It does only
+    when both narrowed bounds are >= 0, i.e. representable in the window convention the
+    kernels share (a negative bound would read as "unbounded"); any other band (one that
+    leaves out the diagonal side it bounds, or allows nothing) keeps the window as it was and
+    returns False, so the kernels read the dense mask, which holds the same pairs."""
     on = tl.load(BAND) != 0
     bl = tl.load(BAND + 1)
     br = tl.load(BAND + 2)
-    nl = tl.where(bl < 0, WL, tl.where(WL < 0, bl, tl.minimum(WL, bl)))
-    nr = tl.where(br < 0, WR, tl.where(WR < 0, br, tl.minimum(WR, br)))
-    return tl.where(on, nl, WL), tl.where(on, nr, WR), on
+    nl = tl.where(WL < 0, bl, tl.minimum(WL, bl))
+    nr = tl.where(WR < 0, br, tl.minimum(WR, br))
+    use = on & (nl >= 0) & (nr >= 0)
+    return tl.where(use, nl, WL), tl.where(use, nr, WR), use
