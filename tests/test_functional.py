@@ -34,6 +34,7 @@ BAD = [
     ("vb shape", lambda a, kw: a.__setitem__(5, a[5][:1]), ValueError, "r_r_bias must be [H, D]"),
     ("window type", lambda a, kw: kw.update(window_size=3), TypeError, "window_size"),
     ("window value", lambda a, kw: kw.update(window_size=(-2, 0)), ValueError, "window_size"),
+    ("window > int64", lambda a, kw: kw.update(window_size=(2 ** 63, 0)), ValueError, "window_size entries must fit in int64"),
     ("causal type", lambda a, kw: kw.update(causal=1), TypeError, "causal"),
     ("kpm dtype", lambda a, kw: kw.update(key_padding_mask=torch.zeros(2, 8)), TypeError, "key_padding_mask must have dtype torch.bool"),
     ("kpm shape", lambda a, kw: kw.update(key_padding_mask=torch.zeros(2, 7, dtype=torch.bool)), ValueError, "key_padding_mask must have shape"),
@@ -128,3 +129,19 @@ def test_dropout_runs_reference_path():
     b = _call(*ts, dropout_p=0.3, backend="reference")
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert not torch.allclose(a, _call(*ts))
+
+
+@pytest.mark.parametrize("window", [(0, 2 ** 31 - 1), (2 ** 31 - 1, 2 ** 31), (3, 2 ** 62)])
+def test_huge_windows_are_clamped_to_the_shapes(window):
+    """Regression: window bounds past int32 overflowed the fused kernels' index arithmetic
+    (off by up to 3.35). A bound past the shapes' distances is the unbounded side."""
+    from helpers import FUSED_DEVICE
+    want_window = tuple(-1 if w > 2 ** 20 else w for w in window)
+    res = []
+    for backend, win in (("triton", window), ("reference", want_window)):
+        ts = make_inputs(1, 6, 11, 2, 16, R=16, device=FUSED_DEVICE, seed=3, requires_grad=True)
+        out = rel_attention(*ts, causal=False, window_size=win, backend=backend)
+        out.backward(torch.ones_like(out))
+        res.append([out.detach()] + [t.grad for t in ts])
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

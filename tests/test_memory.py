@@ -235,6 +235,8 @@ def _bad_cases():
         "float_mem_len": ((h, m, 2.5, 0), TypeError, r"mem_len must be a non-negative int"),
         "bool_mem_len": ((h, m, True, 0), TypeError, r"mem_len must be a non-negative int"),
         "none_ext_len": ((h, m, 4, None), TypeError, r"ext_len must be a non-negative int"),
+        "huge_mem_len": ((h, m, 2 ** 63, 0), ValueError, r"mem_len must fit in int64"),
+        "huge_ext_len": ((h, m, 4, 2 ** 64), ValueError, r"ext_len must fit in int64"),
         "hids_tensor": ((torch.randn(2, 4, 2, 6), m, 4, 0), TypeError, r"hids must be a list"),
         "hids_not_tensor": (([h[0], "x"], m, 4, 0), TypeError, r"hids\[1\] must be a torch"),
         "hids_2d": (([h[0], torch.randn(4, 6)], m, 4, 0), ValueError, r"hids\[1\] must be 3-D"),

@@ -16,6 +16,7 @@ from .reference import in_band, pair_distance, rel_attention_reference
 __all__ = ["rel_attention", "fused_available", "mask_to_band", "BACKENDS"]
 
 BACKENDS = ("auto", "reference", "triton")
+_INT64_MAX = 2 ** 63 - 1
 
 
 def _check_tensor(name: str, t, ndim: int, layout: str) -> None:
@@ -65,8 +66,17 @@ def _normalize_masks(q, k, causal, window_size, key_padding_mask, attn_mask):
     if wl < -1 or wr < -1:
         raise ValueError(f"rel_attention: window_size entries must be >= -1 (-1 = unbounded), "
                          f"got {tuple(window_size)}")
+    if max(wl, wr) > _INT64_MAX:
+        raise ValueError(f"rel_attention: window_size entries must fit in int64 (<= 2**63 - 1; "
+                         f"-1 = unbounded), got {tuple(window_size)}")
     if causal:
         wr = 0
+    # Clamp to the distances the shapes hold (d in [-(Lq - 1), Lk - 1]): same pairs, and the
+    # kernels' int32 index arithmetic cannot overflow.
+    if wl >= 0:
+        wl = min(wl, Lk - 1)
+    if wr >= 0:
+        wr = min(wr, Lq - 1)
     if key_padding_mask is not None:
         if not isinstance(key_padding_mask, torch.Tensor):
             raise TypeError(f"rel_attention: key_padding_mask must be a bool tensor [B, Lk], "

@@ -43,6 +43,8 @@ def _as_len(name: str, value) -> int:
                         f"{type(value).__name__} {value!r}") from None
     if n < 0:
         raise ValueError(f"update_mems: {name} must be >= 0, got {n}")
+    if n >= 2 ** 63:
+        raise ValueError(f"update_mems: {name} must fit in int64 (< 2**63), got {n}")
     return n
 
 
