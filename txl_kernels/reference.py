@@ -119,20 +119,24 @@ def rel_attention_reference(
     biases ``[H, D]``; masks already normalised (causal folded into ``window_right = 0``,
     ``attn_mask`` bool broadcastable to ``[B, H, Lq, Lk]``, True = masked).
 
-    Scores, softmax and the log-sum-exp are computed in fp32 for fp16/bf16 inputs (fp64 inputs
-    stay fp64). Returns ``[B, Lq, H, D]`` in q's dtype, and with ``return_lse`` also the
+    The AC and BD products are accumulated in fp32 for fp16/bf16 inputs (from fp32 copies of
+    ``q + bias``, ``k`` and ``r``), and the scores, softmax and log-sum-exp are held in fp32
+    (fp64 inputs stay fp64). Returns ``[B, Lq, H, D]`` in q's dtype, and with ``return_lse`` also the
     natural-log row log-sum-exp ``[B, H, Lq]`` (fp32 or fp64; ``+inf`` for rows with no
     allowed key), the quantity the fused forward saves for its backward.
     """
     lq, lk = q.shape[1], k.shape[1]
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
 
-    rw_head_q = q + r_w_bias  # [B, Lq, H, D]
-    rr_head_q = q + r_r_bias
-    ac = torch.einsum("bihd,bjhd->bhij", rw_head_q, k)  # [B, H, Lq, Lk]
-    bdt = torch.einsum("bihd,phd->bhip", rr_head_q, r)  # [B, H, Lq, R]
+    # (q + bias) is rounded to the input dtype, as in the original and the fused kernel; the
+    # products are then accumulated and held in acc_dtype, so a |q . k| past the input dtype's
+    # range (65504 in fp16) stays finite.
+    rw_head_q = (q + r_w_bias).to(acc_dtype)  # [B, Lq, H, D]
+    rr_head_q = (q + r_r_bias).to(acc_dtype)
+    ac = torch.einsum("bihd,bjhd->bhij", rw_head_q, k.to(acc_dtype))  # [B, H, Lq, Lk]
+    bdt = torch.einsum("bihd,phd->bhip", rr_head_q, r.to(acc_dtype))  # [B, H, Lq, R]
     bd = rel_shift(bdt, lk)
-    scores = (ac.to(acc_dtype) + bd.to(acc_dtype)) * softmax_scale
+    scores = (ac + bd) * softmax_scale
 
     allowed = allowed_pairs(lq, lk, window_left, window_right, key_padding_mask, attn_mask,
                             q.device, attn_mask_band)
