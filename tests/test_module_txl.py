@@ -109,18 +109,39 @@ def test_detect_passes_band_without_host_sync(monkeypatch):
         for name in ("item", "tolist", "__bool__", "__int__", "__float__", "numpy"):
             m.setattr(torch.Tensor, name, no_host_read)
         ours(w, r, rwb, rrb, attn_mask=mask, mems=mems)
-        ours(w, r, rwb, rrb, attn_mask=mask, mems=mems)  # same mask object: cached
-    assert len(calls) == 1
+        ours(w, r, rwb, rrb, attn_mask=mask, mems=mems)  # recomputed on the device
+    assert len(calls) == 2
     q, k, v, rr, kw = seen[0]
     assert kw["attn_mask_band"].tolist() == [1, 7, 0]
-    assert kw["attn_mask_band"] is seen[1][4]["attn_mask_band"]
     # q, k, v, r are strided views of the projections, not copies (r is not padded either)
     assert q._base is not None and k._base is not None and v._base is not None
     assert rr._base is not None and rr.shape[0] == r.shape[0]
     assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
     mask[0, -1, 0] = 0  # in-place change (unmasks a future key): recomputed, now not a band
     ours(w, r, rwb, rrb, attn_mask=mask, mems=mems)
-    assert len(calls) == 2 and seen[-1][4]["attn_mask_band"][0].item() == 0
+    assert len(calls) == 3 and seen[-1][4]["attn_mask_band"][0].item() == 0
+
+
+@pytest.mark.parametrize("how", ["data_copy", "numpy_write"])
+def test_detect_never_uses_a_stale_band(how):
+    """Regression: the id()-keyed band cache returned the causal band after the mask was
+    changed without a version bump (``mask.data.copy_``, writes through ``.numpy()``)."""
+    _, detect = _pair()
+    _, dense = _pair(mask_mode="dense")
+    w, r, rwb, rrb, mems = _data(5, 3)
+    mask = dec_attn_mask(5, 3, w.device)
+    torch.testing.assert_close(detect(w, r, rwb, rrb, attn_mask=mask, mems=mems),
+                               dense(w, r, rwb, rrb, attn_mask=mask, mems=mems))
+    version = mask._version
+    other = mask.clone()
+    other[:, :2] = 1  # hide the first two memory keys as well: not a band
+    if how == "data_copy":
+        mask.data.copy_(other)
+    else:
+        mask.numpy()[...] = other.numpy()
+    assert mask._version == version and torch.equal(mask, other)
+    torch.testing.assert_close(detect(w, r, rwb, rrb, attn_mask=mask, mems=mems),
+                               dense(w, r, rwb, rrb, attn_mask=other.clone(), mems=mems))
 
 
 def test_mems_empty_and_none_equal():

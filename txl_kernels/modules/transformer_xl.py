@@ -7,7 +7,6 @@ kernel where it can run, the einsum reference elsewhere).
 """
 from __future__ import annotations
 
-import weakref
 from typing import Optional
 
 import torch
@@ -21,31 +20,17 @@ __all__ = ["FusedRelAttention"]
 _MASK_MODES = ("detect", "dense", "causal")
 
 
-# Shared by every layer: the model builds one mask per forward and passes it to all layers, so
-# its band descriptor is computed once (on the device, no host sync). Keyed by id(); an entry
-# is valid while its weak reference still points to the same tensor and the tensor's version
-# counter (in-place changes) is unchanged.
-_BAND_CACHE: dict = {}
-_BAND_CACHE_SIZE = 16
-
-
 def _dense_mask_and_band(attn_mask: torch.Tensor):
     """attn_mask (uint8 / bool, [qlen, klen] or [qlen, klen, n]) as a bool mask broadcastable
-    to [B, H, Lq, Lk], and its band descriptor; cached per mask tensor."""
-    hit = _BAND_CACHE.get(id(attn_mask))
-    if hit is not None and hit[0]() is attn_mask and hit[1] == attn_mask._version:
-        return hit[2]
+    to [B, H, Lq, Lk], and its band descriptor, computed on the device at every call (a few
+    small kernels, no host sync; nothing cached, so a mask changed in place by any means is
+    always read as it is now)."""
     mask = attn_mask if attn_mask.dtype == torch.bool else attn_mask.bool()
     if mask.dim() == 2:
         dense = mask  # broadcasts over batch and heads
     else:
         dense = mask.permute(2, 0, 1)[:, None]  # [1 or B, 1, Lq, Lk], a view
-    value = (dense, mask_to_band(dense))
-    if len(_BAND_CACHE) >= _BAND_CACHE_SIZE:
-        for k in [k for k, v in _BAND_CACHE.items() if v[0]() is None] or list(_BAND_CACHE):
-            del _BAND_CACHE[k]
-    _BAND_CACHE[id(attn_mask)] = (weakref.ref(attn_mask), attn_mask._version, value)
-    return value
+    return dense, mask_to_band(dense)
 
 
 class FusedRelAttention(nn.Module):
@@ -59,9 +44,9 @@ class FusedRelAttention(nn.Module):
             (HF TransfoXL's untie_r layers); biases passed to ``forward`` still take precedence.
         mask_mode: how ``attn_mask`` reaches the kernel.
             ``"detect"`` (default): the mask goes to the kernel with its band descriptor
-            (``txl_kernels.mask_to_band``), computed on the device, with no host sync, once per
-            mask tensor and shared by all layers (the model passes one mask object to every
-            layer; cached while the tensor lives and is not modified in place). When the mask
+            (``txl_kernels.mask_to_band``), computed on the device at every forward, with no
+            host sync (a few small kernels; nothing is cached, so a mask modified in place is
+            never described stale). When the mask
             is Transformer-XL's causal mask ``triu(ones(qlen, klen), 1 + mlen)``, optionally
             with a same_length band, the kernel reads no mask and skips the masked tiles, as
             with ``causal`` / ``window_size``; any other mask is applied densely.
