@@ -609,6 +609,31 @@ def test_espnet_matches_original(kind, zero_triu, T):
     compare(orig, ours, run, run, torch.float64, grads=True)
 
 
+@pytest.mark.parametrize("kind", ["none", "pad", "dense"])
+@pytest.mark.parametrize("zero_triu", [False, True])
+@pytest.mark.parametrize("T,K", [(1, 9), (4, 11)])
+def test_espnet_fewer_queries_than_keys_match_original(kind, zero_triu, T, K):
+    """Regression: ESPnet's EncoderLayer cache path calls ``forward(x[:, -T:], x, x, pos_emb,
+    mask)`` (its mask ``mask[:, -T:, :]``); ours raised. The result is the last T rows of
+    full attention, forward and gradients, like the original."""
+    B = 3
+    orig, ours = espnet_pair(zero_triu=zero_triu)
+    x = rnd(B, K, N_FEAT, seed=K)
+    pe = rnd(1, 2 * K - 1, N_FEAT, seed=K + 1)
+    mask = _espnet_mask(kind, B, K)
+    if mask is not None and kind == "dense":
+        mask = mask[:, -T:, :]
+
+    def run(mod, dtype, device):
+        xx = x.to(dtype).requires_grad_()
+        return (mod(xx[:, -T:], xx, xx, pe.to(dtype), mask),), (xx,)
+
+    compare(orig, ours, run, run, torch.float64, grads=True)
+    if kind == "none":  # the last T rows of full self-attention
+        torch.testing.assert_close(ours(x[:, -T:], x, x, pe, None), ours(x, x, x, pe, None)[:, -T:],
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_espnet_padding_mask_reaches_kernel_as_key_padding(spy):
     B, T = 3, 17
     orig, ours = espnet_pair()
@@ -741,14 +766,16 @@ def test_espnet_bad_inputs_raise_clear_errors():
     x, pe = rnd(B, T, N_FEAT), rnd(1, 2 * T - 1, N_FEAT)
     with pytest.raises(ValueError, match=r"pos_emb must be .*2K - 1 = 15.*got \[1, 17, 64\]"):
         ours(x, x, x, rnd(1, 2 * T + 1, N_FEAT), None)
-    with pytest.raises(ValueError, match=r"mask must be \(B, 1, T\) or \(B, T, T\).*got \[2, 8\]"):
+    with pytest.raises(ValueError, match=r"mask must be \(B, 1, K\) or \(B, T, K\).*got \[2, 8\]"):
         ours(x, x, x, pe, torch.ones(B, T, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"mask must be.*got \[2, 1, 9\]"):
         ours(x, x, x, pe, torch.ones(B, 1, T + 1, dtype=torch.bool))
     with pytest.raises(TypeError, match="mask must be a bool or integer tensor"):
         ours(x, x, x, pe, torch.ones(B, 1, T))
-    with pytest.raises(ValueError, match="key and value must have the query's length"):
-        ours(x, rnd(B, T + 2, N_FEAT), rnd(B, T + 2, N_FEAT), pe, None)
+    with pytest.raises(ValueError, match=r"key and value must have one length K >= the query's"):
+        ours(x, rnd(B, T + 2, N_FEAT), rnd(B, T + 1, N_FEAT), pe, None)
+    with pytest.raises(ValueError, match=r"key and value must have one length K >= the query's"):
+        ours(x, x[:, :-1], x[:, :-1], pe, None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -211,8 +211,9 @@ class NeMoRelPositionMultiHeadAttention(_RelPosAttention):
     Rows whose keys are all masked give 0 before ``linear_out`` (NeMo sets masked
     probabilities to 0). ``self.cache_drop_size`` defaults to 0; NeMo's
     ``setup_streaming_params`` sets it on its own classes only, so set it on this module too
-    (:func:`swap_rel_pos_attention` copies it). Under autocast NeMo upcasts the attention to
-    fp32; this module computes in the autocast dtype (the fused kernel accumulates in fp32).
+    (:func:`swap_rel_pos_attention` copies it). Under fp16 autocast NeMo runs its attention
+    in bf16 (fp32 where bf16 is unsupported); this module computes in the autocast dtype, fp16
+    included (the scores accumulate in fp32).
     """
 
     _NAME = "NeMoRelPositionMultiHeadAttention"
@@ -347,13 +348,16 @@ class ESPnetRelPositionMultiHeadedAttention(_RelPosAttention):
         backend: ``rel_attention`` backend: ``"auto"``, ``"reference"`` or ``"triton"``.
 
     ``forward(query, key, value, pos_emb, mask=None, *, key_padding_mask=None, lengths=None)``:
-        query / key / value ``[B, T, n_feat]`` (self-attention: ESPnet's rel_shift needs as
-        many keys as queries). pos_emb ``(1 or B, 2T - 1, n_feat)`` from distance ``T - 1``
-        down to ``-(T - 1)`` (ESPnet's ``RelPositionalEncoding``). mask True = keep (bool or
-        integer, as ESPnet's ``mask.eq(0)``): ``(B, 1, T)`` is key padding (passed as
-        ``key_padding_mask``, no dense mask), ``(B, T, T)`` is applied densely; or None.
-        key_padding_mask (bool ``[B, T]``, True = padded) / lengths (integer ``[B]``) are
-        alternatives to a ``(B, 1, T)`` mask, with ``rel_attention``'s polarity.
+        query ``[B, T, n_feat]``, key / value ``[B, K, n_feat]`` with ``K >= T``: the queries
+        are the last ``T`` of the ``K`` frames, as in ESPnet, whose rel_shift reads column
+        ``j - i + T - 1`` (e.g. its ``EncoderLayer`` cache path calls ``forward(x[:, -1:], x,
+        x, pos_emb, mask)``; usually ``K = T``). pos_emb ``(1 or B, 2K - 1, n_feat)`` from
+        distance ``K - 1`` down to ``-(K - 1)`` (ESPnet's ``RelPositionalEncoding`` of the
+        keys). mask True = keep (bool or integer, as ESPnet's ``mask.eq(0)``): ``(B, 1, K)``
+        is key padding (passed as ``key_padding_mask``, no dense mask), ``(B, T, K)`` is
+        applied densely; or None. key_padding_mask (bool ``[B, K]``, True = padded) / lengths
+        (integer ``[B]``, valid frames of the ``K`` keys) are alternatives to a ``(B, 1, K)``
+        mask, with ``rel_attention``'s polarity.
 
     Rows whose keys are all masked give 0 before ``linear_out``. ``self.attn`` stays None
     (the probabilities are never materialised on the fused path).
@@ -387,8 +391,8 @@ class ESPnetRelPositionMultiHeadedAttention(_RelPosAttention):
                 return masked[:, 0].expand(batch, klen), None
             if shape[1] == qlen:
                 return None, masked.unsqueeze(1)
-        raise ValueError(f"{self._NAME}: mask must be (B, 1, T) or (B, T, T) with B={batch}, "
-                         f"T={qlen}, True = keep; got {list(shape)}")
+        raise ValueError(f"{self._NAME}: mask must be (B, 1, K) or (B, T, K) with B={batch}, "
+                         f"T={qlen} queries, K={klen} keys, True = keep; got {list(shape)}")
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, pos_emb: Tensor,
                 mask: Optional[Tensor] = None, *, key_padding_mask: Optional[Tensor] = None,
@@ -397,13 +401,15 @@ class ESPnetRelPositionMultiHeadedAttention(_RelPosAttention):
         B, T = query.shape[0], query.shape[1]
         self._check_seq("key", key, B)
         self._check_seq("value", value, B)
-        if key.shape[1] != T or value.shape[1] != T:
-            raise ValueError(f"{self._NAME}: key and value must have the query's length "
-                             f"T={T} (self-attention), got key {list(key.shape)}, "
-                             f"value {list(value.shape)}")
-        self._check_pos_emb(pos_emb, B, T, "")
-        kpm, dense = self._mask_args(mask, B, T, T)
-        extra = self._padding_args(key_padding_mask, lengths, B, T, T, query.device)
+        K = key.shape[1]
+        if value.shape[1] != K or K < T:
+            raise ValueError(f"{self._NAME}: key and value must have one length K >= the "
+                             f"query's T={T} (the last T of the K frames are the queries), "
+                             f"got key {list(key.shape)}, value {list(value.shape)}")
+        self._check_pos_emb(pos_emb, B, K, "")
+        kpm, dense = self._mask_args(mask, B, T, K)
+        # lengths count valid frames of the K keys (the (B, 1, K) mask's meaning)
+        extra = self._padding_args(key_padding_mask, lengths, B, K, K, query.device)
         if extra is not None:
             kpm = extra if kpm is None else kpm | extra
         out = self._attend(query, key, value, pos_emb, kpm, dense, (-1, -1),
