@@ -11,7 +11,7 @@ import torch
 
 from ._utils import (FUSED_DTYPES, FUSED_MAX_HEADDIM, FUSED_MIN_HEADDIM, REF_DTYPES, describe,
                      interpreting)
-from .reference import in_band, pair_distance, rel_attention_reference
+from .reference import autocast_dtype, in_band, pair_distance, rel_attention_reference
 
 __all__ = ["rel_attention", "fused_available", "mask_to_band", "BACKENDS"]
 
@@ -236,8 +236,13 @@ def rel_attention(
     Rows whose keys are all masked give output 0 and zero gradients.
     Raises ValueError if an allowed pair needs a row of r outside ``[0, R)``.
 
+    Under ``torch.autocast`` (as for ``scaled_dot_product_attention``) the float16 / bfloat16 /
+    float32 inputs are cast to the autocast dtype first, on both backends; the scores are
+    still accumulated in fp32 and the result is in the autocast dtype.
+
     Returns:
-        ``[B, Lq, H, D]`` in q's dtype, differentiable w.r.t. q, k, v, r, r_w_bias, r_r_bias.
+        ``[B, Lq, H, D]`` in q's dtype (the autocast dtype under autocast), differentiable
+        w.r.t. q, k, v, r, r_w_bias, r_r_bias.
     """
     _check_tensor("q", q, 4, "[B, Lq, H, D]")
     _check_tensor("k", k, 4, "[B, Lk, H, D]")
@@ -245,6 +250,12 @@ def rel_attention(
     _check_tensor("r", r, 3, "[R, H, D]")
     _check_tensor("r_w_bias", r_w_bias, 2, "[H, D]")
     _check_tensor("r_r_bias", r_r_bias, 2, "[H, D]")
+    amp = autocast_dtype(q.device.type)
+    if amp is not None:
+        # As autocast does for matmul-like ops (and SDPA): floating inputs other than fp64 run
+        # in the autocast dtype, on both backends, so the result is in that dtype.
+        q, k, v, r, r_w_bias, r_r_bias = (t.to(amp) if t.dtype in FUSED_DTYPES else t
+                                          for t in (q, k, v, r, r_w_bias, r_r_bias))
     B, Lq, H, D = q.shape
     Lk = k.shape[1]
     for name, t in (("k", k), ("v", v), ("r", r), ("r_w_bias", r_w_bias),

@@ -8,13 +8,14 @@ All functions here take already-validated arguments (see ``txl_kernels.functiona
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 __all__ = ["rel_shift", "rel_shift_pad_reshape", "rel_attention_reference", "allowed_pairs",
-           "pair_distance", "in_window", "in_band"]
+           "pair_distance", "in_window", "in_band", "autocast_dtype"]
 
 
 def rel_shift_pad_reshape(x: torch.Tensor) -> torch.Tensor:
@@ -35,19 +36,16 @@ def rel_shift(bdt: torch.Tensor, klen: int) -> torch.Tensor:
     """Generalised relative shift: ``BD[..., i, j] = bdt[..., i, j - i + Lq - 1]``.
 
     ``bdt`` is ``[..., Lq, R]`` (``(q + v) @ r^T``); positions outside ``[0, R)`` give 0.
-    This is the pad/reshape trick done with strides: the position axis is zero-padded to a
-    width ``W`` that covers every index, then viewed with a row stride of ``W - 1`` so that row
-    ``i`` starts ``i`` columns further left.
+    This is the pad/reshape trick: the position axis is zero-padded to a width ``W`` that
+    covers every index, the last two dims are flattened, and reading ``Lq`` rows of ``W - 1``
+    from flat offset ``Lq - 1`` starts row ``i`` ``i`` columns further left (flat index
+    ``i * W + (j - i + Lq - 1)``). Only slicing and reshapes, so torch.compile traces it.
     """
     *lead, qlen, rlen = bdt.shape
-    width = max(rlen, klen + qlen - 1)
-    padded = F.pad(bdt, (0, width - rlen)).contiguous()
-    lead_strides = padded.stride()[:-2]
-    return padded.as_strided(
-        (*lead, qlen, klen),
-        (*lead_strides, width - 1, 1),
-        padded.storage_offset() + (qlen - 1),
-    )
+    width = max(rlen, klen + qlen)  # >= klen + qlen - 1 columns, and W - 1 >= klen
+    flat = F.pad(bdt, (0, width - rlen)).reshape(*lead, qlen * width)
+    rows = flat[..., qlen - 1:qlen - 1 + qlen * (width - 1)]
+    return rows.reshape(*lead, qlen, width - 1)[..., :klen]
 
 
 def pair_distance(lq: int, lk: int, device) -> torch.Tensor:
@@ -125,6 +123,33 @@ def rel_attention_reference(
     natural-log row log-sum-exp ``[B, H, Lq]`` (fp32 or fp64; ``+inf`` for rows with no
     allowed key), the quantity the fused forward saves for its backward.
     """
+    # Autocast, if on, was applied by the caller (functional.rel_attention); here it would
+    # turn the fp32 accumulation below back into the low-precision dtype.
+    with _no_autocast(q.device.type):
+        return _rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale,
+                                        window_left, window_right, key_padding_mask,
+                                        attn_mask, dropout_p, return_lse, attn_mask_band)
+
+
+def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The autocast dtype when autocast is on for ``device_type``, else None."""
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    except RuntimeError:  # a device type autocast does not know
+        pass
+    return None
+
+
+def _no_autocast(device_type: str):
+    if autocast_dtype(device_type) is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
+
+
+def _rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left,
+                             window_right, key_padding_mask, attn_mask, dropout_p, return_lse,
+                             attn_mask_band):
     lq, lk = q.shape[1], k.shape[1]
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
 

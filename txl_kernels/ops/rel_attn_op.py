@@ -28,9 +28,8 @@ def _rel_attn_fwd_op(
     q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor, r_r_bias: Tensor,
     softmax_scale: float, window_left: int, window_right: int,
     key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor],
-    attn_mask_band: Optional[Tensor] = None, deterministic: bool = True,
+    attn_mask_band: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    # ``deterministic`` is not used by the forward; it is carried to the backward op.
     return rel_attn_fwd(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left,
                         window_right, key_padding_mask, attn_mask,
                         attn_mask_band=attn_mask_band)
@@ -38,7 +37,7 @@ def _rel_attn_fwd_op(
 
 @_rel_attn_fwd_op.register_fake
 def _(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
-      key_padding_mask, attn_mask, attn_mask_band=None, deterministic=True):
+      key_padding_mask, attn_mask, attn_mask_band=None):
     B, Lq, H, D = q.shape
     out = q.new_empty((B, Lq, H, D))
     lse = q.new_empty((B, H, Lq), dtype=torch.float32)
@@ -68,42 +67,70 @@ def _(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, softmax_scale, window_left, 
             torch.empty_like(r_r_bias, memory_format=torch.contiguous_format))
 
 
-def _setup_context(ctx, inputs, output):
+def _save(ctx, inputs, out, lse) -> None:
     (q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
-     key_padding_mask, attn_mask, attn_mask_band, deterministic) = inputs
-    out, lse = output
+     key_padding_mask, attn_mask, attn_mask_band) = inputs
     ctx.save_for_backward(q, k, v, r, r_w_bias, r_r_bias, out, lse, key_padding_mask,
                           attn_mask, attn_mask_band)
     ctx.softmax_scale = softmax_scale
     ctx.window = (window_left, window_right)
-    ctx.deterministic = deterministic
+
+
+def _grads(ctx, dout, deterministic: bool):
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "txl_kernels.rel_attention: double backward (backward with create_graph=True, "
+            "e.g. torch.autograd.grad(..., create_graph=True) for a gradient penalty) is not "
+            "supported by the fused kernel; use backend='reference' for it")
+    (q, k, v, r, r_w_bias, r_r_bias, out, lse, key_padding_mask, attn_mask,
+     attn_mask_band) = ctx.saved_tensors
+    return _rel_attn_bwd_op(
+        dout, q, k, v, r, r_w_bias, r_r_bias, out, lse, ctx.softmax_scale, ctx.window[0],
+        ctx.window[1], key_padding_mask, attn_mask, attn_mask_band, deterministic)
+
+
+# The op's own autograd (for direct callers of torch.ops.txl_kernels.rel_attn_fwd): the
+# deterministic backward. rel_attn_func below carries the caller's choice instead.
+def _setup_context(ctx, inputs, output):
+    _save(ctx, inputs, *output)
 
 
 def _backward(ctx, dout, dlse):
-    (q, k, v, r, r_w_bias, r_r_bias, out, lse, key_padding_mask, attn_mask,
-     attn_mask_band) = ctx.saved_tensors
-    dq, dk, dv, dr, du, dvb = _rel_attn_bwd_op(
-        dout, q, k, v, r, r_w_bias, r_r_bias, out, lse, ctx.softmax_scale, ctx.window[0],
-        ctx.window[1], key_padding_mask, attn_mask, attn_mask_band, ctx.deterministic)
-    return dq, dk, dv, dr, du, dvb, None, None, None, None, None, None, None
+    return (*_grads(ctx, dout, True), None, None, None, None, None, None)
 
 
 _rel_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _RelAttnFunction(torch.autograd.Function):
+    """Autograd for rel_attn_func: the forward op does not take ``deterministic`` (only the
+    backward uses it); it is kept on the context, as flash-attention does."""
+
+    @staticmethod
+    def forward(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
+                key_padding_mask, attn_mask, attn_mask_band, deterministic):
+        return _rel_attn_fwd_op(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left,
+                                window_right, key_padding_mask, attn_mask, attn_mask_band)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _save(ctx, inputs[:-1], *output)
+        ctx.deterministic = inputs[-1]
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return (*_grads(ctx, dout, ctx.deterministic), None, None, None, None, None, None,
+                None)
 
 
 def rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
                   key_padding_mask=None, attn_mask=None, attn_mask_band=None,
                   deterministic=True) -> Tensor:
     """Fused relative attention on validated, normalised arguments (see functional.py).
-
-    Under autocast the inputs are cast to the autocast dtype first, as autocast does for
-    matmul-like ops.
-    """
-    device_type = q.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        q, k, v, r, r_w_bias, r_r_bias = (t.to(dtype) for t in (q, k, v, r, r_w_bias, r_r_bias))
-    out, _ = _rel_attn_fwd_op(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left,
-                              window_right, key_padding_mask, attn_mask, attn_mask_band,
-                              deterministic)
+    Raises at the first backward with ``create_graph=True`` (double backward is not
+    supported). Autocast is applied by the caller (``rel_attention``)."""
+    out, _ = _RelAttnFunction.apply(q, k, v, r, r_w_bias, r_r_bias, softmax_scale,
+                                    window_left, window_right, key_padding_mask, attn_mask,
+                                    attn_mask_band, deterministic)
     return out
