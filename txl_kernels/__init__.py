@@ -7,7 +7,7 @@ Public API:
     update_mems        segment-memory update (JIT-built C++/CUDA extension, torch fallback)
 """
 from .functional import BACKENDS, fused_available, mask_to_band, rel_attention
-from .modules import (ESPnetRelPositionMultiHeadedAttention, FusedRelAttention,
+from .modules import (SWAP_TABLE, ESPnetRelPositionMultiHeadedAttention, FusedRelAttention,
                       NeMoRelPositionMultiHeadAttention, swap_rel_pos_attention)
 from .memory import update_mems
 from .reference import rel_attention_reference, rel_shift, rel_shift_pad_reshape
@@ -15,6 +15,6 @@ from .reference import rel_attention_reference, rel_shift, rel_shift_pad_reshape
 __version__ = "0.1.0"
 
 __all__ = ["rel_attention", "FusedRelAttention", "NeMoRelPositionMultiHeadAttention",
-           "ESPnetRelPositionMultiHeadedAttention", "swap_rel_pos_attention", "update_mems", "mask_to_band",
+           "ESPnetRelPositionMultiHeadedAttention", "swap_rel_pos_attention", "SWAP_TABLE", "update_mems", "mask_to_band",
            "fused_available", "BACKENDS", "rel_attention_reference", "rel_shift",
            "rel_shift_pad_reshape", "__version__"]
