@@ -118,8 +118,10 @@ class _RelPosAttention(nn.Module):
 
     def _attend(self, query: Tensor, key: Tensor, value: Tensor, pos_emb: Tensor,
                 kpm: Optional[Tensor], attn_mask: Optional[Tensor],
-                window: Tuple[int, int], zero_triu: bool = False) -> Tensor:
-        """Projections + rel_attention. Returns [B, Lq, H, D]."""
+                window: Tuple[int, int], zero_triu: bool = False,
+                attn_mask_band: Optional[Tensor] = None) -> Tensor:
+        """Projections + rel_attention. Returns [B, Lq, H, D]. attn_mask_band: optional
+        mask_to_band(attn_mask) of the whole mask (also right for each sequence's slice)."""
         B, Lq, Lk = query.shape[0], query.shape[1], key.shape[1]
         q = self._project(self.linear_q, query)
         k = self._project(self.linear_k, key)
@@ -140,6 +142,7 @@ class _RelPosAttention(nn.Module):
         def call(qq, kk, vv, rr, kp, am):
             return rel_attention(qq, kk, vv, rr, u, vb, causal=False, window_size=window,
                                  key_padding_mask=kp, attn_mask=am,
+                                 attn_mask_band=None if am is None else attn_mask_band,
                                  softmax_scale=1.0 / self.s_d_k, dropout_p=drop,
                                  backend=self.backend)
 

@@ -16,6 +16,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch.nn as nn
 
 from .conformer import ESPnetRelPositionMultiHeadedAttention, NeMoRelPositionMultiHeadAttention
+from .parakeet import ParakeetEncoderAttention
 
 __all__ = ["swap_rel_pos_attention", "SWAP_TABLE", "class_path"]
 
@@ -38,6 +39,10 @@ SWAP_TABLE: Dict[str, _Entry] = {
                ("backend", "att_context_size")),
     "espnet.nets.pytorch_backend.transformer.attention.RelPositionMultiHeadedAttention":
         _Entry(ESPnetRelPositionMultiHeadedAttention, _CONFORMER_NEEDS),
+    "transformers.models.parakeet.modeling_parakeet.ParakeetEncoderAttention":
+        _Entry(ParakeetEncoderAttention, ("config", "layer_idx", "q_proj", "k_proj", "v_proj",
+                                          "o_proj", "relative_k_proj", "bias_u", "bias_v",
+                                          "attention_dropout")),
 }
 
 
