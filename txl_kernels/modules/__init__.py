@@ -1,8 +1,10 @@
 """Drop-in attention modules built on ``txl_kernels.rel_attention``."""
 from .conformer import ESPnetRelPositionMultiHeadedAttention, NeMoRelPositionMultiHeadAttention
+from .icefall import IcefallRelPositionMultiheadAttention
 from .parakeet import ParakeetEncoderAttention
 from .swap import SWAP_TABLE, swap_rel_pos_attention
 from .transformer_xl import FusedRelAttention
 
 __all__ = ["FusedRelAttention", "NeMoRelPositionMultiHeadAttention",
-           "ESPnetRelPositionMultiHeadedAttention", "ParakeetEncoderAttention", "swap_rel_pos_attention", "SWAP_TABLE"]
+           "ESPnetRelPositionMultiHeadedAttention", "ParakeetEncoderAttention",
+           "IcefallRelPositionMultiheadAttention", "swap_rel_pos_attention", "SWAP_TABLE"]

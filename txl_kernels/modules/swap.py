@@ -11,11 +11,12 @@ the model is left exactly as it was and the error names the submodule.
 """
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch.nn as nn
 
 from .conformer import ESPnetRelPositionMultiHeadedAttention, NeMoRelPositionMultiHeadAttention
+from .icefall import IcefallRelPositionMultiheadAttention
 from .parakeet import ParakeetEncoderAttention
 
 __all__ = ["swap_rel_pos_attention", "SWAP_TABLE", "class_path"]
@@ -27,6 +28,9 @@ class _Entry(NamedTuple):
     needs: Tuple[str, ...]
     # which of swap_rel_pos_attention's options the drop-in's from_module takes
     options: Tuple[str, ...] = ("backend",)
+    # for paths that several APIs share (icefall recipes import ``conformer`` as a top-level
+    # module): a module failing this is not a match (left alone); None = every module matches
+    accepts: Optional[Callable[[nn.Module], bool]] = None
 
 
 _CONFORMER_NEEDS = ("h", "linear_q", "linear_k", "linear_v", "linear_out", "linear_pos",
@@ -39,6 +43,17 @@ SWAP_TABLE: Dict[str, _Entry] = {
                ("backend", "att_context_size")),
     "espnet.nets.pytorch_backend.transformer.attention.RelPositionMultiHeadedAttention":
         _Entry(ESPnetRelPositionMultiHeadedAttention, _CONFORMER_NEEDS),
+    # icefall runs recipes from their folder: the class lives in a top-level ``conformer``
+    # module. pruned_transducer_stateless{2..7} have the ScaledLinear API; conformer_ctc's
+    # class of the same path has plain Linear layers and no scales: not a match.
+    "conformer.RelPositionMultiheadAttention":
+        _Entry(IcefallRelPositionMultiheadAttention,
+               ("embed_dim", "num_heads", "dropout", "in_proj", "out_proj", "linear_pos",
+                "pos_bias_u", "pos_bias_v", "pos_bias_u_scale", "pos_bias_v_scale"),
+               accepts=lambda m: all(hasattr(m, a) for a in (
+                   "pos_bias_u_scale", "pos_bias_v_scale")) and all(
+                   hasattr(getattr(m, n, None), "get_weight")
+                   for n in ("in_proj", "out_proj", "linear_pos"))),
     "transformers.models.parakeet.modeling_parakeet.ParakeetEncoderAttention":
         _Entry(ParakeetEncoderAttention, ("config", "layer_idx", "q_proj", "k_proj", "v_proj",
                                           "o_proj", "relative_k_proj", "bias_u", "bias_v",
@@ -90,7 +105,7 @@ def swap_rel_pos_attention(model: nn.Module, backend: str = "auto",
     """
     options = {"backend": backend, "att_context_size": att_context_size}
     root = SWAP_TABLE.get(class_path(model))
-    if root is not None:
+    if root is not None and (root.accepts is None or root.accepts(model)):
         raise ValueError(f"swap_rel_pos_attention: the model itself is a {class_path(model)}; "
                          f"use {root.dropin.__name__}.from_module(model) instead")
     # pass 1: find and convert every candidate (nothing is modified)
@@ -99,7 +114,7 @@ def swap_rel_pos_attention(model: nn.Module, backend: str = "auto",
     for parent_name, parent in model.named_modules(remove_duplicate=False):
         for name, child in parent.named_children():
             entry = SWAP_TABLE.get(class_path(child))
-            if entry is None:
+            if entry is None or (entry.accepts is not None and not entry.accepts(child)):
                 continue
             if id(child) not in new_by_id:
                 full = f"{parent_name}.{name}" if parent_name else name
