@@ -9,8 +9,8 @@ Public API:
 """
 from .functional import BACKENDS, fused_available, mask_to_band, rel_attention
 from .modules import (SWAP_TABLE, ESPnetRelPositionMultiHeadedAttention, FusedRelAttention,
-                      IcefallRelPositionMultiheadAttention, NeMoRelPositionMultiHeadAttention, ParakeetEncoderAttention,
-                      swap_rel_pos_attention)
+                      IcefallRelPositionMultiheadAttention, NeMoRelPositionMultiHeadAttention,
+                      ParakeetEncoderAttention, SpeechBrainRelPosMHAXL, swap_rel_pos_attention)
 from .memory import update_mems
 from .reference import rel_attention_reference, rel_shift, rel_shift_pad_reshape
 
@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = ["rel_attention", "FusedRelAttention", "NeMoRelPositionMultiHeadAttention",
            "ESPnetRelPositionMultiHeadedAttention", "ParakeetEncoderAttention",
-           "IcefallRelPositionMultiheadAttention",
+           "IcefallRelPositionMultiheadAttention", "SpeechBrainRelPosMHAXL",
            "swap_rel_pos_attention", "SWAP_TABLE", "update_mems", "mask_to_band",
            "fused_available", "BACKENDS", "rel_attention_reference", "rel_shift",
            "rel_shift_pad_reshape", "__version__"]

@@ -2,9 +2,11 @@
 from .conformer import ESPnetRelPositionMultiHeadedAttention, NeMoRelPositionMultiHeadAttention
 from .icefall import IcefallRelPositionMultiheadAttention
 from .parakeet import ParakeetEncoderAttention
+from .speechbrain import SpeechBrainRelPosMHAXL
 from .swap import SWAP_TABLE, swap_rel_pos_attention
 from .transformer_xl import FusedRelAttention
 
 __all__ = ["FusedRelAttention", "NeMoRelPositionMultiHeadAttention",
            "ESPnetRelPositionMultiHeadedAttention", "ParakeetEncoderAttention",
-           "IcefallRelPositionMultiheadAttention", "swap_rel_pos_attention", "SWAP_TABLE"]
+           "IcefallRelPositionMultiheadAttention", "SpeechBrainRelPosMHAXL",
+           "swap_rel_pos_attention", "SWAP_TABLE"]

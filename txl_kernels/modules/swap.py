@@ -18,6 +18,7 @@ import torch.nn as nn
 from .conformer import ESPnetRelPositionMultiHeadedAttention, NeMoRelPositionMultiHeadAttention
 from .icefall import IcefallRelPositionMultiheadAttention
 from .parakeet import ParakeetEncoderAttention
+from .speechbrain import SpeechBrainRelPosMHAXL
 
 __all__ = ["swap_rel_pos_attention", "SWAP_TABLE", "class_path"]
 
@@ -54,6 +55,10 @@ SWAP_TABLE: Dict[str, _Entry] = {
                    "pos_bias_u_scale", "pos_bias_v_scale")) and all(
                    hasattr(getattr(m, n, None), "get_weight")
                    for n in ("in_proj", "out_proj", "linear_pos"))),
+    "speechbrain.nnet.attention.RelPosMHAXL":
+        _Entry(SpeechBrainRelPosMHAXL, ("embed_dim", "num_heads", "dropout", "vbias", "vdim",
+                                        "mask_pos_future", "_qkv_same_embed_dim", "out_proj",
+                                        "linear_pos", "pos_bias_u", "pos_bias_v")),
     "transformers.models.parakeet.modeling_parakeet.ParakeetEncoderAttention":
         _Entry(ParakeetEncoderAttention, ("config", "layer_idx", "q_proj", "k_proj", "v_proj",
                                           "o_proj", "relative_k_proj", "bias_u", "bias_v",
