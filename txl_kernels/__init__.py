@@ -4,13 +4,17 @@ Public API:
     rel_attention      functional relative attention (reference or fused Triton backend)
     FusedRelAttention  drop-in for Transformer-XL's RelPartialLearnableMultiHeadAttn
     NeMoRelPositionMultiHeadAttention, ESPnetRelPositionMultiHeadedAttention: Conformer drop-ins
-    ParakeetEncoderAttention (HF transformers 5.x), ...: more drop-ins (see SWAP_TABLE)
+    ParakeetEncoderAttention (HF transformers 5.x), IcefallRelPositionMultiheadAttention,
+    SpeechBrainRelPosMHAXL, RLlibRelativeMultiHeadAttention, DIEngineAttentionXL: more drop-ins
+    swap_rel_pos_attention, SWAP_TABLE: replace the originals inside a model
     update_mems        segment-memory update (JIT-built C++/CUDA extension, torch fallback)
 """
 from .functional import BACKENDS, fused_available, mask_to_band, rel_attention
-from .modules import (SWAP_TABLE, ESPnetRelPositionMultiHeadedAttention, FusedRelAttention,
-                      IcefallRelPositionMultiheadAttention, NeMoRelPositionMultiHeadAttention,
-                      ParakeetEncoderAttention, SpeechBrainRelPosMHAXL, swap_rel_pos_attention)
+from .modules import (SWAP_TABLE, DIEngineAttentionXL, ESPnetRelPositionMultiHeadedAttention,
+                      FusedRelAttention, IcefallRelPositionMultiheadAttention,
+                      NeMoRelPositionMultiHeadAttention, ParakeetEncoderAttention,
+                      RLlibRelativeMultiHeadAttention, SpeechBrainRelPosMHAXL,
+                      swap_rel_pos_attention)
 from .memory import update_mems
 from .reference import rel_attention_reference, rel_shift, rel_shift_pad_reshape
 
@@ -19,6 +23,7 @@ __version__ = "0.1.0"
 __all__ = ["rel_attention", "FusedRelAttention", "NeMoRelPositionMultiHeadAttention",
            "ESPnetRelPositionMultiHeadedAttention", "ParakeetEncoderAttention",
            "IcefallRelPositionMultiheadAttention", "SpeechBrainRelPosMHAXL",
+           "RLlibRelativeMultiHeadAttention", "DIEngineAttentionXL",
            "swap_rel_pos_attention", "SWAP_TABLE", "update_mems", "mask_to_band",
            "fused_available", "BACKENDS", "rel_attention_reference", "rel_shift",
            "rel_shift_pad_reshape", "__version__"]

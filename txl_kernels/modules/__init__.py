@@ -1,5 +1,6 @@
 """Drop-in attention modules built on ``txl_kernels.rel_attention``."""
 from .conformer import ESPnetRelPositionMultiHeadedAttention, NeMoRelPositionMultiHeadAttention
+from .gtrxl import DIEngineAttentionXL, RLlibRelativeMultiHeadAttention
 from .icefall import IcefallRelPositionMultiheadAttention
 from .parakeet import ParakeetEncoderAttention
 from .speechbrain import SpeechBrainRelPosMHAXL
@@ -9,4 +10,5 @@ from .transformer_xl import FusedRelAttention
 __all__ = ["FusedRelAttention", "NeMoRelPositionMultiHeadAttention",
            "ESPnetRelPositionMultiHeadedAttention", "ParakeetEncoderAttention",
            "IcefallRelPositionMultiheadAttention", "SpeechBrainRelPosMHAXL",
-           "swap_rel_pos_attention", "SWAP_TABLE"]
+           "RLlibRelativeMultiHeadAttention", "DIEngineAttentionXL", "swap_rel_pos_attention",
+           "SWAP_TABLE"]

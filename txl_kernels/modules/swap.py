@@ -16,6 +16,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch.nn as nn
 
 from .conformer import ESPnetRelPositionMultiHeadedAttention, NeMoRelPositionMultiHeadAttention
+from .gtrxl import DIEngineAttentionXL, RLlibRelativeMultiHeadAttention
 from .icefall import IcefallRelPositionMultiheadAttention
 from .parakeet import ParakeetEncoderAttention
 from .speechbrain import SpeechBrainRelPosMHAXL
@@ -59,6 +60,14 @@ SWAP_TABLE: Dict[str, _Entry] = {
         _Entry(SpeechBrainRelPosMHAXL, ("embed_dim", "num_heads", "dropout", "vbias", "vdim",
                                         "mask_pos_future", "_qkv_same_embed_dim", "out_proj",
                                         "linear_pos", "pos_bias_u", "pos_bias_v")),
+    "ray.rllib.models.torch.modules.relative_multi_head_attention.RelativeMultiHeadAttention":
+        _Entry(RLlibRelativeMultiHeadAttention, ("_num_heads", "_head_dim", "_qkv_layer",
+                                                 "_linear_layer", "_uvar", "_vvar",
+                                                 "_pos_proj", "_rel_pos_embedding",
+                                                 "_input_layernorm")),
+    "ding.torch_utils.network.gtrxl.AttentionXL":
+        _Entry(DIEngineAttentionXL, ("head_num", "head_dim", "dropout", "attention_kv",
+                                     "attention_q", "project", "project_pos")),
     "transformers.models.parakeet.modeling_parakeet.ParakeetEncoderAttention":
         _Entry(ParakeetEncoderAttention, ("config", "layer_idx", "q_proj", "k_proj", "v_proj",
                                           "o_proj", "relative_k_proj", "bias_u", "bias_v",
