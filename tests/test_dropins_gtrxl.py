@@ -8,28 +8,18 @@ import torch
 import torch.nn as nn
 
 import txl_kernels
-import txl_kernels.modules.gtrxl as gtrxl_mod
 from txl_kernels.modules import (DIEngineAttentionXL, RLlibRelativeMultiHeadAttention,
                                  swap_rel_pos_attention)
 
 import originals_gtrxl as og
+from dropin_helpers import spy_on
 from helpers import FUSED_DEVICE
 from test_conformer import compare, rnd
 
 DIM = 32
 
 
-@pytest.fixture
-def spy(monkeypatch):
-    calls = []
-    real = gtrxl_mod.rel_attention
-
-    def wrapper(*args, **kwargs):
-        calls.append((args, kwargs))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(gtrxl_mod, "rel_attention", wrapper)
-    return calls
+spy = spy_on("txl_kernels.modules.gtrxl")
 
 
 # ------------------------------------------------------------------------------------- RLlib

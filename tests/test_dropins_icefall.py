@@ -8,27 +8,17 @@ import torch
 import torch.nn as nn
 
 import txl_kernels
-import txl_kernels.modules.icefall as ice_mod
 from txl_kernels.modules import IcefallRelPositionMultiheadAttention, swap_rel_pos_attention
 
 import originals_icefall as orig_ice
+from dropin_helpers import run_qkv_pos, spy_on
 from helpers import FUSED_DEVICE
 from test_conformer import compare, rnd
 
 E, H = 64, 4
 
 
-@pytest.fixture
-def spy(monkeypatch):
-    calls = []
-    real = ice_mod.rel_attention
-
-    def wrapper(*args, **kwargs):
-        calls.append((args, kwargs))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(ice_mod, "rel_attention", wrapper)
-    return calls
+spy = spy_on("txl_kernels.modules.icefall")
 
 
 def pair(backend="reference", embed_dim=E, heads=H, seed=0):
@@ -95,13 +85,7 @@ def test_matches_original_fp64_with_gradients(kind, T):
     orig, ours = pair()
     x = rnd(T, B, E, seed=T)
     pe = pos_emb(T)
-    kpm, am = masks(kind, B, T)
-
-    def run(mod, dtype, device):
-        xx = x.to(dtype).requires_grad_()
-        p = pe.to(dtype).requires_grad_()
-        return (mod(xx, xx, xx, p, key_padding_mask=kpm, attn_mask=am)[0],), (xx, p)
-
+    run = run_qkv_pos(x, pe, *masks(kind, B, T), grad_pos=True)
     compare(orig, ours, run, run, torch.float64, grads=True)
 
 
@@ -172,14 +156,7 @@ def test_fused_path_fp32(kind):
     orig, ours = pair(backend="triton")
     x = rnd(T, B, E, seed=4)
     pe = pos_emb(T)
-    kpm, am = masks(kind, B, T)
-
-    def run(mod, dtype, device):
-        xx = x.to(device=device, dtype=dtype).requires_grad_()
-        out = mod(xx, xx, xx, pe.to(device, dtype), key_padding_mask=kpm.to(device),
-                  attn_mask=None if am is None else am.to(device))
-        return (out[0],), (xx,)
-
+    run = run_qkv_pos(x, pe, *masks(kind, B, T))
     compare(orig, ours, run, run, torch.float32, device=FUSED_DEVICE, grads=True,
             name=f"icefall {kind}")
 

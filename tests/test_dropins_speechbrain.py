@@ -9,27 +9,17 @@ import torch
 import torch.nn as nn
 
 import txl_kernels
-import txl_kernels.modules.speechbrain as sb_mod
 from txl_kernels.modules import SpeechBrainRelPosMHAXL, swap_rel_pos_attention
 
 import originals_speechbrain as sb
+from dropin_helpers import run_qkv_pos, spy_on
 from helpers import FUSED_DEVICE
 from test_conformer import compare, rnd
 
 E, H = 64, 4
 
 
-@pytest.fixture
-def spy(monkeypatch):
-    calls = []
-    real = sb_mod.rel_attention
-
-    def wrapper(*args, **kwargs):
-        calls.append((args, kwargs))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(sb_mod, "rel_attention", wrapper)
-    return calls
+spy = spy_on("txl_kernels.modules.speechbrain")
 
 
 class Original(sb.RelPosMHAXL):
@@ -98,13 +88,7 @@ def test_self_attention_matches_original_fp64(kind, T, vbias):
     orig, ours = pair(vbias=vbias)
     x = rnd(B, T, E, seed=T)
     pe = pos_embs(T)
-    kpm, am = masks(kind, B, T)
-
-    def run(mod, dtype, device):
-        xx = x.to(dtype).requires_grad_()
-        p = pe.to(dtype).requires_grad_()
-        return (mod(xx, xx, xx, p, key_padding_mask=kpm, attn_mask=am)[0],), (xx, p)
-
+    run = run_qkv_pos(x, pe, *masks(kind, B, T), grad_pos=True)
     compare(orig, ours, run, run, torch.float64, grads=True)
 
 
@@ -159,14 +143,7 @@ def test_fused_path_fp32(kind):
     B, T = 2, 13
     orig, ours = pair(backend="triton", vbias=True)
     x, pe = rnd(B, T, E, seed=6), pos_embs(T)
-    kpm, am = masks(kind, B, T)
-
-    def run(mod, dtype, device):
-        xx = x.to(device=device, dtype=dtype).requires_grad_()
-        out = mod(xx, xx, xx, pe.to(device, dtype), key_padding_mask=kpm.to(device),
-                  attn_mask=None if am is None else am.to(device))
-        return (out[0],), (xx,)
-
+    run = run_qkv_pos(x, pe, *masks(kind, B, T))
     compare(orig, ours, run, run, torch.float32, device=FUSED_DEVICE, grads=True,
             name=f"speechbrain {kind}")
 

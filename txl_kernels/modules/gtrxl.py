@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..functional import BACKENDS, mask_to_band, rel_attention
+from ._dropin import adopt
 from .conformer import _shape
 
 __all__ = ["RLlibRelativeMultiHeadAttention", "DIEngineAttentionXL"]
@@ -155,11 +156,8 @@ class RLlibRelativeMultiHeadAttention(nn.Module):
             new = cls(module._qkv_layer._model[0].in_features, lin.out_features,
                       module._num_heads, module._head_dim,
                       input_layernorm=module._input_layernorm is not None, **kwargs)
-        for name in ("_qkv_layer", "_linear_layer", "_uvar", "_vvar", "_pos_proj",
-                     "_rel_pos_embedding", "_input_layernorm"):
-            setattr(new, name, getattr(module, name))
-        new.train(module.training)
-        return new
+        return adopt(new, module, ("_qkv_layer", "_linear_layer", "_uvar", "_vvar", "_pos_proj",
+                                   "_rel_pos_embedding", "_input_layernorm"))
 
 
 class DIEngineAttentionXL(nn.Module):
@@ -261,7 +259,4 @@ class DIEngineAttentionXL(nn.Module):
         with torch.device("meta"):
             new = cls(module.attention_q[0].in_features, module.head_dim, module.head_num,
                       module.dropout, **kwargs)
-        for name in ("attention_kv", "attention_q", "project", "project_pos"):
-            setattr(new, name, getattr(module, name))
-        new.train(module.training)
-        return new
+        return adopt(new, module, ("attention_kv", "attention_q", "project", "project_pos"))

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..functional import BACKENDS, rel_attention
+from ._dropin import adopt
 from .conformer import _shape
 
 __all__ = ["IcefallRelPositionMultiheadAttention", "ScaledLinear"]
@@ -204,11 +205,8 @@ class IcefallRelPositionMultiheadAttention(nn.Module):
         (same objects), copies dropout and the training mode. ``kwargs``: ``backend``."""
         with torch.device("meta"):
             new = cls(module.embed_dim, module.num_heads, module.dropout, **kwargs)
-        for name in ("in_proj", "out_proj", "linear_pos", "pos_bias_u", "pos_bias_v",
-                     "pos_bias_u_scale", "pos_bias_v_scale"):
-            setattr(new, name, getattr(module, name))
-        new.train(module.training)
-        return new
+        return adopt(new, module, ("in_proj", "out_proj", "linear_pos", "pos_bias_u",
+                                   "pos_bias_v", "pos_bias_u_scale", "pos_bias_v_scale"))
 
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "

@@ -29,6 +29,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from ..functional import BACKENDS, mask_to_band
+from ._dropin import adopt
 from .conformer import _RelPosAttention, _shape
 
 __all__ = ["ParakeetEncoderAttention"]
@@ -183,12 +184,9 @@ class ParakeetEncoderAttention(_RelPosAttention):
         the constructor (``backend``)."""
         with torch.device("meta"):
             new = cls(module.config, module.layer_idx, **kwargs)
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "relative_k_proj", "bias_u",
-                     "bias_v"):
-            setattr(new, name, getattr(module, name))
         new.attention_dropout = module.attention_dropout
-        new.train(module.training)
-        return new
+        return adopt(new, module, ("q_proj", "k_proj", "v_proj", "o_proj", "relative_k_proj",
+                                   "bias_u", "bias_v"))
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.n_feat}, num_heads={self.h}, head_dim={self.d_k}, "

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..functional import BACKENDS, mask_to_band, rel_attention
+from ._dropin import adopt
 from .conformer import _shape
 
 __all__ = ["SpeechBrainRelPosMHAXL"]
@@ -194,10 +195,7 @@ class SpeechBrainRelPosMHAXL(nn.Module):
         names += (["in_proj_weight"] if module._qkv_same_embed_dim
                   else ["qk_proj_weight", "v_proj_weight"])
         names += ["value_bias_weight"] if module.vbias is not None else []
-        for name in names:
-            setattr(new, name, getattr(module, name))
-        new.train(module.training)
-        return new
+        return adopt(new, module, names)
 
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
