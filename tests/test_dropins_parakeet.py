@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn as nn
 
 import txl_kernels
 from txl_kernels.modules import ParakeetEncoderAttention, swap_rel_pos_attention
@@ -239,3 +240,113 @@ def test_bad_inputs_raise_clear_errors():
 
 def test_exported():
     assert txl_kernels.ParakeetEncoderAttention is ParakeetEncoderAttention
+
+
+# ------------------------------------------------------------- Wav2Vec2-Conformer (relative)
+from transformers.models.wav2vec2_conformer import modeling_wav2vec2_conformer as w2v  # noqa: E402
+from transformers.models.fastspeech2_conformer import (  # noqa: E402
+    modeling_fastspeech2_conformer as fs2)
+from txl_kernels.modules import (FastSpeech2ConformerAttention,  # noqa: E402
+                                 Wav2Vec2ConformerSelfAttention)
+
+
+def w2v_config(impl):
+    cfg = w2v.Wav2Vec2ConformerConfig(hidden_size=HIDDEN, num_attention_heads=HEADS,
+                                      intermediate_size=32, num_hidden_layers=2,
+                                      position_embeddings_type="relative",
+                                      conv_depthwise_kernel_size=3, hidden_dropout=0.0,
+                                      attention_dropout=0.0, activation_dropout=0.0,
+                                      layerdrop=0.0)
+    cfg._attn_implementation = impl
+    return cfg
+
+
+def test_wav2vec2_conformer_state_dict_and_non_relative_refused():
+    torch.manual_seed(0)
+    orig = w2v.Wav2Vec2ConformerSelfAttention(w2v_config("sdpa"))
+    ours = Wav2Vec2ConformerSelfAttention(w2v_config("sdpa"))
+    assert list(ours.state_dict()) == list(orig.state_dict())
+    ours.load_state_dict(orig.state_dict(), strict=True)
+    orig.load_state_dict(ours.state_dict(), strict=True)
+    rotary = w2v_config("sdpa")
+    rotary.position_embeddings_type = "rotary"
+    with pytest.raises(ValueError, match="only position_embeddings_type='relative'"):
+        Wav2Vec2ConformerSelfAttention(rotary)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_wav2vec2_conformer_encoder_after_swap(impl):
+    """The real encoder (its position table, create_bidirectional_mask: an additive float mask
+    under eager, a bool one under sdpa) before and after the swap: outputs and gradients."""
+    torch.manual_seed(0)
+    enc = w2v.Wav2Vec2ConformerEncoder(w2v_config(impl)).double().eval()
+    with torch.no_grad():
+        for layer in enc.layers:
+            layer.self_attn.pos_bias_u.normal_(0.0, 0.5)
+            layer.self_attn.pos_bias_v.normal_(0.0, 0.5)
+    swapped = copy.deepcopy(enc)
+    assert swap_rel_pos_attention(swapped, backend="reference") == 2
+    assert all(isinstance(layer.self_attn, Wav2Vec2ConformerSelfAttention)
+               for layer in swapped.layers)
+    B, T = 3, 17
+    x = rnd(B, T, HIDDEN, dtype=torch.float64)
+    am = torch.arange(T)[None] < torch.tensor([T, 11, 4])[:, None]
+    outs = []
+    for model in (enc, swapped):
+        xx = x.clone().requires_grad_()
+        out = model(xx.clone(), attention_mask=am).last_hidden_state
+        w = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+        outs.append([out] + list(torch.autograd.grad((out * w).sum(),
+                                                     [xx] + list(model.parameters()),
+                                                     allow_unused=True)))
+    for a, b in zip(*outs):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+def test_wav2vec2_conformer_padding_reaches_kernel_as_key_padding(spy):
+    torch.manual_seed(0)
+    cfg = w2v_config("eager")
+    ours = Wav2Vec2ConformerSelfAttention(cfg, backend="reference")
+    B, T = 2, 9
+    x = rnd(B, T, HIDDEN)
+    pe = w2v.Wav2Vec2ConformerRelPositionalEmbedding(cfg)(x)
+    valid = torch.arange(T)[None] < torch.tensor([T, 5])[:, None]
+    neg = torch.finfo(torch.float32).min
+    additive = torch.zeros(B, 1, T, T).masked_fill(~valid[:, None, None, :], neg)
+    ours(x, additive, pe)
+    (_, kw), = spy
+    assert torch.equal(kw["key_padding_mask"], ~valid)
+    assert not kw["attn_mask"].any() and kw["attn_mask_band"].tolist() == [1, -1, -1]
+    with pytest.raises(ValueError, match="only 0 and"):
+        ours(x, additive * 0.5, pe)
+
+
+def test_fastspeech2_conformer_matches_original_fp64():
+    cfg = fs2.FastSpeech2ConformerConfig(hidden_size=HIDDEN)
+    module_config = {"num_attention_heads": HEADS, "attention_dropout_rate": 0.0}
+    torch.manual_seed(0)
+    orig = fs2.FastSpeech2ConformerAttention(cfg, module_config).eval()
+    with torch.no_grad():
+        orig.pos_bias_u.normal_(0.0, 0.5)
+        orig.pos_bias_v.normal_(0.0, 0.5)
+    ours = FastSpeech2ConformerAttention(cfg, module_config, backend="reference").eval()
+    assert list(ours.state_dict()) == list(orig.state_dict())
+    ours.load_state_dict(orig.state_dict(), strict=True)
+    B, T = 3, 15
+    x = rnd(B, T, HIDDEN, seed=2)
+    pe = rnd(1, 2 * T - 1, HIDDEN, seed=3)
+    mask = (torch.arange(T)[None] < torch.tensor([T, 9, 3])[:, None])[:, None, :]
+
+    def run(mod, dtype, device):
+        xx, pp = x.to(dtype).requires_grad_(), pe.to(dtype).requires_grad_()
+        return (mod(xx, mask, pp)[0],), (xx, pp)
+
+    compare(orig, ours, run, run, torch.float64, grads=True)
+    with pytest.raises(NotImplementedError, match="output_attentions"):
+        ours(x, mask, pe, output_attentions=True)
+    swapped = nn.ModuleList([copy.deepcopy(orig)])
+    assert swap_rel_pos_attention(swapped, backend="reference") == 1
+    torch.testing.assert_close(swapped[0](x, mask, pe)[0], orig(x, mask, pe)[0],
+                               rtol=2e-5, atol=2e-5)

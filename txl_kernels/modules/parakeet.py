@@ -1,6 +1,8 @@
-"""Drop-in for Hugging Face transformers 5.x ``ParakeetEncoderAttention``
+"""Drop-ins for Hugging Face transformers 5.x relative attention, computed by
+``txl_kernels.rel_attention``: ``ParakeetEncoderAttention``
 (``transformers.models.parakeet.modeling_parakeet``; NVIDIA Parakeet CTC / TDT / RNNT),
-computed by ``txl_kernels.rel_attention``.
+``Wav2Vec2ConformerSelfAttention`` (``position_embeddings_type="relative"``) and
+``FastSpeech2ConformerAttention`` (both ESPnet's semantics; see their classes). Parakeet:
 
 The original is NeMo's relative attention (R = 2T - 1 rows from distance T - 1 down to
 -(T - 1), ``bias_u`` / ``bias_v`` [H, D], scale ``head_dim ** -0.5``), but it builds the shifted
@@ -30,12 +32,102 @@ from torch import Tensor
 
 from ..functional import BACKENDS, mask_to_band
 from ._dropin import adopt
-from .conformer import _RelPosAttention, _shape
+from .conformer import ESPnetRelPositionMultiHeadedAttention, _RelPosAttention, _shape
 
-__all__ = ["ParakeetEncoderAttention"]
+__all__ = ["ParakeetEncoderAttention", "Wav2Vec2ConformerSelfAttention",
+           "FastSpeech2ConformerAttention"]
 
 
-class ParakeetEncoderAttention(_RelPosAttention):
+class _HFRelPosAttention(_RelPosAttention):
+    """What the transformers drop-ins share: the boolean / additive mask split on the device
+    (key padding, query padding, a rest with its band descriptor) and the original's fully
+    masked rows (module docstring)."""
+
+    _FLOAT_MASKS = False  # whether transformers hands this module additive float masks
+
+    def _split_mask(self, mask, batch: int, qlen: int):
+        """-> (key padding [B, K], query padding [B, T], residual [B|1, 1, T, K] True = masked,
+        its band descriptor); any may be None."""
+        if mask is None:
+            return None, None, None, None
+        if not isinstance(mask, Tensor) or mask.is_complex() \
+                or (mask.is_floating_point() and not self._FLOAT_MASKS):
+            got = f"dtype {mask.dtype}" if isinstance(mask, Tensor) else type(mask).__name__
+            raise TypeError(f"{self._NAME}: attention_mask must be a bool or integer tensor "
+                            f"(True / nonzero = attend), got {got}")
+        if mask.is_floating_point():  # transformers' additive mask: 0 or finfo.min
+            keep = mask == 0
+            if not bool((keep | (mask == torch.finfo(mask.dtype).min)).all()):  # host sync
+                raise ValueError(f"{self._NAME}: a float attention_mask must hold only 0 and "
+                                 f"torch.finfo({mask.dtype}).min (transformers' padding mask); "
+                                 f"other additive values are not supported")
+        else:
+            keep = mask if mask.dtype == torch.bool else mask.ne(0)
+        shape = tuple(keep.shape)
+        if keep.dim() == 2 and shape == (batch, qlen):
+            return ~keep, ~keep, None, None
+        if keep.dim() == 3 and shape[0] in (1, batch) and shape[1:] == (qlen, qlen):
+            keep = keep.unsqueeze(1)
+            shape = tuple(keep.shape)
+        if keep.dim() == 4 and shape[0] in (1, batch) and shape[1] == 1 \
+                and shape[2] in (1, qlen) and shape[3] == qlen:
+            k_valid = keep.any(dim=2)[:, 0].expand(batch, qlen)     # some query attends it
+            q_valid = keep.any(dim=3)[:, 0].expand(batch, qlen)     # it attends some key
+            if shape[2] == 1:  # the same keys for every query: key padding says it all
+                return ~k_valid, ~q_valid, None, None
+            rest = ~keep & q_valid[:, None, :, None] & k_valid[:, None, None, :]
+            return ~k_valid, ~q_valid, rest, mask_to_band(rest)
+        raise ValueError(f"{self._NAME}: attention_mask must be (B, 1, T, T), (B, T, T), "
+                         f"(B, 1, 1, T) or (B, T) with B={batch}, T={qlen}; got {list(shape)}")
+
+    def _hf_attend(self, hidden_states: Tensor, pos_emb: Optional[Tensor], mask,
+                   pos_name: str) -> Tensor:
+        self._check_seq("hidden_states", hidden_states)
+        B, T = hidden_states.shape[0], hidden_states.shape[1]
+        if pos_emb is None:
+            raise ValueError(f"{self._NAME}: {pos_name} are required (the encoder's relative "
+                             f"positional encoding)")
+        self._check_pos_emb(pos_emb, B, T, "")
+        kpm, qpad, rest, band = self._split_mask(mask, B, T)
+        self._grab = {} if qpad is not None else None
+        try:
+            out = self._attend(hidden_states, hidden_states, hidden_states, pos_emb, kpm, rest,
+                               (-1, -1), attn_mask_band=band)
+            grabbed = self._grab
+        finally:
+            self._grab = None
+        if qpad is not None:
+            q, k, v = (grabbed[m] for m in (self.linear_q, self.linear_k, self.linear_v))
+            out = torch.where(qpad[:, :, None, None], self._masked_rows(q, k, v).to(out.dtype), out)
+        return self._finish(out, None)
+
+    _grab = None
+
+    def _project(self, linear: nn.Linear, x: Tensor) -> Tensor:
+        y = super()._project(linear, x)
+        if self._grab is not None:
+            self._grab[linear] = y  # the forward's q / k / v, for the fully masked rows
+        return y
+
+    def _masked_rows(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """What the original gives a fully masked row: softmax over all keys of scores that are
+        all equal (``finfo.min`` absorbs them), so the mean of v; its gradient is the softmax's
+        at the uniform point, which still reaches q, k and bias_u through the content term
+        ``x_ij = scale (q_i + u) . k_j``: ``dx_ij = (dO_i . v_j - mean_j dO_i . v_j) / T``.
+        That is exactly the gradient of ``f_i = (1/T) sum_j (x_ij - mean_j x_ij) v_j`` (v held
+        constant), added as ``f - f.detach()`` (value 0); computed through ``[D, D]`` products,
+        no [T, T] tensor. [B, T, H, D]."""
+        T = k.shape[1]
+        qu = q + self.pos_bias_u.to(q.dtype)
+        vd = v.detach()
+        kv = torch.einsum("bjhd,bjhe->bhde", k, vd)
+        x_mean = torch.einsum("bihd,bhd->bih", qu, k.mean(dim=1))
+        f = (torch.einsum("bihd,bhde->bihe", qu, kv)
+             - x_mean[..., None] * vd.sum(dim=1)[:, None]) * (1.0 / (self.s_d_k * T))
+        return v.mean(dim=1, keepdim=True) + (f - f.detach())
+
+
+class ParakeetEncoderAttention(_HFRelPosAttention):
     """Drop-in for transformers' ``ParakeetEncoderAttention(config, layer_idx)``.
 
     Args:
@@ -104,78 +196,10 @@ class ParakeetEncoderAttention(_RelPosAttention):
     pos_bias_v = property(lambda self: self.bias_v)
     dropout = property(lambda self: SimpleNamespace(p=self.attention_dropout))
 
-    def _split_mask(self, mask, batch: int, qlen: int):
-        """-> (key padding [B, K], query padding [B, T], residual [B|1, 1, T, K] True = masked,
-        its band descriptor); any may be None."""
-        if mask is None:
-            return None, None, None, None
-        if not isinstance(mask, Tensor) or mask.is_floating_point() or mask.is_complex():
-            got = f"dtype {mask.dtype}" if isinstance(mask, Tensor) else type(mask).__name__
-            raise TypeError(f"{self._NAME}: attention_mask must be a bool or integer tensor "
-                            f"(True / nonzero = attend), got {got}")
-        keep = mask if mask.dtype == torch.bool else mask.ne(0)
-        shape = tuple(keep.shape)
-        if keep.dim() == 2 and shape == (batch, qlen):
-            return ~keep, ~keep, None, None
-        if keep.dim() == 3 and shape[0] in (1, batch) and shape[1:] == (qlen, qlen):
-            keep = keep.unsqueeze(1)
-            shape = tuple(keep.shape)
-        if keep.dim() == 4 and shape[0] in (1, batch) and shape[1] == 1 \
-                and shape[2] in (1, qlen) and shape[3] == qlen:
-            k_valid = keep.any(dim=2)[:, 0].expand(batch, qlen)     # some query attends it
-            q_valid = keep.any(dim=3)[:, 0].expand(batch, qlen)     # it attends some key
-            if shape[2] == 1:  # the same keys for every query: key padding says it all
-                return ~k_valid, ~q_valid, None, None
-            rest = ~keep & q_valid[:, None, :, None] & k_valid[:, None, None, :]
-            return ~k_valid, ~q_valid, rest, mask_to_band(rest)
-        raise ValueError(f"{self._NAME}: attention_mask must be (B, 1, T, T), (B, T, T), "
-                         f"(B, 1, 1, T) or (B, T) with B={batch}, T={qlen}; got {list(shape)}")
-
     def forward(self, hidden_states: Tensor, position_embeddings: Optional[Tensor],
                 attention_mask: Optional[Tensor] = None, **kwargs):
-        self._check_seq("hidden_states", hidden_states)
-        B, T = hidden_states.shape[0], hidden_states.shape[1]
-        if position_embeddings is None:
-            raise ValueError(f"{self._NAME}: position_embeddings are required "
-                             f"(ParakeetEncoderRelPositionalEncoding's output)")
-        self._check_pos_emb(position_embeddings, B, T, "")
-        kpm, qpad, rest, band = self._split_mask(attention_mask, B, T)
-        self._grab = {} if qpad is not None else None
-        try:
-            out = self._attend(hidden_states, hidden_states, hidden_states, position_embeddings,
-                               kpm, rest, (-1, -1), attn_mask_band=band)
-            grabbed, self._grab = self._grab, None
-        finally:
-            self._grab = None
-        if qpad is not None:
-            q, k, v = (grabbed[m] for m in (self.q_proj, self.k_proj, self.v_proj))
-            out = torch.where(qpad[:, :, None, None], self._masked_rows(q, k, v).to(out.dtype), out)
-        return self._finish(out, None), None
-
-    _grab = None
-
-    def _project(self, linear: nn.Linear, x: Tensor) -> Tensor:
-        y = super()._project(linear, x)
-        if self._grab is not None:
-            self._grab[linear] = y  # the forward's q / k / v, for the fully masked rows
-        return y
-
-    def _masked_rows(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """What the original gives a fully masked row: softmax over all keys of scores that are
-        all equal (``finfo.min`` absorbs them), so the mean of v; its gradient is the softmax's
-        at the uniform point, which still reaches q, k and bias_u through the content term
-        ``x_ij = scale (q_i + u) . k_j``: ``dx_ij = (dO_i . v_j - mean_j dO_i . v_j) / T``.
-        That is exactly the gradient of ``f_i = (1/T) sum_j (x_ij - mean_j x_ij) v_j`` (v held
-        constant), added as ``f - f.detach()`` (value 0); computed through ``[D, D]`` products,
-        no [T, T] tensor. [B, T, H, D]."""
-        T = k.shape[1]
-        qu = q + self.bias_u.to(q.dtype)
-        vd = v.detach()
-        kv = torch.einsum("bjhd,bjhe->bhde", k, vd)
-        x_mean = torch.einsum("bihd,bhd->bih", qu, k.mean(dim=1))
-        f = (torch.einsum("bihd,bhde->bihe", qu, kv)
-             - x_mean[..., None] * vd.sum(dim=1)[:, None]) * (self.scaling / T)
-        return v.mean(dim=1, keepdim=True) + (f - f.detach())
+        return self._hf_attend(hidden_states, position_embeddings, attention_mask,
+                               "position_embeddings"), None
 
     @classmethod
     def from_module(cls, module: nn.Module, **kwargs) -> "ParakeetEncoderAttention":
@@ -191,3 +215,91 @@ class ParakeetEncoderAttention(_RelPosAttention):
     def extra_repr(self) -> str:
         return (f"hidden_size={self.n_feat}, num_heads={self.h}, head_dim={self.d_k}, "
                 f"backend={self.backend!r}")
+
+
+class Wav2Vec2ConformerSelfAttention(_HFRelPosAttention):
+    """Drop-in for transformers' ``Wav2Vec2ConformerSelfAttention(config)`` with
+    ``config.position_embeddings_type == "relative"`` (fairseq's rel-pos wav2vec2-conformer):
+    ESPnet semantics, parameter names ``linear_q/k/v/out``, ``linear_pos``, ``pos_bias_u/v``.
+
+    ``forward(hidden_states, attention_mask=None, relative_position_embeddings=None, **kwargs)``
+    returns ``(attn_output, None)``. relative_position_embeddings ``(1, 2T - 1, hidden)``
+    (``Wav2Vec2ConformerRelPositionalEmbedding``). attention_mask: what
+    ``create_bidirectional_mask`` gives the layer: None, a bool ``(B, 1, T, T)`` (True = attend,
+    sdpa / flex-free configs) or an additive float one (0 / ``finfo.min``, eager; its values are
+    checked with one host sync), or a flat ``(B, T)``; its key padding reaches the kernel as
+    ``key_padding_mask`` as for Parakeet. A sequence with no valid frame gives the original's
+    output (the mean of the values); its gradient through the position term is not reproduced.
+    """
+
+    _NAME = "Wav2Vec2ConformerSelfAttention"
+    _FLOAT_MASKS = True
+
+    def __init__(self, config, backend: str = "auto"):
+        super().__init__()
+        kind = getattr(config, "position_embeddings_type", None)
+        if kind != "relative":
+            raise ValueError(f"{self._NAME}: only position_embeddings_type='relative' has "
+                             f"relative attention to replace, got {kind!r}")
+        self._init_common(config.num_attention_heads, config.hidden_size,
+                          config.attention_dropout, True, backend)
+        self.config = config
+        self.head_size, self.num_heads = self.d_k, self.h
+        self.position_embeddings_type = kind
+        self.is_causal = False
+        self.scaling = self.head_size ** -0.5
+        self.pos_bias_u = nn.Parameter(torch.zeros(self.h, self.d_k))
+        self.pos_bias_v = nn.Parameter(torch.zeros(self.h, self.d_k))
+
+    def forward(self, hidden_states: Tensor, attention_mask: Optional[Tensor] = None,
+                relative_position_embeddings: Optional[Tensor] = None, **kwargs):
+        return self._hf_attend(hidden_states, relative_position_embeddings, attention_mask,
+                               "relative_position_embeddings"), None
+
+    @classmethod
+    def from_module(cls, module: nn.Module, **kwargs) -> "Wav2Vec2ConformerSelfAttention":
+        """Wrap a transformers ``Wav2Vec2ConformerSelfAttention`` (relative): shares its layers
+        and biases. ``kwargs``: ``backend``."""
+        with torch.device("meta"):
+            new = cls(module.config, **kwargs)
+        return adopt(new, module, ("linear_q", "linear_k", "linear_v", "linear_out", "dropout",
+                                   "linear_pos", "pos_bias_u", "pos_bias_v"))
+
+
+class FastSpeech2ConformerAttention(ESPnetRelPositionMultiHeadedAttention):
+    """Drop-in for transformers' ``FastSpeech2ConformerAttention(config, module_config)``: ESPnet's
+    ``RelPositionMultiHeadedAttention`` under transformers' names (same parameters).
+
+    ``forward(hidden_states, attention_mask=None, pos_emb=None, output_attentions=False)``
+    returns ``(attn_output, None)``; attention_mask ``(B, 1, T)`` True / 1 = keep (reaches the
+    kernel as key padding). ``output_attentions=True`` raises: the probabilities are never
+    materialised.
+    """
+
+    _NAME = "FastSpeech2ConformerAttention"
+
+    def __init__(self, config, module_config, backend: str = "auto"):
+        super().__init__(module_config["num_attention_heads"], config.hidden_size,
+                         module_config["attention_dropout_rate"], backend=backend)
+        self.num_heads, self.hidden_size = self.h, self.n_feat
+        self.dim_key = self.head_dim = self.d_k
+
+    def forward(self, hidden_states: Tensor, attention_mask: Optional[Tensor] = None,
+                pos_emb: Optional[Tensor] = None, output_attentions: bool = False):
+        if output_attentions:
+            raise NotImplementedError(f"{self._NAME}: output_attentions=True needs the attention "
+                                      f"probabilities, which the fused kernel never builds")
+        out = super().forward(hidden_states, hidden_states, hidden_states, pos_emb,
+                              attention_mask)
+        return out, None
+
+    @classmethod
+    def from_module(cls, module: nn.Module, **kwargs) -> "FastSpeech2ConformerAttention":
+        """Wrap a transformers ``FastSpeech2ConformerAttention``: shares its layers and biases.
+        ``kwargs``: ``backend``."""
+        module_config = {"num_attention_heads": module.num_heads,
+                         "attention_dropout_rate": module.dropout.p}
+        with torch.device("meta"):
+            new = cls(SimpleNamespace(hidden_size=module.hidden_size), module_config, **kwargs)
+        return adopt(new, module, ("linear_q", "linear_k", "linear_v", "linear_out", "dropout",
+                                   "linear_pos", "pos_bias_u", "pos_bias_v"))

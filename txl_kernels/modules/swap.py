@@ -18,7 +18,8 @@ import torch.nn as nn
 from .conformer import ESPnetRelPositionMultiHeadedAttention, NeMoRelPositionMultiHeadAttention
 from .gtrxl import DIEngineAttentionXL, RLlibRelativeMultiHeadAttention
 from .icefall import IcefallRelPositionMultiheadAttention
-from .parakeet import ParakeetEncoderAttention
+from .parakeet import (FastSpeech2ConformerAttention, ParakeetEncoderAttention,
+                       Wav2Vec2ConformerSelfAttention)
 from .speechbrain import SpeechBrainRelPosMHAXL
 
 __all__ = ["swap_rel_pos_attention", "SWAP_TABLE", "class_path"]
@@ -68,6 +69,14 @@ SWAP_TABLE: Dict[str, _Entry] = {
     "ding.torch_utils.network.gtrxl.AttentionXL":
         _Entry(DIEngineAttentionXL, ("head_num", "head_dim", "dropout", "attention_kv",
                                      "attention_q", "project", "project_pos")),
+    "transformers.models.wav2vec2_conformer.modeling_wav2vec2_conformer."
+    "Wav2Vec2ConformerSelfAttention":
+        _Entry(Wav2Vec2ConformerSelfAttention, _CONFORMER_NEEDS[1:] + ("config",),
+               accepts=lambda m: getattr(m, "position_embeddings_type", None) == "relative"),
+    "transformers.models.fastspeech2_conformer.modeling_fastspeech2_conformer."
+    "FastSpeech2ConformerAttention":
+        _Entry(FastSpeech2ConformerAttention, _CONFORMER_NEEDS[1:] + ("num_heads",
+                                                                      "hidden_size")),
     "transformers.models.parakeet.modeling_parakeet.ParakeetEncoderAttention":
         _Entry(ParakeetEncoderAttention, ("config", "layer_idx", "q_proj", "k_proj", "v_proj",
                                           "o_proj", "relative_k_proj", "bias_u", "bias_v",
