@@ -4,17 +4,29 @@ Public API:
     rel_attention      functional relative attention (reference or fused Triton backend)
     FusedRelAttention  drop-in for Transformer-XL's RelPartialLearnableMultiHeadAttn
     NeMoRelPositionMultiHeadAttention, ESPnetRelPositionMultiHeadedAttention: Conformer drop-ins
+    ParakeetEncoderAttention, Wav2Vec2ConformerSelfAttention, FastSpeech2ConformerAttention
+    (HF transformers 5.x), IcefallRelPositionMultiheadAttention,
+    SpeechBrainRelPosMHAXL, RLlibRelativeMultiHeadAttention, DIEngineAttentionXL: more drop-ins
+    swap_rel_pos_attention, SWAP_TABLE: replace the originals inside a model
     update_mems        segment-memory update (JIT-built C++/CUDA extension, torch fallback)
 """
 from .functional import BACKENDS, fused_available, mask_to_band, rel_attention
-from .modules import (ESPnetRelPositionMultiHeadedAttention, FusedRelAttention,
-                      NeMoRelPositionMultiHeadAttention, swap_rel_pos_attention)
+from .modules import (SWAP_TABLE, DIEngineAttentionXL, ESPnetRelPositionMultiHeadedAttention,
+                      FastSpeech2ConformerAttention, FusedRelAttention,
+                      IcefallRelPositionMultiheadAttention, Wav2Vec2ConformerSelfAttention,
+                      NeMoRelPositionMultiHeadAttention, ParakeetEncoderAttention,
+                      RLlibRelativeMultiHeadAttention, SpeechBrainRelPosMHAXL,
+                      swap_rel_pos_attention)
 from .memory import update_mems
 from .reference import rel_attention_reference, rel_shift, rel_shift_pad_reshape
 
 __version__ = "0.1.0"
 
 __all__ = ["rel_attention", "FusedRelAttention", "NeMoRelPositionMultiHeadAttention",
-           "ESPnetRelPositionMultiHeadedAttention", "swap_rel_pos_attention", "update_mems", "mask_to_band",
+           "ESPnetRelPositionMultiHeadedAttention", "ParakeetEncoderAttention",
+           "IcefallRelPositionMultiheadAttention", "SpeechBrainRelPosMHAXL",
+           "RLlibRelativeMultiHeadAttention", "DIEngineAttentionXL",
+           "Wav2Vec2ConformerSelfAttention", "FastSpeech2ConformerAttention",
+           "swap_rel_pos_attention", "SWAP_TABLE", "update_mems", "mask_to_band",
            "fused_available", "BACKENDS", "rel_attention_reference", "rel_shift",
            "rel_shift_pad_reshape", "__version__"]

@@ -118,8 +118,10 @@ class _RelPosAttention(nn.Module):
 
     def _attend(self, query: Tensor, key: Tensor, value: Tensor, pos_emb: Tensor,
                 kpm: Optional[Tensor], attn_mask: Optional[Tensor],
-                window: Tuple[int, int], zero_triu: bool = False) -> Tensor:
-        """Projections + rel_attention. Returns [B, Lq, H, D]."""
+                window: Tuple[int, int], zero_triu: bool = False,
+                attn_mask_band: Optional[Tensor] = None) -> Tensor:
+        """Projections + rel_attention. Returns [B, Lq, H, D]. attn_mask_band: optional
+        mask_to_band(attn_mask) of the whole mask (also right for each sequence's slice)."""
         B, Lq, Lk = query.shape[0], query.shape[1], key.shape[1]
         q = self._project(self.linear_q, query)
         k = self._project(self.linear_k, key)
@@ -140,6 +142,7 @@ class _RelPosAttention(nn.Module):
         def call(qq, kk, vv, rr, kp, am):
             return rel_attention(qq, kk, vv, rr, u, vb, causal=False, window_size=window,
                                  key_padding_mask=kp, attn_mask=am,
+                                 attn_mask_band=None if am is None else attn_mask_band,
                                  softmax_scale=1.0 / self.s_d_k, dropout_p=drop,
                                  backend=self.backend)
 
@@ -432,26 +435,5 @@ class ESPnetRelPositionMultiHeadedAttention(_RelPosAttention):
         return new
 
 
-def swap_rel_pos_attention(model: nn.Module, backend: str = "auto",
-                           att_context_size: Optional[Sequence[int]] = None) -> int:
-    """Replace, inside ``model``, every NeMo ``RelPositionMultiHeadAttention`` and every
-    ESPnet ``RelPositionMultiHeadedAttention`` (matched by class name and package, so NeMo's
-    Longformer variant and ESPnet's legacy class are left alone) by the drop-ins above,
-    sharing their parameters (:meth:`from_module`). ``att_context_size`` (NeMo only) sets the
-    window, e.g. ``encoder.att_context_size`` for a ``"regular"`` style encoder. Returns the
-    number of modules replaced. Call it before building the optimizer or after: the
-    Parameter objects are the same."""
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            cls_name, pkg = type(child).__name__, type(child).__module__.split(".")[0]
-            if cls_name == "RelPositionMultiHeadAttention" and pkg == "nemo":
-                new = NeMoRelPositionMultiHeadAttention.from_module(
-                    child, backend=backend, att_context_size=att_context_size)
-            elif cls_name == "RelPositionMultiHeadedAttention" and pkg in ("espnet", "espnet2"):
-                new = ESPnetRelPositionMultiHeadedAttention.from_module(child, backend=backend)
-            else:
-                continue
-            setattr(parent, name, new)
-            count += 1
-    return count
+# Moved to swap.py (one table for every drop-in); re-exported here for existing imports.
+from .swap import swap_rel_pos_attention  # noqa: E402  (after the classes swap.py imports)

@@ -1,0 +1,305 @@
+"""Drop-ins for Hugging Face transformers 5.x relative attention, computed by
+``txl_kernels.rel_attention``: ``ParakeetEncoderAttention``
+(``transformers.models.parakeet.modeling_parakeet``; NVIDIA Parakeet CTC / TDT / RNNT),
+``Wav2Vec2ConformerSelfAttention`` (``position_embeddings_type="relative"``) and
+``FastSpeech2ConformerAttention`` (both ESPnet's semantics; see their classes). Parakeet:
+
+The original is NeMo's relative attention (R = 2T - 1 rows from distance T - 1 down to
+-(T - 1), ``bias_u`` / ``bias_v`` [H, D], scale ``head_dim ** -0.5``), but it builds the shifted
+position term in full and hands it to the attention interface as a float ``attention_mask``
+(``finfo.min`` at masked pairs). Here the position term stays inside the kernel, and the
+encoder's boolean mask is split, on the device and without a host sync, into key padding (a
+key no query may attend), query padding (a query that may attend no key) and what remains
+(``attn_mask``, with a :func:`~txl_kernels.mask_to_band` descriptor): for the encoder's
+padding-only mask what remains is empty, so the fused kernel reads no ``[T, T]`` mask. A flat
+``(B, T)`` mask (True = valid frame) skips even that and reaches the kernel as
+``key_padding_mask`` alone.
+
+Fully masked query rows (padded frames): the original adds ``finfo.min`` to every score of the
+row, which absorbs the content term in fp32 / fp64, so its softmax is uniform over all keys and
+the row is the mean of the values, and its gradient (the softmax's at the uniform point) still
+reaches q, k and ``bias_u``; the drop-in reproduces both without a [T, T] tensor. In fp16 / bf16
+the original's padded rows are not exactly uniform; they never reach a valid frame.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from ..functional import BACKENDS, mask_to_band
+from ._dropin import adopt
+from .conformer import ESPnetRelPositionMultiHeadedAttention, _RelPosAttention, _shape
+
+__all__ = ["ParakeetEncoderAttention", "Wav2Vec2ConformerSelfAttention",
+           "FastSpeech2ConformerAttention"]
+
+
+class _HFRelPosAttention(_RelPosAttention):
+    """What the transformers drop-ins share: the boolean / additive mask split on the device
+    (key padding, query padding, a rest with its band descriptor) and the original's fully
+    masked rows (module docstring)."""
+
+    _FLOAT_MASKS = False  # whether transformers hands this module additive float masks
+
+    def _split_mask(self, mask, batch: int, qlen: int):
+        """-> (key padding [B, K], query padding [B, T], residual [B|1, 1, T, K] True = masked,
+        its band descriptor); any may be None."""
+        if mask is None:
+            return None, None, None, None
+        if not isinstance(mask, Tensor) or mask.is_complex() \
+                or (mask.is_floating_point() and not self._FLOAT_MASKS):
+            got = f"dtype {mask.dtype}" if isinstance(mask, Tensor) else type(mask).__name__
+            raise TypeError(f"{self._NAME}: attention_mask must be a bool or integer tensor "
+                            f"(True / nonzero = attend), got {got}")
+        if mask.is_floating_point():  # transformers' additive mask: 0 or finfo.min
+            keep = mask == 0
+            if not bool((keep | (mask == torch.finfo(mask.dtype).min)).all()):  # host sync
+                raise ValueError(f"{self._NAME}: a float attention_mask must hold only 0 and "
+                                 f"torch.finfo({mask.dtype}).min (transformers' padding mask); "
+                                 f"other additive values are not supported")
+        else:
+            keep = mask if mask.dtype == torch.bool else mask.ne(0)
+        shape = tuple(keep.shape)
+        if keep.dim() == 2 and shape == (batch, qlen):
+            return ~keep, ~keep, None, None
+        if keep.dim() == 3 and shape[0] in (1, batch) and shape[1:] == (qlen, qlen):
+            keep = keep.unsqueeze(1)
+            shape = tuple(keep.shape)
+        if keep.dim() == 4 and shape[0] in (1, batch) and shape[1] == 1 \
+                and shape[2] in (1, qlen) and shape[3] == qlen:
+            k_valid = keep.any(dim=2)[:, 0].expand(batch, qlen)     # some query attends it
+            q_valid = keep.any(dim=3)[:, 0].expand(batch, qlen)     # it attends some key
+            if shape[2] == 1:  # the same keys for every query: key padding says it all
+                return ~k_valid, ~q_valid, None, None
+            rest = ~keep & q_valid[:, None, :, None] & k_valid[:, None, None, :]
+            return ~k_valid, ~q_valid, rest, mask_to_band(rest)
+        raise ValueError(f"{self._NAME}: attention_mask must be (B, 1, T, T), (B, T, T), "
+                         f"(B, 1, 1, T) or (B, T) with B={batch}, T={qlen}; got {list(shape)}")
+
+    def _hf_attend(self, hidden_states: Tensor, pos_emb: Optional[Tensor], mask,
+                   pos_name: str) -> Tensor:
+        self._check_seq("hidden_states", hidden_states)
+        B, T = hidden_states.shape[0], hidden_states.shape[1]
+        if pos_emb is None:
+            raise ValueError(f"{self._NAME}: {pos_name} are required (the encoder's relative "
+                             f"positional encoding)")
+        self._check_pos_emb(pos_emb, B, T, "")
+        kpm, qpad, rest, band = self._split_mask(mask, B, T)
+        self._grab = {} if qpad is not None else None
+        try:
+            out = self._attend(hidden_states, hidden_states, hidden_states, pos_emb, kpm, rest,
+                               (-1, -1), attn_mask_band=band)
+            grabbed = self._grab
+        finally:
+            self._grab = None
+        if qpad is not None:
+            q, k, v = (grabbed[m] for m in (self.linear_q, self.linear_k, self.linear_v))
+            out = torch.where(qpad[:, :, None, None], self._masked_rows(q, k, v).to(out.dtype), out)
+        return self._finish(out, None)
+
+    _grab = None
+
+    def _project(self, linear: nn.Linear, x: Tensor) -> Tensor:
+        y = super()._project(linear, x)
+        if self._grab is not None:
+            self._grab[linear] = y  # the forward's q / k / v, for the fully masked rows
+        return y
+
+    def _masked_rows(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """What the original gives a fully masked row: softmax over all keys of scores that are
+        all equal (``finfo.min`` absorbs them), so the mean of v; its gradient is the softmax's
+        at the uniform point, which still reaches q, k and bias_u through the content term
+        ``x_ij = scale (q_i + u) . k_j``: ``dx_ij = (dO_i . v_j - mean_j dO_i . v_j) / T``.
+        That is exactly the gradient of ``f_i = (1/T) sum_j (x_ij - mean_j x_ij) v_j`` (v held
+        constant), added as ``f - f.detach()`` (value 0); computed through ``[D, D]`` products,
+        no [T, T] tensor. [B, T, H, D]."""
+        T = k.shape[1]
+        qu = q + self.pos_bias_u.to(q.dtype)
+        vd = v.detach()
+        kv = torch.einsum("bjhd,bjhe->bhde", k, vd)
+        x_mean = torch.einsum("bihd,bhd->bih", qu, k.mean(dim=1))
+        f = (torch.einsum("bihd,bhde->bihe", qu, kv)
+             - x_mean[..., None] * vd.sum(dim=1)[:, None]) * (1.0 / (self.s_d_k * T))
+        return v.mean(dim=1, keepdim=True) + (f - f.detach())
+
+
+class ParakeetEncoderAttention(_HFRelPosAttention):
+    """Drop-in for transformers' ``ParakeetEncoderAttention(config, layer_idx)``.
+
+    Args:
+        config: the encoder config (``ParakeetEncoderConfig`` or any object with
+            ``hidden_size``, ``num_attention_heads``, ``attention_bias``,
+            ``attention_dropout``; ``num_key_value_heads`` and ``head_dim`` optional).
+        layer_idx: kept as ``self.layer_idx``.
+        backend: ``rel_attention`` backend: ``"auto"``, ``"reference"`` or ``"triton"``.
+
+    Parameters and state dict keys as the original: ``q_proj``, ``k_proj``, ``v_proj``,
+    ``o_proj`` (bias when ``config.attention_bias``), ``relative_k_proj`` (no bias),
+    ``bias_u``, ``bias_v`` ([H, D]).
+
+    ``forward(hidden_states, position_embeddings, attention_mask=None, **kwargs)`` returns
+    ``(attn_output, None)``:
+        hidden_states ``[B, T, hidden]``; position_embeddings ``(1 or B, 2T - 1, hidden)``
+        (``ParakeetEncoderRelPositionalEncoding``; its ``B`` copies run one sequence at a time
+        unless passed as an expanded view or with one row). attention_mask (True / nonzero =
+        attend): the encoder's ``(B, 1, T, T)``, or ``(B, T, T)``, ``(B, 1, 1, T)`` (keys
+        only), or a flat ``(B, T)`` per-frame mask meaning what the encoder builds from it
+        (``m[:, None, :] & m[:, :, None]``). Other keyword arguments of the attention
+        interface are accepted and ignored. The attention probabilities are not returned.
+    """
+
+    _NAME = "ParakeetEncoderAttention"
+
+    def __init__(self, config, layer_idx: Optional[int] = None, backend: str = "auto"):
+        nn.Module.__init__(self)
+        self.config = config
+        self.layer_idx = layer_idx
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // max(heads, 1)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        if kv_heads != heads:
+            raise ValueError(f"{self._NAME}: num_key_value_heads must equal num_attention_heads "
+                             f"({heads}) as in Parakeet, got {kv_heads}")
+        if heads < 1 or hidden % heads or self.head_dim * heads != hidden:
+            raise ValueError(f"{self._NAME}: hidden_size must be num_attention_heads * head_dim, "
+                             f"got hidden_size={hidden}, num_attention_heads={heads}, "
+                             f"head_dim={self.head_dim}")
+        if backend not in BACKENDS:
+            raise ValueError(f"{self._NAME}: backend must be one of {BACKENDS}, got {backend!r}")
+        self.num_key_value_groups = 1
+        self.scaling = self.head_dim ** -0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = False
+        # what the shared base reads
+        self.h, self.d_k, self.n_feat, self.backend = heads, self.head_dim, hidden, backend
+        self.s_d_k = self.head_dim ** 0.5
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.k_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.v_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.o_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.relative_k_proj = nn.Linear(hidden, hidden, bias=False)
+        self.bias_u = nn.Parameter(torch.zeros(heads, self.head_dim))
+        self.bias_v = nn.Parameter(torch.zeros(heads, self.head_dim))
+
+    # The shared base's names for the original's layers (no state dict keys of their own).
+    linear_q = property(lambda self: self.q_proj)
+    linear_k = property(lambda self: self.k_proj)
+    linear_v = property(lambda self: self.v_proj)
+    linear_out = property(lambda self: self.o_proj)
+    linear_pos = property(lambda self: self.relative_k_proj)
+    pos_bias_u = property(lambda self: self.bias_u)
+    pos_bias_v = property(lambda self: self.bias_v)
+    dropout = property(lambda self: SimpleNamespace(p=self.attention_dropout))
+
+    def forward(self, hidden_states: Tensor, position_embeddings: Optional[Tensor],
+                attention_mask: Optional[Tensor] = None, **kwargs):
+        return self._hf_attend(hidden_states, position_embeddings, attention_mask,
+                               "position_embeddings"), None
+
+    @classmethod
+    def from_module(cls, module: nn.Module, **kwargs) -> "ParakeetEncoderAttention":
+        """Wrap a transformers ``ParakeetEncoderAttention``: shares its layers and biases (same
+        Parameter objects), copies ``attention_dropout`` and the training mode. ``kwargs`` go to
+        the constructor (``backend``)."""
+        with torch.device("meta"):
+            new = cls(module.config, module.layer_idx, **kwargs)
+        new.attention_dropout = module.attention_dropout
+        return adopt(new, module, ("q_proj", "k_proj", "v_proj", "o_proj", "relative_k_proj",
+                                   "bias_u", "bias_v"))
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.n_feat}, num_heads={self.h}, head_dim={self.d_k}, "
+                f"backend={self.backend!r}")
+
+
+class Wav2Vec2ConformerSelfAttention(_HFRelPosAttention):
+    """Drop-in for transformers' ``Wav2Vec2ConformerSelfAttention(config)`` with
+    ``config.position_embeddings_type == "relative"`` (fairseq's rel-pos wav2vec2-conformer):
+    ESPnet semantics, parameter names ``linear_q/k/v/out``, ``linear_pos``, ``pos_bias_u/v``.
+
+    ``forward(hidden_states, attention_mask=None, relative_position_embeddings=None, **kwargs)``
+    returns ``(attn_output, None)``. relative_position_embeddings ``(1, 2T - 1, hidden)``
+    (``Wav2Vec2ConformerRelPositionalEmbedding``). attention_mask: what
+    ``create_bidirectional_mask`` gives the layer: None, a bool ``(B, 1, T, T)`` (True = attend,
+    sdpa / flex-free configs) or an additive float one (0 / ``finfo.min``, eager; its values are
+    checked with one host sync), or a flat ``(B, T)``; its key padding reaches the kernel as
+    ``key_padding_mask`` as for Parakeet. A sequence with no valid frame gives the original's
+    output (the mean of the values); its gradient through the position term is not reproduced.
+    """
+
+    _NAME = "Wav2Vec2ConformerSelfAttention"
+    _FLOAT_MASKS = True
+
+    def __init__(self, config, backend: str = "auto"):
+        super().__init__()
+        kind = getattr(config, "position_embeddings_type", None)
+        if kind != "relative":
+            raise ValueError(f"{self._NAME}: only position_embeddings_type='relative' has "
+                             f"relative attention to replace, got {kind!r}")
+        self._init_common(config.num_attention_heads, config.hidden_size,
+                          config.attention_dropout, True, backend)
+        self.config = config
+        self.head_size, self.num_heads = self.d_k, self.h
+        self.position_embeddings_type = kind
+        self.is_causal = False
+        self.scaling = self.head_size ** -0.5
+        self.pos_bias_u = nn.Parameter(torch.zeros(self.h, self.d_k))
+        self.pos_bias_v = nn.Parameter(torch.zeros(self.h, self.d_k))
+
+    def forward(self, hidden_states: Tensor, attention_mask: Optional[Tensor] = None,
+                relative_position_embeddings: Optional[Tensor] = None, **kwargs):
+        return self._hf_attend(hidden_states, relative_position_embeddings, attention_mask,
+                               "relative_position_embeddings"), None
+
+    @classmethod
+    def from_module(cls, module: nn.Module, **kwargs) -> "Wav2Vec2ConformerSelfAttention":
+        """Wrap a transformers ``Wav2Vec2ConformerSelfAttention`` (relative): shares its layers
+        and biases. ``kwargs``: ``backend``."""
+        with torch.device("meta"):
+            new = cls(module.config, **kwargs)
+        return adopt(new, module, ("linear_q", "linear_k", "linear_v", "linear_out", "dropout",
+                                   "linear_pos", "pos_bias_u", "pos_bias_v"))
+
+
+class FastSpeech2ConformerAttention(ESPnetRelPositionMultiHeadedAttention):
+    """Drop-in for transformers' ``FastSpeech2ConformerAttention(config, module_config)``: ESPnet's
+    ``RelPositionMultiHeadedAttention`` under transformers' names (same parameters).
+
+    ``forward(hidden_states, attention_mask=None, pos_emb=None, output_attentions=False)``
+    returns ``(attn_output, None)``; attention_mask ``(B, 1, T)`` True / 1 = keep (reaches the
+    kernel as key padding). ``output_attentions=True`` raises: the probabilities are never
+    materialised.
+    """
+
+    _NAME = "FastSpeech2ConformerAttention"
+
+    def __init__(self, config, module_config, backend: str = "auto"):
+        super().__init__(module_config["num_attention_heads"], config.hidden_size,
+                         module_config["attention_dropout_rate"], backend=backend)
+        self.num_heads, self.hidden_size = self.h, self.n_feat
+        self.dim_key = self.head_dim = self.d_k
+
+    def forward(self, hidden_states: Tensor, attention_mask: Optional[Tensor] = None,
+                pos_emb: Optional[Tensor] = None, output_attentions: bool = False):
+        if output_attentions:
+            raise NotImplementedError(f"{self._NAME}: output_attentions=True needs the attention "
+                                      f"probabilities, which the fused kernel never builds")
+        out = super().forward(hidden_states, hidden_states, hidden_states, pos_emb,
+                              attention_mask)
+        return out, None
+
+    @classmethod
+    def from_module(cls, module: nn.Module, **kwargs) -> "FastSpeech2ConformerAttention":
+        """Wrap a transformers ``FastSpeech2ConformerAttention``: shares its layers and biases.
+        ``kwargs``: ``backend``."""
+        module_config = {"num_attention_heads": module.num_heads,
+                         "attention_dropout_rate": module.dropout.p}
+        with torch.device("meta"):
+            new = cls(SimpleNamespace(hidden_size=module.hidden_size), module_config, **kwargs)
+        return adopt(new, module, ("linear_q", "linear_k", "linear_v", "linear_out", "dropout",
+                                   "linear_pos", "pos_bias_u", "pos_bias_v"))
