@@ -289,7 +289,6 @@ def _no_ninja(monkeypatch, tmp_path):
     ninja anywhere."""
     monkeypatch.setattr(_build, "_STATE", _build._State())
     monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setattr(_build, "_extra_ninja_dirs", lambda: [])
     monkeypatch.setattr(memory, "_WARNED", set())
 
 
