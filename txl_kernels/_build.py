@@ -118,8 +118,9 @@ def compile_extension(name: str, with_cuda: bool, verbose: bool = False):
     """Build (ninja: only what changed) and import one extension; raises on failure."""
     from filelock import FileLock  # a torch dependency
     ce, src = cpp_extension(), csrc_dir()
-    sources = sorted(glob.glob(os.path.join(src, "*.cpp")))
-    sources += sorted(glob.glob(os.path.join(src, "*.cu"))) if with_cuda else []
+    # the .cu first: a broken CUDA source fails before the slow C++ compile (MAX_JOBS=1)
+    sources = sorted(glob.glob(os.path.join(src, "*.cu"))) if with_cuda else []
+    sources += sorted(glob.glob(os.path.join(src, "*.cpp")))
     flags = ["-O3"] + (["-DTXL_WITH_CUDA"] if with_cuda else [])
     folder = build_directory(name)
     if not glob.glob(os.path.join(folder, name + "*.so")) and not verbose:
