@@ -7,7 +7,6 @@ flex runs forward only on CPU (FlexAttention has no CPU backward); its gradients
 provider, are checked on CUDA only.
 """
 import json
-import math
 import sys
 import warnings
 from pathlib import Path
