@@ -2,7 +2,8 @@
 
 Nothing is compiled at install time: the C++/CUDA sources in csrc/ ship inside the package as
 ``txl_kernels/csrc`` (wheel and sdist) and are compiled on first use by
-``txl_kernels._build`` with ninja (torch.utils.cpp_extension.load).
+``txl_kernels._build`` with ninja (torch.utils.cpp_extension.load). The developer tools in
+tools/ (sm_90 AOT check, build report) are not packaged.
 """
 from setuptools import setup
 

@@ -14,12 +14,11 @@ def run(benchmark, case, provider):
     if reason:
         pytest.skip(reason)
     benchmark.group = f"{case.kind} | {case.group} {case.shape.label} | {case.dtype} {case.mode}"
-    rounds_range = (3, 20, 0.5) if case.device == "cuda" else (3, 3, 0.0)
+    rounds = 20 if case.device == "cuda" else 3
 
-    def timer(step, first_s):
-        lo, hi, target = rounds_range
-        rounds = runner.n_reps(first_s, target, lo, hi)
-        benchmark.pedantic(step, rounds=rounds, iterations=1, warmup_rounds=0)
+    def timer(step, device):  # pytest-benchmark times; CUDA steps are synchronised for it
+        benchmark.pedantic(runner.synced(step, device), rounds=rounds, iterations=1,
+                           warmup_rounds=1 if device.type == "cuda" else 0)
         stats = getattr(getattr(benchmark, "stats", None), "stats", None)
         return list(stats.data) if stats is not None else []
 

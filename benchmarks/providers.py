@@ -25,21 +25,18 @@ All imports of optional or in-progress pieces (the fused op, the Conformer modul
 from __future__ import annotations
 
 import inspect
-import os
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
 
+from txl_kernels._utils import interpreting
+
 from .shapes import PROVIDER_ORDER
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
           "fp64": torch.float64}
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,7 +297,7 @@ def skip_reason(provider: Provider, device) -> Optional[str]:
         return "needs a CUDA device (none here)"
     if provider.cuda_only and device.type != "cuda":
         return provider.cuda_only_reason
-    if provider.name in ("fused", "nemo_fused", "espnet_fused") and _interpreting():
+    if provider.name in ("fused", "nemo_fused", "espnet_fused") and interpreting():
         return "TRITON_INTERPRET=1 is set: the fused path is never timed under the interpreter"
     return None
 
@@ -321,6 +318,8 @@ class ModuleInputs:
     # query rows come out 0), so no dense mask reaches the kernel.
     H: int
     cache: Dict[str, object] = field(default_factory=dict)
+    # the forward's keyword arguments, chosen once here (no signature inspection in timed code)
+    forward_kwargs: Dict[str, object] = field(default_factory=dict)
 
     def grad_inputs(self) -> List[torch.Tensor]:
         return [self.x] + [p for p in self.module.parameters() if p.requires_grad]
@@ -382,19 +381,18 @@ def make_module_inputs(shape, dtype, device, backend: str, requires_grad: bool =
         mask = kpm[:, None, :] | kpm[:, :, None]  # NeMo's encoder mask: padded keys and queries
     if requires_grad:
         x.requires_grad_(True)
-    return ModuleInputs(mod, x, pos, kpm, mask, shape.H)
+    kw = dict(query=x, key=x, value=x, pos_emb=pos)
+    if kpm is not None and "key_padding_mask" in inspect.signature(mod.forward).parameters:
+        # A key-padding argument reaches the kernel as key_padding_mask: no dense mask read.
+        kw.update(mask=None, key_padding_mask=kpm)
+    else:
+        kw.update(mask=mask)
+    return ModuleInputs(mod, x, pos, kpm, mask, shape.H, forward_kwargs=kw)
 
 
 def _module_forward(inp: ModuleInputs) -> torch.Tensor:
     """The drop-in module's forward, called by keyword as NeMo does."""
-    fwd_params = inspect.signature(inp.module.forward).parameters
-    kw = dict(query=inp.x, key=inp.x, value=inp.x, pos_emb=inp.pos_emb)
-    if inp.key_padding_mask is not None and "key_padding_mask" in fwd_params:
-        # A key-padding argument reaches the kernel as key_padding_mask: no dense mask read.
-        kw.update(mask=None, key_padding_mask=inp.key_padding_mask)
-    else:
-        kw.update(mask=inp.mask)
-    return inp.module(**kw)
+    return inp.module(**inp.forward_kwargs)
 
 
 def nemo_fused(inp: ModuleInputs) -> torch.Tensor:

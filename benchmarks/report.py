@@ -11,9 +11,10 @@ Steps:
     is scarce); fused numbers from a failing run are marked as such.
  2. Every case of ``benchmarks/shapes.py`` (the same definitions as the pytest-benchmark suite)
     through every provider of ``benchmarks/providers.py`` on the same inputs: one warm-up call
-    (compilation, autotuning), one call measuring the peak memory, then a bounded number of
-    synchronised calls (enough for about ``--target-s`` seconds, between ``--min-reps`` and
-    ``--max-reps``); the median is reported. Out-of-memory is recorded and the matrix goes on.
+    (compilation, autotuning), one call measuring the peak memory, then about ``--target-s``
+    seconds of calls timed by ``triton.testing.do_bench`` (GPU) or
+    ``torch.utils.benchmark.Timer`` (CPU); the median is reported. Out-of-memory is recorded
+    and the matrix goes on.
     Cases run in priority order (bf16 first); once ``--budget-s`` (counted from the start,
     tests included) is spent, the remaining cases are recorded as not run.
  3. Prints the markdown tables (time, TFLOP/s, peak memory, speed-up and memory ratio against
@@ -66,9 +67,8 @@ def parse_args(argv=None):
     ap.add_argument("--budget-s", type=float, default=470.0,
                     help="total wall-clock budget, tests included (default 470: under 8 min)")
     ap.add_argument("--target-s", type=float, default=None,
-                    help="timed seconds per (case, provider) (default 0.25 GPU, 0 CPU)")
-    ap.add_argument("--min-reps", type=int, default=None, help="default 3 GPU, 2 CPU")
-    ap.add_argument("--max-reps", type=int, default=None, help="default 25 GPU, 2 CPU")
+                    help="timed seconds per (case, provider) (default 0.25 GPU, 0 CPU: one "
+                         "block of calls)")
     ap.add_argument("--kinds", nargs="*", default=None, choices=shapes.KIND_ORDER)
     ap.add_argument("--groups", nargs="*", default=None,
                     help="only these groups (txl_train, txl_eval, conformer, long, "
@@ -230,10 +230,8 @@ def main(argv=None) -> int:
         providers.FLEX_DYNAMIC = False
 
     gpu = device == "cuda"
-    target = args.target_s if args.target_s is not None else (0.25 if gpu else 0.0)
-    lo = args.min_reps if args.min_reps is not None else (3 if gpu else 2)
-    hi = args.max_reps if args.max_reps is not None else (25 if gpu else 2)
-    timer = runner.bounded_timer(target, lo, max(lo, hi))
+    timer = runner.timer_for(args.target_s if args.target_s is not None else
+                             (0.25 if gpu else 0.0))
     cases = select_cases(args, device)
     reserve = 15.0  # writing the tables, JSON, plot
     deadline = t_start + args.budget_s - reserve

@@ -12,7 +12,7 @@ import re
 from collections import OrderedDict
 from typing import Dict, Iterable, List, Optional
 
-from .shapes import BASELINES, FWD_BWD_FLOP_FACTOR, KIND_ORDER, PROVIDER_ORDER
+from .shapes import BASELINES, FLOP_CONVENTION, KIND_ORDER, PROVIDER_ORDER
 
 BEGIN = "<!-- benchmark-results:begin -->"
 END = "<!-- benchmark-results:end -->"
@@ -183,12 +183,9 @@ def format_markdown(records: List[dict], include_skipped: bool = True,
 
 def legend() -> str:
     return (
-        "Time: median over the timed calls, each synchronised (`torch.cuda.synchronize`). "
-        "TFLOP/s: forward = 6 * D * (allowed query-key pairs) per head, summed over batch and "
-        f"heads (6*Lq*Lk*D per batch and head for a full block); forward+backward = "
-        f"{FWD_BWD_FLOP_FACTOR} x forward. Every provider of a case is credited with the same "
-        "count (sdpa_plain does less work: it has no position term). Module rows add the "
-        "projections' FLOPs. Peak mem: `torch.cuda.max_memory_allocated` after a reset, inputs "
+        "Time: median of `triton.testing.do_bench` (GPU: CUDA events, L2 flushed between "
+        "calls) or of `torch.utils.benchmark.Timer.blocked_autorange` (CPU). "
+        + FLOP_CONVENTION + " Peak mem: `torch.cuda.max_memory_allocated` after a reset, inputs "
         "included. `vs X`: X's time / this row's time (> 1 = faster than X) / X's peak memory / "
         "this row's peak memory (> 1 = less memory); `X OOM`: X ran out of memory on this case."
     )

@@ -1,15 +1,14 @@
-"""Run one (case, provider): build the inputs, the timed step (synchronised inside), measure the
-peak memory, time it with a bounded number of repetitions, turn an out-of-memory into a
-record, and free the memory so the matrix goes on.
+"""Run one (case, provider): build the inputs and the step, measure the peak memory, time it,
+turn an out-of-memory into a record, and free the memory so the matrix goes on.
 
-Shared by the pytest-benchmark suite (which times with ``benchmark.pedantic``) and by
-``report.py`` (which times with :func:`time_reps`).
+Timing is left to the tools made for it: ``report.py`` uses :func:`measure`
+(``triton.testing.do_bench`` on CUDA, ``torch.utils.benchmark.Timer`` on CPU), the
+pytest-benchmark suite its ``benchmark.pedantic`` on :func:`synced` steps.
 """
 from __future__ import annotations
 
 import gc
-import math
-import time
+import statistics
 import warnings
 from typing import Callable, Dict, List, Optional
 
@@ -72,16 +71,13 @@ def make_inputs(case: Case, name: str, seed: int = 0):
 
 
 def make_step(case: Case, name: str, inputs) -> Callable[[], None]:
-    """The timed call: one forward (or forward + backward) that synchronises before it returns.
-    Backward uses ``torch.autograd.grad`` so nothing accumulates between calls."""
+    """The timed call: one forward (or forward + backward), asynchronous on CUDA (the timers
+    synchronise). Backward uses ``torch.autograd.grad`` so nothing accumulates between calls."""
     fn = provider_for(case, name).fn
-    device = torch.device(case.device)
     if case.kind == "update_mems" or case.mode == FWD:
         def step():
             with torch.no_grad():
-                out = fn(inputs)
-            sync(device)
-            del out
+                fn(inputs)
         return step
     if case.mode != FWD_BWD:
         raise ValueError(f"unknown mode {case.mode!r}")
@@ -97,46 +93,47 @@ def make_step(case: Case, name: str, inputs) -> Callable[[], None]:
             g = torch.Generator(device=out.device).manual_seed(7)
             holder["g"] = torch.randn(out.shape, generator=g, device=out.device,
                                       dtype=torch.float32).to(out.dtype)
-        grads = torch.autograd.grad(out, grad_in, holder["g"], allow_unused=True)
-        sync(device)
-        del out, grads
+        torch.autograd.grad(out, grad_in, holder["g"], allow_unused=True)
     return step
 
 
-def measure_once(step: Callable[[], None], device: torch.device):
-    """Run ``step`` once; return (seconds, peak bytes allocated, bytes allocated before).
-    Peak memory is ``torch.cuda.max_memory_allocated`` after a reset (None on CPU)."""
-    if device.type == "cuda":
-        sync(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-    t0 = time.perf_counter()
-    step()
-    dt = time.perf_counter() - t0
-    if device.type == "cuda":
-        return dt, torch.cuda.max_memory_allocated(device), base
-    return dt, None, None
+def synced(step: Callable[[], None], device: torch.device) -> Callable[[], None]:
+    """``step`` followed by a device synchronisation (for wall-clock timers)."""
+    if device.type != "cuda":
+        return step
 
-
-def n_reps(first_s: float, target_s: float, min_reps: int, max_reps: int) -> int:
-    if first_s <= 0:
-        return max_reps
-    return int(min(max_reps, max(min_reps, math.ceil(target_s / first_s))))
-
-
-def time_reps(step: Callable[[], None], reps: int) -> List[float]:
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+    def run():
         step()
-        out.append(time.perf_counter() - t0)
-    return out
+        sync(device)
+    return run
 
 
-def median(xs: List[float]) -> float:
-    s = sorted(xs)
-    n = len(s)
-    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+def peak_memory(step: Callable[[], None], device: torch.device):
+    """Run ``step`` once; return (peak bytes allocated, bytes allocated before):
+    ``torch.cuda.max_memory_allocated`` after a reset; (None, None) on CPU."""
+    if device.type != "cuda":
+        step()
+        return None, None
+    sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    synced(step, device)()
+    return torch.cuda.max_memory_allocated(device), base
+
+
+def measure(step: Callable[[], None], device: torch.device, min_run_time_s: float = 0.25
+            ) -> List[float]:
+    """Seconds per call: ``triton.testing.do_bench`` on CUDA (CUDA events, L2 flushed between
+    calls, about ``min_run_time_s`` of calls) and ``torch.utils.benchmark.Timer`` on CPU
+    (``blocked_autorange``: the per-call mean of each block of calls)."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+        ms = do_bench(step, warmup=max(1, int(min_run_time_s * 100)),
+                      rep=max(1, int(min_run_time_s * 1e3)), return_mode="all")
+        return [t / 1e3 for t in ms]
+    from torch.utils.benchmark import Timer
+    return list(Timer(stmt="step()", globals={"step": step})
+                .blocked_autorange(min_run_time=min_run_time_s).times)
 
 
 def base_record(case: Case, name: str) -> dict:
@@ -144,7 +141,7 @@ def base_record(case: Case, name: str) -> dict:
     rec = dict(kind=case.kind, key=case.key, group=case.group, device=case.device,
                label=shape.label, dtype=case.dtype, mode=case.mode, provider=name,
                seqlen=shape.seqlen, series=series_of(case), status="ok", reason="",
-               time_s=None, reps=0, flops=case.flops(), tflops=None, bandwidth_gbs=None,
+               time_s=None, reps=0, flops=case.flops(name), tflops=None, bandwidth_gbs=None,
                peak_bytes=None, work_bytes=None, note="")
     return rec
 
@@ -165,7 +162,7 @@ def finish_record(rec: dict, case: Case, times: List[float]) -> dict:
     rec["reps"] = len(times)
     if not times:
         return rec
-    t = median(times)
+    t = statistics.median(times)
     rec["time_s"] = t
     rec["time_min_s"] = min(times)
     if rec["flops"]:
@@ -175,11 +172,12 @@ def finish_record(rec: dict, case: Case, times: List[float]) -> dict:
     return rec
 
 
-def run_case(case: Case, name: str, timer: Callable[[Callable[[], None], float], List[float]],
+def run_case(case: Case, name: str,
+             timer: Callable[[Callable[[], None], torch.device], List[float]],
              inputs=None, raise_errors: bool = False) -> dict:
     """Run (case, provider) and return its record.
 
-    ``timer(step, first_call_seconds)`` returns the list of per-call seconds. Status:
+    ``timer(step, device)`` returns the list of per-call seconds (e.g. :func:`measure`). Status:
     ``ok``; ``skipped`` (not timed here, ``reason`` says why, or a missing piece that could not
     be imported); ``oom`` (out of memory: memory freed, the matrix goes on); ``error`` (any
     other exception, only when ``raise_errors`` is False).
@@ -198,15 +196,15 @@ def run_case(case: Case, name: str, timer: Callable[[Callable[[], None], float],
         step = make_step(case, name, inputs)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            step()  # warm-up: compilation, autotuning, extension build
+            synced(step, device)()  # warm-up: compilation, autotuning, extension build
         notes = sorted({str(w.message).splitlines()[0][:160] for w in caught
                         if not issubclass(w.category, (DeprecationWarning, FutureWarning))})
         if notes:
             rec["note"] = "; ".join(notes)[:400]
-        first_s, peak, base = measure_once(step, device)
+        peak, base = peak_memory(step, device)
         rec["peak_bytes"] = peak
         rec["work_bytes"] = None if peak is None else peak - base
-        times = timer(step, first_s)
+        times = timer(step, device)
         finish_record(rec, case, times)
     except ImportError as exc:
         failure = ("skipped", f"a piece is missing: {type(exc).__name__}: {exc}"[:400])
@@ -226,8 +224,8 @@ def run_case(case: Case, name: str, timer: Callable[[Callable[[], None], float],
     return rec
 
 
-def bounded_timer(target_s: float, min_reps: int, max_reps: int):
-    """A timer for report.py: ``n_reps(first call)`` repetitions, each synchronised."""
-    def timer(step, first_s):
-        return time_reps(step, n_reps(first_s, target_s, min_reps, max_reps))
+def timer_for(min_run_time_s: float):
+    """The report's timer: :func:`measure` for about ``min_run_time_s`` per (case, provider)."""
+    def timer(step, device):
+        return measure(step, device, min_run_time_s)
     return timer

@@ -25,16 +25,21 @@ FWD = "fwd"
 FWD_BWD = "fwd+bwd"
 MODES = (FWD, FWD_BWD)
 
-# FLOP convention. Forward, per batch element and head: AC, BD and PV each cost 2*D FLOPs per
-# allowed (query, key) pair (a multiply-add is 2 FLOPs), so 6 * D * (allowed pairs); for a full
-# Lq x Lk block that is 6 * Lq * Lk * D. Forward plus backward is counted as 2.5 x the forward
-# (as the task specifies). FlashAttention's benchmarks count the backward *alone* as 2.5 x the
-# forward (3.5 x for both), so our forward+backward TFLOP/s are conservative by 3.5 / 2.5 next
-# to numbers quoted that way. Ratios between providers do not depend on the convention: every
-# provider of a case is credited with the same FLOP count (the relative-attention problem's),
-# including sdpa_plain, which does less work (no position term).
-FWD_FLOPS_PER_PAIR_PER_DIM = 6
-FWD_BWD_FLOP_FACTOR = 2.5
+# The FLOP convention, stated once (results.legend() prints this text). As Triton's
+# fused-attention tutorial counts: a forward matmul of an (Lq x D) by (D x Lk) block is
+# 2 * Lq * Lk * D FLOPs, so plain attention (QK^T and PV) is 4 * Lq * Lk * D per batch element
+# and head, and relative attention (AC, BD and PV) 6 * Lq * Lk * D; masked blocks count only their
+# allowed (query, key) pairs. The backward is 2.5 x the forward (two matmuls per forward
+# matmul plus the recomputed QK^T), so forward + backward is 3.5 x the forward. Each provider is
+# credited with its own problem's count: sdpa_plain (no position term) with the plain one.
+FLOP_CONVENTION = (
+    "TFLOP/s as Triton's fused-attention tutorial counts: forward = 2 * D FLOPs per allowed "
+    "(query, key) pair per matmul, i.e. 4 * Lq * Lk * D per batch and head for plain attention "
+    "(sdpa_plain) and 6 * Lq * Lk * D for relative attention (AC, BD, PV); backward = 2.5 x "
+    "forward, so fwd+bwd = 3.5 x forward. Module rows add the projections' FLOPs.")
+FWD_FLOPS_PER_PAIR_PER_DIM = {"relative": 6, "plain": 4}
+BWD_FLOP_FACTOR = 2.5
+PLAIN_PROVIDERS = ("sdpa_plain",)  # attention without the position term
 
 GPU_DTYPES = ("bf16", "fp16")
 CPU_DTYPES = ("bf16", "fp16")
@@ -74,7 +79,7 @@ def mode_factor(mode: str) -> float:
     if mode == FWD:
         return 1.0
     if mode == FWD_BWD:
-        return FWD_BWD_FLOP_FACTOR
+        return 1.0 + BWD_FLOP_FACTOR
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
 
 
@@ -120,9 +125,9 @@ class AttnShape:
     def lengths(self) -> List[int]:
         return key_lengths(self.B, self.Lk, self.key_padding)
 
-    def flops(self, mode: str) -> float:
+    def flops(self, mode: str, kind: str = "relative") -> float:
         pairs = allowed_pairs_count(self.Lq, self.Lk, self.causal, self.lengths())
-        return FWD_FLOPS_PER_PAIR_PER_DIM * self.D * self.H * pairs * mode_factor(mode)
+        return FWD_FLOPS_PER_PAIR_PER_DIM[kind] * self.D * self.H * pairs * mode_factor(mode)
 
 
 @dataclass(frozen=True)
@@ -225,8 +230,12 @@ class Case:
         lab = self.shape.label.replace(" ", "-").replace(",", "")
         return f"{self.shape.device}-{self.shape.group}-{lab}-{self.dtype}-{self.mode}"
 
-    def flops(self) -> Optional[float]:
-        if self.kind in ("attention", "conformer_module"):
+    def flops(self, provider: str = "") -> Optional[float]:
+        """The FLOP count credited to ``provider`` on this case (the convention above)."""
+        if self.kind == "attention":
+            return self.shape.flops(self.mode, "plain" if provider in PLAIN_PROVIDERS
+                                    else "relative")
+        if self.kind == "conformer_module":
             return self.shape.flops(self.mode)
         return None
 

@@ -4,8 +4,25 @@ TRITON_INTERPRET must be set before triton is imported; torch itself does not im
 """
 import os
 
+import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def extension():
+    """The compiled C++/CUDA extension, built (or found in torch's cache) once per test run;
+    a machine that should build it and does not fails, one that cannot skips with the reason."""
+    from txl_kernels import _build
+
+    mod = _build.load_extension()
+    if mod is None:
+        st = _build.extension_status()
+        if st["buildable"]:
+            pytest.fail(f"the C++ extension should build here but did not: {st['reason']}\n"
+                        f"{st['log']}")
+        pytest.skip(f"the C++ extension cannot be built here: {st['reason']}")
+    return mod

@@ -1,7 +1,7 @@
 """Ahead-of-time compile of the fused Triton kernels for Hopper (sm_90), no GPU needed.
 
 The interpreter tests never run Triton's GPU compiler (layouts, tl.gather lowering, wgmma,
-register allocation, ptxas); these tests run ``python -m txl_kernels.ops.aot_check --quick``
+register allocation, ptxas); these tests run ``python -m tools.aot_check --quick`` (a developer tool of the source tree)
 (with TRITON_INTERPRET unset, in a subprocess) and check that it compiles every kernel of both
 kernel modules, and that the checker reports a broken kernel as FAIL.
 """
@@ -81,7 +81,7 @@ def test_kernel_sources_define_kernels():
 def test_quick_aot_check_compiles_every_kernel(tmp_path):
     report_path = tmp_path / "aot.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "txl_kernels.ops.aot_check", "--quick", "--json",
+        [sys.executable, "-m", "tools.aot_check", "--quick", "--json",
          str(report_path)],
         cwd=ROOT, env=_compile_env(), capture_output=True, text=True, timeout=1200)
     tail = (proc.stdout + proc.stderr)[-6000:]
@@ -144,7 +144,7 @@ _BAD_MODULE = textwrap.dedent('''
 
 _BAD_DRIVER = textwrap.dedent('''
     import json, sys
-    from txl_kernels.ops.aot_check import compile_kernel, format_result
+    from tools.aot_check import compile_kernel, format_result
     import bad_kernels as m
     sig2 = {"X": "*fp32", "Y": "*fp32", "BLOCK": "constexpr"}
     cases = [
@@ -189,7 +189,7 @@ def test_checker_reports_broken_kernels_as_fail(tmp_path):
 
 
 def test_summary_fails_on_uncovered_kernel_and_unfittable_launch():
-    from txl_kernels.ops import aot_check as A  # stdlib-only at import: fine in this process
+    from tools import aot_check as A  # stdlib-only at import: fine in this process
 
     ok_row = {"module": "m", "kernel": "k1", "status": "OK", "regs": 100, "shared": 1024,
               "spill_stores": 0, "config": "c1", "cases": ["bf16 D64 flags-on"], "key": "a"}

@@ -1,9 +1,10 @@
-"""txl_kernels._build: the JIT builder of the C++/CUDA extension (issue 2, points 5 and 8).
+"""txl_kernels._build (the thin JIT layer over torch.utils.cpp_extension.load) and
+tools/build_check.py (the build report and CI's ``--check-cuda``).
 
-The report, the cache location (TORCH_EXTENSIONS_DIR), clear reasons when the extension cannot
-be built (no ninja, no compiler), CUDA_HOME detection through an nvcc wrapper script, and
-``python -m txl_kernels._build --check-cuda``: it compiles and links the CUDA sources without a
-GPU, and fails, showing the compiler output, when a source is broken.
+Clear reasons when the extension cannot be built (no ninja, no compiler), CUDA_HOME through an
+nvcc wrapper script, a corrupted cached library rebuilt once (issue 10 item 11), and
+``python -m tools.build_check --check-cuda``: compiles and links the CUDA sources without a GPU,
+and fails, showing the compiler output, when a source is broken.
 """
 from __future__ import annotations
 
@@ -11,19 +12,23 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.utils.cpp_extension as cpp_extension
 
-from txl_kernels import _build
+from tools import build_check
+from txl_kernels import _build, memory
 
+ROOT = Path(__file__).resolve().parents[1]
 REPORT_KEYS = ["torch", "torch CUDA runtime", "CUDA device", "triton", "nvcc", "CUDA_HOME",
                "ninja", "C++ compiler", "TORCH_EXTENSIONS_DIR", "extension sources", "extension",
                "extension CUDA kernel"]
 
-HAVE_TOOLKIT = torch.version.cuda is not None and _build.find_cuda_home()[0] is not None
+HAVE_TOOLKIT = torch.version.cuda is not None and _build.cuda_home() is not None
 requires_toolkit = pytest.mark.skipif(
     not HAVE_TOOLKIT or bool(_build.build_problems()),
     reason="needs a CUDA build of torch, a CUDA toolkit (nvcc), ninja and a C++ compiler")
@@ -34,11 +39,12 @@ def fresh_state(monkeypatch):
     """A build state as in a new process (restored afterwards)."""
     st = _build._State()
     monkeypatch.setattr(_build, "_STATE", st)
+    monkeypatch.setattr(memory, "_WARNED", set())
     return st
 
 
 def test_report_has_the_expected_keys_and_builds_nothing(fresh_state):
-    rows = _build.build_report()
+    rows = build_check.build_report()
     assert [k for k, _ in rows] == REPORT_KEYS
     assert all(isinstance(v, str) and v for _, v in rows)
     report = dict(rows)
@@ -46,57 +52,30 @@ def test_report_has_the_expected_keys_and_builds_nothing(fresh_state):
     assert report["torch CUDA runtime"] == (torch.version.cuda or "none (not a CUDA build)")
     assert report["CUDA device"] == "none visible" or torch.cuda.is_available()
     if HAVE_TOOLKIT:
-        home = _build.find_cuda_home()[0]
-        assert report["CUDA_HOME"].startswith(home)
+        assert report["CUDA_HOME"] == _build.cuda_home()
         assert "release" in report["nvcc"]
     assert not fresh_state.attempted, "build_report must not build the extension"
 
 
-def test_extensions_dir_respects_env(monkeypatch, tmp_path):
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    assert _build.extensions_root() == str(tmp_path)
-    assert _build.build_directory(_build.EXT_NAME) == str(tmp_path / _build.EXT_NAME)
-    assert _build.build_directory(_build.EXT_NAME_CUDA) == str(tmp_path / _build.EXT_NAME_CUDA)
-    assert dict(_build.build_report())["TORCH_EXTENSIONS_DIR"].startswith(str(tmp_path))
-    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
-    default = _build.extensions_root()
-    assert default.startswith(cpp_extension.get_default_build_root())
-
-
-def test_loaded_extension_lives_in_the_cache_dir():
-    mod = _build.load_extension()
+def test_loaded_extension_lives_in_torchs_build_folder(extension):
     st = _build.extension_status()
-    if mod is None:
-        if st["buildable"]:
-            pytest.fail(f"the extension should build here: {st['reason']}\n{st['log']}")
-        pytest.skip(st["reason"])
-    assert Path(mod.__file__).parent == Path(_build.build_directory(st["name"]))
+    assert Path(extension.__file__).parent == Path(_build.build_directory(st["name"]))
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        assert Path(extension.__file__).is_relative_to(os.environ["TORCH_EXTENSIONS_DIR"])
     assert st["loaded"] and st["reason"].startswith("loaded")
-    assert _build.load_extension() is mod, "built (and loaded) once per process"
+    assert _build.load_extension() is extension, "built (and loaded) once per process"
+    assert build_check.smoke_test(extension, "cpu") is None
 
 
 def test_missing_ninja_gives_a_clear_reason(monkeypatch, tmp_path, fresh_state):
     monkeypatch.setenv("PATH", str(tmp_path))          # no ninja (nor anything else) on PATH
-    monkeypatch.setattr(_build, "_extra_ninja_dirs", lambda: [])  # and none in the venv
-    assert _build.find_ninja() is None
+    assert not cpp_extension.is_ninja_available()
     assert any("ninja was not found" in p for p in _build.build_problems())
     assert _build.load_extension() is None
     st = _build.extension_status()
     assert st["attempted"] and not st["loaded"] and not st["buildable"]
     assert "cannot build the C++ extension" in st["reason"] and "ninja" in st["reason"]
-    assert dict(_build.build_report())["ninja"].startswith("not found")
-
-
-def test_ninja_outside_path_is_found_and_put_on_path(monkeypatch, tmp_path):
-    bindir = tmp_path / "venv-bin"
-    bindir.mkdir()
-    fake = bindir / "ninja"
-    fake.write_text("#!/bin/sh\necho 1.11.1\n")
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    monkeypatch.setattr(_build, "_extra_ninja_dirs", lambda: [str(bindir)])
-    assert _build.find_ninja() == str(fake)
-    assert os.environ["PATH"].split(os.pathsep)[0] == str(bindir)
+    assert dict(build_check.build_report())["ninja"].startswith("not found")
 
 
 def test_missing_compiler_gives_a_clear_reason(monkeypatch, fresh_state):
@@ -106,13 +85,11 @@ def test_missing_compiler_gives_a_clear_reason(monkeypatch, fresh_state):
     assert "no C++ compiler" in _build.extension_status()["reason"]
 
 
-def _fake_toolkit(root: Path, major: str) -> Path:
+def _fake_toolkit(root: Path) -> Path:
     home = root / "cuda-fake"
     (home / "include").mkdir(parents=True)
     (home / "bin").mkdir()
     (home / "include" / "cuda_runtime.h").write_text("// fake\n")
-    (home / "include" / "cuda_runtime_api.h").write_text(
-        f"#define CUDART_VERSION {int(major) * 1000}\n")
     nvcc = home / "bin" / "nvcc"
     nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 99.9, V99.9.1'\n")
     nvcc.chmod(0o755)
@@ -122,9 +99,8 @@ def _fake_toolkit(root: Path, major: str) -> Path:
 def test_cuda_home_found_through_an_nvcc_wrapper(monkeypatch, tmp_path):
     """torch guesses CUDA_HOME = dirname(dirname(which nvcc)); a wrapper script in
     <prefix>/bin makes that <prefix>, which has no CUDA headers. The builder follows the
-    wrapper to the real toolkit and tells torch."""
-    major = (torch.version.cuda or "12.0").split(".")[0]
-    home = _fake_toolkit(tmp_path, major)
+    wrapper to the real toolkit and tells torch; a CUDA_HOME the user set is left alone."""
+    home = _fake_toolkit(tmp_path)
     wrapper_dir = tmp_path / "local" / "bin"
     wrapper_dir.mkdir(parents=True)
     wrapper = wrapper_dir / "nvcc"
@@ -133,47 +109,103 @@ def test_cuda_home_found_through_an_nvcc_wrapper(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", f"{wrapper_dir}{os.pathsep}/usr/bin{os.pathsep}/bin")
     monkeypatch.delenv("CUDA_HOME", raising=False)
     monkeypatch.delenv("CUDA_PATH", raising=False)
-    monkeypatch.setattr(cpp_extension, "CUDA_HOME", cpp_extension.CUDA_HOME)
-    monkeypatch.setattr(_build, "_CONFIGURED", None)
-    found, how = _build.find_cuda_home()
-    assert found == str(home), how
-    assert "wrapper" in how
-    # a CUDA_HOME without headers is not trusted
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(tmp_path / "local"))  # torch's guess
+    assert _build.cuda_home() == str(home)
+    assert cpp_extension.CUDA_HOME == str(home) and os.environ["CUDA_HOME"] == str(home)
+    # an explicit CUDA_HOME without headers is not replaced: no toolkit then
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(tmp_path / "local"))
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "local"))
-    found, how = _build.find_cuda_home()
-    assert found == str(home) and "has no include/cuda_runtime.h" in how
-    # configure_cuda_home tells torch (module global read at build time) and the environment
-    assert _build.configure_cuda_home() == str(home)
-    assert os.environ["CUDA_HOME"] == str(home)
-    assert cpp_extension.CUDA_HOME == str(home)
-    assert "wrapper" in _build.cuda_home_info()[1]
+    assert _build.cuda_home() is None
+    if torch.version.cuda is not None:
+        ok, why = _build.cuda_build_plan()
+        assert not ok and "no CUDA toolkit" in why
 
 
-def test_no_toolkit_means_a_cpu_only_build_with_a_reason(monkeypatch, tmp_path):
-    monkeypatch.setattr(_build, "find_cuda_home",
-                        lambda: (None, "no CUDA toolkit in: /nowhere"))
-    ok, why = _build.cuda_build_plan(require_device=False)
-    if torch.version.cuda is None:
-        assert not ok and "not a CUDA build" in why
-    else:
-        assert not ok and "no CUDA toolkit (nvcc) found" in why and "/nowhere" in why
+# ---------------------------------------------------------------- corrupted cache (issue 10.11)
+
+_TINY = textwrap.dedent("""
+    // A module with the extension's name and no torch headers: builds in about a second.
+    #include <Python.h>
+    #define TXL_CAT2(a, b) a##b
+    #define TXL_CAT(a, b) TXL_CAT2(a, b)
+    #define TXL_STR2(a) #a
+    #define TXL_STR(a) TXL_STR2(a)
+    static struct PyModuleDef def = {PyModuleDef_HEAD_INIT, TXL_STR(TORCH_EXTENSION_NAME),
+                                     nullptr, -1, nullptr};
+    PyMODINIT_FUNC TXL_CAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
+      PyObject* m = PyModule_Create(&def);
+      if (m) PyModule_AddIntConstant(m, "with_cuda", 0);
+      return m;
+    }
+""")
 
 
-def test_arch_flags():
-    assert _build._arch_flags_without_device("8.0;9.0+PTX") == [
-        "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
-        "-gencode=arch=compute_90,code=compute_90"]
-    with pytest.raises(ValueError, match="cannot parse"):
-        _build._arch_flags_without_device("hopper")
+@pytest.fixture
+def tiny_cache(monkeypatch, tmp_path, fresh_state):
+    """A fresh TORCH_EXTENSIONS_DIR holding a built (tiny) extension under a unique name; the
+    first build runs in a subprocess, so this process has never loaded the library."""
+    src = tmp_path / "csrc"
+    src.mkdir()
+    (src / "tiny.cpp").write_text(_TINY)
+    name = f"txl_tiny_{os.getpid()}_{tmp_path.name}".replace("-", "_")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setattr(_build, "csrc_dir", lambda: str(src))
+    monkeypatch.setattr(_build, "EXT_NAME", name)
+    code = (f"from txl_kernels import _build; _build.csrc_dir = lambda: {str(src)!r}; "
+            f"print(_build.compile_extension({name!r}, False).__file__)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return name, Path(r.stdout.strip().splitlines()[-1])
 
 
-def _run_check_cuda(env_extra, pythonpath=None, timeout=900):
+def _corrupt(lib: Path) -> None:
+    lib.unlink()                       # a new file: never the one the loader may have mapped
+    lib.write_bytes(b"not a shared library, e.g. an interrupted copy\n" * 64)
+
+
+def test_corrupted_cache_is_rebuilt_once_into_a_fresh_folder(tiny_cache, capfd):
+    name, lib = tiny_cache
+    _corrupt(lib)
+    mod = _build.load_extension()
+    err = capfd.readouterr().err
+    assert mod is not None, _build.extension_status()
+    fresh = Path(_build.build_directory(name + "_rebuilt"))
+    assert Path(mod.__file__).parent == fresh
+    assert "cannot be loaded" in err and "invalid ELF header" in err and str(fresh) in err, err
+    assert _build.extension_status()["loaded"]
+
+
+def test_corrupted_cache_and_failed_rebuild_name_the_folders(tiny_cache, monkeypatch):
+    name, lib = tiny_cache
+    _corrupt(lib)
+    real = _build.compile_extension
+
+    def compile_extension(n, with_cuda, verbose=False):
+        if n.endswith("_rebuilt"):  # the fresh build fails too (the source broke meanwhile)
+            (Path(_build.csrc_dir()) / "tiny.cpp").write_text("#error the rebuild fails\n")
+        return real(n, with_cuda, verbose)
+
+    monkeypatch.setattr(_build, "compile_extension", compile_extension)
+    assert _build.load_extension() is None
+    folder, fresh = lib.parent, Path(_build.build_directory(name + "_rebuilt"))
+    reason = _build.extension_status()["reason"]
+    assert f"delete {folder} and {fresh}" in reason, reason
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        memory.update_mems([torch.randn(3, 2, 4)], None, 2)
+    msgs = [str(w.message) for w in rec]
+    assert len(msgs) == 1 and f"delete {folder} and {fresh}" in msgs[0], msgs
+    assert "invalid ELF header" in msgs[0] and msgs[0].count("failed") == 1, msgs[0]
+
+
+# ---------------------------------------------------------------- tools/build_check --check-cuda
+
+def _run_check_cuda(env_extra, root=ROOT, timeout=900):
     env = dict(os.environ, **env_extra)
-    if pythonpath:
-        env["PYTHONPATH"] = pythonpath
-    return subprocess.run([sys.executable, "-m", "txl_kernels._build", "--check-cuda", "--quiet"],
-                          capture_output=True, text=True, env=env, timeout=timeout,
-                          cwd=pythonpath or None)
+    env["PYTHONPATH"] = str(root)
+    return subprocess.run([sys.executable, "-m", "tools.build_check", "--check-cuda", "--quiet"],
+                          capture_output=True, text=True, env=env, timeout=timeout, cwd=root)
 
 
 @requires_toolkit
@@ -189,11 +221,9 @@ def test_check_cuda_compiles_the_cuda_sources():
 @requires_toolkit
 def test_check_cuda_fails_on_a_broken_cuda_source(tmp_path):
     """A broken .cu makes --check-cuda exit 1 and show the compiler's error."""
-    pkg = Path(_build.__file__).resolve().parent
-    src = _build.csrc_dir()
-    shutil.copytree(pkg, tmp_path / "txl_kernels",
-                    ignore=shutil.ignore_patterns("__pycache__", "csrc"))
-    shutil.copytree(src, tmp_path / "csrc")
+    for folder in ("txl_kernels", "tools", "csrc"):
+        shutil.copytree(ROOT / folder, tmp_path / folder,
+                        ignore=shutil.ignore_patterns("__pycache__"))
     cu = tmp_path / "csrc" / "segment_memory_cuda.cu"
     text = cu.read_text()
     assert "const int64_t rows = L.n * L.bsz;" in text
@@ -201,7 +231,7 @@ def test_check_cuda_fails_on_a_broken_cuda_source(tmp_path):
                                "const int64_t rows = L.n * L.bsz + txl_broken_symbol;"))
     # MAX_JOBS=1: ninja compiles the .cu first and stops at its error (no parallel .cpp build)
     r = _run_check_cuda({"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "MAX_JOBS": "1"},
-                        str(tmp_path))
+                        root=tmp_path)
     out = r.stdout + r.stderr
     assert f"extension sources: {tmp_path / 'csrc'}" in out, out  # compiled the broken copy
     assert r.returncode == 1, out

@@ -1,10 +1,21 @@
-"""python -m txl_kernels: the report runs, and a backend that disagrees with the reference makes
-it exit non-zero."""
+"""python -m txl_kernels: the report runs, a backend that disagrees with the reference makes it
+exit non-zero, a bad --device is one line and exit status 2, and the Triton interpreter is
+switched on explicitly (never by importing the module). Also issue 10 item 10: TRITON_INTERPRET
+set after the kernels were created is detected (fused_available does not claim the fused
+path)."""
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+import torch
 
 import txl_kernels.__main__ as main_mod
+import txl_kernels.ops.rel_attn_op as op
 
-pytest.importorskip("txl_kernels.ops", reason="fused kernels not importable")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_main_job_passes(capsys):
@@ -15,8 +26,6 @@ def test_main_job_passes(capsys):
 
 
 def test_main_job_fails_when_a_backend_disagrees(monkeypatch, capsys):
-    import txl_kernels.ops.rel_attn_op as op
-
     real = op.rel_attn_fwd
 
     def wrong(*args, **kwargs):
@@ -26,3 +35,72 @@ def test_main_job_fails_when_a_backend_disagrees(monkeypatch, capsys):
     monkeypatch.setattr(op, "rel_attn_fwd", wrong)
     assert main_mod.main(["--no-build"]) == 1
     assert "FAILED: triton: does not agree with the reference" in capsys.readouterr().out
+
+
+BAD_DEVICES = [("xyz", "is not a torch device"), ("meta", "runs on cpu or cuda tensors")]
+if not torch.cuda.is_available():
+    BAD_DEVICES.append(("cuda", "no CUDA device is visible"))
+
+
+@pytest.mark.parametrize("device,reason", BAD_DEVICES, ids=[d for d, _ in BAD_DEVICES])
+def test_bad_device_is_one_line_and_exit_2(device, reason, capsys):
+    assert main_mod.main(["--device", device, "--no-build"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and reason in lines[0] and device in lines[0], captured.err
+
+
+def _run(code: str, **env_extra):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(env_extra, PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+def test_bad_device_exit_status_of_the_command():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "txl_kernels", "--device", "xyz"], cwd=ROOT,
+                       env=dict(env, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "python -m txl_kernels: error: --device 'xyz' is not a torch device (expected cpu or "
+        "cuda[:N])"], r.stderr
+
+
+def test_importing_main_sets_nothing(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    importlib.reload(main_mod)
+    assert "TRITON_INTERPRET" not in os.environ
+
+
+def test_main_switches_the_interpreter_on_explicitly_for_cpu():
+    r = _run("import torch\n"
+             "from txl_kernels import __main__ as m, _utils, fused_available\n"
+             "print(m._interpreter(torch.device('cpu'), True))\n"
+             "import txl_kernels.ops\n"
+             "print(_utils.interpreting(), fused_available(torch.device('cpu'))[0])\n")
+    said, state = r.stdout.strip().splitlines()
+    assert said.startswith("on: set TRITON_INTERPRET=1 here"), said
+    assert state == "True True"
+
+
+def test_interpreter_set_after_the_kernels_exist_is_detected():
+    """Issue 10 item 10: the kernels were created compiled; setting TRITON_INTERPRET later does
+    not make them interpreted, and fused_available says so instead of claiming the CPU path."""
+    r = _run("import os, torch\n"
+             "from txl_kernels import __main__ as m, _utils, fused_available\n"
+             "print(m._interpreter(torch.device('cpu'), False))\n"
+             "import txl_kernels.ops\n"
+             "os.environ['TRITON_INTERPRET'] = '1'\n"
+             "print(_utils.interpreting())\n"
+             "print(fused_available(torch.device('cpu')))\n"
+             "print(m._interpreter(torch.device('cpu'), True))\n")
+    off, state, avail, late = r.stdout.strip().splitlines()
+    assert off == "off (--no-interpret)"
+    assert state == "False"
+    assert avail.startswith("(False,") and "set after the Triton kernels were created" in avail
+    assert late.startswith("off: TRITON_INTERPRET=1 was set too late"), late

@@ -1,4 +1,5 @@
-"""The C++/CUDA sources ship inside the package (wheel), and nothing is compiled at install."""
+"""The C++/CUDA sources ship inside the package (wheel), nothing is compiled at install, and the
+developer tools in tools/ are not packaged."""
 import subprocess
 import sys
 import zipfile
@@ -29,3 +30,6 @@ def test_wheel_ships_csrc_and_compiles_nothing(tmp_path):
     for mod in ("functional.py", "reference.py", "ops/rel_attn_fwd.py", "ops/rel_attn_bwd.py",
                 "modules/transformer_xl.py", "modules/conformer.py", "memory.py", "_build.py"):
         assert f"txl_kernels/{mod}" in names
+    # the developer tools (private Triton APIs, the build report) stay in the source tree
+    assert not [n for n in names if n.startswith("tools/") or "aot_check" in n
+                or "build_check" in n], names

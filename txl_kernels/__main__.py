@@ -1,14 +1,16 @@
 """``python -m txl_kernels``: environment report, extension build, and a self-check.
 
-Like DeepSpeed's ``ds_report``: prints the environment (torch, triton, CUDA, nvcc, ninja,
-device) and which backends are usable here and why not; builds the segment-memory extension
-(saying so: a first build takes a minute or more); then runs a Transformer-XL-base-shaped layer
+Like DeepSpeed's ``ds_report``: prints the environment (torch, triton, CUDA toolkit, device)
+and which backends are usable here and why not; builds the segment-memory extension (saying
+so: a first build takes a minute or more); then runs a Transformer-XL-base-shaped layer
 (10 heads of 41, d_model 410), scaled to run in seconds on a CPU, through every usable
 backend, forward and backward, and prints each one's max difference from the reference, its
-time and its memory. Exits 1 if a usable backend disagrees with the reference.
+time and its memory. Exits 1 if a usable backend disagrees with the reference, 2 on a bad
+``--device``. (The full build report: ``python -m tools.build_check`` in a source checkout.)
 
-Without a GPU the fused Triton kernels run under the Triton interpreter
-(``TRITON_INTERPRET=1``, set here before triton is imported unless already set).
+On ``--device cpu`` the fused Triton kernels can only run under the Triton interpreter: unless
+``--no-interpret`` is given, this command sets ``TRITON_INTERPRET=1`` before the kernels are
+created and says so. Importing this module changes nothing.
 """
 from __future__ import annotations
 
@@ -19,12 +21,8 @@ import time
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import txl_kernels  # noqa: E402
-from txl_kernels import FusedRelAttention, fused_available, update_mems  # noqa: E402
-from txl_kernels import _build  # noqa: E402
+import txl_kernels
+from txl_kernels import FusedRelAttention, _build, _utils, fused_available, update_mems
 
 # Transformer-XL base (WikiText-103): n_head 10, d_model 410, d_head 41, tgt_len 150, mem 150.
 BASE = dict(n_head=10, d_model=410, d_head=41)
@@ -80,6 +78,40 @@ def _run_layer(layer, inputs, device):
     return out.detach(), [x.detach().clone() for x in grads], elapsed, mem
 
 
+def _device(spec: str) -> torch.device:
+    """The --device to run on, or ValueError with a one-line reason."""
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise ValueError(f"--device {spec!r} is not a torch device (expected cpu or cuda[:N])") \
+            from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {spec}: the self-check runs on cpu or cuda tensors "
+                         f"({device.type} tensors have no kernels or data to compare)")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {spec}: no CUDA device is visible "
+                             f"(torch {torch.__version__}, CUDA build: "
+                             f"{torch.version.cuda or 'no'}); use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {spec}: only {torch.cuda.device_count()} CUDA "
+                             f"device(s) are visible")
+    return device
+
+
+def _interpreter(device: torch.device, allowed: bool) -> str:
+    """Decide whether the fused kernels run under the Triton interpreter; say what was done."""
+    if _utils.interpreting():
+        return "on (TRITON_INTERPRET was set before the kernels were created)"
+    if device.type == "cuda" or not allowed:
+        return "off" + ("" if device.type == "cuda" else " (--no-interpret)")
+    os.environ["TRITON_INTERPRET"] = "1"
+    if not _utils.interpreting():  # the kernels were created before (only in-process callers)
+        return "off: TRITON_INTERPRET=1 was set too late, the kernels already exist"
+    return ("on: set TRITON_INTERPRET=1 here, because CPU tensors can only run the fused "
+            "kernels under the Triton interpreter (--no-interpret: do not)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m txl_kernels", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -87,15 +119,31 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                     help="default: float16 on CUDA, float32 on CPU")
     ap.add_argument("--no-build", action="store_true", help="skip building the extension")
+    ap.add_argument("--no-interpret", action="store_true",
+                    help="on CPU, do not set TRITON_INTERPRET=1 (the fused path is then skipped)")
     args = ap.parse_args(argv)
-    device = torch.device(args.device)
+    try:
+        device = _device(args.device)
+    except ValueError as exc:
+        print(f"python -m txl_kernels: error: {exc}", file=sys.stderr)
+        return 2
     dtype = getattr(torch, args.dtype) if args.dtype else (
         torch.float16 if device.type == "cuda" else torch.float32)
     failures = []
 
     print(f"txl_kernels {txl_kernels.__version__}: environment")
-    for key, value in _build.build_report():
-        _row(key, value)
+    interp = _interpreter(device, not args.no_interpret)
+    try:
+        import triton
+        triton_v = triton.__version__
+    except Exception as exc:  # pragma: no cover - triton is a dependency
+        triton_v = f"not importable ({type(exc).__name__}: {exc})"
+    _row("torch", f"{torch.__version__} (CUDA runtime {torch.version.cuda or 'none'})")
+    _row("triton", triton_v)
+    _row("CUDA device", torch.cuda.get_device_name(device) if device.type == "cuda"
+         else ("none visible" if not torch.cuda.is_available() else "available, not used"))
+    _row("Triton interpreter", interp)
+    _row("CUDA toolkit", _build.cuda_home() or "not found")
 
     print("\nbackends")
     _row("reference", "usable (einsum path, any device)")
@@ -114,7 +162,8 @@ def main(argv=None) -> int:
                            else f"not available: {_build.extension_status()['reason']}"))
     hids = [torch.randn(5, 3, 8, device=device) for _ in range(2)]
     mems = [torch.randn(7, 3, 8, device=device) for _ in range(2)]
-    new = update_mems(hids, mems, mem_len=6, ext_len=1)
+    new = update_mems(hids, mems, mem_len=6, ext_len=1,
+                      backend="torch" if args.no_build else "auto")
     want = [torch.cat([m, h])[max(0, 7 + 4 - 6):7 + 4] for m, h in zip(mems, hids)]
     same = all(torch.equal(a, b) for a, b in zip(new, want))
     _row("update_mems == formula", "yes" if same else "NO")

@@ -6,11 +6,12 @@ dtypes / head dims the fused kernels support.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
-__all__ = ["describe", "interpreting", "FUSED_DTYPES", "REF_DTYPES", "FUSED_MIN_HEADDIM",
-           "FUSED_MAX_HEADDIM"]
+__all__ = ["describe", "interpreting", "interpret_requested", "no_interpreter_reason",
+           "FUSED_DTYPES", "REF_DTYPES", "FUSED_MIN_HEADDIM", "FUSED_MAX_HEADDIM"]
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REF_DTYPES = FUSED_DTYPES + (torch.float64,)
@@ -25,7 +26,34 @@ def describe(t) -> str:
             f"strides {tuple(t.stride())}")
 
 
-def interpreting() -> bool:
-    """Whether ``TRITON_INTERPRET`` asks for the Triton interpreter (read at each call)."""
+def interpret_requested() -> bool:
+    """Whether ``TRITON_INTERPRET`` asks for the Triton interpreter now (read at each call)."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in ("", "0", "false",
                                                                             "off", "no")
+
+
+def interpreting() -> bool:
+    """Whether our Triton kernels run under the interpreter. ``@triton.jit`` reads
+    ``TRITON_INTERPRET`` once, when it creates a kernel (when ``txl_kernels.ops`` is imported):
+    after that, what it created decides (an ``InterpretedFunction`` or a compiled
+    ``JITFunction``), whatever the variable says now; before, the variable now."""
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("txl_kernels.ops.") or mod is None:
+            continue
+        for obj in list(vars(mod).values()):
+            for _ in range(3):  # triton.autotune / triton.heuristics wrap the kernel as .fn
+                kind = type(obj).__name__
+                if kind in ("InterpretedFunction", "JITFunction"):
+                    return kind == "InterpretedFunction"
+                obj = getattr(obj, "fn", None)
+    return interpret_requested()
+
+
+def no_interpreter_reason() -> str:
+    """Why CPU tensors cannot take the fused kernels (when :func:`interpreting` is False)."""
+    if interpret_requested():
+        return ("TRITON_INTERPRET=1 was set after the Triton kernels were created (when "
+                "txl_kernels.ops was first used), so they are compiled GPU kernels; set it "
+                "before the first fused call (e.g. in the shell)")
+    return ("CPU tensors need TRITON_INTERPRET=1 set before triton is imported (the Triton "
+            "interpreter); there is no compiled CPU kernel")

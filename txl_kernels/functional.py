@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 import torch
 
 from ._utils import (FUSED_DTYPES, FUSED_MAX_HEADDIM, FUSED_MIN_HEADDIM, REF_DTYPES, describe,
-                     interpreting)
+                     interpreting, no_interpreter_reason)
 from .reference import autocast_dtype, in_band, pair_distance, rel_attention_reference
 
 __all__ = ["rel_attention", "fused_available", "mask_to_band", "BACKENDS"]
@@ -43,8 +43,7 @@ def fused_available(device: torch.device) -> Tuple[bool, str]:
     if device.type == "cpu":
         if interpreting():
             return True, "TRITON_INTERPRET=1 (Triton interpreter on CPU; slow, for testing)"
-        return False, ("CPU tensors need TRITON_INTERPRET=1 set before triton is imported "
-                       "(the Triton interpreter); there is no compiled CPU kernel")
+        return False, no_interpreter_reason()
     return False, f"no fused kernel for device type {device.type!r}"
 
 

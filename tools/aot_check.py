@@ -1,7 +1,11 @@
 """Ahead-of-time compile check of the fused Triton kernels for Hopper (sm_90), without a GPU.
 
-    python -m txl_kernels.ops.aot_check [--quick] [--json PATH] [--only REGEX] [--jobs N]
-                                        [--list] [--strict]
+    python -m tools.aot_check [--quick] [--json PATH] [--only REGEX] [--jobs N]
+                           [--list] [--strict]
+
+A developer tool of the source tree (it uses private Triton APIs: ``create_function_from_signature``,
+``JITFunction._pack_args``, ``Autotuner.nargs``, and swaps module globals for recorders while a
+launcher runs); it is not installed with the package. Run it from the repository root.
 
 What it checks. Every ``@triton.jit`` kernel of ``rel_attn_fwd.py`` and ``rel_attn_bwd.py``
 (entry points, i.e. jit functions that return nothing; the ``@triton.jit`` helpers they call
@@ -87,11 +91,6 @@ HEAD_DIMS_QUICK = (64, 128)
 # window, key padding, dense mask with its on-device band descriptor, split-K, deterministic
 # and atomic dr). "on-noband": the same, the dense mask without a band descriptor.
 FLAG_SETS = ("off", "on", "on-noband")
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in ("", "0", "false",
-                                                                            "off", "no")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -744,9 +743,10 @@ def run_checks(quick: bool = False, jobs: int = 2, only: Optional[str] = None,
     """Collect and compile the cases; print one line per compile and a summary. Returns
     (exit status, report dict)."""
     out = out or sys.stdout
-    if _interpreting():
+    from txl_kernels._utils import interpreting
+    if interpreting():
         raise RuntimeError("aot_check needs TRITON_INTERPRET unset before triton is imported "
-                           "(run `python -m txl_kernels.ops.aot_check`, which re-executes "
+                           "(run `python -m tools.aot_check`, which re-executes "
                            "itself without it)")
     t_start = time.perf_counter()
     head_dims = HEAD_DIMS_QUICK if quick else HEAD_DIMS_FULL
@@ -823,12 +823,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if "TRITON_INTERPRET" in os.environ:
         # @triton.jit gives interpreter functions when it is set: run again without it.
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        return subprocess.call([sys.executable, "-m", "txl_kernels.ops.aot_check", *argv],
-                               env=env)
+        return subprocess.call([sys.executable, "-m", "tools.aot_check", *argv],
+                               env=env, cwd=root)
     parser = argparse.ArgumentParser(
-        prog="python -m txl_kernels.ops.aot_check",
+        prog="python -m tools.aot_check",
         description="Compile the fused Triton kernels for sm_90 (H100 / H200) without a GPU.")
     parser.add_argument("--quick", action="store_true",
                         help="CI subset: flags all on, D 64 and 128, largest config per "
