@@ -224,7 +224,8 @@ def test_bad_inputs_raise_clear_errors():
     pe = hf.ParakeetEncoderRelPositionalEncoding(cfg)(x)
     with pytest.raises(TypeError, match=r"attention_mask must be a bool or integer.*float32"):
         ours(x, pe, torch.zeros(B, 1, T, T))
-    with pytest.raises(ValueError, match=r"attention_mask must be \(B, 1, T, T\).*got \[2, 1, 6, 5\]"):
+    with pytest.raises(ValueError,
+                       match=r"attention_mask must be \(B, 1, T, T\).*got \[2, 1, 6, 5\]"):
         ours(x, pe, torch.ones(B, 1, T, T - 1, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"pos_emb must be .*2K - 1 = 11"):
         ours(x, pe[:, 1:], None)

@@ -130,9 +130,10 @@ class IcefallRelPositionMultiheadAttention(nn.Module):
         if attn_mask is not None:
             if not isinstance(attn_mask, Tensor) or attn_mask.dtype not in (torch.bool,
                                                                             torch.uint8):
+                got = getattr(attn_mask, "dtype", _shape(attn_mask))
                 raise TypeError(f"{self._NAME}: attn_mask must be a bool or uint8 tensor "
-                                f"(True = masked); got {getattr(attn_mask, 'dtype', _shape(attn_mask))}"
-                                f" (additive float masks are not supported)")
+                                f"(True = masked); got {got} (additive float masks are not "
+                                f"supported)")
             am = attn_mask.to(torch.bool)
             if am.dim() == 2 and tuple(am.shape) == (tgt, src):
                 am = am[None, None]
