@@ -28,7 +28,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .._utils import describe
-from ..functional import rel_attention
+from .._utils import FUSED_DTYPES
+from ..functional import fused_available, rel_attention
 from ..memory import update_mems
 from ..modules.transformer_xl import FusedRelAttention
 from .adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
@@ -102,17 +103,31 @@ class RelPartialLearnableDecoderLayer(nn.Module):
         q, k, v = torch.chunk(w_heads, 3, dim=-1)
         keys[klen - qlen:].copy_(k)
         values[klen - qlen:].copy_(v)
-        r_w_bias = att.r_w_bias if r_w_bias is None else r_w_bias
-        r_r_bias = att.r_r_bias if r_r_bias is None else r_r_bias
-        attn_vec = rel_attention(
-            q.view(qlen, bsz, H, D).transpose(0, 1), keys.view(klen, bsz, H, D).transpose(0, 1),
-            values.view(klen, bsz, H, D).transpose(0, 1), r_head_k, r_w_bias.to(q.dtype),
-            r_r_bias.to(q.dtype), causal=True, window_size=window_size,
-            softmax_scale=att.scale, dropout_p=att.dropatt_p if self.training else 0.0,
-            backend=att.backend)
+        r_w_bias = (att.r_w_bias if r_w_bias is None else r_w_bias).to(q.dtype)
+        r_r_bias = (att.r_r_bias if r_r_bias is None else r_r_bias).to(q.dtype)
+        args = (q.view(qlen, bsz, H, D).transpose(0, 1),
+                keys.view(klen, bsz, H, D).transpose(0, 1),
+                values.view(klen, bsz, H, D).transpose(0, 1), r_head_k, r_w_bias, r_r_bias)
+        if qlen == 1 and self._decode_kernel_ok(q):
+            from ..ops.rel_attn_decode import rel_attn_decode  # imports triton
+
+            attn_vec = rel_attn_decode(*args, att.scale, window_size[0])
+        else:
+            attn_vec = rel_attention(
+                *args, causal=True, window_size=window_size, softmax_scale=att.scale,
+                dropout_p=att.dropatt_p if self.training else 0.0, backend=att.backend)
         attn_out = att.drop(att.o_net(attn_vec.transpose(0, 1).reshape(qlen, bsz, H * D)))
         out = w + attn_out if att.pre_lnorm else att.layer_norm(w + attn_out)
         return self.pos_ff(out)
+
+
+    def _decode_kernel_ok(self, q: torch.Tensor) -> bool:
+        """One query row goes to the split-K decode kernel where the fused backend would
+        run (not for backend "reference", nor with attention dropout in training)."""
+        att = self.dec_attn
+        if att.backend == "reference" or (self.training and att.dropatt_p > 0):
+            return False
+        return q.dtype in FUSED_DTYPES and fused_available(q.device)[0]
 
 
 def _as_int(name: str, value, low: int) -> int:
@@ -420,6 +435,20 @@ class MemTransformerLM(nn.Module):
         cache._advance(qlen)
         return self.drop(core_out)
 
+    def _hidden(self, data, mems, cache):
+        """(hidden [qlen, bsz, d_model], new mems or None) by the cache or the mems path."""
+        qlen, bsz = data.shape
+        if cache is not None:
+            if mems:
+                raise ValueError("MemTransformerLM: pass either mems or cache, not both")
+            self._check_cache(cache, qlen, bsz)
+            return self._forward_cached(data, cache), None
+        if mems:
+            self._check_mems(mems, bsz)
+        else:
+            mems = self.init_mems()
+        return self._forward(data, mems=mems)
+
     def forward(self, data: torch.Tensor, target: torch.Tensor, *mems,
                 cache: Optional[TransfoXLCache] = None):
         self._check_ids("data", data, "[qlen, bsz] (seq-first)")
@@ -429,18 +458,7 @@ class MemTransformerLM(nn.Module):
             raise ValueError(f"MemTransformerLM: target must be [tgt_len <= qlen={qlen}, "
                              f"bsz={bsz}], got {list(target.shape)}")
         tgt_len = target.shape[0]
-        if cache is not None:
-            if mems:
-                raise ValueError("MemTransformerLM: pass either mems or cache, not both")
-            self._check_cache(cache, qlen, bsz)
-            hidden = self._forward_cached(data, cache)
-            new_mems = None
-        else:
-            if mems:
-                self._check_mems(mems, bsz)
-            else:
-                mems = self.init_mems()
-            hidden, new_mems = self._forward(data, mems=mems)
+        hidden, new_mems = self._hidden(data, mems, cache)
         pred_hid = hidden[-tgt_len:]
         loss = self.crit(pred_hid.reshape(-1, pred_hid.size(-1)), target.reshape(-1))
         loss = loss.view(tgt_len, -1)
@@ -451,17 +469,7 @@ class MemTransformerLM(nn.Module):
         followed by the new memories (mems path) as in ``forward``."""
         self._check_ids("data", data, "[qlen, bsz] (seq-first)")
         qlen, bsz = data.shape
-        if cache is not None:
-            if mems:
-                raise ValueError("MemTransformerLM: pass either mems or cache, not both")
-            self._check_cache(cache, qlen, bsz)
-            hidden, new_mems = self._forward_cached(data, cache), None
-        else:
-            if mems:
-                self._check_mems(mems, bsz)
-            else:
-                mems = self.init_mems()
-            hidden, new_mems = self._forward(data, mems=mems)
+        hidden, new_mems = self._hidden(data, mems, cache)
         logp = self.crit.log_prob(hidden.reshape(-1, hidden.size(-1))).view(qlen, bsz, -1)
         return [logp] if new_mems is None else [logp] + new_mems
 
