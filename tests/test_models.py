@@ -425,12 +425,15 @@ def test_from_hf_rejects_other_models():
 
 # ----------------------------------------------------------------------------- decode kernel
 
+@pytest.mark.parametrize("impl", ["triton", "torch"])
 @pytest.mark.parametrize("lk,d,wl,splits,dtype", [
     (1, 16, -1, 0, torch.float32), (37, 41, -1, 3, torch.float32), (130, 16, 20, 2, torch.float32),
     (70, 32, 0, 0, torch.float32), (45, 16, -1, 2, torch.float16)])
-def test_decode_kernel_matches_reference(lk, d, wl, splits, dtype):
-    """The split-K decode kernel (Triton interpreter on CPU here) against the einsum
-    reference at Lq = 1, seq-first strided keys and values as the cache passes them."""
+def test_decode_matches_reference(lk, d, wl, splits, dtype, impl):
+    """The split-K decode kernel (Triton interpreter on CPU here) and the torch decode path
+    against the einsum reference at Lq = 1, seq-first strided keys and values as the cache
+    passes them."""
+    from txl_kernels.models.mem_transformer import decode_attention_torch
     from txl_kernels.ops.rel_attn_decode import rel_attn_decode
     from txl_kernels.reference import rel_attention_reference
 
@@ -442,7 +445,10 @@ def test_decode_kernel_matches_reference(lk, d, wl, splits, dtype):
     v = rnd(lk + 5, B, H, d)[:lk].transpose(0, 1)
     r, u, vb = rnd(lk, H, d), rnd(H, d), rnd(H, d)
     scale = d ** -0.5
-    got = rel_attn_decode(q, k, v, r, u, vb, scale, wl, num_splits=splits)
+    if impl == "triton":
+        got = rel_attn_decode(q, k, v, r, u, vb, scale, wl, num_splits=splits)
+    else:
+        got = decode_attention_torch(q, k, v, r, u, vb, scale, wl)
     want = rel_attention_reference(*(t.double() for t in (q, k, v, r, u, vb)), scale, wl, 0)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)

@@ -112,6 +112,8 @@ class RelPartialLearnableDecoderLayer(nn.Module):
             from ..ops.rel_attn_decode import rel_attn_decode  # imports triton
 
             attn_vec = rel_attn_decode(*args, att.scale, window_size[0])
+        elif qlen == 1 and not (self.training and att.dropatt_p > 0):
+            attn_vec = decode_attention_torch(*args, att.scale, window_size[0])
         else:
             attn_vec = rel_attention(
                 *args, causal=True, window_size=window_size, softmax_scale=att.scale,
@@ -128,6 +130,23 @@ class RelPartialLearnableDecoderLayer(nn.Module):
         if att.backend == "reference" or (self.training and att.dropatt_p > 0):
             return False
         return q.dtype in FUSED_DTYPES and fused_available(q.device)[0]
+
+
+def decode_attention_torch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale: float,
+                           window_left: int = -1) -> torch.Tensor:
+    """One query row (``q`` ``[B, 1, H, D]``) against ``k`` / ``v`` ``[B, Lk, H, D]`` in
+    torch, for CPUs (the split-K kernel's contract, see ``ops/rel_attn_decode.py``): no
+    relative shift (key ``j`` uses position row ``j``) and no mask (the left window only
+    drops the keys before ``Lk - 1 - window_left``)."""
+    lk = k.shape[1]
+    lo = 0 if window_left < 0 else max(0, lk - 1 - window_left)
+    q0 = q[:, 0]  # [B, H, D]
+    k, v, r = k[:, lo:], v[:, lo:], r[lo:lk]
+    scores = (torch.einsum("bhd,bjhd->bhj", q0 + r_w_bias, k)
+              + torch.einsum("bhd,jhd->bhj", q0 + r_r_bias, r))
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    prob = torch.softmax(scores.to(acc) * softmax_scale, dim=-1).to(v.dtype)
+    return torch.einsum("bhj,bjhd->bhd", prob, v)[:, None]
 
 
 def _as_int(name: str, value, low: int) -> int:
