@@ -36,6 +36,15 @@ CONFIGS = {
 N_TOKEN, N_LAYER, N_HEAD, D_MODEL, D_HEAD, D_INNER = 50, 2, 2, 16, 8, 24
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one intra-op thread is faster (no OpenMP wake-ups) on a shared CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def make_model(cfg="adaptive2", tgt_len=5, mem_len=7, ext_len=0, seed=0, **kw):
     torch.manual_seed(seed)
     args = dict(CONFIGS[cfg])
