@@ -196,12 +196,14 @@ def _median_time(step: Callable, reps: int) -> float:
 
 
 def compare(eval_reps: int = 5, gen_reps: int = 1, check: bool = True,
-            cpu_threads: Optional[int] = 1) -> Optional[dict]:
+            cpu_threads: Optional[int] = 1, gen_bsz: int = 1) -> Optional[dict]:
     """Time both workloads for ours and HF on the same weights; print and return the times
     (HF time / our time is the speedup). With ``check``, greedy tokens must be equal first.
     On CPU both run with ``cpu_threads`` intra-op threads (default 1: on a shared machine
     OpenMP threads that spin-wait make small ops erratic; None keeps torch's setting).
-    Returns None when transformers 4.x is not importable."""
+    ``gen_bsz``: batch size of the generation workload. Returns None when transformers 4.x
+    is not importable."""
+    GEN["bsz"] = gen_bsz
     if hf_classes() is None:
         print("HF TransfoXL not importable (needs transformers 4.x): nothing to compare")
         return None
@@ -229,10 +231,17 @@ def compare(eval_reps: int = 5, gen_reps: int = 1, check: bool = True,
           f"{t['txl_kernels']:.4f} | {t['hf'] / t['txl_kernels']:.2f}x |")
     print(f"| eval, same, mems path | {t['hf']:.4f} | {t['txl_kernels_mems']:.4f} | "
           f"{t['hf'] / t['txl_kernels_mems']:.2f}x |")
-    print(f"| generate 128 after a 512 prompt, mem_len 512, bsz 1 | {g['hf']:.3f} | "
+    print(f"| generate 128 after a 512 prompt, mem_len 512, bsz {gen_bsz} | {g['hf']:.3f} | "
           f"{g['txl_kernels']:.3f} | {g['hf'] / g['txl_kernels']:.2f}x |")
     return out
 
 
 if __name__ == "__main__":
-    compare()
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gen-bsz", type=int, default=1, help="generation batch size")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU intra-op threads (0 = torch's default)")
+    a = parser.parse_args()
+    compare(gen_bsz=a.gen_bsz, cpu_threads=a.threads or None)
