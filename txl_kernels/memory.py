@@ -33,16 +33,18 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _WARNED: Set[str] = set()
 
 
-def _as_len(name: str, value) -> int:
+def _as_len(name: str, value, who: str = "update_mems", low: int = 0) -> int:
+    """``value`` as an int >= ``low``; errors name ``who`` and ``name``."""
+    what = "a non-negative int" if low == 0 else f"an int >= {low}"
     if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dim() != 0):
-        raise TypeError(f"update_mems: {name} must be a non-negative int, got {value!r}")
+        raise TypeError(f"{who}: {name} must be {what}, got {value!r}")
     try:
         n = operator.index(value)
     except TypeError:
-        raise TypeError(f"update_mems: {name} must be a non-negative int, got "
+        raise TypeError(f"{who}: {name} must be {what}, got "
                         f"{type(value).__name__} {value!r}") from None
-    if n < 0:
-        raise ValueError(f"update_mems: {name} must be >= 0, got {n}")
+    if n < low:
+        raise ValueError(f"{who}: {name} must be >= {low}, got {n}")
     return n
 
 
@@ -216,8 +218,8 @@ def kv_cache_compact(bufs: Sequence[torch.Tensor], src: int, n: int, *,
     if backend not in MEMORY_BACKENDS:
         raise ValueError(f"kv_cache_compact: backend must be one of {MEMORY_BACKENDS}, "
                          f"got {backend!r}")
-    src = _as_len("src", src)
-    n = _as_len("n", n)
+    src = _as_len("src", src, "kv_cache_compact")
+    n = _as_len("n", n, "kv_cache_compact")
     if isinstance(bufs, torch.Tensor) or not isinstance(bufs, (list, tuple)):
         raise TypeError(f"kv_cache_compact: bufs must be a list of tensors [cap, bsz, d], "
                         f"got {type(bufs).__name__}")

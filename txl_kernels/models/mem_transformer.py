@@ -20,7 +20,6 @@ would read count as zero.
 """
 from __future__ import annotations
 
-import operator
 from typing import List, Optional, Sequence
 
 import torch
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 from .._utils import describe
 from .._utils import FUSED_DTYPES
 from ..functional import fused_available, rel_attention
-from ..memory import update_mems
+from ..memory import _as_len, update_mems
 from ..modules.transformer_xl import FusedRelAttention
 from .adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
 from .cache import TransfoXLCache
@@ -149,19 +148,6 @@ def decode_attention_torch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale: float,
     return torch.einsum("bhj,bjhd->bhd", prob, v)[:, None]
 
 
-def _as_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int >= {low}, got {value!r}")
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int >= {low}, got {type(value).__name__} "
-                        f"{value!r}") from None
-    if n < low:
-        raise ValueError(f"{name} must be >= {low}, got {n}")
-    return n
-
-
 class MemTransformerLM(nn.Module):
     """Transformer-XL language model (kimiyoung/transformer-xl ``MemTransformerLM``,
     ``attn_type=0``).
@@ -196,7 +182,7 @@ class MemTransformerLM(nn.Module):
         if sample_softmax is not None and sample_softmax > 0:
             raise ValueError(f"MemTransformerLM: sampled softmax is not implemented "
                              f"(sample_softmax must be <= 0), got {sample_softmax!r}")
-        self.n_token = _as_int("MemTransformerLM: n_token", n_token, 1)
+        self.n_token = _as_len("n_token", n_token, "MemTransformerLM", 1)
         d_embed = d_model if d_embed is None else d_embed
         self.d_embed, self.d_model, self.n_head, self.d_head = d_embed, d_model, n_head, d_head
         self.n_layer = n_layer
@@ -255,9 +241,10 @@ class MemTransformerLM(nn.Module):
 
     def reset_length(self, tgt_len, ext_len, mem_len) -> None:
         """Change the segment, extended-context and memory lengths (as the original)."""
-        self.tgt_len = None if tgt_len is None else _as_int("reset_length: tgt_len", tgt_len, 1)
-        self.ext_len = _as_int("reset_length: ext_len", ext_len, 0)
-        self.mem_len = _as_int("reset_length: mem_len", mem_len, 0)
+        self.tgt_len = (None if tgt_len is None
+                        else _as_len("tgt_len", tgt_len, "reset_length", 1))
+        self.ext_len = _as_len("ext_len", ext_len, "reset_length", 0)
+        self.mem_len = _as_len("mem_len", mem_len, "reset_length", 0)
 
     def init_mems(self) -> Optional[List[torch.Tensor]]:
         """The original's 'no memory yet': ``n_layer + 1`` empty tensors (None if mem_len 0)."""
@@ -513,8 +500,8 @@ class MemTransformerLM(nn.Module):
             raise RuntimeError("MemTransformerLM.generate: the model is in training mode "
                                "(dropout active); call model.eval() first")
         self._check_ids("input_ids", input_ids, "[bsz, len] (batch-first)")
-        max_new_tokens = _as_int("generate: max_new_tokens", max_new_tokens, 0)
-        top_k = _as_int("generate: top_k", top_k, 0)
+        max_new_tokens = _as_len("max_new_tokens", max_new_tokens, "generate", 0)
+        top_k = _as_len("top_k", top_k, "generate", 0)
         if not isinstance(do_sample, bool):
             raise TypeError(f"generate: do_sample must be a bool, got {do_sample!r}")
         if not isinstance(temperature, (int, float)) or not temperature > 0:
