@@ -7,7 +7,8 @@ Nothing is compiled at install time: the C++/CUDA sources in csrc/ ship inside t
 from setuptools import setup
 
 setup(
-    packages=["txl_kernels", "txl_kernels.ops", "txl_kernels.modules", "txl_kernels.csrc"],
+    packages=["txl_kernels", "txl_kernels.ops", "txl_kernels.modules", "txl_kernels.models",
+              "txl_kernels.csrc"],
     package_dir={"txl_kernels.csrc": "csrc"},
     package_data={"txl_kernels.csrc": ["*.cpp", "*.cu", "*.h", "*.cuh"]},
     include_package_data=True,
