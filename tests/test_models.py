@@ -150,6 +150,23 @@ def test_cache_equals_mems_path(cfg, ext_len, mem_len):
     torch.testing.assert_close(lp.exp().sum(-1), torch.ones(3, bsz))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cache_equals_mems_path_half(dtype):
+    """fp16 / bf16 models: the cache path and the mems path agree to the dtype's precision
+    (they round differently: keys are projected per segment, the position table once)."""
+    model = make_model("adaptive2", 5, 7).to(dtype)
+    cache = model.new_cache(2)
+    assert cache.k[0].dtype == dtype
+    data = tokens(21, 2, seed=13)
+    mems = []
+    for inp, tgt in segments(data, 5):
+        out = model(inp, tgt, *mems)
+        mems = out[1:]
+        (loss,) = model(inp, tgt, cache=cache)
+        assert loss.dtype == dtype and mems[0].dtype == dtype
+        torch.testing.assert_close(loss.float(), out[0].float(), rtol=3e-2, atol=3e-2)
+
+
 def test_position_table_reused_until_weights_change():
     model = make_model("adaptive2")
     cache = model.new_cache(2)
@@ -437,7 +454,8 @@ def test_from_hf_rejects_other_models():
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 @pytest.mark.parametrize("lk,d,wl,splits,dtype", [
     (1, 16, -1, 0, torch.float32), (37, 41, -1, 3, torch.float32), (130, 16, 20, 2, torch.float32),
-    (70, 32, 0, 0, torch.float32), (45, 16, -1, 2, torch.float16)])
+    (70, 32, 0, 0, torch.float32), (45, 16, -1, 2, torch.float16),
+    (33, 24, 7, 2, torch.bfloat16)])
 def test_decode_matches_reference(lk, d, wl, splits, dtype, impl):
     """The split-K decode kernel (Triton interpreter on CPU here) and the torch decode path
     against the einsum reference at Lq = 1, seq-first strided keys and values as the cache
@@ -459,7 +477,7 @@ def test_decode_matches_reference(lk, d, wl, splits, dtype, impl):
     else:
         got = decode_attention_torch(q, k, v, r, u, vb, scale, wl)
     want = rel_attention_reference(*(t.double() for t in (q, k, v, r, u, vb)), scale, wl, 0)
-    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
 
 
