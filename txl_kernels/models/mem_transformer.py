@@ -121,7 +121,6 @@ class RelPartialLearnableDecoderLayer(nn.Module):
         out = w + attn_out if att.pre_lnorm else att.layer_norm(w + attn_out)
         return self.pos_ff(out)
 
-
     def _decode_kernel_ok(self, q: torch.Tensor) -> bool:
         """One query row goes to the split-K decode kernel where the fused backend would
         run (not for backend "reference", nor with attention dropout in training)."""
