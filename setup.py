@@ -8,7 +8,8 @@ tools/ (sm_90 AOT check, build report) are not packaged.
 from setuptools import setup
 
 setup(
-    packages=["txl_kernels", "txl_kernels.ops", "txl_kernels.modules", "txl_kernels.csrc"],
+    packages=["txl_kernels", "txl_kernels.ops", "txl_kernels.modules", "txl_kernels.models",
+              "txl_kernels.csrc"],
     package_dir={"txl_kernels.csrc": "csrc"},
     package_data={"txl_kernels.csrc": ["*.cpp", "*.cu", "*.h", "*.cuh"]},
     include_package_data=True,

@@ -4,6 +4,7 @@
 // found.
 //
 //   update_mems(hids, mems, mem_len, ext_len) -> list of new memories
+//   kv_cache_compact(bufs, src, n): rows [src, src + n) -> [0, n) of every buffer, in place
 //
 // hids: L tensors [qlen, bsz, d]; mems: empty (no memory) or L tensors, each [mlen, bsz, d] or
 // the legacy 1-D empty placeholder torch.empty(0) (no memory for that layer). Per layer:
@@ -65,6 +66,39 @@ bool rows_vectorizable(const std::vector<LayerDesc>& descs, int64_t elem) {
   return true;
 }
 #endif
+
+// Runs the copy jobs of descs: on CPU one parallel copy per job, on CUDA ONE kernel launch for
+// all of them (the update_mems kernel).
+void run_copies(std::vector<LayerDesc>& descs, at::ScalarType dtype, const at::Device& device,
+                int64_t max_rows, int64_t max_d, const char* what) {
+  if (device.is_cpu()) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "txl_copy_cpu", [&] {
+      for (const auto& L : descs) copy_layer_cpu<scalar_t>(L);
+    });
+    return;
+  }
+#ifdef TXL_WITH_CUDA
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 ||
+                  dtype == at::kDouble,
+              what, ": unsupported dtype ", dtype);
+  if (max_rows == 0 || max_d == 0) return;
+  c10::DeviceGuard guard(device);
+  const int64_t elem = static_cast<int64_t>(c10::elementSize(dtype));
+  const bool vec = rows_vectorizable(descs, elem);
+  const int64_t max_vecs = vec ? max_d * elem / 16 : max_d;
+  const int64_t num = static_cast<int64_t>(descs.size());
+  at::Tensor table_host =
+      at::empty({num, kDescFields}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  std::memcpy(table_host.data_ptr<int64_t>(), descs.data(), descs.size() * sizeof(LayerDesc));
+  at::Tensor table = table_host.to(device, /*non_blocking=*/true);
+  launch_update_mems_cuda(reinterpret_cast<const LayerDesc*>(table.data_ptr<int64_t>()), num,
+                          max_rows, max_vecs, vec ? 16 : 0, static_cast<int>(dtype),
+                          static_cast<int>(device.index()));
+#else
+  TORCH_CHECK(false, what, ": this build of the txl_kernels extension has no CUDA kernel "
+              "(compiled without a CUDA toolkit); got tensors on ", device);
+#endif
+}
 
 }  // namespace
 
@@ -133,38 +167,51 @@ std::vector<at::Tensor> update_mems(const std::vector<at::Tensor>& hids,
     max_d = std::max(max_d, d);
   }
 
-  if (device.is_cpu()) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "update_mems_cpu", [&] {
-      for (const auto& L : descs) copy_layer_cpu<scalar_t>(L);
-    });
-    return outs;
-  }
-
-#ifdef TXL_WITH_CUDA
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 ||
-                  dtype == at::kDouble,
-              "update_mems: unsupported dtype ", dtype);
-  if (max_rows == 0 || max_d == 0) return outs;
-  c10::DeviceGuard guard(device);
-  const int64_t elem = static_cast<int64_t>(c10::elementSize(dtype));
-  const bool vec = rows_vectorizable(descs, elem);
-  const int64_t max_vecs = vec ? max_d * elem / 16 : max_d;
-  // One host-to-device copy of the descriptor table (pinned, asynchronous on the current
-  // stream; the caching host allocator keeps the buffer alive until the copy is done), then
-  // one kernel launch on the same stream.
-  at::Tensor table_host =
-      at::empty({num_layers, kDescFields}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-  std::memcpy(table_host.data_ptr<int64_t>(), descs.data(), descs.size() * sizeof(LayerDesc));
-  at::Tensor table = table_host.to(device, /*non_blocking=*/true);
-  launch_update_mems_cuda(reinterpret_cast<const LayerDesc*>(table.data_ptr<int64_t>()),
-                          num_layers, max_rows, max_vecs, vec ? 16 : 0,
-                          static_cast<int>(dtype), static_cast<int>(device.index()));
+  run_copies(descs, dtype, device, max_rows, max_d, "update_mems");
   return outs;
-#else
-  TORCH_CHECK(false,
-              "update_mems: this build of the txl_kernels extension has no CUDA kernel "
-              "(compiled without a CUDA toolkit); got tensors on ", device);
-#endif
+}
+
+// K/V-cache compaction for the Transformer-XL LM's cache: in every buffer (contiguous
+// [cap, bsz, d]), rows [src, src + n) move to rows [0, n). The two ranges must not overlap
+// (src >= n, or n == 0). ONE copy job per buffer, one launch on CUDA for all of them.
+void kv_cache_compact(const std::vector<at::Tensor>& bufs, int64_t src, int64_t n) {
+  TORCH_CHECK(src >= 0 && n >= 0, "kv_cache_compact: src and n must be >= 0, got src=", src,
+              ", n=", n);
+  TORCH_CHECK(n == 0 || src >= n, "kv_cache_compact: rows [", src, ", ", src + n,
+              ") overlap their destination [0, ", n, ")");
+  if (bufs.empty() || n == 0 || src == 0) return;
+  const auto dtype = bufs[0].scalar_type();
+  const auto device = bufs[0].device();
+  TORCH_CHECK(device.is_cpu() || device.is_cuda(),
+              "kv_cache_compact: buffers must be on CPU or CUDA, got ", device);
+  std::vector<LayerDesc> descs(bufs.size());
+  int64_t max_rows = 0, max_d = 0;
+  for (size_t l = 0; l < bufs.size(); ++l) {
+    const at::Tensor& b = bufs[l];
+    TORCH_CHECK(b.dim() == 3 && b.is_contiguous(), "kv_cache_compact: bufs[", l,
+                "] must be a contiguous [cap, bsz, d] tensor, got ", b.sizes());
+    TORCH_CHECK(b.scalar_type() == dtype && b.device() == device, "kv_cache_compact: bufs[", l,
+                "] is ", b.scalar_type(), " on ", b.device(), ", bufs[0] is ", dtype, " on ",
+                device);
+    TORCH_CHECK(src + n <= b.size(0), "kv_cache_compact: rows [", src, ", ", src + n,
+                ") exceed bufs[", l, "] with ", b.size(0), " rows");
+    const int64_t elem = static_cast<int64_t>(b.element_size());
+    LayerDesc& L = descs[l];
+    L = LayerDesc{};
+    L.hid_ptr = reinterpret_cast<int64_t>(b.data_ptr()) + src * b.stride(0) * elem;
+    L.hid_s0 = b.stride(0);
+    L.hid_s1 = b.stride(1);
+    L.hid_s2 = b.stride(2);
+    L.out_ptr = reinterpret_cast<int64_t>(b.data_ptr());
+    L.mlen = 0;
+    L.beg = 0;
+    L.n = n;
+    L.bsz = b.size(1);
+    L.d = b.size(2);
+    max_rows = std::max(max_rows, L.n * L.bsz);
+    max_d = std::max(max_d, L.d);
+  }
+  run_copies(descs, dtype, device, max_rows, max_d, "kv_cache_compact");
 }
 
 }  // namespace txl_kernels
@@ -175,6 +222,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("mem_len"), pybind11::arg("ext_len") = 0,
         "New memories per layer: cat([mems[l], hids[l]], 0)[beg:end] as fresh contiguous "
         "tensors, end = mlen + max(0, qlen - ext_len), beg = max(0, end - mem_len).");
+  m.def("kv_cache_compact", &txl_kernels::kv_cache_compact, pybind11::arg("bufs"),
+        pybind11::arg("src"), pybind11::arg("n"),
+        "In every contiguous [cap, bsz, d] buffer, move rows [src, src + n) to [0, n) "
+        "(non-overlapping); one launch for all buffers on CUDA.");
 #ifdef TXL_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

@@ -26,25 +26,27 @@ import torch
 from . import _build
 from ._utils import describe
 
-__all__ = ["update_mems", "MEMORY_BACKENDS"]
+__all__ = ["update_mems", "kv_cache_compact", "MEMORY_BACKENDS"]
 
 MEMORY_BACKENDS = ("auto", "extension", "torch")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _WARNED: Set[str] = set()
 
 
-def _as_len(name: str, value) -> int:
+def _as_len(name: str, value, who: str = "update_mems", low: int = 0) -> int:
+    """``value`` as an int >= ``low``; errors name ``who`` and ``name``."""
+    what = "a non-negative int" if low == 0 else f"an int >= {low}"
     if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dim() != 0):
-        raise TypeError(f"update_mems: {name} must be a non-negative int, got {value!r}")
+        raise TypeError(f"{who}: {name} must be {what}, got {value!r}")
     try:
         n = operator.index(value)
     except TypeError:
-        raise TypeError(f"update_mems: {name} must be a non-negative int, got "
+        raise TypeError(f"{who}: {name} must be {what}, got "
                         f"{type(value).__name__} {value!r}") from None
-    if n < 0:
-        raise ValueError(f"update_mems: {name} must be >= 0, got {n}")
+    if n < low:
+        raise ValueError(f"{who}: {name} must be >= {low}, got {n}")
     if n >= 2 ** 63:
-        raise ValueError(f"update_mems: {name} must fit in int64 (< 2**63), got {n}")
+        raise ValueError(f"{who}: {name} must fit in int64 (< 2**63), got {n}")
     return n
 
 
@@ -191,3 +193,63 @@ def update_mems(hids: Sequence[torch.Tensor], mems: Optional[Sequence[torch.Tens
         return _update_mems_torch(hids, mems, mem_len, ext_len)
     return list(ext.update_mems([h.detach() for h in hids], [m.detach() for m in mems],
                                 mem_len, ext_len))
+
+
+def _kv_cache_compact_torch(bufs: List[torch.Tensor], src: int, n: int) -> None:
+    with torch.no_grad():
+        for b in bufs:
+            b[:n].copy_(b[src:src + n])
+
+
+def kv_cache_compact(bufs: Sequence[torch.Tensor], src: int, n: int, *,
+                     backend: str = "auto") -> None:
+    """Move rows ``[src, src + n)`` of every K/V-cache buffer to rows ``[0, n)``, in place.
+
+    The truncation step of the LM's K/V cache (``txl_kernels.models``): each buffer is a
+    contiguous ``[cap, bsz, d]`` tensor (one per layer for keys and one for values) whose live
+    memory window is moved back to the start. With the C++/CUDA extension it is one copy per
+    buffer on CPU and ONE kernel launch for all buffers on CUDA; else a torch copy per buffer
+    (with the same one-time warning as :func:`update_mems`).
+
+    Args:
+        bufs: list of contiguous 3-D tensors, one dtype and device, each with at least
+            ``src + n`` rows.
+        src, n: the window ``[src, src + n)``; it must not overlap ``[0, n)`` (``src >= n``).
+        backend: "auto", "extension" or "torch", as for :func:`update_mems`.
+    """
+    if backend not in MEMORY_BACKENDS:
+        raise ValueError(f"kv_cache_compact: backend must be one of {MEMORY_BACKENDS}, "
+                         f"got {backend!r}")
+    src = _as_len("src", src, "kv_cache_compact")
+    n = _as_len("n", n, "kv_cache_compact")
+    if isinstance(bufs, torch.Tensor) or not isinstance(bufs, (list, tuple)):
+        raise TypeError(f"kv_cache_compact: bufs must be a list of tensors [cap, bsz, d], "
+                        f"got {type(bufs).__name__}")
+    bufs = list(bufs)
+    for l, b in enumerate(bufs):
+        if not isinstance(b, torch.Tensor) or b.dim() != 3 or not b.is_contiguous():
+            raise ValueError(f"kv_cache_compact: bufs[{l}] must be a contiguous 3-D tensor "
+                             f"[cap, bsz, d], got {describe(b) if isinstance(b, torch.Tensor) else type(b).__name__}")
+        if b.dtype != bufs[0].dtype or b.device != bufs[0].device:
+            raise ValueError(f"kv_cache_compact: bufs[{l}] is {b.dtype} on {b.device}, bufs[0] "
+                             f"is {bufs[0].dtype} on {bufs[0].device}")
+        if src + n > b.shape[0]:
+            raise ValueError(f"kv_cache_compact: rows [{src}, {src + n}) exceed bufs[{l}] "
+                             f"with {b.shape[0]} rows")
+    if n and src < n:
+        raise ValueError(f"kv_cache_compact: rows [{src}, {src + n}) overlap their "
+                         f"destination [0, {n}); need src >= n")
+    if not bufs or n == 0 or src == 0:
+        return
+    if backend == "torch":
+        return _kv_cache_compact_torch(bufs, src, n)
+    device = bufs[0].device
+    ext, reason = _extension_for(device)
+    if ext is None or not hasattr(ext, "kv_cache_compact"):
+        reason = reason or "the loaded extension predates kv_cache_compact"
+        if backend == "extension":
+            raise RuntimeError(f"kv_cache_compact: backend='extension' is not available for "
+                               f"{device.type} tensors: {reason}")
+        _warn_once(device.type, reason)
+        return _kv_cache_compact_torch(bufs, src, n)
+    ext.kv_cache_compact(bufs, src, n)

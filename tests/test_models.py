@@ -1,0 +1,502 @@
+"""txl_kernels.models.MemTransformerLM (issue 12): the Transformer-XL LM.
+
+- strict loading both ways with the original's layout (tests/txl_original_lm.py, a
+  transcription of kimiyoung's code) and equal losses / memories over several segments;
+- the K/V cache equals the mems path over several segments (ext_len, same_length, clamp_len,
+  the cache's compaction), the position table is reused until the weights change;
+- generation: greedy equals a token-by-token loop over the mems path; sampling options;
+- HF TransfoXL (transformers 4.x, optional: skipped with the reason when absent): from_hf loads
+  strictly, per-token log-probabilities equal HF's over consecutive segments, greedy tokens
+  equal HF's greedy loop;
+- the fused Triton path (interpreter on CPU) at tiny sizes;
+- bad input.
+Attention runs on the reference backend except in the fused test (the interpreter is slow).
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import txl_original_lm as orig
+from txl_kernels.memory import kv_cache_compact
+from txl_kernels.models import MemTransformerLM, TransfoXLCache
+
+from helpers import FUSED_DEVICE
+
+CONFIGS = {
+    # name: constructor kwargs (n_token, n_layer, n_head, d_model, d_head, d_inner given below)
+    "plain": dict(cutoffs=[], div_val=1, tie_weight=True, tie_projs=[False]),
+    "adaptive2": dict(cutoffs=[10, 30], div_val=2, d_embed=16, tie_projs=[False, True, True],
+                      same_length=True, clamp_len=5),
+    "proj_prelnorm": dict(cutoffs=[20], div_val=1, d_embed=12, tie_projs=[False, True],
+                          pre_lnorm=True, tie_weight=False),
+}
+N_TOKEN, N_LAYER, N_HEAD, D_MODEL, D_HEAD, D_INNER = 50, 2, 2, 16, 8, 24
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one intra-op thread is faster (no OpenMP wake-ups) on a shared CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_model(cfg="adaptive2", tgt_len=5, mem_len=7, ext_len=0, seed=0, **kw):
+    torch.manual_seed(seed)
+    args = dict(CONFIGS[cfg])
+    args.update(kw)
+    args.setdefault("attn_backend", "reference")
+    return MemTransformerLM(N_TOKEN, N_LAYER, N_HEAD, D_MODEL, D_HEAD, D_INNER, 0.0, 0.0,
+                            tgt_len=tgt_len, ext_len=ext_len, mem_len=mem_len, **args).eval()
+
+
+def tokens(qlen, bsz, seed=1, n_token=N_TOKEN):
+    return torch.randint(0, n_token, (qlen, bsz), generator=torch.Generator().manual_seed(seed))
+
+
+def segments(data, tgt_len):
+    """(inp, target) pairs like the original's LMOrderedIterator over data [len, bsz]."""
+    for s in range(0, data.shape[0] - 1, tgt_len):
+        n = min(tgt_len, data.shape[0] - 1 - s)
+        yield data[s:s + n], data[s + 1:s + 1 + n]
+
+
+def close(a, b, tol=1e-5):
+    torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+# ----------------------------------------------------------------------------- original layout
+
+def randomize(module, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+def test_original_layout_loads_strictly_both_ways(cfg):
+    """kimiyoung's state_dict loads into ours with strict=True and ours into kimiyoung's; the
+    two give the same per-token losses and memories over several segments."""
+    args = dict(CONFIGS[cfg])
+    tgt_len, mem_len = 5, 7
+    torch.manual_seed(0)
+    ref = orig.MemTransformerLM(N_TOKEN, N_LAYER, N_HEAD, D_MODEL, D_HEAD, D_INNER, 0.0, 0.0,
+                                tgt_len=tgt_len, ext_len=0, mem_len=mem_len, **args).eval()
+    randomize(ref)
+    ref.crit.keep_order = True  # per-token order (ours always keeps it)
+    ours = make_model(cfg, tgt_len, mem_len, seed=5)
+    assert set(ours.state_dict()) == set(ref.state_dict())
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    # and back: a fresh original takes our weights strictly
+    back = orig.MemTransformerLM(N_TOKEN, N_LAYER, N_HEAD, D_MODEL, D_HEAD, D_INNER, 0.0, 0.0,
+                                 tgt_len=tgt_len, ext_len=0, mem_len=mem_len, **args).eval()
+    back.load_state_dict(ours.state_dict(), strict=True)
+    for k, v in back.state_dict().items():
+        assert torch.equal(v, ref.state_dict()[k]), k
+
+    data = tokens(4 * tgt_len + 1, 3)
+    mems_ref, mems_ours = [], []
+    for inp, tgt in segments(data, tgt_len):
+        out_ref = ref(inp, tgt, *mems_ref)
+        out_ours = ours(inp, tgt, *mems_ours)
+        assert len(out_ours) == len(out_ref) == N_LAYER + 2
+        close(out_ours[0], out_ref[0])
+        for a, b in zip(out_ours[1:], out_ref[1:]):
+            close(a, b)
+        mems_ref, mems_ours = out_ref[1:], out_ours[1:]
+
+
+def test_untie_r_layout_and_no_memory():
+    ours = make_model("plain", untie_r=True)
+    keys = set(ours.state_dict())
+    assert "r_w_bias" not in keys and "layers.1.dec_attn.r_r_bias" in keys
+    no_mem = make_model("plain", mem_len=0)
+    out = no_mem(tokens(5, 2), tokens(5, 2, seed=2))
+    assert len(out) == 1 and out[0].shape == (5, 2)
+
+
+# ----------------------------------------------------------------------------- K/V cache
+
+@pytest.mark.parametrize("cfg,ext_len,mem_len", [("adaptive2", 0, 7), ("proj_prelnorm", 2, 6),
+                                                 ("plain", 0, 3)])
+def test_cache_equals_mems_path(cfg, ext_len, mem_len):
+    tgt_len, bsz = 5, 3
+    model = make_model(cfg, tgt_len, mem_len, ext_len)
+    cache = model.new_cache(bsz)
+    assert cache.nbytes == 2 * N_LAYER * (2 * mem_len + tgt_len + ext_len) * bsz \
+        * N_HEAD * D_HEAD * 4
+    data = tokens(40, bsz, seed=4)
+    mems = []
+    compacted = False
+    for s in range(0, 36, tgt_len):  # overlapping segments of tgt_len + ext_len tokens
+        inp, tgt = data[s:s + tgt_len + ext_len], data[s + 1:s + 1 + tgt_len + ext_len]
+        start = cache.start
+        out = model(inp, tgt, *mems)
+        mems = out[1:]
+        (loss,) = model(inp, tgt, cache=cache)
+        compacted |= cache.start < start
+        close(loss, out[0])
+        assert cache.mlen == mems[0].shape[0]
+    assert compacted  # the window moved back to row 0 at least once
+    # log-probabilities too
+    lp, *mems = model.log_probs(data[36:39], *mems)
+    (lp_c,) = model.log_probs(data[36:39], cache=cache)
+    close(lp_c, lp)
+    torch.testing.assert_close(lp.exp().sum(-1), torch.ones(3, bsz))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cache_equals_mems_path_half(dtype):
+    """fp16 / bf16 models: the cache path and the mems path agree to the dtype's precision
+    (they round differently: keys are projected per segment, the position table once)."""
+    model = make_model("adaptive2", 5, 7).to(dtype)
+    cache = model.new_cache(2)
+    assert cache.k[0].dtype == dtype
+    data = tokens(21, 2, seed=13)
+    mems = []
+    for inp, tgt in segments(data, 5):
+        out = model(inp, tgt, *mems)
+        mems = out[1:]
+        (loss,) = model(inp, tgt, cache=cache)
+        assert loss.dtype == dtype and mems[0].dtype == dtype
+        torch.testing.assert_close(loss.float(), out[0].float(), rtol=3e-2, atol=3e-2)
+
+
+def test_position_table_reused_until_weights_change():
+    model = make_model("adaptive2")
+    cache = model.new_cache(2)
+    data = tokens(15, 2)
+    model(data[:5], data[1:6], cache=cache)
+    table = model._pos_tables[0][1]
+    model(data[5:10], data[6:11], cache=cache)
+    assert model._pos_tables[0][1] is table  # same tensor: computed once
+    with torch.no_grad():  # the weights change in place: the table is rebuilt
+        model.layers[0].dec_attn.r_net.weight.mul_(1.5)
+    mems_model = make_model("adaptive2")
+    mems_model.load_state_dict(model.state_dict())
+    out = mems_model(data[:5], data[1:6])
+    out = mems_model(data[5:10], data[6:11], *out[1:])
+    cache2 = model.new_cache(2)
+    model(data[:5], data[1:6], cache=cache2)
+    (loss,) = model(data[5:10], data[6:11], cache=cache2)
+    assert model._pos_tables[0][1] is not table
+    close(loss, out[0])
+
+
+def test_kv_cache_compact_extension_and_fallback():
+    g = torch.Generator().manual_seed(0)
+    for backend in ("extension", "torch"):
+        bufs = [torch.randn(11, 2, 6, generator=g) for _ in range(4)]
+        before = [b.clone() for b in bufs]
+        kv_cache_compact(bufs, 6, 4, backend=backend)
+        for b, r in zip(bufs, before):
+            assert torch.equal(b[:4], r[6:10]) and torch.equal(b[4:], r[4:])
+    with pytest.raises(ValueError, match="overlap"):
+        kv_cache_compact([torch.zeros(8, 1, 2)], 2, 3)
+    with pytest.raises(ValueError, match="exceed"):
+        kv_cache_compact([torch.zeros(8, 1, 2)], 6, 3)
+    with pytest.raises(ValueError, match="contiguous"):
+        kv_cache_compact([torch.zeros(8, 2, 2).transpose(0, 1)], 4, 1)
+
+
+# ----------------------------------------------------------------------------- generation
+
+def greedy_loop_mems(model, prompt, n_new, seg):
+    """Greedy decoding over the mems path: the prompt in segments, then token by token."""
+    data = prompt.t()
+    mems = []
+    for s in range(0, data.shape[0], seg):
+        lp, *mems = model.log_probs(data[s:s + seg], *mems)
+    out = [prompt]
+    for _ in range(n_new):
+        tok = lp[-1].argmax(-1)
+        out.append(tok[:, None])
+        lp, *mems = model.log_probs(tok[None], *mems)
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("cfg", ["adaptive2", "proj_prelnorm"])
+def test_generate_greedy_equals_mems_loop(cfg):
+    model = make_model(cfg, tgt_len=4, mem_len=6)
+    prompt = tokens(11, 3, seed=7).t().contiguous()  # [bsz=3, len=11]
+    got = model.generate(prompt, 9)
+    assert got.shape == (3, 20) and torch.equal(got[:, :11], prompt)
+    assert torch.equal(got, greedy_loop_mems(model, prompt, 9, 4))
+    # continuing from a cache: same as one call
+    cache = model.new_cache(3, ext_len=0)
+    first = model.generate(prompt, 4, cache=cache)
+    more = model.generate(first[:, -1:], 5, cache=cache)
+    assert torch.equal(torch.cat([first, more[:, 1:]], 1), got)
+
+
+def test_generate_sampling():
+    model = make_model("adaptive2", tgt_len=4, mem_len=6)
+    prompt = tokens(5, 2, seed=8).t().contiguous()
+    a = model.generate(prompt, 6, do_sample=True, generator=torch.Generator().manual_seed(1))
+    b = model.generate(prompt, 6, do_sample=True, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(a, b) and a.shape == (2, 11)
+    greedy = model.generate(prompt, 6)
+    top1 = model.generate(prompt, 6, do_sample=True, top_k=1,
+                          generator=torch.Generator().manual_seed(2))
+    assert torch.equal(top1, greedy)  # top_k=1 leaves only the argmax
+    tiny_p = model.generate(prompt, 6, do_sample=True, top_p=1e-6,
+                            generator=torch.Generator().manual_seed(3))
+    assert torch.equal(tiny_p, greedy)  # the smallest nucleus is the argmax
+    assert int(a.max()) < N_TOKEN and int(a.min()) >= 0
+
+
+# ----------------------------------------------------------------------------- fused path
+
+@pytest.mark.parametrize("same_length", [False, True])
+def test_fused_path_tiny(same_length):
+    """attn_backend='triton' (the Triton interpreter on CPU here) equals the reference backend
+    on the mems path, the cache path and a decode step."""
+    torch.manual_seed(0)
+    kw = dict(cutoffs=[8], div_val=1, tie_projs=[False, False], same_length=same_length)
+    ref = MemTransformerLM(20, 1, 1, 16, 16, 16, 0.0, 0.0, tgt_len=3, mem_len=4,
+                           attn_backend="reference", **kw).eval()
+    fused = MemTransformerLM(20, 1, 1, 16, 16, 16, 0.0, 0.0, tgt_len=3, mem_len=4,
+                             attn_backend="triton", **kw).eval()
+    fused.load_state_dict(ref.state_dict())
+    ref, fused = ref.to(FUSED_DEVICE), fused.to(FUSED_DEVICE)
+    data = tokens(7, 2, n_token=20).to(FUSED_DEVICE)
+    out_r = ref(data[:3], data[1:4])
+    out_f = fused(data[:3], data[1:4])
+    close(out_f[0], out_r[0], 1e-4)
+    out_r = ref(data[3:6], data[4:7], *out_r[1:])
+    out_f = fused(data[3:6], data[4:7], *out_f[1:])
+    close(out_f[0], out_r[0], 1e-4)
+    cache = fused.new_cache(2)
+    fused(data[:3], data[1:4], cache=cache)
+    (loss,) = fused(data[3:6], data[4:7], cache=cache)
+    close(loss, out_r[0], 1e-4)
+    (lp_f,) = fused.log_probs(data[6:7], cache=cache)  # qlen 1 against the cache
+    lp_r, *_ = ref.log_probs(data[6:7], *out_r[1:])
+    close(lp_f, lp_r, 1e-4)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def test_bad_inputs():
+    model = make_model("adaptive2")
+    data, tgt = tokens(5, 2), tokens(5, 2, seed=2)
+    with pytest.raises(ValueError, match=r"token ids in \[.*n_token=50"):
+        model(data + 50, tgt)
+    with pytest.raises(ValueError, match="target.*vocabulary"):
+        model(data, tgt - 100)
+    with pytest.raises(TypeError, match="integer token ids"):
+        model(data.float(), tgt)
+    with pytest.raises(ValueError, match=r"2-D tensor of token ids \[qlen, bsz\]"):
+        model(data[:, 0], tgt)
+    with pytest.raises(ValueError, match=r"target must be \[tgt_len <= qlen=5, bsz=2\]"):
+        model(data, tokens(6, 2))
+    out = model(data, tgt)
+    mems = out[1:]
+    with pytest.raises(ValueError, match=r"n_layer \+ 1 = 3 memories"):
+        model(data, tgt, *mems[:2])
+    with pytest.raises(ValueError, match=r"mems\[1\] must be \[mlen, bsz=2, d_model=16\]"):
+        model(data, tgt, mems[0], mems[1][:, :1], mems[2])
+    with pytest.raises(TypeError, match=r"mems\[0\] has dtype torch.float64"):
+        model(data, tgt, *[m.double() for m in mems])
+    with pytest.raises(ValueError, match="one length"):
+        model(data, tgt, mems[0], mems[1][:2], mems[2])
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"mems\[0\] is on cuda"):
+            model(data, tgt, *[m.cuda() for m in mems])
+    meta = [torch.empty(m.shape, device="meta") for m in mems]
+    with pytest.raises(ValueError, match=r"mems\[0\] is on meta"):
+        model(data, tgt, *meta)
+    cache = model.new_cache(2)
+    with pytest.raises(ValueError, match="either mems or cache"):
+        model(data, tgt, *mems, cache=cache)
+    with pytest.raises(ValueError, match="batch size 2, data has bsz=3"):
+        model(tokens(5, 3), tokens(5, 3), cache=cache)
+    with pytest.raises(ValueError, match="longer than the cache allows"):
+        model(tokens(9, 2), tokens(9, 2), cache=cache)
+    with pytest.raises(TypeError, match="new_cache"):
+        model(data, tgt, cache=object())
+    model.reset_length(5, 0, 4)
+    with pytest.raises(ValueError, match="mem_len=7, the model mem_len=4"):
+        model(data, tgt, cache=cache)
+    model.reset_length(5, 0, 7)
+    # generate
+    prompt = data.t().contiguous()
+    model.train()
+    with pytest.raises(RuntimeError, match="training mode"):
+        model.generate(prompt, 2)
+    model.eval()
+    with pytest.raises(ValueError, match="input_ids.*outside the vocabulary"):
+        model.generate(prompt + 60, 2)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0"):
+        model.generate(prompt, -1)
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate(prompt, 2, do_sample=True, temperature=0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        model.generate(prompt, 2, do_sample=True, top_p=1.5)
+    with pytest.raises(ValueError, match="ext_len=0"):
+        model.generate(prompt, 2, cache=model.new_cache(2, ext_len=1))
+    with pytest.raises(ValueError, match="input_ids is empty"):
+        model.generate(prompt[:, :0], 2)
+    with pytest.raises(ValueError, match="only attn_type=0"):
+        MemTransformerLM(10, 1, 1, 8, 8, 8, 0.0, 0.0, tgt_len=2, mem_len=2, attn_type=2)
+    with pytest.raises(ValueError, match="cutoffs must be increasing"):
+        MemTransformerLM(10, 1, 1, 8, 8, 8, 0.0, 0.0, tgt_len=2, mem_len=2, cutoffs=[12])
+
+
+# ----------------------------------------------------------------------------- HF TransfoXL
+
+def hf_transfo_xl():
+    """(TransfoXLConfig, TransfoXLLMHeadModel) from transformers 4.x, or skip with the reason."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import transformers
+            from transformers import TransfoXLConfig, TransfoXLLMHeadModel
+    except Exception as e:  # not installed, or a release without TransfoXL
+        pytest.skip(f"needs transformers 4.x with TransfoXL (the 'hf4' extra: "
+                    f"transformers==4.34.1): {type(e).__name__}: {e}")
+    if not transformers.__version__.startswith("4."):
+        pytest.skip(f"needs transformers 4.x, found {transformers.__version__}")
+    return TransfoXLConfig, TransfoXLLMHeadModel
+
+
+def make_hf(untie_r, div_val=2, cutoffs=(10, 30), d_embed=16, mem_len=6, seed=0):
+    Config, LMHead = hf_transfo_xl()
+    torch.manual_seed(seed)
+    cfg = Config(vocab_size=N_TOKEN, cutoffs=list(cutoffs), d_model=D_MODEL, d_embed=d_embed,
+                 n_head=N_HEAD, d_head=D_HEAD, d_inner=D_INNER, div_val=div_val, n_layer=N_LAYER,
+                 mem_len=mem_len, clamp_len=5, same_length=True, untie_r=untie_r, dropout=0.0,
+                 dropatt=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = LMHead(cfg).eval()
+    randomize(hf, seed=seed + 1)  # cluster and bias parameters are zero at HF's init
+    hf.tie_weights()
+    return hf
+
+
+def hf_empty_mems(bsz):
+    return [torch.empty(0, bsz, D_MODEL) for _ in range(N_LAYER)]
+
+
+@pytest.mark.parametrize("untie_r,div_val,cutoffs,d_embed", [
+    (True, 2, (10, 30), 16), (False, 1, (20,), 12), (True, 1, (), 16)])
+def test_from_hf_log_probs_over_segments(untie_r, div_val, cutoffs, d_embed):
+    hf = make_hf(untie_r, div_val, cutoffs, d_embed)
+    model = MemTransformerLM.from_hf(hf, tgt_len=4, attn_backend="reference")
+    assert not model.training and model.untie_r == untie_r
+    bsz = 2
+    data = tokens(17, bsz, seed=9)  # segments of 4, 4, 4, 4, 1
+    hf_mems, mems = hf_empty_mems(bsz), []
+    cache = model.new_cache(bsz)
+    for s in range(0, 17, 4):
+        seg = data[s:s + 4]
+        with torch.no_grad():
+            out = hf(seg.t(), mems=hf_mems)
+        hf_mems = out.mems
+        want = out.prediction_scores.transpose(0, 1)  # [qlen, bsz, n_token]
+        got, *mems = model.log_probs(seg, *mems)
+        close(got, want)
+        (got_c,) = model.log_probs(seg, cache=cache)
+        close(got_c, want)
+        for a, b in zip(mems, hf_mems):  # ours has one more (the last layer's output)
+            close(a, b)
+
+
+def test_from_hf_default_zero_memory():
+    """HF starts from mem_len zero vectors when mems is None; the same memories passed to
+    ours give the same log-probabilities."""
+    hf = make_hf(True)
+    model = MemTransformerLM.from_hf(hf, tgt_len=4, attn_backend="reference")
+    data = tokens(5, 2, seed=10)
+    with torch.no_grad():
+        out = hf(data.t())
+    zeros = [torch.zeros(6, 2, D_MODEL) for _ in range(N_LAYER + 1)]
+    got, *_ = model.log_probs(data, *zeros)
+    close(got, out.prediction_scores.transpose(0, 1))
+
+
+@pytest.mark.parametrize("untie_r", [True, False])
+def test_generate_equals_hf_greedy_loop(untie_r):
+    hf = make_hf(untie_r, mem_len=5)
+    seg = 4
+    model = MemTransformerLM.from_hf(hf, tgt_len=seg, attn_backend="reference")
+    prompt = tokens(10, 2, seed=11).t().contiguous()
+    # HF's greedy loop: the prompt in segments with mems, then the last token fed with mems
+    mems = hf_empty_mems(2)
+    with torch.no_grad():
+        for s in range(0, prompt.shape[1], seg):
+            out = hf(prompt[:, s:s + seg], mems=mems)
+            mems = out.mems
+        seq = [prompt]
+        for _ in range(12):
+            tok = out.prediction_scores[:, -1].argmax(-1, keepdim=True)
+            seq.append(tok)
+            out = hf(tok, mems=mems)
+            mems = out.mems
+    want = torch.cat(seq, 1)
+    assert torch.equal(model.generate(prompt, 12), want)
+
+
+def test_from_hf_rejects_other_models():
+    hf_transfo_xl()
+    with pytest.raises(TypeError, match="TransfoXLLMHeadModel"):
+        MemTransformerLM.from_hf(torch.nn.Linear(2, 2))
+
+
+# ----------------------------------------------------------------------------- decode kernel
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("lk,d,wl,splits,dtype", [
+    (1, 16, -1, 0, torch.float32), (37, 41, -1, 3, torch.float32), (130, 16, 20, 2, torch.float32),
+    (70, 32, 0, 0, torch.float32), (45, 16, -1, 2, torch.float16),
+    (33, 24, 7, 2, torch.bfloat16)])
+def test_decode_matches_reference(lk, d, wl, splits, dtype, impl):
+    """The split-K decode kernel (Triton interpreter on CPU here) and the torch decode path
+    against the einsum reference at Lq = 1, seq-first strided keys and values as the cache
+    passes them."""
+    from txl_kernels.models.mem_transformer import decode_attention_torch
+    from txl_kernels.ops.rel_attn_decode import rel_attn_decode
+    from txl_kernels.reference import rel_attention_reference
+
+    g = torch.Generator().manual_seed(lk)
+    B, H = 2, 3
+    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype).to(FUSED_DEVICE)
+    q = rnd(B, 1, H, d)
+    k = rnd(lk + 5, B, H, d)[:lk].transpose(0, 1)  # [B, Lk, H, D] view of a seq-first buffer
+    v = rnd(lk + 5, B, H, d)[:lk].transpose(0, 1)
+    r, u, vb = rnd(lk, H, d), rnd(H, d), rnd(H, d)
+    scale = d ** -0.5
+    if impl == "triton":
+        got = rel_attn_decode(q, k, v, r, u, vb, scale, wl, num_splits=splits)
+    else:
+        got = decode_attention_torch(q, k, v, r, u, vb, scale, wl)
+    want = rel_attention_reference(*(t.double() for t in (q, k, v, r, u, vb)), scale, wl, 0)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
+def test_training_gradients_equal_original():
+    """The mems path trains: the gradients of every parameter equal the original's on a
+    segment with memory."""
+    args = dict(CONFIGS["adaptive2"])
+    torch.manual_seed(0)
+    ref = orig.MemTransformerLM(N_TOKEN, N_LAYER, N_HEAD, D_MODEL, D_HEAD, D_INNER, 0.0, 0.0,
+                                tgt_len=5, ext_len=0, mem_len=7, **args)
+    randomize(ref)
+    ours = make_model("adaptive2", 5, 7).train()
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    data = tokens(11, 2, seed=12)
+    mems_ref = ref(data[:5], data[1:6])[1:]
+    mems_ours = ours(data[:5], data[1:6])[1:]
+    ref(data[5:10], data[6:11], *mems_ref)[0].mean().backward()
+    ours(data[5:10], data[6:11], *mems_ours)[0].mean().backward()
+    grads_ref = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, grads_ref[name].grad, rtol=1e-4, atol=1e-5,
+                                   msg=name)

@@ -1,0 +1,547 @@
+"""``MemTransformerLM``: the Transformer-XL language model (kimiyoung/transformer-xl,
+``attn_type=0``) on txl_kernels' attention, memory update and K/V cache.
+
+Same constructor, state_dict keys and ``forward(data, target, *mems) -> [loss, *new_mems]``
+as the original PyTorch code, so its checkpoints (and NVIDIA's) load with ``strict=True``;
+``MemTransformerLM.from_hf`` takes the weights of an HF ``TransfoXLLMHeadModel``. On top:
+
+- ``new_cache(bsz)`` / ``forward(data, target, cache=cache)``: evaluation that keeps the
+  projected keys and values of the memory (``TransfoXLCache``) instead of re-projecting the
+  memory in every layer of every segment, and the projected position table once per weights;
+- ``generate(input_ids, max_new_tokens, ...)``: the prompt in segments of ``tgt_len``, then one
+  token at a time on the cache (one query row against the cached keys: the relative shift
+  vanishes).
+
+Differences from the original, all deliberate: the memory update uses the right
+``(mlen, qlen)`` order when ``ext_len > 0`` (see :mod:`txl_kernels.memory`); the per-token loss
+is returned in token order (the original's default groups tokens by vocabulary cluster,
+which only changes the order, not the mean); rows of the position table that only masked pairs
+would read count as zero.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .._utils import describe
+from .._utils import FUSED_DTYPES
+from ..functional import fused_available, rel_attention
+from ..memory import _as_len, update_mems
+from ..modules.transformer_xl import FusedRelAttention
+from .adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
+from .cache import TransfoXLCache
+
+__all__ = ["MemTransformerLM", "PositionalEmbedding", "PositionwiseFF",
+           "RelPartialLearnableDecoderLayer"]
+
+
+class PositionalEmbedding(nn.Module):
+    """Sinusoidal embedding of (relative) positions: ``[L]`` -> ``[L, 1, demb]``."""
+
+    def __init__(self, demb: int):
+        super().__init__()
+        self.demb = demb
+        self.register_buffer("inv_freq", 1 / (10000 ** (torch.arange(0.0, demb, 2.0) / demb)))
+
+    def forward(self, pos_seq: torch.Tensor) -> torch.Tensor:
+        sinusoid = torch.outer(pos_seq, self.inv_freq.to(pos_seq.dtype))
+        return torch.cat([sinusoid.sin(), sinusoid.cos()], dim=-1)[:, None, :]
+
+
+class PositionwiseFF(nn.Module):
+    """``CoreNet`` (Linear, ReLU, Dropout, Linear, Dropout) with a residual and LayerNorm."""
+
+    def __init__(self, d_model: int, d_inner: int, dropout: float, pre_lnorm: bool = False,
+                 layer_norm_epsilon: float = 1e-5):
+        super().__init__()
+        self.d_model, self.d_inner, self.dropout = d_model, d_inner, dropout
+        self.CoreNet = nn.Sequential(nn.Linear(d_model, d_inner), nn.ReLU(inplace=True),
+                                     nn.Dropout(dropout), nn.Linear(d_inner, d_model),
+                                     nn.Dropout(dropout))
+        self.layer_norm = nn.LayerNorm(d_model, eps=layer_norm_epsilon)
+        self.pre_lnorm = pre_lnorm
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        if self.pre_lnorm:
+            return self.CoreNet(self.layer_norm(inp)) + inp
+        return self.layer_norm(inp + self.CoreNet(inp))
+
+
+class RelPartialLearnableDecoderLayer(nn.Module):
+    """``dec_attn`` (a :class:`FusedRelAttention`) followed by ``pos_ff``."""
+
+    def __init__(self, n_head: int, d_model: int, d_head: int, d_inner: int, dropout: float,
+                 layer_norm_epsilon: float = 1e-5, **kwargs):
+        super().__init__()
+        self.dec_attn = FusedRelAttention(n_head, d_model, d_head, dropout,
+                                          layer_norm_epsilon=layer_norm_epsilon, **kwargs)
+        self.pos_ff = PositionwiseFF(d_model, d_inner, dropout,
+                                     pre_lnorm=kwargs.get("pre_lnorm", False),
+                                     layer_norm_epsilon=layer_norm_epsilon)
+
+    def forward(self, dec_inp, r, r_w_bias=None, r_r_bias=None, dec_attn_mask=None, mems=None):
+        out = self.dec_attn(dec_inp, r, r_w_bias, r_r_bias, attn_mask=dec_attn_mask, mems=mems)
+        return self.pos_ff(out)
+
+    def forward_cached(self, w: torch.Tensor, r_head_k: torch.Tensor, r_w_bias, r_r_bias,
+                       keys: torch.Tensor, values: torch.Tensor,
+                       window_size) -> torch.Tensor:
+        """The layer with a K/V cache. ``w`` ``[qlen, bsz, d_model]``; ``keys`` / ``values``
+        ``[mlen + qlen, bsz, H * D]`` views whose first ``mlen`` rows hold the memory's
+        projections (this call writes the last ``qlen``); ``r_head_k`` the projected position
+        table ``[mlen + qlen, H, D]``. Same result as ``forward`` with the memory's hidden
+        states as ``mems``."""
+        att = self.dec_attn
+        qlen, bsz = w.shape[0], w.shape[1]
+        klen = keys.shape[0]
+        H, D = att.n_head, att.d_head
+        w_heads = att.qkv_net(att.layer_norm(w) if att.pre_lnorm else w)
+        q, k, v = torch.chunk(w_heads, 3, dim=-1)
+        keys[klen - qlen:].copy_(k)
+        values[klen - qlen:].copy_(v)
+        r_w_bias = (att.r_w_bias if r_w_bias is None else r_w_bias).to(q.dtype)
+        r_r_bias = (att.r_r_bias if r_r_bias is None else r_r_bias).to(q.dtype)
+        args = (q.view(qlen, bsz, H, D).transpose(0, 1),
+                keys.view(klen, bsz, H, D).transpose(0, 1),
+                values.view(klen, bsz, H, D).transpose(0, 1), r_head_k, r_w_bias, r_r_bias)
+        if qlen == 1 and self._decode_kernel_ok(q):
+            from ..ops.rel_attn_decode import rel_attn_decode  # imports triton
+
+            attn_vec = rel_attn_decode(*args, att.scale, window_size[0])
+        elif qlen == 1 and not (self.training and att.dropatt_p > 0):
+            attn_vec = decode_attention_torch(*args, att.scale, window_size[0])
+        else:
+            attn_vec = rel_attention(
+                *args, causal=True, window_size=window_size, softmax_scale=att.scale,
+                dropout_p=att.dropatt_p if self.training else 0.0, backend=att.backend)
+        attn_out = att.drop(att.o_net(attn_vec.transpose(0, 1).reshape(qlen, bsz, H * D)))
+        out = w + attn_out if att.pre_lnorm else att.layer_norm(w + attn_out)
+        return self.pos_ff(out)
+
+    def _decode_kernel_ok(self, q: torch.Tensor) -> bool:
+        """One query row goes to the split-K decode kernel where the fused backend would
+        run (not for backend "reference", nor with attention dropout in training)."""
+        att = self.dec_attn
+        if att.backend == "reference" or (self.training and att.dropatt_p > 0):
+            return False
+        return q.dtype in FUSED_DTYPES and fused_available(q.device)[0]
+
+
+def decode_attention_torch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale: float,
+                           window_left: int = -1) -> torch.Tensor:
+    """One query row (``q`` ``[B, 1, H, D]``) against ``k`` / ``v`` ``[B, Lk, H, D]`` in
+    torch, for CPUs (the split-K kernel's contract, see ``ops/rel_attn_decode.py``): no
+    relative shift (key ``j`` uses position row ``j``) and no mask (the left window only
+    drops the keys before ``Lk - 1 - window_left``)."""
+    lk = k.shape[1]
+    lo = 0 if window_left < 0 else max(0, lk - 1 - window_left)
+    q0 = q[:, 0]  # [B, H, D]
+    k, v, r = k[:, lo:], v[:, lo:], r[lo:lk]
+    scores = (torch.einsum("bhd,bjhd->bhj", q0 + r_w_bias, k)
+              + torch.einsum("bhd,jhd->bhj", q0 + r_r_bias, r))
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    prob = torch.softmax(scores.to(acc) * softmax_scale, dim=-1).to(v.dtype)
+    return torch.einsum("bhj,bjhd->bhd", prob, v)[:, None]
+
+
+class MemTransformerLM(nn.Module):
+    """Transformer-XL language model (kimiyoung/transformer-xl ``MemTransformerLM``,
+    ``attn_type=0``).
+
+    Args (as in the original): n_token, n_layer, n_head, d_model, d_head, d_inner, dropout,
+    dropatt, tie_weight, d_embed, div_val, tie_projs, pre_lnorm, tgt_len, ext_len, mem_len,
+    cutoffs, adapt_inp (unused there too), same_length, attn_type (only 0), clamp_len,
+    sample_softmax (only <= 0: no sampled softmax).
+    Keyword-only extras: ``untie_r`` (per-layer ``r_w_bias`` / ``r_r_bias``, HF's layout;
+    default False: one pair on the model, the original's), ``layer_norm_epsilon``,
+    ``attn_backend`` (``rel_attention`` backend: "auto", "triton", "reference"),
+    ``memory_backend`` (``update_mems`` / ``kv_cache_compact`` backend).
+
+    ``forward(data, target, *mems, cache=None)``: data ``[qlen, bsz]`` token ids (seq-first),
+    target ``[tgt_len, bsz]`` (``tgt_len <= qlen``, the last positions). Without ``cache``:
+    returns ``[loss, *new_mems]`` with loss ``[tgt_len, bsz]`` (negative log-likelihood per
+    token) and ``n_layer + 1`` new memories ``[<= mem_len, bsz, d_model]`` (none when
+    ``mem_len == 0``), as the original. With ``cache`` (``new_cache(bsz)``): returns
+    ``[loss]`` and updates the cache in place; no gradients are recorded on that path.
+    """
+
+    def __init__(self, n_token, n_layer, n_head, d_model, d_head, d_inner, dropout, dropatt,
+                 tie_weight=True, d_embed=None, div_val=1, tie_projs=(False,), pre_lnorm=False,
+                 tgt_len=None, ext_len=None, mem_len=None, cutoffs=(), adapt_inp=False,
+                 same_length=False, attn_type=0, clamp_len=-1, sample_softmax=-1, *,
+                 untie_r: bool = False, layer_norm_epsilon: float = 1e-5,
+                 attn_backend: str = "auto", memory_backend: str = "auto"):
+        super().__init__()
+        if attn_type != 0:
+            raise ValueError(f"MemTransformerLM: only attn_type=0 (relative partially learnable "
+                             f"attention) is implemented, got attn_type={attn_type!r}")
+        if sample_softmax is not None and sample_softmax > 0:
+            raise ValueError(f"MemTransformerLM: sampled softmax is not implemented "
+                             f"(sample_softmax must be <= 0), got {sample_softmax!r}")
+        self.n_token = _as_len("n_token", n_token, "MemTransformerLM", 1)
+        d_embed = d_model if d_embed is None else d_embed
+        self.d_embed, self.d_model, self.n_head, self.d_head = d_embed, d_model, n_head, d_head
+        self.n_layer = n_layer
+        cutoffs = list(cutoffs)
+        tie_projs = list(tie_projs)
+        self.word_emb = AdaptiveEmbedding(n_token, d_embed, d_model, cutoffs, div_val=div_val)
+        self.drop = nn.Dropout(dropout)
+        self.reset_length(tgt_len, 0 if ext_len is None else ext_len,
+                          0 if mem_len is None else mem_len)
+        self.attn_type = attn_type
+        self.untie_r = untie_r
+        self.memory_backend = memory_backend
+        self.layers = nn.ModuleList([
+            RelPartialLearnableDecoderLayer(
+                n_head, d_model, d_head, d_inner, dropout, tgt_len=tgt_len, ext_len=ext_len,
+                mem_len=mem_len, dropatt=dropatt, pre_lnorm=pre_lnorm, untie_r=untie_r,
+                layer_norm_epsilon=layer_norm_epsilon, backend=attn_backend)
+            for _ in range(n_layer)])
+        self.sample_softmax = sample_softmax
+        self.crit = ProjectedAdaptiveLogSoftmax(n_token, d_embed, d_model, cutoffs,
+                                                div_val=div_val)
+        self.tie_weight = tie_weight
+        if tie_weight:
+            for i in range(len(self.crit.out_layers)):
+                self.crit.out_layers[i].weight = self.word_emb.emb_layers[i].weight
+        for i, tie_proj in enumerate(tie_projs):
+            if tie_proj and div_val == 1 and d_model != d_embed:
+                self.crit.out_projs[i] = self.word_emb.emb_projs[0]
+            elif tie_proj and div_val != 1:
+                self.crit.out_projs[i] = self.word_emb.emb_projs[i]
+        self.same_length = same_length
+        self.clamp_len = clamp_len
+        self.pos_emb = PositionalEmbedding(d_model)
+        if not untie_r:
+            self.r_w_bias = nn.Parameter(torch.empty(n_head, d_head))
+            self.r_r_bias = nn.Parameter(torch.empty(n_head, d_head))
+        else:
+            self.r_w_bias = None
+            self.r_r_bias = None
+        self._pos_tables: dict = {}
+        self._init_weights()
+
+    # -- construction helpers ---------------------------------------------------------------
+    def _init_weights(self, std: float = 0.02) -> None:
+        """Random initialisation of the parameters the original leaves uninitialised
+        (embeddings, projections, position biases); Linear layers keep torch's default."""
+        with torch.no_grad():
+            for p in list(self.word_emb.parameters()) + list(self.crit.out_projs.parameters()):
+                p.normal_(0.0, std)
+            for p in (self.r_w_bias, self.r_r_bias):
+                if p is not None:
+                    p.normal_(0.0, std)
+
+    def backward_compatible(self):
+        self.sample_softmax = -1
+
+    def reset_length(self, tgt_len, ext_len, mem_len) -> None:
+        """Change the segment, extended-context and memory lengths (as the original)."""
+        self.tgt_len = (None if tgt_len is None
+                        else _as_len("tgt_len", tgt_len, "reset_length", 1))
+        self.ext_len = _as_len("ext_len", ext_len, "reset_length", 0)
+        self.mem_len = _as_len("mem_len", mem_len, "reset_length", 0)
+
+    def init_mems(self) -> Optional[List[torch.Tensor]]:
+        """The original's 'no memory yet': ``n_layer + 1`` empty tensors (None if mem_len 0)."""
+        if self.mem_len <= 0:
+            return None
+        p = next(self.parameters())
+        return [torch.empty(0, dtype=p.dtype, device=p.device) for _ in range(self.n_layer + 1)]
+
+    def new_cache(self, bsz: int, max_qlen: Optional[int] = None,
+                  ext_len: Optional[int] = None) -> TransfoXLCache:
+        """An empty K/V cache for batch size ``bsz``, segments of at most ``max_qlen`` tokens
+        (default ``tgt_len + ext_len``), the model's ``mem_len`` and ``ext_len`` (unless
+        given), on the model's device and dtype."""
+        p = next(self.parameters())
+        ext_len = self.ext_len if ext_len is None else ext_len
+        if max_qlen is None:
+            if self.tgt_len is None:
+                raise ValueError("new_cache: the model has no tgt_len; pass max_qlen")
+            max_qlen = self.tgt_len + ext_len
+        return TransfoXLCache(self.n_layer, bsz, self.mem_len, ext_len, max_qlen,
+                              self.n_head * self.d_head, p.dtype, p.device,
+                              memory_backend=self.memory_backend)
+
+    @classmethod
+    def from_hf(cls, model, **kwargs) -> "MemTransformerLM":
+        """The same weights from an HF ``TransfoXLLMHeadModel`` (transformers 4.x); see
+        :func:`txl_kernels.models.hf.from_hf`."""
+        from .hf import from_hf
+
+        return from_hf(model, cls=cls, **kwargs)
+
+    # -- input checks -----------------------------------------------------------------------
+    def _param(self) -> torch.Tensor:
+        return self.r_w_bias if self.r_w_bias is not None else next(self.parameters())
+
+    def _check_ids(self, name: str, ids, shape_doc: str) -> None:
+        p = self._param()
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            raise ValueError(f"MemTransformerLM: {name} must be a 2-D tensor of token ids "
+                             f"{shape_doc}, got {describe(ids)}")
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise TypeError(f"MemTransformerLM: {name} must hold integer token ids (int64), "
+                            f"got dtype {ids.dtype}")
+        if ids.device != p.device:
+            raise ValueError(f"MemTransformerLM: {name} is on {ids.device}, the model is on "
+                             f"{p.device}")
+        if ids.numel() == 0:
+            raise ValueError(f"MemTransformerLM: {name} is empty ({list(ids.shape)})")
+        lo, hi = torch.aminmax(ids)
+        lo, hi = int(lo), int(hi)
+        if lo < 0 or hi >= self.n_token:
+            raise ValueError(f"MemTransformerLM: {name} holds token ids in [{lo}, {hi}], "
+                             f"outside the vocabulary [0, n_token={self.n_token})")
+
+    def _check_mems(self, mems: Sequence[torch.Tensor], bsz: int) -> int:
+        """Validate ``mems`` (the original's layout: n_layer + 1 tensors); returns mlen."""
+        p = self._param()
+        if len(mems) != self.n_layer + 1:
+            raise ValueError(f"MemTransformerLM: expected n_layer + 1 = {self.n_layer + 1} "
+                             f"memories (as returned by forward), got {len(mems)}")
+        mlen = None
+        for l, m in enumerate(mems):
+            if not isinstance(m, torch.Tensor):
+                raise TypeError(f"MemTransformerLM: mems[{l}] must be a tensor, "
+                                f"got {type(m).__name__}")
+            if m.dim() == 1 and m.numel() == 0:
+                this = 0  # the original's torch.empty(0) placeholder
+            elif m.dim() != 3 or m.shape[1] != bsz or m.shape[2] != self.d_model:
+                raise ValueError(f"MemTransformerLM: mems[{l}] must be [mlen, bsz={bsz}, "
+                                 f"d_model={self.d_model}], got {list(m.shape)}")
+            else:
+                this = m.shape[0]
+            if m.dtype != p.dtype:
+                raise TypeError(f"MemTransformerLM: mems[{l}] has dtype {m.dtype}, the model "
+                                f"has {p.dtype}")
+            if m.device != p.device:
+                raise ValueError(f"MemTransformerLM: mems[{l}] is on {m.device}, the model is "
+                                 f"on {p.device}")
+            if mlen is None:
+                mlen = this
+            elif this != mlen:
+                raise ValueError(f"MemTransformerLM: all memories must have one length; "
+                                 f"mems[0] has {mlen} rows, mems[{l}] has {this}")
+        return mlen or 0
+
+    def _check_cache(self, cache, qlen: int, bsz: int) -> None:
+        p = self._param()
+        if not isinstance(cache, TransfoXLCache):
+            raise TypeError(f"MemTransformerLM: cache must come from model.new_cache(bsz), "
+                            f"got {type(cache).__name__}")
+        if cache.n_layer != self.n_layer or cache.width != self.n_head * self.d_head:
+            raise ValueError(f"MemTransformerLM: the cache was made for another model "
+                             f"({cache.n_layer} layers of width {cache.width}, this model has "
+                             f"{self.n_layer} of width {self.n_head * self.d_head})")
+        if cache.bsz != bsz:
+            raise ValueError(f"MemTransformerLM: the cache holds batch size {cache.bsz}, "
+                             f"data has bsz={bsz}")
+        if cache.mem_len != self.mem_len:
+            raise ValueError(f"MemTransformerLM: the cache has mem_len={cache.mem_len}, the "
+                             f"model mem_len={self.mem_len} (reset_length since?); make a new "
+                             f"cache")
+        if cache.dtype != p.dtype or cache.device != p.device:
+            raise ValueError(f"MemTransformerLM: the cache is {cache.dtype} on {cache.device}, "
+                             f"the model {p.dtype} on {p.device}")
+        if qlen > cache.max_qlen:
+            raise ValueError(f"MemTransformerLM: a segment of {qlen} tokens is longer than the "
+                             f"cache allows (max_qlen={cache.max_qlen}); feed shorter segments "
+                             f"or make the cache with new_cache(bsz, max_qlen={qlen})")
+
+    # -- positions --------------------------------------------------------------------------
+    def _pos_emb(self, klen: int, dtype, device) -> torch.Tensor:
+        pos_seq = torch.arange(klen - 1, -1, -1.0, device=device, dtype=dtype)
+        if self.clamp_len > 0:
+            pos_seq.clamp_(max=self.clamp_len)
+        return self.pos_emb(pos_seq)
+
+    def _projected_pos(self, klen: int, reserve: int) -> List[torch.Tensor]:
+        """Per layer ``r_net(pos_emb)`` for distances ``klen - 1 .. 0`` as ``[klen, H, D]``
+        views of a table built once for ``max(klen, reserve)`` rows and kept until the
+        weights (their version counters or storage), clamp_len, dtype or device change."""
+        p = self._param()
+        tables = []
+        for i, layer in enumerate(self.layers):
+            w = layer.dec_attn.r_net.weight
+            key = (w.data_ptr(), w._version, self.pos_emb.inv_freq._version, self.clamp_len,
+                   w.dtype, w.device)
+            hit = self._pos_tables.get(i)
+            if hit is None or hit[0] != key or hit[1].shape[0] < klen:
+                rows = max(klen, reserve)
+                with torch.no_grad():
+                    table = layer.dec_attn.r_net(self._pos_emb(rows, p.dtype, p.device))
+                hit = (key, table.view(rows, self.n_head, self.d_head))
+                self._pos_tables[i] = hit
+            table = hit[1]
+            tables.append(table[table.shape[0] - klen:])
+        return tables
+
+    def _apply(self, fn, *args, **kwargs):
+        self._pos_tables = {}
+        return super()._apply(fn, *args, **kwargs)
+
+    # -- the two forward paths --------------------------------------------------------------
+    def _attn_mask(self, qlen: int, mlen: int, device) -> torch.Tensor:
+        klen = mlen + qlen
+        ones = torch.ones(qlen, klen, dtype=torch.bool, device=device)
+        mask = torch.triu(ones, 1 + mlen)
+        if self.same_length:
+            mask_len = klen - self.mem_len
+            shift = qlen - mask_len if mask_len > 0 else qlen
+            mask = mask | torch.tril(ones, -shift)
+        return mask[:, :, None]
+
+    def _forward(self, dec_inp: torch.Tensor, mems=None):
+        """The original ``_forward``: hidden ``[qlen, bsz, d_model]`` and the new memories."""
+        qlen = dec_inp.shape[0]
+        word_emb = self.word_emb(dec_inp)
+        mlen = mems[0].size(0) if mems is not None else 0
+        klen = mlen + qlen
+        mask = self._attn_mask(qlen, mlen, word_emb.device)
+        pos_emb = self.drop(self._pos_emb(klen, word_emb.dtype, word_emb.device))
+        core_out = self.drop(word_emb)
+        hids = [core_out]
+        for i, layer in enumerate(self.layers):
+            mems_i = None if mems is None else mems[i]
+            core_out = layer(core_out, pos_emb, self.r_w_bias, self.r_r_bias,
+                             dec_attn_mask=mask, mems=mems_i)
+            hids.append(core_out)
+        core_out = self.drop(core_out)
+        new_mems = None
+        if mems is not None:
+            new_mems = update_mems(hids, mems, self.mem_len, self.ext_len,
+                                   backend=self.memory_backend)
+        return core_out, new_mems
+
+    @torch.no_grad()
+    def _forward_cached(self, dec_inp: torch.Tensor, cache: TransfoXLCache) -> torch.Tensor:
+        """Hidden ``[qlen, bsz, d_model]`` of a segment with the K/V cache (updated in place)."""
+        qlen = dec_inp.shape[0]
+        core_out = self.drop(self.word_emb(dec_inp))
+        cache._make_room(qlen)
+        klen = cache.mlen + qlen
+        if self.training:  # position dropout: a fresh table
+            p = self._param()
+            pos = self.drop(self._pos_emb(klen, p.dtype, p.device))
+            tables = [l.dec_attn.r_net(pos).view(klen, self.n_head, self.d_head)
+                      for l in self.layers]
+        else:
+            tables = self._projected_pos(klen, cache.mem_len + cache.max_qlen)
+        window = (self.mem_len - 1, 0) if self.same_length and self.mem_len > 0 else (-1, 0)
+        for i, layer in enumerate(self.layers):
+            keys, values = cache._keys_values(i, qlen)
+            core_out = layer.forward_cached(core_out, tables[i], self.r_w_bias, self.r_r_bias,
+                                            keys, values, window)
+        cache._advance(qlen)
+        return self.drop(core_out)
+
+    def _hidden(self, data, mems, cache):
+        """(hidden [qlen, bsz, d_model], new mems or None) by the cache or the mems path."""
+        qlen, bsz = data.shape
+        if cache is not None:
+            if mems:
+                raise ValueError("MemTransformerLM: pass either mems or cache, not both")
+            self._check_cache(cache, qlen, bsz)
+            return self._forward_cached(data, cache), None
+        if mems:
+            self._check_mems(mems, bsz)
+        else:
+            mems = self.init_mems()
+        return self._forward(data, mems=mems)
+
+    def forward(self, data: torch.Tensor, target: torch.Tensor, *mems,
+                cache: Optional[TransfoXLCache] = None):
+        self._check_ids("data", data, "[qlen, bsz] (seq-first)")
+        self._check_ids("target", target, "[tgt_len, bsz] (seq-first)")
+        qlen, bsz = data.shape
+        if target.shape[1] != bsz or target.shape[0] > qlen:
+            raise ValueError(f"MemTransformerLM: target must be [tgt_len <= qlen={qlen}, "
+                             f"bsz={bsz}], got {list(target.shape)}")
+        tgt_len = target.shape[0]
+        hidden, new_mems = self._hidden(data, mems, cache)
+        pred_hid = hidden[-tgt_len:]
+        loss = self.crit(pred_hid.reshape(-1, pred_hid.size(-1)), target.reshape(-1))
+        loss = loss.view(tgt_len, -1)
+        return [loss] if new_mems is None else [loss] + new_mems
+
+    def log_probs(self, data: torch.Tensor, *mems, cache: Optional[TransfoXLCache] = None):
+        """Log-probabilities of the next token at every position: ``[qlen, bsz, n_token]``,
+        followed by the new memories (mems path) as in ``forward``."""
+        self._check_ids("data", data, "[qlen, bsz] (seq-first)")
+        qlen, bsz = data.shape
+        hidden, new_mems = self._hidden(data, mems, cache)
+        logp = self.crit.log_prob(hidden.reshape(-1, hidden.size(-1))).view(qlen, bsz, -1)
+        return [logp] if new_mems is None else [logp] + new_mems
+
+    # -- generation -------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, do_sample: bool = False,
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                 cache: Optional[TransfoXLCache] = None,
+                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """Continue ``input_ids`` ``[bsz, len]`` (batch-first, as HF) by ``max_new_tokens``
+        tokens; returns ``[bsz, len + max_new_tokens]``.
+
+        The prompt goes through the K/V cache in segments of ``tgt_len`` (the memory carries
+        across them), then each new token is fed alone (one query row against the cache).
+        Greedy (``do_sample=False``) picks the most likely token; sampling divides the
+        log-probabilities by ``temperature``, keeps the ``top_k`` most likely (0 = all) and
+        the smallest set whose probability reaches ``top_p``. ``cache``: continue from a
+        cache (``new_cache(bsz, ext_len=0)``), updated in place; by default a new one. The
+        model must be in eval mode (``model.eval()``).
+        """
+        if self.training:
+            raise RuntimeError("MemTransformerLM.generate: the model is in training mode "
+                               "(dropout active); call model.eval() first")
+        self._check_ids("input_ids", input_ids, "[bsz, len] (batch-first)")
+        max_new_tokens = _as_len("max_new_tokens", max_new_tokens, "generate", 0)
+        top_k = _as_len("top_k", top_k, "generate", 0)
+        if not isinstance(do_sample, bool):
+            raise TypeError(f"generate: do_sample must be a bool, got {do_sample!r}")
+        if not isinstance(temperature, (int, float)) or not temperature > 0:
+            raise ValueError(f"generate: temperature must be > 0, got {temperature!r}")
+        if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+            raise ValueError(f"generate: top_p must be in (0, 1], got {top_p!r}")
+        bsz, plen = input_ids.shape
+        seg = self.tgt_len or plen
+        if cache is None:
+            cache = self.new_cache(bsz, max_qlen=seg, ext_len=0)
+        else:
+            if isinstance(cache, TransfoXLCache) and cache.ext_len != 0:
+                raise ValueError(f"generate: the cache has ext_len={cache.ext_len}; generation "
+                                 f"needs ext_len=0 (new_cache(bsz, ext_len=0))")
+            self._check_cache(cache, 1, bsz)
+            seg = min(seg, cache.max_qlen)
+        data = input_ids.t()
+        for s in range(0, plen, seg):
+            hidden = self._forward_cached(data[s:s + seg], cache)
+        out = [input_ids]
+        for t in range(max_new_tokens):
+            logp = self.crit.log_prob(hidden[-1])  # [bsz, n_token]
+            tok = self._next_token(logp, do_sample, temperature, top_k, top_p, generator)
+            out.append(tok[:, None])
+            if t + 1 < max_new_tokens:
+                hidden = self._forward_cached(tok[None], cache)
+        return torch.cat(out, dim=1)
+
+    @staticmethod
+    def _next_token(logp, do_sample, temperature, top_k, top_p, generator):
+        if not do_sample:
+            return logp.argmax(dim=-1)
+        logits = logp.float() / temperature
+        if 0 < top_k < logits.shape[-1]:
+            kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if top_p < 1.0:
+            sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+            cum = sorted_logits.softmax(-1).cumsum(-1)
+            drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the first that reaches p
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+        probs = logits.softmax(-1)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1)

@@ -1,0 +1,150 @@
+"""Decode kernel: Transformer-XL relative attention for ONE query row per (batch, head), the
+generation step of ``MemTransformerLM.generate`` on its K/V cache.
+
+With ``Lq = 1`` the relative shift vanishes: the query is the last position, key ``j`` pairs
+with position row ``p = j - i + Lq - 1 = j``, so
+
+    s_j = scale * ((q + u) . k_j + (q + v) . r_j),   out = sum_j softmax(s)_j v_j
+
+over the allowed keys ``j >= Lk - 1 - window_left`` (all when ``window_left = -1``; causality
+holds for every key). A 16-row query tile would be 15/16 idle, so this is flash-decoding
+instead: split-K. Program ``(bh, split)`` walks its own slice of the keys in tiles of
+``BLOCK_N`` (element-wise products and row sums: one query row needs no tensor cores) and
+writes a partial (running max, sum of exponentials, unnormalised output); a second kernel
+merges the splits per (batch, head). Forward only (inference).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import last_dim_contiguous
+
+__all__ = ["rel_attn_decode", "num_splits_for"]
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, R, U, VB, M_OUT, L_OUT, ACC_OUT,
+    stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    stride_rn, stride_rh, stride_uh,
+    H, LK, D, J_LO, KEYS_PER_SPLIT, NUM_SPLITS, scale,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    u = tl.load(U + h * stride_uh + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    vb = tl.load(VB + h * stride_uh + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    qu = q + u
+    qv = q + vb
+    qk_scale = scale * LOG2E  # scores in log2 units: exp2 below
+
+    j_start = tl.maximum(split * KEYS_PER_SPLIT, J_LO)
+    j_end = tl.minimum((split + 1) * KEYS_PER_SPLIT, LK)
+    m_i = tl.full([], -float("inf"), tl.float32)
+    l_i = tl.full([], 0.0, tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for j0 in range(j_start, j_end, BLOCK_N):
+        offs_n = j0 + tl.arange(0, BLOCK_N)
+        nmask = offs_n < j_end
+        m2 = nmask[:, None] & dmask[None, :]
+        k = tl.load(K + b * stride_kb + offs_n[:, None] * stride_kn + h * stride_kh
+                    + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
+        r = tl.load(R + offs_n[:, None] * stride_rn + h * stride_rh + offs_d[None, :],
+                    mask=m2, other=0.0).to(tl.float32)
+        s = (tl.sum(k * qu[None, :], axis=1) + tl.sum(r * qv[None, :], axis=1)) * qk_scale
+        s = tl.where(nmask, s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new)
+        v = tl.load(V + b * stride_vb + offs_n[:, None] * stride_vn + h * stride_vh
+                    + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        m_i = m_new
+    idx = bh * NUM_SPLITS + split
+    tl.store(M_OUT + idx, m_i)
+    tl.store(L_OUT + idx, l_i)
+    tl.store(ACC_OUT + idx * BLOCK_D + offs_d, acc)
+
+
+@triton.jit
+def _decode_merge_kernel(M_IN, L_IN, ACC_IN, OUT, stride_ob, stride_oh, H, D, NUM_SPLITS,
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    smask = offs_s < NUM_SPLITS
+    m = tl.load(M_IN + bh * NUM_SPLITS + offs_s, mask=smask, other=-float("inf"))
+    l = tl.load(L_IN + bh * NUM_SPLITS + offs_s, mask=smask, other=0.0)
+    acc = tl.load(ACC_IN + (bh * NUM_SPLITS + offs_s)[:, None] * BLOCK_D + offs_d[None, :],
+                  mask=smask[:, None], other=0.0)
+    m_all = tl.max(m, axis=0)
+    # Splits without any allowed key have m = -inf: weight 0 (no NaN when every split is
+    # empty: the output is then 0, as rel_attention gives for a row with no allowed key).
+    w = tl.where(m > -float("inf"), tl.exp2(m - tl.where(m_all > -float("inf"), m_all, 0.0)),
+                 0.0)
+    den = tl.sum(w * l, axis=0)
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.where(den > 0, den, 1.0)
+    tl.store(OUT + b * stride_ob + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty),
+             mask=offs_d < D)
+
+
+def num_splits_for(bh: int, lk: int, device: torch.device, block_n: int = 64) -> int:
+    """Splits so that about two waves of programs cover the machine (flash-decoding's rule),
+    at least one tile of keys per split."""
+    tiles = triton.cdiv(lk, block_n)
+    if device.type != "cuda":
+        return max(1, min(tiles, 4))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(tiles, triton.cdiv(2 * sms, bh), 128))
+
+
+def rel_attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.Tensor,
+                    r_w_bias: torch.Tensor, r_r_bias: torch.Tensor, softmax_scale: float,
+                    window_left: int = -1, num_splits: int = 0) -> torch.Tensor:
+    """Relative attention of one query row: q ``[B, 1, H, D]``, k / v ``[B, Lk, H, D]``, r
+    ``[R >= Lk, H, D]`` (row ``j`` serves key ``j``), biases ``[H, D]``; causal, with the
+    left window ``window_left`` (-1 = none; same_length is ``mem_len - 1``). Any strides with
+    a contiguous last dimension. ``num_splits`` 0 = chosen from the machine. Returns
+    ``[B, 1, H, D]`` in q's dtype. Arguments are those ``rel_attention`` validated (the model
+    calls it only after the same checks)."""
+    B, Lq, H, D = q.shape
+    Lk = k.shape[1]
+    if Lq != 1:
+        raise ValueError(f"rel_attn_decode: q must have one query row (Lq = 1), got "
+                         f"{list(q.shape)}")
+    if r.shape[0] < Lk:
+        raise ValueError(f"rel_attn_decode: r needs at least Lk={Lk} rows, got {list(r.shape)}")
+    q, k, v, r = (last_dim_contiguous(t) for t in (q, k, v, r))
+    u, vb = r_w_bias.contiguous(), r_r_bias.contiguous()
+    j_lo = 0 if window_left < 0 else max(0, Lk - 1 - window_left)
+    block_n = 64
+    splits = num_splits or num_splits_for(B * H, Lk, q.device, block_n)
+    per_split = triton.cdiv(triton.cdiv(Lk, splits), block_n) * block_n
+    splits = triton.cdiv(Lk, per_split)
+    block_d = triton.next_power_of_2(D)
+    m = torch.empty(B * H * splits, device=q.device, dtype=torch.float32)
+    l = torch.empty_like(m)
+    acc = torch.empty(B * H * splits * block_d, device=q.device, dtype=torch.float32)
+    _decode_split_kernel[(B * H, splits)](
+        q, k, v, r, u, vb, m, l, acc,
+        q.stride(0), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), r.stride(0), r.stride(1), u.stride(0),
+        H, Lk, D, j_lo, per_split, splits, float(softmax_scale),
+        BLOCK_N=block_n, BLOCK_D=block_d)
+    out = torch.empty((B, 1, H, D), device=q.device, dtype=q.dtype)
+    _decode_merge_kernel[(B * H,)](
+        m, l, acc, out, out.stride(0), out.stride(2), H, D, splits,
+        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d)
+    return out
