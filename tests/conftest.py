@@ -10,6 +10,10 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Import triton now, while the variable holds: @triton.jit reads it when a kernel is created,
+# triton's own tl.* helpers included, so a test that later sets TRITON_INTERPRET=0 for a moment
+# (to check what happens without the interpreter) cannot leave compiled helpers behind.
+import triton  # noqa: E402,F401
 
 
 @pytest.fixture(scope="session")
