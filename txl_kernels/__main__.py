@@ -102,7 +102,7 @@ def _device(spec: str) -> torch.device:
 def _interpreter(device: torch.device, allowed: bool) -> str:
     """Decide whether the fused kernels run under the Triton interpreter; say what was done."""
     if _utils.interpreting():
-        return "on (TRITON_INTERPRET was set before the kernels were created)"
+        return "on (TRITON_INTERPRET=1 was set by the caller)"
     if device.type == "cuda" or not allowed:
         return "off" + ("" if device.type == "cuda" else " (--no-interpret)")
     os.environ["TRITON_INTERPRET"] = "1"
