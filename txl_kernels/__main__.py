@@ -195,7 +195,8 @@ def main(argv=None) -> int:
     ref_out = ref_grads = None
     print(f"  {'backend':<12} {'max |diff| out':>15} {'max |diff| grads':>17} {'time':>10}   memory")
     for name in backends:
-        _run_layer(layers[name], (w, r, mem, mask), device)  # warm-up (compiles kernels)
+        if device.type == "cuda":  # warm-up: compiles and autotunes (nothing to compile on CPU)
+            _run_layer(layers[name], (w, r, mem, mask), device)
         out, grads, elapsed, memstr = _run_layer(layers[name], (w, r, mem, mask), device)
         if name == "reference":
             ref_out, ref_grads = out, grads
