@@ -100,10 +100,10 @@ def build_directory(name: str) -> str:
 
 
 @contextmanager
-def _arch_list_without_device():
+def _arch_list_without_device(with_cuda: bool):
     """torch picks the architectures of the visible GPUs; without one it needs
     TORCH_CUDA_ARCH_LIST, here the oldest architecture torch itself was built for."""
-    if torch.cuda.is_available() or os.environ.get("TORCH_CUDA_ARCH_LIST"):
+    if not with_cuda or torch.cuda.is_available() or os.environ.get("TORCH_CUDA_ARCH_LIST"):
         yield
         return
     sms = sorted(int(a[3:]) for a in torch.cuda.get_arch_list() if a[3:].isdigit())
@@ -126,8 +126,10 @@ def compile_extension(name: str, with_cuda: bool, verbose: bool = False):
     if not glob.glob(os.path.join(folder, name + "*.so")) and not verbose:
         print(f"txl_kernels: compiling the extension {name} into {folder} (a minute or more)",
               file=sys.stderr, flush=True)
-    # one process builds, the others wait and load (torch locks the folder, not the rebuild)
-    with FileLock(folder + ".lock"), _arch_list_without_device():
+    # concurrent first builds: one process builds, the others wait, then load what it built
+    # (torch's own lock covers only its build step, and older releases' FileBaton is a lock
+    # file that a killed build leaves behind)
+    with FileLock(folder + ".lock"), _arch_list_without_device(with_cuda):
         return ce.load(name=name, sources=sources, extra_cflags=flags,
                        extra_cuda_cflags=["-O3"] if with_cuda else None,
                        extra_include_paths=[src], with_cuda=with_cuda, verbose=verbose)
@@ -155,10 +157,10 @@ def load_or_rebuild(name: str, with_cuda: bool, verbose: bool = False):
         try:
             return compile_extension(fresh, with_cuda, verbose)
         except Exception as exc2:
-            raise CachedExtensionError(f"the cached extension in {bad} cannot be loaded "
-                               f"({_first_line(exc)}) and rebuilding it in "
-                               f"{build_directory(fresh)} failed ({_first_line(exc2)}); delete "
-                               f"{bad} and {build_directory(fresh)}") from exc2
+            raise CachedExtensionError(
+                f"the cached extension in {bad} cannot be loaded ({_first_line(exc)}) and "
+                f"rebuilding it in {build_directory(fresh)} failed ({_first_line(exc2)}); "
+                f"delete {bad} and {build_directory(fresh)}") from exc2
 
 
 class _State:
