@@ -77,6 +77,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._utils import describe
 from ._common import (INTERPRET, apply_mask_band, autotune_enabled, dot_precision,
                       last_dim_contiguous, rotate_rows, round_bf16)
 
@@ -442,6 +443,9 @@ def _prune_configs(configs, named_args, **kwargs):
     out = [c for c in configs
            if _config_ok(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages,
                          block_d, exact_fp32, wide)]
+    if kwargs["SPLIT"]:  # num_splits was chosen for the default config's BLOCK_M
+        bm = _default_config(block_d, exact_fp32, wide)["BLOCK_M"]
+        out = [c for c in out if c.kwargs["BLOCK_M"] == bm]
     if not out:
         cfg = dict(_default_config(block_d, exact_fp32, wide))
         nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
@@ -476,13 +480,15 @@ def _sm_count(index: int) -> int:
 
 
 def choose_num_splits(B: int, H: int, Lq: int, Lk: int, window_left: int, window_right: int,
-                      num_sms: int) -> int:
+                      num_sms: int, block_m: int = 64) -> int:
     """Split the keys when the (b, h, query tile) programs cannot fill ``num_sms`` SMs.
 
-    Aims at about four programs per SM, with at least 256 keys (the span a query tile may see
-    under the window) per split so that priming the window stays a small overhead.
+    ``block_m``: the BLOCK_M the forward launches with (the launcher passes it; with the
+    autotuner on, split launches only try configs of that BLOCK_M). Aims at about four programs
+    per SM, with at least 256 keys (the span a query tile may see under the window) per split so
+    that priming the window stays a small overhead.
     """
-    base = B * H * triton.cdiv(Lq, 64)
+    base = B * H * triton.cdiv(Lq, block_m)
     if base >= 2 * num_sms:
         return 1
     span = Lk
@@ -527,18 +533,16 @@ def rel_attn_fwd(
     Lk = k.shape[1]
     R_rows = r.shape[0]
     dtype = q.dtype
-    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"rel_attn_fwd: unsupported dtype {dtype}")
-    if not all(t.dtype == dtype for t in (k, v, r, r_w_bias, r_r_bias)):
-        raise TypeError("rel_attn_fwd: all inputs must share q's dtype")
-    if tuple(k.shape) != (B, Lk, H, D) or tuple(v.shape) != (B, Lk, H, D) or Lk < Lq:
-        raise ValueError(f"rel_attn_fwd: bad k / v shapes {list(k.shape)} / {list(v.shape)} "
-                         f"for q {list(q.shape)}")
-    if tuple(r.shape[1:]) != (H, D) or tuple(r_w_bias.shape) != (H, D) \
-            or tuple(r_r_bias.shape) != (H, D):
-        raise ValueError("rel_attn_fwd: r must be [R, H, D] and the biases [H, D]")
-    if not 16 <= D <= 256:
-        raise ValueError(f"rel_attn_fwd: head dim {D} outside 16..256")
+    # Invariants only: rel_attention (functional.py) validates user input with clear errors.
+    assert dtype in (torch.float16, torch.bfloat16, torch.float32), f"q: {describe(q)}"
+    assert all(t.dtype == dtype for t in (k, v, r, r_w_bias, r_r_bias)), \
+        f"dtypes differ: q {describe(q)}, k {describe(k)}, r {describe(r)}"
+    assert tuple(k.shape) == (B, Lk, H, D) and tuple(v.shape) == (B, Lk, H, D) and Lk >= Lq, \
+        f"q {describe(q)}, k {describe(k)}, v {describe(v)}"
+    assert tuple(r.shape[1:]) == (H, D) and tuple(r_w_bias.shape) == (H, D) \
+        and tuple(r_r_bias.shape) == (H, D), \
+        f"r {describe(r)}, r_w_bias {describe(r_w_bias)}, r_r_bias {describe(r_r_bias)}"
+    assert 16 <= D <= 256, f"head dim {D}"
     q, k, v, r, u, vb = (last_dim_contiguous(t) for t in (q, k, v, r, r_w_bias, r_r_bias))
 
     out = torch.empty((B, Lq, H, D), dtype=dtype, device=q.device)
@@ -554,10 +558,19 @@ def rel_attn_fwd(
     else:
         am, am_strides = q, (0, 0, 0, 0)
 
+    dot_prec = dot_precision(dtype)
+    exact_fp32 = dtype == torch.float32 and dot_prec == "ieee"
+    block_d = max(16, _next_pow2(D))
+    if config is None and INTERPRET:
+        config = INTERPRET_CONFIG
+    elif config is None and not autotune_enabled():
+        config = _default_config(block_d, exact_fp32, dtype == torch.float32)
+    # the BLOCK_M this call launches with (autotuned split launches keep the default's)
+    block_m = (config or _default_config(block_d, exact_fp32, dtype == torch.float32))["BLOCK_M"]
     if num_splits is None:
         if q.device.type == "cuda" and not INTERPRET:
             num_splits = choose_num_splits(B, H, Lq, Lk, window_left, window_right,
-                                           _sm_count(q.device.index or 0))
+                                           _sm_count(q.device.index or 0), block_m)
         else:
             num_splits = 1
     num_splits = max(1, int(num_splits))
@@ -568,14 +581,12 @@ def rel_attn_fwd(
     else:
         o_part, l_part = lse, lse  # unused
 
-    dot_prec = dot_precision(dtype)
     has_band = attn_mask_band is not None and has_mask
     band = attn_mask_band if has_band else lse  # unused without a band
     # With a band the window checks are compiled in; an unbounded side becomes Lk + Lq.
     wl_arg = int(window_left) if window_left >= 0 or not has_band else Lk + Lq
     wr_arg = int(window_right) if window_right >= 0 or not has_band else Lk + Lq
     upcast = INTERPRET and dtype == torch.bfloat16
-    block_d = max(16, _next_pow2(D))
 
     args = (
         q, k, v, r, u, vb, out, lse, o_part, l_part, kpm, am, band,
@@ -599,11 +610,6 @@ def rel_attn_fwd(
         return (B * H, triton.cdiv(Lq, META["BLOCK_M"]), num_splits)
 
     with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
-        if config is None and INTERPRET:
-            config = INTERPRET_CONFIG
-        elif config is None and not autotune_enabled():
-            config = _default_config(block_d, dtype == torch.float32 and dot_prec == "ieee",
-                                     dtype == torch.float32)
         if config is not None:
             cfg = dict(config)
             bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
