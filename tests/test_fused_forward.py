@@ -365,3 +365,23 @@ def test_int64_offsets_gpu():
     truth = rel_attention_reference(*[t.double() for t in (q, ks, vs, rs, u, vb)], D ** -0.5,
                                     wl, 0)
     assert_within("int64", out, same, truth)
+
+
+def test_default_config_is_tunable():
+    """TXL_KERNELS_AUTOTUNE=0 runs one fixed config that the autotuner also offers (and keeps
+    after pruning) for every head-dim bucket and precision."""
+    table = {(bm, bn, nw, ns) for bm, bn, nw, ns in fwd_mod._CONFIG_TABLE}
+    for block_d in (16, 32, 64, 128, 256):
+        for exact_fp32, wide in ((False, False), (False, True), (True, True)):
+            c = fwd_mod._default_config(block_d, exact_fp32, wide)
+            key = (c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"])
+            assert key in table, (block_d, exact_fp32, wide, key)
+            assert fwd_mod._config_ok(*key, block_d, exact_fp32, wide), (block_d, key)
+
+
+def test_choose_num_splits_reads_block_m():
+    """The split decision counts query tiles of the BLOCK_M the launch uses."""
+    sms = 132
+    # 5 heads x 4096 queries (no window): 320 tiles of 64 fill the GPU, 160 tiles of 128 do not
+    assert fwd_mod.choose_num_splits(1, 5, 4096, 4096, -1, -1, sms, 64) == 1
+    assert fwd_mod.choose_num_splits(1, 5, 4096, 4096, -1, -1, sms, 128) > 1

@@ -59,3 +59,74 @@ def apply_mask_band(BAND, WL, WR):
     nr = tl.where(WR < 0, br, tl.minimum(WR, br))
     use = on & (nl >= 0) & (nr >= 0)
     return tl.where(use, nl, WL), tl.where(use, nr, WR), use
+
+
+# ---- per-row rotation (the relative shift's skew) without tl.gather's layout round trip
+#
+# tl.gather along a [BM, BN] accumulator converts it to a row-per-warp layout and back through
+# shared memory (2 x 2 x BM x BN x 4 bytes per tile) and issues two shuffles per element. The
+# rotation below touches only what must cross lanes. In the sm_90 wgmma accumulator layout a
+# column index c = 8 g + 2 q + b0 has g and b0 in registers and q in lane bits 0-1, and a row
+# index a has bits 0-2 in lane bits 2-4, bit 3 in a register and a // 16 in the warp. So a
+# rotation by s = 8 s_hi + 2 s1 + s0 is done as: groups of 8 columns rotated by s_hi (a barrel
+# of register moves + one select per element per bit), the b0 halves swapped by s0 (select),
+# the carry into the next group pre-selected at the source, and one tl.gather along q alone
+# (4 wide, one shuffle per element), reshaped so that Triton's gather layout is the accumulator
+# layout itself (no conversion). Any layout gives the same values: only the cost depends on it.
+
+@triton.jit
+def _roll_groups(x, M: tl.constexpr, A: tl.constexpr, G: tl.constexpr, C: tl.constexpr):
+    """y[:, g, :] = x[:, (g + M) % G, :] for x [A, G, C]; M a power of two < G (or G == 1)."""
+    if G == 1:
+        return x
+    elif M * 2 == G:  # swap the two halves
+        lo, hi = tl.split(tl.permute(tl.reshape(x, [A, 2, M, C]), (0, 2, 3, 1)))
+        return tl.reshape(tl.permute(tl.join(hi, lo), (0, 3, 1, 2)), [A, G, C])
+    else:  # g = (h, bit, low): bit 0 <- bit 1 of the same h; bit 1 <- bit 0 of h + 1
+        H: tl.constexpr = G // (2 * M)
+        e, o = tl.split(tl.permute(tl.reshape(x, [A, H, 2, M * C]), (0, 1, 3, 2)))
+        e = _roll_groups(e, 1, A, H, M * C)
+        return tl.reshape(tl.permute(tl.join(o, e), (0, 1, 3, 2)), [A, G, C])
+
+
+@triton.jit
+def _rotate_lanes(f, d, BM: tl.constexpr, NG: tl.constexpr):
+    """y[a, g, q] = f[a, g, (q + d[a]) % 4] for f [BM, NG, 4] (BM >= 16). The gather runs on a
+    [BM * NG, 4] view whose rows put a's bits 0-2, then a // 16, lowest: Triton's gather layout
+    for it (4 lanes along q, 8 along those row bits, warps next) is the accumulator layout."""
+    q = tl.arange(0, 4)
+    idx = tl.broadcast_to(((q[None, :] + d[:, None]) % 4)[:, None, :], [BM, NG, 4])
+    f2 = tl.reshape(tl.permute(tl.reshape(f, [BM // 16, 2, 8, NG, 4]), (3, 1, 0, 2, 4)),
+                    [BM * NG, 4])
+    i2 = tl.reshape(tl.permute(tl.reshape(idx, [BM // 16, 2, 8, NG, 4]), (3, 1, 0, 2, 4)),
+                    [BM * NG, 4])
+    g2 = tl.gather(f2, i2, 1)
+    return tl.reshape(tl.permute(tl.reshape(g2, [NG, 2, BM // 16, 8, 4]), (2, 1, 3, 0, 4)),
+                      [BM, NG, 4])
+
+
+@triton.jit
+def rotate_rows(m, sh, BM: tl.constexpr, BN: tl.constexpr):
+    """out[a, c] = m[a, (c + sh[a]) % BN] for m [BM, BN] (BM >= 16, BN >= 8, powers of two) and
+    0 <= sh < BN. Exact (pure data movement) in any dtype."""
+    NG: tl.constexpr = BN // 8
+    y = tl.reshape(m, [BM, NG, 8])
+    s_hi = sh // 8
+    for i in tl.static_range(5):  # groups of 8 columns, one barrel stage per bit of s_hi
+        if (1 << i) < NG:
+            y = tl.where(((s_hi & (1 << i)) != 0)[:, None, None],
+                         _roll_groups(y, 1 << i, BM, NG, 8), y)
+    # the rest, s_lo = 2 s1 + s0 < 8: output column (g, q, b0) reads (g, q, b0) + s_lo, i.e.
+    # b0' = b0 ^ s0 and q' = q + s1 (+ 1 when b0 = s0 = 1), carrying into group g + 1
+    y0, y1 = tl.split(tl.reshape(y, [BM, NG, 4, 2]))
+    odd = ((sh & 1) != 0)[:, None, None]
+    e0 = tl.where(odd, y1, y0)
+    e1 = tl.where(odd, y0, y1)
+    d0 = (sh // 2) % 4
+    d1 = d0 + (sh & 1)  # <= 4
+    q = tl.arange(0, 4)[None, None, :]
+    # a source lane q' < d is read by an output in the previous group: pre-select group g + 1
+    f0 = tl.where(q < d0[:, None, None], _roll_groups(e0, 1, BM, NG, 4), e0)
+    f1 = tl.where(q < d1[:, None, None], _roll_groups(e1, 1, BM, NG, 4), e1)
+    return tl.reshape(tl.join(_rotate_lanes(f0, d0, BM, NG), _rotate_lanes(f1, d1, BM, NG)),
+                      [BM, BN])

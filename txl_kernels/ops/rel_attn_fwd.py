@@ -77,8 +77,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .._utils import describe
 from ._common import (INTERPRET, apply_mask_band, autotune_enabled, dot_precision,
-                      last_dim_contiguous, round_bf16)
+                      last_dim_contiguous, rotate_rows, round_bf16)
 
 __all__ = ["rel_attn_fwd", "choose_num_splits", "autotune_enabled"]
 
@@ -90,18 +91,112 @@ INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16}
 
 
 @triton.jit
-def _window_chunk(qv, R, r_off_h, stride_rp, row0, R_rows, D,
-                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
-                  DOT_PREC: tl.constexpr):
-    """T_c = qv @ r[row0 : row0 + BLOCK_N]^T ([BM, BN], fp32); rows outside [0, R) read as 0."""
-    offs_p = row0 + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    ptrs = R + r_off_h + offs_p.to(tl.int64)[:, None] * stride_rp + offs_d[None, :]
-    msk = ((offs_p >= 0) & (offs_p < R_rows))[:, None] & (offs_d < D)[None, :]
-    rc = tl.load(ptrs, mask=msk, other=0.0)
+def _window_chunk(qv, R_h, r_off, stride_rp, row0, R_rows, offs_n0, d_ok,
+                  EVEN_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    """T_c = qv @ r[row0 : row0 + BLOCK_N]^T ([BM, BN], fp32); rows outside [0, R) read as 0.
+    ``R_h``: this head's r; ``r_off``: int32 offsets of rows offs_n0 (row0 is added here)."""
+    offs_p = row0 + offs_n0
+    p_ok = (offs_p >= 0) & (offs_p < R_rows)
+    if EVEN_D:
+        msk = p_ok[:, None]
+    else:
+        msk = p_ok[:, None] & d_ok[None, :]
+    rc = tl.load(R_h + row0.to(tl.int64) * stride_rp + r_off, mask=msk, other=0.0)
     if UPCAST:
         rc = rc.to(tl.float32)
     return tl.dot(qv, tl.trans(rc), input_precision=DOT_PREC)
+
+
+@triton.jit
+def _load_kv(ptrs, n_ok, d_ok, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """A [BN, BLOCK_D] key / value tile: masked only where it can leave the tensor."""
+    if MASKED:
+        if EVEN_D:
+            x = tl.load(ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    elif EVEN_D:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
+    return x
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off, R_h,
+                 r_off, stride_kn, stride_vn, stride_rp, offs_m, offs_n0, m_ok, d_ok, rot, take_first,
+                 first_is_0, Lq, Lk, R_rows, mlen, window_left, window_right, qk_scale,
+                 KPM, stride_kpm_n, MASK_B, stride_mm, stride_mn, band_on,
+                 HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_KPM: tl.constexpr,
+                 HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr, MASKED: tl.constexpr,
+                 EVEN_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One key tile [t * BN, t * BN + BN) of the online softmax. MASKED = False: an interior
+    tile (every pair allowed, every key < Lk, no padding / dense mask): no mask work at all."""
+    j0 = t * BLOCK_N
+    offs_n = j0 + offs_n0
+    n_ok = offs_n < Lk
+    # BD: one new window chunk per key tile, the others carried over from the last tile
+    base = j0 - i0 - (BLOCK_M - 1) + Lq - 1
+    if BLOCK_M > BLOCK_N:
+        t2 = _window_chunk(qv, R_h, r_off, stride_rp, base + 2 * BLOCK_N, R_rows, offs_n0, d_ok,
+                           EVEN_D, UPCAST, DOT_PREC)
+        merged = tl.where(take_first, tl.where(first_is_0, t0, t1),
+                          tl.where(first_is_0, t1, t2))
+        t0 = t1
+        t1 = t2
+    else:
+        tn = _window_chunk(qv, R_h, r_off, stride_rp, base + BLOCK_N, R_rows, offs_n0, d_ok,
+                           EVEN_D, UPCAST, DOT_PREC)
+        merged = tl.where(take_first, t0, tn)
+        t0 = tn
+    bd = rotate_rows(merged, rot, BLOCK_M, BLOCK_N)
+    # AC accumulates onto BD in the same registers
+    k = _load_kv(K_bh + j0.to(tl.int64) * stride_kn + k_off, n_ok, d_ok, MASKED, EVEN_D)
+    if UPCAST:
+        k = k.to(tl.float32)
+    s = tl.dot(qu, tl.trans(k), bd, input_precision=DOT_PREC) * qk_scale
+
+    if MASKED:
+        # ---- masks from indices, then the optional padding / dense masks
+        # (as column offsets c = j - j0 against per-row bounds: immediates, no index tensor)
+        c = offs_n0[None, :]
+        allowed = c < (Lk - j0)
+        if HAS_WL:  # d = i + mlen - j <= window_left
+            allowed = allowed & (c >= (offs_m + mlen - window_left - j0)[:, None])
+        if HAS_WR:  # -d <= window_right
+            allowed = allowed & (c <= (offs_m + mlen + window_right - j0)[:, None])
+        allowed = allowed & m_ok[:, None]
+        if HAS_KPM:
+            kp = tl.load(KPM + offs_n.to(tl.int64) * stride_kpm_n, mask=n_ok, other=1)
+            allowed = allowed & (kp == 0)[None, :]
+        if HAS_MASK:
+            # (out-of-range pairs are already excluded; with a band on, nothing is loaded)
+            am_msk = m_ok[:, None] & n_ok[None, :]
+            if HAS_BAND:
+                am_msk = am_msk & (band_on == 0)
+            am = tl.load(MASK_B + offs_m.to(tl.int64)[:, None] * stride_mm
+                         + offs_n.to(tl.int64)[None, :] * stride_mn, mask=am_msk, other=0)
+            allowed = allowed & (am == 0)
+        s = tl.where(allowed, s, float("-inf"))
+
+    # ---- online softmax (log2 domain)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:  # every row has a finite score here
+        m_safe = m_new
+    alpha = tl.math.exp2(m_i - m_safe)
+    p = tl.math.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _load_kv(V_bh + j0.to(tl.int64) * stride_vn + v_off, n_ok, d_ok, MASKED, EVEN_D)
+    if UPCAST:
+        pv = round_bf16(p)
+        v = v.to(tl.float32)
+    else:
+        pv = p.to(v.dtype)
+    acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC)
+    return acc, m_new, l_i, t0, t1
 
 
 @triton.jit
@@ -119,7 +214,8 @@ def _rel_attn_fwd_kernel(
     LQ_BUCKET, LK_BUCKET,  # autotune keys only
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_BAND: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     # Heaviest query tiles (largest i0 under causal masks) first.
@@ -151,7 +247,7 @@ def _rel_attn_fwd_kernel(
         qv = (q + vb[None, :]).to(Q.dtype.element_ty)
 
     # ---- a dense mask that is a band (decided on the device): its window, and no mask loads
-    band_on = False
+    band_on = 0
     if HAS_BAND:  # the launcher then sets HAS_WL = HAS_WR = True (unbounded = Lk + Lq)
         window_left, window_right, band_on = apply_mask_band(BAND, window_left, window_right)
 
@@ -169,94 +265,75 @@ def _rel_attn_fwd_kernel(
     t_begin = t_lo + pid_s * per_split
     t_end = tl.minimum(t_begin + per_split, t_hi)
 
-    k_base = K + b * stride_kb + h * stride_kh
-    v_base = V + b * stride_vb + h * stride_vh
-    r_off_h = h * stride_rh
+    # ---- base pointers of this (b, h), offset once; tiles add j0 * stride and int32 offsets
+    K_bh = K + b * stride_kb + h * stride_kh
+    V_bh = V + b * stride_vb + h * stride_vh
+    R_h = R + h * stride_rh
+    k_off = offs_n0[:, None] * stride_kn + offs_d[None, :]
+    v_off = offs_n0[:, None] * stride_vn + offs_d[None, :]
+    r_off = offs_n0[:, None] * stride_rp + offs_d[None, :]
+    kpm_b = KPM + b * stride_kpm_b
+    mask_b = MASK + b * stride_mb + h * stride_mh
 
     # ---- skew. Tile element (a, c) needs window column w = c + sh_a, sh_a = BM - 1 - a,
     # i.e. chunk w // BN at column w % BN. Row a reads chunk c0_a = sh_a // BN at columns
     # >= s_a = sh_a % BN and chunk c0_a + 1 at columns < s_a: the two never collide, so the
     # chunks merge elementwise (M) and the skew is one row rotation: BD[a, c] = M[a, w % BN].
     sh = (BLOCK_M - 1) - tl.arange(0, BLOCK_M)
-    rot_idx = (offs_n0[None, :] + sh[:, None]) % BLOCK_N
-    take_first = offs_n0[None, :] >= (sh % BLOCK_N)[:, None]
-    if BLOCK_M > BLOCK_N:
-        first_is_0 = (sh < BLOCK_N)[:, None]
+    rot = sh % BLOCK_N
+    take_first = offs_n0[None, :] >= rot[:, None]
+    first_is_0 = (sh < BLOCK_N)[:, None]
     # ---- prime the window: chunks 0 .. C-2 of the first tile
     base0 = t_begin * BLOCK_N - i0 - (BLOCK_M - 1) + Lq - 1
-    t0 = _window_chunk(qv, R, r_off_h, stride_rp, base0, R_rows, D,
-                       BLOCK_N, BLOCK_D, UPCAST, DOT_PREC)
+    t0 = _window_chunk(qv, R_h, r_off, stride_rp, base0, R_rows, offs_n0, d_ok,
+                       EVEN_D, UPCAST, DOT_PREC)
+    t1 = t0
     if BLOCK_M > BLOCK_N:  # C == 3
-        t1 = _window_chunk(qv, R, r_off_h, stride_rp, base0 + BLOCK_N, R_rows, D,
-                           BLOCK_N, BLOCK_D, UPCAST, DOT_PREC)
+        t1 = _window_chunk(qv, R_h, r_off, stride_rp, base0 + BLOCK_N, R_rows, offs_n0, d_ok,
+                           EVEN_D, UPCAST, DOT_PREC)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    for t in range(t_begin, t_end):
-        j0 = t * BLOCK_N
-        offs_n = j0 + offs_n0
-        n_ok = offs_n < Lk
-        kv_msk = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
-                    mask=kv_msk, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(qu, tl.trans(k), input_precision=DOT_PREC)
-
-        # BD: one new window chunk per key tile, the others carried over from the last tile
-        base = j0 - i0 - (BLOCK_M - 1) + Lq - 1
-        if BLOCK_M > BLOCK_N:
-            t2 = _window_chunk(qv, R, r_off_h, stride_rp, base + 2 * BLOCK_N, R_rows, D,
-                               BLOCK_N, BLOCK_D, UPCAST, DOT_PREC)
-            merged = tl.where(take_first, tl.where(first_is_0, t0, t1),
-                              tl.where(first_is_0, t1, t2))
-            t0 = t1
-            t1 = t2
-        else:
-            tn = _window_chunk(qv, R, r_off_h, stride_rp, base + BLOCK_N, R_rows, D,
-                               BLOCK_N, BLOCK_D, UPCAST, DOT_PREC)
-            merged = tl.where(take_first, t0, tn)
-            t0 = tn
-        bd = tl.gather(merged, rot_idx, 1)
-        s = (s + bd) * qk_scale
-
-        # ---- masks from indices, then the optional padding / dense masks
-        allowed = m_ok[:, None] & n_ok[None, :]
-        dist = (offs_m[:, None] + mlen) - offs_n[None, :]
+    # ---- interior key tiles [t_in, t_out): every pair allowed by the window, every key < Lk
+    # and no padding / dense mask, so they run mask-free; the rest (the band edges) masked.
+    t_in = t_begin
+    t_out = t_begin
+    if not (HAS_KPM or HAS_MASK):
+        t_out = tl.minimum(t_end, Lk // BLOCK_N)
+        if HAS_WR:  # j0 + BN - 1 <= i0 + mlen + window_right
+            t_out = tl.minimum(t_out, tl.maximum(i0 + mlen + window_right + 1, 0) // BLOCK_N)
+        if HAS_WL:  # j0 >= i0 + BM - 1 + mlen - window_left
+            t_in = tl.maximum(t_begin, (tl.maximum(i0 + BLOCK_M - 1 + mlen - window_left, 0)
+                                        + BLOCK_N - 1) // BLOCK_N)
+            t_in = tl.minimum(t_in, t_end)
+        t_out = tl.maximum(t_out, t_in)
         if HAS_WL:
-            allowed = allowed & (dist <= window_left)
-        if HAS_WR:
-            allowed = allowed & (-dist <= window_right)
-        if HAS_KPM:
-            kp = tl.load(KPM + b * stride_kpm_b + offs_n.to(tl.int64) * stride_kpm_n,
-                         mask=n_ok, other=1)
-            allowed = allowed & (kp == 0)[None, :]
-        if HAS_MASK:
-            # (out-of-range pairs are already excluded; with a band, nothing is loaded)
-            am = tl.load(MASK + b * stride_mb + h * stride_mh
-                         + offs_m.to(tl.int64)[:, None] * stride_mm
-                         + offs_n.to(tl.int64)[None, :] * stride_mn,
-                         mask=m_ok[:, None] & n_ok[None, :] & (band_on == 0), other=0)
-            allowed = allowed & (am == 0)
-        s = tl.where(allowed, s, float("-inf"))
-
-        # ---- online softmax (log2 domain)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vn + offs_d[None, :],
-                    mask=kv_msk, other=0.0)
-        if UPCAST:
-            pv = round_bf16(p)
-            v = v.to(tl.float32)
-        else:
-            pv = p.to(V.dtype.element_ty)
-        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC)
-        m_i = m_new
+            for t in range(t_begin, t_in):
+                acc, m_i, l_i, t0, t1 = _attend_tile(
+                    acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off, R_h, r_off,
+                    stride_kn, stride_vn, stride_rp, offs_m, offs_n0, m_ok, d_ok, rot,
+                    take_first, first_is_0, Lq, Lk, R_rows, mlen, window_left, window_right,
+                    qk_scale, kpm_b, stride_kpm_n, mask_b, stride_mm, stride_mn, band_on,
+                    HAS_WL, HAS_WR, HAS_KPM, HAS_MASK, HAS_BAND, True, EVEN_D, UPCAST,
+                    DOT_PREC, BLOCK_M, BLOCK_N)
+        for t in range(t_in, t_out):
+            acc, m_i, l_i, t0, t1 = _attend_tile(
+                acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off, R_h, r_off,
+                stride_kn, stride_vn, stride_rp, offs_m, offs_n0, m_ok, d_ok, rot,
+                take_first, first_is_0, Lq, Lk, R_rows, mlen, window_left, window_right,
+                qk_scale, kpm_b, stride_kpm_n, mask_b, stride_mm, stride_mn, band_on,
+                HAS_WL, HAS_WR, HAS_KPM, HAS_MASK, HAS_BAND, False, EVEN_D, UPCAST,
+                DOT_PREC, BLOCK_M, BLOCK_N)
+    for t in range(t_out, t_end):
+        acc, m_i, l_i, t0, t1 = _attend_tile(
+            acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off, R_h, r_off,
+            stride_kn, stride_vn, stride_rp, offs_m, offs_n0, m_ok, d_ok, rot,
+            take_first, first_is_0, Lq, Lk, R_rows, mlen, window_left, window_right,
+            qk_scale, kpm_b, stride_kpm_n, mask_b, stride_mm, stride_mn, band_on,
+            HAS_WL, HAS_WR, HAS_KPM, HAS_MASK, HAS_BAND, True, EVEN_D, UPCAST,
+            DOT_PREC, BLOCK_M, BLOCK_N)
 
     has_key = l_i > 0.0
     l_safe = tl.where(has_key, l_i, 1.0)
@@ -366,6 +443,9 @@ def _prune_configs(configs, named_args, **kwargs):
     out = [c for c in configs
            if _config_ok(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages,
                          block_d, exact_fp32, wide)]
+    if kwargs["SPLIT"]:  # num_splits was chosen for the default config's BLOCK_M
+        bm = _default_config(block_d, exact_fp32, wide)["BLOCK_M"]
+        out = [c for c in out if c.kwargs["BLOCK_M"] == bm]
     if not out:
         cfg = dict(_default_config(block_d, exact_fp32, wide))
         nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
@@ -383,7 +463,7 @@ def _default_config(block_d: int, exact_fp32: bool, wide: bool = False) -> dict:
 
 
 _AUTOTUNE_KEYS = ["LQ_BUCKET", "LK_BUCKET", "BLOCK_D", "num_splits", "HAS_WL", "HAS_WR",
-                  "HAS_KPM", "HAS_MASK", "HAS_BAND", "SPLIT", "DOT_PREC"]
+                  "HAS_KPM", "HAS_MASK", "HAS_BAND", "SPLIT", "DOT_PREC", "EVEN_D"]
 
 _rel_attn_fwd_kernel_tuned = triton.autotune(
     configs=_hopper_configs(), key=_AUTOTUNE_KEYS,
@@ -400,13 +480,15 @@ def _sm_count(index: int) -> int:
 
 
 def choose_num_splits(B: int, H: int, Lq: int, Lk: int, window_left: int, window_right: int,
-                      num_sms: int) -> int:
+                      num_sms: int, block_m: int = 64) -> int:
     """Split the keys when the (b, h, query tile) programs cannot fill ``num_sms`` SMs.
 
-    Aims at about four programs per SM, with at least 256 keys (the span a query tile may see
-    under the window) per split so that priming the window stays a small overhead.
+    ``block_m``: the BLOCK_M the forward launches with (the launcher passes it; with the
+    autotuner on, split launches only try configs of that BLOCK_M). Aims at about four programs
+    per SM, with at least 256 keys (the span a query tile may see under the window) per split so
+    that priming the window stays a small overhead.
     """
-    base = B * H * triton.cdiv(Lq, 64)
+    base = B * H * triton.cdiv(Lq, block_m)
     if base >= 2 * num_sms:
         return 1
     span = Lk
@@ -451,18 +533,16 @@ def rel_attn_fwd(
     Lk = k.shape[1]
     R_rows = r.shape[0]
     dtype = q.dtype
-    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"rel_attn_fwd: unsupported dtype {dtype}")
-    if not all(t.dtype == dtype for t in (k, v, r, r_w_bias, r_r_bias)):
-        raise TypeError("rel_attn_fwd: all inputs must share q's dtype")
-    if tuple(k.shape) != (B, Lk, H, D) or tuple(v.shape) != (B, Lk, H, D) or Lk < Lq:
-        raise ValueError(f"rel_attn_fwd: bad k / v shapes {list(k.shape)} / {list(v.shape)} "
-                         f"for q {list(q.shape)}")
-    if tuple(r.shape[1:]) != (H, D) or tuple(r_w_bias.shape) != (H, D) \
-            or tuple(r_r_bias.shape) != (H, D):
-        raise ValueError("rel_attn_fwd: r must be [R, H, D] and the biases [H, D]")
-    if not 16 <= D <= 256:
-        raise ValueError(f"rel_attn_fwd: head dim {D} outside 16..256")
+    # Invariants only: rel_attention (functional.py) validates user input with clear errors.
+    assert dtype in (torch.float16, torch.bfloat16, torch.float32), f"q: {describe(q)}"
+    assert all(t.dtype == dtype for t in (k, v, r, r_w_bias, r_r_bias)), \
+        f"dtypes differ: q {describe(q)}, k {describe(k)}, r {describe(r)}"
+    assert tuple(k.shape) == (B, Lk, H, D) and tuple(v.shape) == (B, Lk, H, D) and Lk >= Lq, \
+        f"q {describe(q)}, k {describe(k)}, v {describe(v)}"
+    assert tuple(r.shape[1:]) == (H, D) and tuple(r_w_bias.shape) == (H, D) \
+        and tuple(r_r_bias.shape) == (H, D), \
+        f"r {describe(r)}, r_w_bias {describe(r_w_bias)}, r_r_bias {describe(r_r_bias)}"
+    assert 16 <= D <= 256, f"head dim {D}"
     q, k, v, r, u, vb = (last_dim_contiguous(t) for t in (q, k, v, r, r_w_bias, r_r_bias))
 
     out = torch.empty((B, Lq, H, D), dtype=dtype, device=q.device)
@@ -478,10 +558,19 @@ def rel_attn_fwd(
     else:
         am, am_strides = q, (0, 0, 0, 0)
 
+    dot_prec = dot_precision(dtype)
+    exact_fp32 = dtype == torch.float32 and dot_prec == "ieee"
+    block_d = max(16, _next_pow2(D))
+    if config is None and INTERPRET:
+        config = INTERPRET_CONFIG
+    elif config is None and not autotune_enabled():
+        config = _default_config(block_d, exact_fp32, dtype == torch.float32)
+    # the BLOCK_M this call launches with (autotuned split launches keep the default's)
+    block_m = (config or _default_config(block_d, exact_fp32, dtype == torch.float32))["BLOCK_M"]
     if num_splits is None:
         if q.device.type == "cuda" and not INTERPRET:
             num_splits = choose_num_splits(B, H, Lq, Lk, window_left, window_right,
-                                           _sm_count(q.device.index or 0))
+                                           _sm_count(q.device.index or 0), block_m)
         else:
             num_splits = 1
     num_splits = max(1, int(num_splits))
@@ -492,14 +581,12 @@ def rel_attn_fwd(
     else:
         o_part, l_part = lse, lse  # unused
 
-    dot_prec = dot_precision(dtype)
     has_band = attn_mask_band is not None and has_mask
     band = attn_mask_band if has_band else lse  # unused without a band
     # With a band the window checks are compiled in; an unbounded side becomes Lk + Lq.
     wl_arg = int(window_left) if window_left >= 0 or not has_band else Lk + Lq
     wr_arg = int(window_right) if window_right >= 0 or not has_band else Lk + Lq
     upcast = INTERPRET and dtype == torch.bfloat16
-    block_d = max(16, _next_pow2(D))
 
     args = (
         q, k, v, r, u, vb, out, lse, o_part, l_part, kpm, am, band,
@@ -516,18 +603,13 @@ def rel_attn_fwd(
         _next_pow2(Lq), _next_pow2(Lk),
     )
     meta = dict(HAS_WL=window_left >= 0 or has_band, HAS_WR=window_right >= 0 or has_band,
-                HAS_KPM=has_kpm, HAS_MASK=has_mask, HAS_BAND=has_band, SPLIT=split, UPCAST=upcast, DOT_PREC=dot_prec,
-                BLOCK_D=block_d)
+                HAS_KPM=has_kpm, HAS_MASK=has_mask, HAS_BAND=has_band, SPLIT=split, UPCAST=upcast,
+                DOT_PREC=dot_prec, EVEN_D=D == block_d, BLOCK_D=block_d)
 
     def grid(META):
         return (B * H, triton.cdiv(Lq, META["BLOCK_M"]), num_splits)
 
     with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
-        if config is None and INTERPRET:
-            config = INTERPRET_CONFIG
-        elif config is None and not autotune_enabled():
-            config = _default_config(block_d, dtype == torch.float32 and dot_prec == "ieee",
-                                     dtype == torch.float32)
         if config is not None:
             cfg = dict(config)
             bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
