@@ -760,6 +760,33 @@ def test_nemo_bad_inputs_raise_clear_errors():
         NeMoRelPositionMultiHeadAttention(N_HEAD, N_FEAT, 0.0, None, None, backend="cuda")
 
 
+@pytest.mark.parametrize("framework", ["nemo", "nemo_cache", "espnet"])
+@pytest.mark.parametrize("bad", [-1, 9])
+def test_lengths_out_of_range_raise(framework, bad):
+    """Regression: lengths > T or < 0 were accepted silently (a negative length also masked
+    cached frames)."""
+    B, T, C = 2, 8, 3
+    if framework == "espnet":
+        _, ours = espnet_pair()
+        x, pe = rnd(B, T, N_FEAT), rnd(1, 2 * T - 1, N_FEAT)
+
+        def call(lengths):
+            return ours(x, x, x, pe, None, lengths=lengths)
+    else:
+        _, ours = nemo_pair()
+        x = rnd(B, T, N_FEAT)
+        cache = rnd(B, C, N_FEAT) if framework == "nemo_cache" else None
+        K = T + (C if cache is not None else 0)
+        pe = rnd(1, 2 * K - 1, N_FEAT)
+
+        def call(lengths):
+            return ours(query=x, key=x, value=x, mask=None, pos_emb=pe, cache=cache,
+                        lengths=lengths)
+    call(torch.tensor([T, 0]))  # the bounds themselves are fine
+    with pytest.raises(RuntimeError, match=rf"lengths must be in \[0, {T}\]"):
+        call(torch.tensor([T, bad]))
+
+
 def test_espnet_bad_inputs_raise_clear_errors():
     B, T = 2, 8
     _, ours = espnet_pair()

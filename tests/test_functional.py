@@ -145,3 +145,16 @@ def test_huge_windows_are_clamped_to_the_shapes(window):
         res.append([out.detach()] + [t.grad for t in ts])
     for a, b in zip(*res):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_causal_accepts_numpy_bools_and_names_other_types():
+    """Regression: causal=np.bool_(True) gave "must be a bool, got bool"."""
+    np = pytest.importorskip("numpy")
+    ts = _inputs(R=12)
+    for flag in (True, False):
+        torch.testing.assert_close(_call(*ts, causal=np.bool_(flag), window_size=(-1, -1)),
+                                   _call(*ts, causal=flag, window_size=(-1, -1)))
+    with pytest.raises(TypeError, match=r"causal must be a bool .*got numpy\.int64"):
+        _call(*ts, causal=np.int64(1))
+    with pytest.raises(TypeError, match=r"causal must be a bool .*got torch\.Tensor"):
+        _call(*ts, causal=torch.tensor(True))

@@ -55,8 +55,12 @@ def _normalize_masks(q, k, causal, window_size, key_padding_mask, attn_mask):
     """
     B, Lq, H, _ = q.shape
     Lk = k.shape[1]
+    if type(causal).__module__ == "numpy" and type(causal).__name__ in ("bool", "bool_"):
+        causal = bool(causal)  # numpy.bool_ (numpy.bool in numpy 2)
     if not isinstance(causal, bool):
-        raise TypeError(f"rel_attention: causal must be a bool, got {type(causal).__name__}")
+        kind = type(causal)
+        raise TypeError(f"rel_attention: causal must be a bool (or numpy.bool_), got "
+                        f"{kind.__module__}.{kind.__qualname__} {causal!r:.40}")
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
         raise TypeError(f"rel_attention: window_size must be a (left, right) pair of ints, "

@@ -107,6 +107,12 @@ class _RelPosAttention(nn.Module):
                 raise ValueError(f"{self._NAME}: lengths must be an integer tensor (B={batch},) "
                                  f"of valid frames per sequence; got {got}")
             lengths = lengths.to(device=device)
+            # Checked on the device (no host sync): on CPU this raises here, on CUDA as a
+            # device-side assertion at the next synchronisation.
+            torch._assert_async(((lengths >= 0) & (lengths <= qlen)).all(),
+                                f"{self._NAME}: lengths must be in [0, {qlen}] (valid frames of "
+                                f"the {qlen} current frames); got a negative value or one "
+                                f"> {qlen}")
             pos = torch.arange(klen, device=device)
             return pos[None, :] >= (lengths[:, None] + (klen - qlen))
         return None
