@@ -101,8 +101,16 @@ def test_causal_is_window_right_zero():
                                _call(*ts, causal=False, window_size=(-1, 0)), rtol=0, atol=0)
 
 
-def test_triton_backend_on_cpu_without_interpreter_raises(monkeypatch):
+def _no_interpreter(monkeypatch):
+    """As in a process that never set TRITON_INTERPRET: once the kernels exist, what triton
+    built decides (``_utils.interpreting``), so the variable alone cannot switch it off here."""
+    import txl_kernels.functional as F
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(F, "interpreting", lambda: False)
+
+
+def test_triton_backend_on_cpu_without_interpreter_raises(monkeypatch):
+    _no_interpreter(monkeypatch)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         _call(*_inputs(), backend="triton")
 
@@ -114,7 +122,7 @@ def test_triton_backend_rejects_unsupported_head_dim():
 
 
 def test_auto_falls_back_to_reference_on_cpu_without_interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    _no_interpreter(monkeypatch)
     ts = _inputs()
     torch.testing.assert_close(_call(*ts, backend="auto"), _call(*ts), rtol=0, atol=0)
     ok, why = txl_kernels.fused_available(torch.device("cpu"))
