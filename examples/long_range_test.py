@@ -173,7 +173,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--margin", type=float, default=0.3,
                    help="required accuracy lead of the memory model in the memory band")
-    p.add_argument("--attn-backend", default="auto", help='"auto", "triton" or "reference"')
+    p.add_argument("--attn-backend", default="reference",
+                   help='"reference" (default: torch einsum, fast for these tiny CPU models), '
+                        '"auto" or "triton" (the fused kernels; on CPU only under '
+                        'TRITON_INTERPRET=1, slow)')
     p.add_argument("--memory-backend", default=None,
                    help='update_mems backend (default "torch" on CPU, else "auto")')
     p.add_argument("--threads", type=int, default=1,
