@@ -255,7 +255,7 @@ def plot_curve(path: str, train_pts, valid_pts) -> None:
 
 # ---- CLI -----------------------------------------------------------------------------------
 QUICK = dict(n_layer=2, n_head=2, d_model=64, d_head=32, d_inner=128, tgt_len=32, mem_len=32,
-             batch_size=16, steps=500, eval_every=250, lr=3e-3, warmup=20, eval_bsz=8,
+             batch_size=16, steps=1000, eval_every=500, lr=3e-3, warmup=20, eval_bsz=8,
              train_bytes=400_000, eval_bytes=40_000, dropout=0.0, dropatt=0.0)
 FULL = dict(n_layer=12, n_head=8, d_model=512, d_head=64, d_inner=2048, tgt_len=256,
             mem_len=256, batch_size=32, steps=20000, eval_every=1000, lr=2.5e-4, warmup=1000,
