@@ -248,9 +248,9 @@ def _bad_cases():
         "mems_d": ((h, [m[0], torch.randn(3, 2, 7)], 4, 0), ValueError,
                    r"mems\[1\] has feature size \(d\) 7 but hids\[1\] has 6"),
         "mems_dtype": ((h, [m[0].to(torch.bfloat16), m[1]], 4, 0), TypeError,
-                       r"mems\[0\] has dtype torch.bfloat16 but hids\[0\] has torch.float32"),
+                       r"mems\[0\] has dtype torch.bfloat16, hids\[0\] has torch.float32"),
         "mems_device": ((h, [m[0], m[1].to("meta")], 4, 0), ValueError,
-                        r"mems\[1\] is on meta but hids\[1\] is on cpu"),
+                        r"mems\[1\] is on meta, hids\[1\] is on cpu"),
     }
 
 

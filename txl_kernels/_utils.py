@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-__all__ = ["describe", "interpreting", "interpret_requested", "no_interpreter_reason",
+__all__ = ["describe", "check_same", "interpreting", "interpret_requested", "no_interpreter_reason",
            "FUSED_DTYPES", "REF_DTYPES", "FUSED_MIN_HEADDIM", "FUSED_MAX_HEADDIM"]
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -57,3 +57,13 @@ def no_interpreter_reason() -> str:
                 "before the first fused call (e.g. in the shell)")
     return ("CPU tensors need TRITON_INTERPRET=1 set before triton is imported (the Triton "
             "interpreter); there is no compiled CPU kernel")
+
+
+def check_same(who: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor, *,
+               dtype: bool = True, device: bool = True) -> None:
+    """Raise, naming both tensors, if ``t``'s dtype (TypeError) or device (ValueError) is not
+    ``ref``'s."""
+    if dtype and t.dtype != ref.dtype:
+        raise TypeError(f"{who}: {name} has dtype {t.dtype}, {ref_name} has {ref.dtype}")
+    if device and t.device != ref.device:
+        raise ValueError(f"{who}: {name} is on {t.device}, {ref_name} is on {ref.device}")

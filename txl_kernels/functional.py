@@ -9,8 +9,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._utils import (FUSED_DTYPES, FUSED_MAX_HEADDIM, FUSED_MIN_HEADDIM, REF_DTYPES, describe,
-                     interpreting, no_interpreter_reason)
+from ._utils import (FUSED_DTYPES, FUSED_MAX_HEADDIM, FUSED_MIN_HEADDIM, REF_DTYPES, check_same,
+                     describe, interpreting, no_interpreter_reason)
 from .reference import autocast_dtype, in_band, pair_distance, rel_attention_reference
 
 __all__ = ["rel_attention", "fused_available", "mask_to_band", "BACKENDS"]
@@ -47,6 +47,16 @@ def fused_available(device: torch.device) -> Tuple[bool, str]:
     return False, f"no fused kernel for device type {device.type!r}"
 
 
+def _check_bool_mask(name: str, t, layout: str, meaning: str, q: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"rel_attention: {name} must be a bool tensor {layout}, "
+                        f"got {type(t).__name__}")
+    if t.dtype != torch.bool:
+        raise TypeError(f"rel_attention: {name} must have dtype torch.bool ({meaning}), "
+                        f"got {t.dtype}")
+    check_same("rel_attention", name, t, "q", q, dtype=False)
+
+
 def _normalize_masks(q, k, causal, window_size, key_padding_mask, attn_mask):
     """Check the masks and turn them into (window_left, window_right, kpm, attn_mask).
 
@@ -81,28 +91,13 @@ def _normalize_masks(q, k, causal, window_size, key_padding_mask, attn_mask):
     if wr >= 0:
         wr = min(wr, Lq - 1)
     if key_padding_mask is not None:
-        if not isinstance(key_padding_mask, torch.Tensor):
-            raise TypeError(f"rel_attention: key_padding_mask must be a bool tensor [B, Lk], "
-                            f"got {type(key_padding_mask).__name__}")
-        if key_padding_mask.dtype != torch.bool:
-            raise TypeError(f"rel_attention: key_padding_mask must have dtype torch.bool "
-                            f"(True = padded key), got {key_padding_mask.dtype}")
+        _check_bool_mask("key_padding_mask", key_padding_mask, "[B, Lk]", "True = padded key", q)
         if tuple(key_padding_mask.shape) != (B, Lk):
             raise ValueError(f"rel_attention: key_padding_mask must have shape [B, Lk] = "
                              f"{[B, Lk]}, got {list(key_padding_mask.shape)}")
-        if key_padding_mask.device != q.device:
-            raise ValueError(f"rel_attention: key_padding_mask is on {key_padding_mask.device}, "
-                             f"q is on {q.device}")
     if attn_mask is not None:
-        if not isinstance(attn_mask, torch.Tensor):
-            raise TypeError(f"rel_attention: attn_mask must be a bool tensor broadcastable to "
-                            f"[B, H, Lq, Lk], got {type(attn_mask).__name__}")
-        if attn_mask.dtype != torch.bool:
-            raise TypeError(f"rel_attention: attn_mask must have dtype torch.bool "
-                            f"(True = masked), got {attn_mask.dtype}")
-        if attn_mask.device != q.device:
-            raise ValueError(f"rel_attention: attn_mask is on {attn_mask.device}, "
-                             f"q is on {q.device}")
+        _check_bool_mask("attn_mask", attn_mask, "broadcastable to [B, H, Lq, Lk]",
+                         "True = masked", q)
         target = (B, H, Lq, Lk)
         shape = tuple(attn_mask.shape)
         ok = attn_mask.dim() <= 4 and all(
@@ -263,12 +258,7 @@ def rel_attention(
     Lk = k.shape[1]
     for name, t in (("k", k), ("v", v), ("r", r), ("r_w_bias", r_w_bias),
                     ("r_r_bias", r_r_bias)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"rel_attention: {name} has dtype {t.dtype}, q has {q.dtype}; "
-                            f"all inputs must share one dtype")
-        if t.device != q.device:
-            raise ValueError(f"rel_attention: {name} is on {t.device}, q is on {q.device}; "
-                             f"all inputs must be on one device")
+        check_same("rel_attention", name, t, "q", q)  # one dtype, one device for all inputs
     if Lq < 1 or Lk < 1 or B < 1 or H < 1 or D < 1:
         raise ValueError(f"rel_attention: empty dimension in q {list(q.shape)} / "
                          f"k {list(k.shape)}")
@@ -311,9 +301,7 @@ def rel_attention(
                 or tuple(attn_mask_band.shape) != (3,):
             raise TypeError(f"rel_attention: attn_mask_band must be the int32 [3] tensor of "
                             f"mask_to_band(attn_mask), got {attn_mask_band!r:.80}")
-        if attn_mask_band.device != q.device:
-            raise ValueError(f"rel_attention: attn_mask_band is on {attn_mask_band.device}, "
-                             f"q is on {q.device}")
+        check_same("rel_attention", "attn_mask_band", attn_mask_band, "q", q, dtype=False)
     else:
         _check_position_rows(Lq, Lk, r.shape[0], wl, wr)
 

@@ -24,7 +24,7 @@ from typing import List, Optional, Sequence, Set
 import torch
 
 from . import _build
-from ._utils import describe
+from ._utils import check_same, describe
 
 __all__ = ["update_mems", "kv_cache_compact", "MEMORY_BACKENDS"]
 
@@ -103,12 +103,7 @@ def _check(hids, mems, mem_len, ext_len):
         if m.shape[2] != h.shape[2]:
             raise ValueError(f"update_mems: mems[{l}] has feature size (d) {m.shape[2]} but "
                              f"hids[{l}] has {h.shape[2]}")
-        if m.dtype != h.dtype:
-            raise TypeError(f"update_mems: mems[{l}] has dtype {m.dtype} but hids[{l}] has "
-                            f"{h.dtype}")
-        if m.device != h.device:
-            raise ValueError(f"update_mems: mems[{l}] is on {m.device} but hids[{l}] is on "
-                             f"{h.device}")
+        check_same("update_mems", f"mems[{l}]", m, f"hids[{l}]", h)
     return hids, mems, mem_len, ext_len
 
 

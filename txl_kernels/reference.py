@@ -12,6 +12,7 @@ import contextlib
 from typing import Optional
 
 import torch
+from torch import Tensor
 import torch.nn.functional as F
 
 __all__ = ["rel_shift", "rel_shift_pad_reshape", "rel_attention_reference", "allowed_pairs",
@@ -97,22 +98,11 @@ def allowed_pairs(
     return allowed
 
 
-def rel_attention_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    r: torch.Tensor,
-    r_w_bias: torch.Tensor,
-    r_r_bias: torch.Tensor,
-    softmax_scale: float,
-    window_left: int,
-    window_right: int,
-    key_padding_mask: Optional[torch.Tensor] = None,
-    attn_mask: Optional[torch.Tensor] = None,
-    dropout_p: float = 0.0,
-    return_lse: bool = False,
-    attn_mask_band: Optional[torch.Tensor] = None,
-):
+def rel_attention_reference(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
+                            r_r_bias: Tensor, softmax_scale: float, window_left: int,
+                            window_right: int, key_padding_mask: Optional[Tensor] = None,
+                            attn_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
+                            return_lse: bool = False, attn_mask_band: Optional[Tensor] = None):
     """Einsum relative attention. q ``[B, Lq, H, D]``, k/v ``[B, Lk, H, D]``, r ``[R, H, D]``,
     biases ``[H, D]``; masks already normalised (causal folded into ``window_right = 0``,
     ``attn_mask`` bool broadcastable to ``[B, H, Lq, Lk]``, True = masked).

@@ -31,6 +31,15 @@ def _cluster_ends(n_token: int, cutoffs: Sequence[int]) -> List[int]:
     return ends
 
 
+def _init_clusters(mod: nn.Module, n_token: int, d_embed: int, d_proj: int,
+                   cutoffs: Sequence[int], div_val: int) -> None:
+    """The vocabulary split both adaptive modules share: sizes, ``cutoff_ends`` and ``cutoffs``
+    (the original's attribute names)."""
+    mod.n_token, mod.d_embed, mod.d_proj, mod.div_val = n_token, d_embed, d_proj, div_val
+    mod.cutoff_ends = _cluster_ends(n_token, cutoffs)
+    mod.cutoffs = mod.cutoff_ends[1:]
+
+
 class AdaptiveEmbedding(nn.Module):
     """``AdaptiveEmbedding(n_token, d_embed, d_proj, cutoffs, div_val=1)``: ids ``[...]`` ->
     ``[..., d_proj]``, scaled by ``sqrt(d_proj)``. Parameters ``emb_layers.i.weight`` and
@@ -39,9 +48,7 @@ class AdaptiveEmbedding(nn.Module):
     def __init__(self, n_token: int, d_embed: int, d_proj: int, cutoffs: Sequence[int],
                  div_val: int = 1, sample_softmax: bool = False):
         super().__init__()
-        self.n_token, self.d_embed, self.d_proj, self.div_val = n_token, d_embed, d_proj, div_val
-        self.cutoff_ends = _cluster_ends(n_token, cutoffs)
-        self.cutoffs = self.cutoff_ends[1:]
+        _init_clusters(self, n_token, d_embed, d_proj, cutoffs, div_val)
         self.emb_scale = d_proj ** 0.5
         self.emb_layers = nn.ModuleList()
         self.emb_projs = nn.ParameterList()
@@ -86,9 +93,7 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
     def __init__(self, n_token: int, d_embed: int, d_proj: int, cutoffs: Sequence[int],
                  div_val: int = 1, keep_order: bool = True):
         super().__init__()
-        self.n_token, self.d_embed, self.d_proj, self.div_val = n_token, d_embed, d_proj, div_val
-        self.cutoff_ends = _cluster_ends(n_token, cutoffs)
-        self.cutoffs = self.cutoff_ends[1:]
+        _init_clusters(self, n_token, d_embed, d_proj, cutoffs, div_val)
         self.shortlist_size = self.cutoffs[0]
         self.n_clusters = len(self.cutoffs) - 1
         self.head_size = self.shortlist_size + self.n_clusters

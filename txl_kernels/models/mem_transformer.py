@@ -26,8 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .._utils import describe
-from .._utils import FUSED_DTYPES
+from .._utils import FUSED_DTYPES, check_same, describe
 from ..functional import fused_available, rel_attention
 from ..memory import _as_len, update_mems
 from ..modules.transformer_xl import FusedRelAttention
@@ -316,12 +315,7 @@ class MemTransformerLM(nn.Module):
                                  f"d_model={self.d_model}], got {list(m.shape)}")
             else:
                 this = m.shape[0]
-            if m.dtype != p.dtype:
-                raise TypeError(f"MemTransformerLM: mems[{l}] has dtype {m.dtype}, the model "
-                                f"has {p.dtype}")
-            if m.device != p.device:
-                raise ValueError(f"MemTransformerLM: mems[{l}] is on {m.device}, the model is "
-                                 f"on {p.device}")
+            check_same("MemTransformerLM", f"mems[{l}]", m, "the model", p)
             if mlen is None:
                 mlen = this
             elif this != mlen:
