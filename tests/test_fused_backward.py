@@ -418,7 +418,7 @@ def test_autotune_pruning_keeps_configs_that_fit():
 
     def blocks(extra, dtype, block_d, L=4096):
         q = torch.empty(1, 1, 1, 1, dtype=dtype)
-        kept = _make_prune(extra)(configs, {"Q": q, "Lq": L, "Lk": L}, BLOCK_D=block_d)
+        kept = _make_prune(extra)(configs, {"K": q, "Lq": L, "Lk": L}, BLOCK_D=block_d)
         return sorted({c.kwargs["BLOCK"] for c in kept})
 
     assert blocks(False, torch.float16, 64) == [32, 64]
@@ -446,7 +446,7 @@ def test_default_config_is_a_kept_autotune_config(monkeypatch):
                         key = (cfg["BLOCK"], cfg["num_warps"], cfg["num_stages"])
                         assert key in gpu, (dtype, block_d, extra, L, cfg)
                         kept = rb._make_prune(extra)(list(gpu.values()),
-                                                     {"Q": torch.empty(1, dtype=dtype),
+                                                     {"K": torch.empty(1, dtype=dtype),
                                                       "Lq": L, "Lk": L}, BLOCK_D=block_d)
                         assert gpu[key] in kept, (dtype, block_d, extra, L, cfg)
     assert rb._default_config(64, False) == {"BLOCK": 64, "num_warps": 4, "num_stages": 2}

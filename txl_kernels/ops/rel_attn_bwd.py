@@ -8,7 +8,7 @@ Algorithm (FlashAttention-2 style: P is recomputed from the saved natural-log ro
 log-sum-exp ``lse``, never stored; every tile product runs on the tensor cores in fp32
 accumulation):
 
-    delta_i = dO_i . O_i                                 (_rel_attn_bwd_preprocess_kernel)
+    delta_i = dO_i . O_i; A and Qv rounded once           (_rel_attn_bwd_preprocess_kernel)
     P = exp(S - lse)   (0 on masked pairs, and on rows with no allowed key: lse = +inf there)
     dP = dO V^T,   dS = P * (dP - delta) * scale
     dV = P^T dO,   dK = dS^T A                           (_rel_attn_bwd_dkdv_kernel)
@@ -33,10 +33,11 @@ wider-index gather that trips the GPU compiler (triton-lang/triton#5836). Rows o
 are never read (masked loads give 0; they only meet masked pairs) and never written.
 
 Window reuse: in the dq kernel (one query tile, key tiles in increasing order) the hi chunk of key
-tile n is the lo chunk of tile n + 1, so T_hi, the R_hi rows and the pending dT_hi part are
-carried to the next iteration: BD costs one extra QK-sized product per tile and dQv one more
-(the dT_hi of tile n and the dT_lo of tile n + 1 have disjoint supports and are merged before a
-single product with the shared rows). In the dk/dv kernel (one key tile, query tiles in
+tile n is the lo chunk of tile n + 1, so the R_hi rows and the pending dS of tile n (its dT_hi
+part) are carried to the next iteration: the dT_hi of tile n and the dT_lo of tile n + 1 have
+disjoint supports, so they are merged before a single rotation and a single product with the
+shared rows. Both T chunks are recomputed per tile (carrying T_hi would keep one more fp32 tile
+live and spill). In the dk/dv kernel (one key tile, query tiles in
 increasing order) the R rows are carried (R_hi of query tile m + 1 is R_lo of tile m), but Qv
 changes, so both T chunks are computed per tile.
 
@@ -51,8 +52,8 @@ P and dS once more (a third pass). du and dvb: the dq kernel writes the row sums
 of its query tile to per-(batch, query tile) partials, summed by torch in a fixed order. Two
 calls on the same inputs therefore give bitwise-equal gradients.
 
-Work per tile pair, in QK-sized products: dk/dv 6 (AC, 2 BD chunks, dP, dV, dK), dq 5 (AC, 1 BD
-chunk, dP, dA, dQv), dr 6 (AC, 2 BD chunks, dP, 2 dr chunks): 17, against 7 for a
+Work per tile pair, in QK-sized products: dk/dv 6 (AC, 2 BD chunks, dP, dV, dK), dq 6 (AC, 2 BD
+chunks, dP, dA, dQv), dr 6 (AC, 2 BD chunks, dP, 2 dr chunks): 18, against 7 for a
 FlashAttention-2-style backward of plain attention without atomics.
 
 Non-deterministic fast mode (``deterministic=False``): the dq kernel also forms dr from the merged
@@ -65,7 +66,8 @@ dense attn_mask [B, H, Lq, Lk] (any strides, broadcast views with stride 0 are f
 tile. Tile pairs entirely outside the window are skipped (the loop ranges of the dk/dv and dq
 kernels and the diagonal range of the dr kernel are clipped to the window).
 
-Memory: no Lq x Lk tensor is written to global memory. Workspace: delta [B, H, Lq] fp32, the dr
+Memory: no Lq x Lk tensor is written to global memory. Workspace: delta [B, H, Lq] fp32, the
+rounded operands q + u and q + vb [B * H, Lq, D] (input dtype; fp32 under the interpreter), the dr
 partials Z [2, B, R, H, D] fp32 (the atomic mode: [R, H, D]), the du / dvb partials
 [B, ceil(Lq / 16), H, D] fp32: O(B * H * (Lq + Lk + R) * D) in all.
 
@@ -83,6 +85,8 @@ interpreter's bf16 dot is wrong, triton-lang/triton#11584); on a GPU the block s
 16 only for fp32 with D > 128 in the dr kernel; square tiles, pruned by head dim and dtype to
 what fits on sm_90), num_warps (4 / 8) and num_stages are autotuned per (head dim, bucketed
 lengths, masks, dtype, fp32 precision); accumulated outputs are zeroed between tuning runs.
+With ``TXL_KERNELS_AUTOTUNE=0`` each kernel runs its ``_default_config`` (BLOCK 64, 4 warps,
+2 stages for fp16 / bf16 up to D 128), one of the autotuned configs.
 """
 from __future__ import annotations
 
@@ -130,26 +134,31 @@ def _output(x, OUT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _rotate_rows(x, sh, BLOCK: tl.constexpr):
+    """out[a, c] = x[a, (c + sh[a]) % BLOCK] (0 <= sh < BLOCK): the per-row rotation of the
+    relative shift, one same-shape tl.gather (the forward's rotation helper can replace this
+    body: same contract)."""
+    idx = (tl.arange(0, BLOCK)[None, :] + sh[:, None]) & (BLOCK - 1)
+    return tl.gather(x, idx, 1)
+
+
+@triton.jit
 def _skew(t_lo, t_hi, BLOCK: tl.constexpr):
     """BD[a, b] = T[a, b - a + BLOCK - 1] over the window T = [t_lo | t_hi] ([BLOCK, 2 BLOCK]).
 
     Row a reads t_lo at columns x >= BLOCK - 1 - a (pairs b <= a) and t_hi at the other
-    columns (b > a), so the two chunks merge elementwise and one gather rotates each row."""
-    a = tl.arange(0, BLOCK)[:, None]
-    b = tl.arange(0, BLOCK)[None, :]
-    merged = tl.where(b + a >= BLOCK - 1, t_lo, t_hi)  # here b plays the column x
-    idx = (b - a + BLOCK - 1) & (BLOCK - 1)
-    return tl.gather(merged, idx, 1)
+    columns (b > a), so the two chunks merge elementwise and one rotation per row by
+    BLOCK - 1 - a aligns them."""
+    a = tl.arange(0, BLOCK)
+    merged = tl.where(tl.arange(0, BLOCK)[None, :] + a[:, None] >= BLOCK - 1, t_lo, t_hi)
+    return _rotate_rows(merged, BLOCK - 1 - a, BLOCK)
 
 
 @triton.jit
 def _unskew_gather(ds, BLOCK: tl.constexpr):
     """G[a, w] = ds[a, (w + a + 1) mod BLOCK]; the lo window chunk is G where
     w + a >= BLOCK - 1 (see _lo_part), the hi chunk is G elsewhere."""
-    a = tl.arange(0, BLOCK)[:, None]
-    w = tl.arange(0, BLOCK)[None, :]
-    idx = (w + a + 1) & (BLOCK - 1)
-    return tl.gather(ds, idx, 1)
+    return _rotate_rows(ds, (tl.arange(0, BLOCK) + 1) & (BLOCK - 1), BLOCK)
 
 
 @triton.jit
@@ -202,24 +211,21 @@ def _probs(ac, bd, lse2, offs_i, offs_j, b, h, Lq, Lk, window_left, window_right
 
 
 @triton.jit
-def _load_query_tile(Q, DO, LSE, DELTA, b, h, offs_i, offs_d, u, vb, Lq, D,
-                     stride_qb, stride_qm, stride_qh, stride_dob, stride_dom, stride_doh,
-                     stride_lb, stride_lh, stride_lm,
-                     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
-    """One query tile's operands: (q + u) and (q + vb) rounded as the forward rounds them,
-    dO, the log-sum-exp in log2 units (+inf past Lq) and delta."""
+def _load_query_tile(A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, offs_i, offs_d, Lq, D,
+                     stride_wm, stride_dom, stride_lm, DOT_DTYPE: tl.constexpr):
+    """One query tile's operands (pointers pre-offset to the batch and head): (q + u) and
+    (q + vb) as the preprocess kernel rounded them, dO, the log-sum-exp in log2 units (+inf
+    past Lq) and delta."""
     in_i = offs_i < Lq
     rows_i = offs_i.to(tl.int64)[:, None]
     q_msk = in_i[:, None] & (offs_d < D)[None, :]
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows_i * stride_qm + offs_d[None, :],
-                mask=q_msk, other=0.0).to(tl.float32)
-    a_t = _operand(q + u[None, :], Q.dtype.element_ty, UPCAST)
-    qv_t = _operand(q + vb[None, :], Q.dtype.element_ty, UPCAST)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + rows_i * stride_dom + offs_d[None, :],
-                 mask=q_msk, other=0.0).to(DOT_DTYPE)
-    l_off = b * stride_lb + h * stride_lh + offs_i.to(tl.int64) * stride_lm
-    lse2 = tl.load(LSE + l_off, mask=in_i, other=float("inf")) * LOG2E
-    delta = tl.load(DELTA + l_off, mask=in_i, other=0.0)
+    a_t = tl.load(A_bh + rows_i * stride_wm + offs_d[None, :], mask=q_msk, other=0.0)
+    qv_t = tl.load(QV_bh + rows_i * stride_wm + offs_d[None, :], mask=q_msk, other=0.0)
+    do = tl.load(DO_bh + rows_i * stride_dom + offs_d[None, :], mask=q_msk,
+                 other=0.0).to(DOT_DTYPE)
+    l_off = offs_i.to(tl.int64) * stride_lm
+    lse2 = tl.load(LSE_bh + l_off, mask=in_i, other=float("inf")) * LOG2E
+    delta = tl.load(DELTA_bh + l_off, mask=in_i, other=0.0)
     return a_t, qv_t, do, lse2, delta
 
 
@@ -241,21 +247,27 @@ def _recompute_p_dp(a_t, do, k_t, v_t, t_lo, t_hi, lse2, offs_i, offs_j, b, h, L
 
 @triton.jit
 def _rel_attn_bwd_preprocess_kernel(
-    O, DO, DELTA,
+    O, DO, Q, U, VB, DELTA, A_OP, QV_OP,
     stride_ob, stride_om, stride_oh,
     stride_dob, stride_dom, stride_doh,
+    stride_qb, stride_qm, stride_qh,
+    stride_uh, stride_vbh,
     stride_lb, stride_lh, stride_lm,
+    stride_wbh, stride_wm,
     H, Lq, D,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] in fp32."""
+    """Per query row, once: delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] in fp32, and
+    the tensor-core operands (q + u) and (q + vb) rounded to the input dtype exactly as the
+    forward rounds them, into [B * H, Lq, D] workspaces (the later kernels load them as is)."""
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_m = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    msk = (offs_m < Lq)[:, None] & (offs_d < D)[None, :]
+    dmask = offs_d < D
+    msk = (offs_m < Lq)[:, None] & dmask[None, :]
     rows = offs_m.to(tl.int64)[:, None]
     o = tl.load(O + b * stride_ob + h * stride_oh + rows * stride_om + offs_d[None, :],
                 mask=msk, other=0.0).to(tl.float32)
@@ -264,16 +276,23 @@ def _rel_attn_bwd_preprocess_kernel(
     delta = tl.sum(o * do, axis=1)
     tl.store(DELTA + b * stride_lb + h * stride_lh + offs_m.to(tl.int64) * stride_lm, delta,
              mask=offs_m < Lq)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows * stride_qm + offs_d[None, :],
+                mask=msk, other=0.0).to(tl.float32)
+    bias_u = tl.load(U + h * stride_uh + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    bias_v = tl.load(VB + h * stride_vbh + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    w_off = pid_bh * stride_wbh + rows * stride_wm + offs_d[None, :]
+    tl.store(A_OP + w_off, _operand(q + bias_u[None, :], Q.dtype.element_ty, UPCAST), mask=msk)
+    tl.store(QV_OP + w_off, _operand(q + bias_v[None, :], Q.dtype.element_ty, UPCAST),
+             mask=msk)
 
 
 @triton.jit
 def _rel_attn_bwd_dkdv_kernel(
-    Q, K, V, R, U, VB, DO, LSE, DELTA, DK, DV, KPM, MASK, BAND,
-    stride_qb, stride_qm, stride_qh,
+    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, DK, DV, KPM, MASK, BAND,
+    stride_wbh, stride_wm,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_rp, stride_rh,
-    stride_uh, stride_vbh,
     stride_dob, stride_dom, stride_doh,
     stride_lb, stride_lh, stride_lm,
     stride_dkb, stride_dkn, stride_dkh,
@@ -296,19 +315,25 @@ def _rel_attn_bwd_dkdv_kernel(
     band_on = False
     if HAS_BAND:  # a dense mask that is a band: its window, and no mask loads
         window_left, window_right, band_on = apply_mask_band(BAND, window_left, window_right)
+    # per-(batch, head) base pointers, once
+    A_bh = A_OP + pid_bh * stride_wbh
+    QV_bh = QV_OP + pid_bh * stride_wbh
+    DO_bh = DO + b * stride_dob + h * stride_doh
+    LSE_bh = LSE + b * stride_lb + h * stride_lh
+    DELTA_bh = DELTA + b * stride_lb + h * stride_lh
+    K_bh = K + b * stride_kb + h * stride_kh
+    V_bh = V + b * stride_vb + h * stride_vh
+    R_h = R + h * stride_rh
 
     j0 = pid_n * BLOCK
     offs_j = j0 + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     kv_msk = (offs_j < Lk)[:, None] & dmask[None, :]
-    k_t = tl.load(K + b * stride_kb + h * stride_kh + offs_j.to(tl.int64)[:, None] * stride_kn
-                  + offs_d[None, :], mask=kv_msk, other=0.0).to(DOT_DTYPE)
-    v_t = tl.load(V + b * stride_vb + h * stride_vh + offs_j.to(tl.int64)[:, None] * stride_vn
-                  + offs_d[None, :], mask=kv_msk, other=0.0).to(DOT_DTYPE)
-    u = tl.load(U + h * stride_uh + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    vb = tl.load(VB + h * stride_vbh + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    R_h = R + h * stride_rh
+    k_t = tl.load(K_bh + offs_j.to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
+                  mask=kv_msk, other=0.0).to(DOT_DTYPE)
+    v_t = tl.load(V_bh + offs_j.to(tl.int64)[:, None] * stride_vn + offs_d[None, :],
+                  mask=kv_msk, other=0.0).to(DOT_DTYPE)
 
     # Query rows that may see a key of this tile: d = i + mlen - j in [-window_right,
     # window_left] (both >= 0 here).
@@ -326,9 +351,8 @@ def _rel_attn_bwd_dkdv_kernel(
         i0 = m * BLOCK
         offs_i = i0 + tl.arange(0, BLOCK)
         a_t, qv_t, do, lse2, delta = _load_query_tile(
-            Q, DO, LSE, DELTA, b, h, offs_i, offs_d, u, vb, Lq, D,
-            stride_qb, stride_qm, stride_qh, stride_dob, stride_dom, stride_doh,
-            stride_lb, stride_lh, stride_lm, DOT_DTYPE, UPCAST)
+            A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, offs_i, offs_d, Lq, D, stride_wm,
+            stride_dom, stride_lm, DOT_DTYPE)
 
         r_lo = _load_rows(R_h, j0 - i0 + Lq - BLOCK + w, R_rows, stride_rp, offs_d, D,
                           DOT_DTYPE)
@@ -339,9 +363,9 @@ def _rel_attn_bwd_dkdv_kernel(
                                 stride_kpm_n, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                                 band_on, HAS_KPM, HAS_MASK, HAS_BAND, DOT_PREC, BLOCK)
         ds = p * (dp - delta[:, None])
-        dv = tl.dot(tl.trans(_operand(p, Q.dtype.element_ty, UPCAST)), do, dv,
+        dv = tl.dot(tl.trans(_operand(p, K.dtype.element_ty, UPCAST)), do, dv,
                     input_precision=DOT_PREC)
-        dk = tl.dot(tl.trans(_operand(ds, Q.dtype.element_ty, UPCAST)), a_t, dk,
+        dk = tl.dot(tl.trans(_operand(ds, K.dtype.element_ty, UPCAST)), a_t, dk,
                     input_precision=DOT_PREC)
         r_hi = r_lo
 
@@ -354,12 +378,11 @@ def _rel_attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _rel_attn_bwd_dq_kernel(
-    Q, K, V, R, U, VB, DO, LSE, DELTA, DQ, DU_PART, DVB_PART, DR_ACC, KPM, MASK, BAND,
-    stride_qb, stride_qm, stride_qh,
+    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, DQ, DU_PART, DVB_PART, DR_ACC, KPM, MASK, BAND,
+    stride_wbh, stride_wm,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_rp, stride_rh,
-    stride_uh, stride_vbh,
     stride_dob, stride_dom, stride_doh,
     stride_lb, stride_lh, stride_lm,
     stride_dqb, stride_dqm, stride_dqh,
@@ -387,6 +410,15 @@ def _rel_attn_bwd_dq_kernel(
     band_on = False
     if HAS_BAND:  # a dense mask that is a band: its window, and no mask loads
         window_left, window_right, band_on = apply_mask_band(BAND, window_left, window_right)
+    # per-(batch, head) base pointers, once
+    A_bh = A_OP + pid_bh * stride_wbh
+    QV_bh = QV_OP + pid_bh * stride_wbh
+    DO_bh = DO + b * stride_dob + h * stride_doh
+    LSE_bh = LSE + b * stride_lb + h * stride_lh
+    DELTA_bh = DELTA + b * stride_lb + h * stride_lh
+    K_bh = K + b * stride_kb + h * stride_kh
+    V_bh = V + b * stride_vb + h * stride_vh
+    R_h = R + h * stride_rh
 
     i0 = m * BLOCK
     offs_i = i0 + tl.arange(0, BLOCK)
@@ -395,15 +427,9 @@ def _rel_attn_bwd_dq_kernel(
     dmask = offs_d < D
     rows_i = offs_i.to(tl.int64)[:, None]
     q_msk = in_i[:, None] & dmask[None, :]
-    u = tl.load(U + h * stride_uh + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    vb = tl.load(VB + h * stride_vbh + offs_d, mask=dmask, other=0.0).to(tl.float32)
     a_t, qv_t, do, lse2, delta = _load_query_tile(
-        Q, DO, LSE, DELTA, b, h, offs_i, offs_d, u, vb, Lq, D,
-        stride_qb, stride_qm, stride_qh, stride_dob, stride_dom, stride_doh,
-        stride_lb, stride_lh, stride_lm, DOT_DTYPE, UPCAST)
-    R_h = R + h * stride_rh
-    K_bh = K + b * stride_kb + h * stride_kh
-    V_bh = V + b * stride_vb + h * stride_vh
+        A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, offs_i, offs_d, Lq, D, stride_wm, stride_dom,
+        stride_lm, DOT_DTYPE)
 
     # Keys this query tile may see: d = i + mlen - j in [-window_right, window_left].
     j_lo = tl.maximum(i0 + mlen - window_left, 0)
@@ -416,7 +442,6 @@ def _rel_attn_bwd_dq_kernel(
     own = tl.arange(0, BLOCK)[None, :] <= tl.arange(0, BLOCK)[:, None]
     p_lo = n_lo * BLOCK - i0 + Lq - BLOCK  # first r row of the lo chunk of the current tile
     r_lo = _load_rows(R_h, p_lo + w, R_rows, stride_rp, offs_d, D, DOT_DTYPE)
-    t_lo = tl.dot(qv_t, tl.trans(r_lo), input_precision=DOT_PREC)
     ds_prev = tl.zeros([BLOCK, BLOCK], dtype=DOT_DTYPE)  # its hi part is pending
     dqa = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dqv = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
@@ -429,12 +454,14 @@ def _rel_attn_bwd_dq_kernel(
         v_t = tl.load(V_bh + offs_j.to(tl.int64)[:, None] * stride_vn + offs_d[None, :],
                       mask=kv_msk, other=0.0).to(DOT_DTYPE)
         r_hi = _load_rows(R_h, p_lo + BLOCK + w, R_rows, stride_rp, offs_d, D, DOT_DTYPE)
+        # both window chunks per tile: carrying t_hi would keep one more fp32 tile live
+        t_lo = tl.dot(qv_t, tl.trans(r_lo), input_precision=DOT_PREC)
         t_hi = tl.dot(qv_t, tl.trans(r_hi), input_precision=DOT_PREC)
         p, dp = _recompute_p_dp(a_t, do, k_t, v_t, t_lo, t_hi, lse2, offs_i, offs_j, b, h, Lq,
                                 Lk, window_left, window_right, qk_scale, KPM, stride_kpm_b,
                                 stride_kpm_n, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                                 band_on, HAS_KPM, HAS_MASK, HAS_BAND, DOT_PREC, BLOCK)
-        ds = _operand(p * (dp - delta[:, None]), Q.dtype.element_ty, UPCAST)
+        ds = _operand(p * (dp - delta[:, None]), K.dtype.element_ty, UPCAST)
         dqa = tl.dot(ds, k_t, dqa, input_precision=DOT_PREC)
         # rows p_lo ..: the lo part of this tile and the hi part of the previous one have
         # disjoint supports: one merge, one gather, one product with the shared rows.
@@ -448,7 +475,6 @@ def _rel_attn_bwd_dq_kernel(
                           mask=((prow >= 0) & (prow < R_rows))[:, None] & dmask[None, :])
         ds_prev = ds
         r_lo = r_hi
-        t_lo = t_hi
         p_lo += BLOCK
     # flush the hi part of the last tile
     dt = _unskew_gather(tl.where(own, 0.0, ds_prev).to(DOT_DTYPE), BLOCK)
@@ -471,12 +497,11 @@ def _rel_attn_bwd_dq_kernel(
 
 @triton.jit
 def _rel_attn_bwd_dr_kernel(
-    Q, K, V, R, U, VB, DO, LSE, DELTA, Z, KPM, MASK, BAND,
-    stride_qb, stride_qm, stride_qh,
+    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, Z, KPM, MASK, BAND,
+    stride_wbh, stride_wm,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_rp, stride_rh,
-    stride_uh, stride_vbh,
     stride_dob, stride_dom, stride_doh,
     stride_lb, stride_lh, stride_lm,
     stride_zc, stride_zb, stride_zp, stride_zh,
@@ -502,19 +527,23 @@ def _rel_attn_bwd_dr_kernel(
     band_on = False
     if HAS_BAND:  # a dense mask that is a band: its window, and no mask loads
         window_left, window_right, band_on = apply_mask_band(BAND, window_left, window_right)
+    # per-(batch, head) base pointers, once
+    A_bh = A_OP + pid_bh * stride_wbh
+    QV_bh = QV_OP + pid_bh * stride_wbh
+    DO_bh = DO + b * stride_dob + h * stride_doh
+    LSE_bh = LSE + b * stride_lb + h * stride_lh
+    DELTA_bh = DELTA + b * stride_lb + h * stride_lh
+    K_bh = K + b * stride_kb + h * stride_kh
+    V_bh = V + b * stride_vb + h * stride_vh
+    R_h = R + h * stride_rh
 
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     w = tl.arange(0, BLOCK)
     p_lo = t * BLOCK + Lq - BLOCK
     p_hi = p_lo + BLOCK
-    R_h = R + h * stride_rh
     r_lo = _load_rows(R_h, p_lo + w, R_rows, stride_rp, offs_d, D, DOT_DTYPE)
     r_hi = _load_rows(R_h, p_hi + w, R_rows, stride_rp, offs_d, D, DOT_DTYPE)
-    u = tl.load(U + h * stride_uh + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    vb = tl.load(VB + h * stride_vbh + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    K_bh = K + b * stride_kb + h * stride_kh
-    V_bh = V + b * stride_vb + h * stride_vh
 
     # Tile pairs (m, m + t) inside both sequences.
     m_lo = tl.maximum(-t, 0)
@@ -536,9 +565,8 @@ def _rel_attn_bwd_dr_kernel(
         offs_i = i0 + tl.arange(0, BLOCK)
         offs_j = j0 + tl.arange(0, BLOCK)
         a_t, qv_t, do, lse2, delta = _load_query_tile(
-            Q, DO, LSE, DELTA, b, h, offs_i, offs_d, u, vb, Lq, D,
-            stride_qb, stride_qm, stride_qh, stride_dob, stride_dom, stride_doh,
-            stride_lb, stride_lh, stride_lm, DOT_DTYPE, UPCAST)
+            A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, offs_i, offs_d, Lq, D, stride_wm,
+            stride_dom, stride_lm, DOT_DTYPE)
         kv_msk = (offs_j < Lk)[:, None] & dmask[None, :]
         k_t = tl.load(K_bh + offs_j.to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
                       mask=kv_msk, other=0.0).to(DOT_DTYPE)
@@ -551,7 +579,7 @@ def _rel_attn_bwd_dr_kernel(
                                 Lk, window_left, window_right, qk_scale, KPM, stride_kpm_b,
                                 stride_kpm_n, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                                 band_on, HAS_KPM, HAS_MASK, HAS_BAND, DOT_PREC, BLOCK)
-        ds = _operand(p * (dp - delta[:, None]), Q.dtype.element_ty, UPCAST)
+        ds = _operand(p * (dp - delta[:, None]), K.dtype.element_ty, UPCAST)
         g = _unskew_gather(ds, BLOCK)
         dt_lo = tl.where(lo_part, g, 0.0).to(DOT_DTYPE)
         dt_hi = tl.where(lo_part, 0.0, g).to(DOT_DTYPE)
@@ -607,7 +635,7 @@ def _make_prune(extra_tiles: bool):
 
     def prune(configs, named_args, **kwargs):
         block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D", 64))
-        q = named_args.get("Q")
+        q = named_args.get("K")
         wide = q is not None and q.element_size() == 4
         max_block = _max_block(block_d, wide, extra_tiles, named_args.get("Lq", 1 << 30),
                                named_args.get("Lk", 1 << 30))
@@ -738,22 +766,27 @@ def rel_attn_bwd(
     else:
         am, am_strides = q, (0, 0, 0, 0)
 
-    # delta = rowsum(dO * O)
+    # delta = rowsum(dO * O); the operands q + u and q + vb, rounded once
     delta = torch.empty((B, H, Lq), device=dev, dtype=torch.float32)
+    op_dtype = torch.float32 if upcast else q.dtype
+    a_op = torch.empty((B * H, Lq, D), device=dev, dtype=op_dtype)
+    qv_op = torch.empty((B * H, Lq, D), device=dev, dtype=op_dtype)
     pre_block = 16 if INTERPRET else 64
     _rel_attn_bwd_preprocess_kernel[(B * H, triton.cdiv(Lq, pre_block))](
-        out, do, delta,
+        out, do, q, r_w_bias, r_r_bias, delta, a_op, qv_op,
         out.stride(0), out.stride(1), out.stride(2),
         do.stride(0), do.stride(1), do.stride(2),
+        q.stride(0), q.stride(1), q.stride(2),
+        r_w_bias.stride(0), r_r_bias.stride(0),
         delta.stride(0), delta.stride(1), delta.stride(2),
-        H, Lq, D, BLOCK_M=pre_block, BLOCK_D=block_d)
+        a_op.stride(0), a_op.stride(1),
+        H, Lq, D, UPCAST=upcast, BLOCK_M=pre_block, BLOCK_D=block_d)
 
     common_in = (
-        q.stride(0), q.stride(1), q.stride(2),
+        a_op.stride(0), a_op.stride(1),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         r.stride(0), r.stride(1),
-        r_w_bias.stride(0), r_r_bias.stride(0),
         do.stride(0), do.stride(1), do.stride(2),
         lse.stride(0), lse.stride(1), lse.stride(2),
     )
@@ -769,7 +802,7 @@ def rel_attn_bwd(
     dv = torch.empty((B, Lk, H, D), device=dev, dtype=q.dtype)
     _launch(_dkdv_kernel, _rel_attn_bwd_dkdv_kernel,
             lambda blk: (B * H, triton.cdiv(Lk, blk)),
-            (q, k, v, r, r_w_bias, r_r_bias, do, lse, delta, dk, dv, kpm, am, band,
+            (a_op, qv_op, k, v, r, do, lse, delta, dk, dv, kpm, am, band,
              *common_in,
              dk.stride(0), dk.stride(1), dk.stride(2),
              *kpm_strides, *am_strides, *sizes), meta, configs[0])
@@ -786,7 +819,7 @@ def rel_attn_bwd(
         dr_acc = torch.zeros((R_rows, H, D), device=dev, dtype=torch.float32)
     _launch(_dq_kernel, _rel_attn_bwd_dq_kernel,
             lambda blk: (B * H, triton.cdiv(Lq, blk)),
-            (q, k, v, r, r_w_bias, r_r_bias, do, lse, delta, dq, du_part, dvb_part, dr_acc,
+            (a_op, qv_op, k, v, r, do, lse, delta, dq, du_part, dvb_part, dr_acc,
              kpm, am, band,
              *common_in,
              dq.stride(0), dq.stride(1), dq.stride(2),
@@ -802,7 +835,7 @@ def rel_attn_bwd(
         z = torch.zeros((2, B, R_rows, H, D), device=dev, dtype=torch.float32)
         _launch(_dr_kernel, _rel_attn_bwd_dr_kernel,
                 lambda blk: (B * H, triton.cdiv(Lq, blk) + triton.cdiv(Lk, blk) - 1),
-                (q, k, v, r, r_w_bias, r_r_bias, do, lse, delta, z, kpm, am, band,
+                (a_op, qv_op, k, v, r, do, lse, delta, z, kpm, am, band,
                  *common_in,
                  z.stride(0), z.stride(1), z.stride(2), z.stride(3),
                  *kpm_strides, *am_strides, *sizes), meta, configs[2])
