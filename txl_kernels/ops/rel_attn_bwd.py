@@ -178,6 +178,16 @@ def _load_rows(PTR, rows, n_rows, stride_row, offs_d, D, DOT_DTYPE: tl.constexpr
 
 
 @triton.jit
+def _atomic_dr(DR_h, dt, qv_t, rows, R_rows, stride_drp, offs_d, dmask, sm_scale,
+               DOT_PREC: tl.constexpr):
+    """dr[rows] += scale * dT^T Qv with fp32 atomics, computed as (Qv^T dT)^T: dT is the B
+    operand as it is, no transpose of a register tile."""
+    drw_t = tl.dot(tl.trans(qv_t), dt, input_precision=DOT_PREC) * sm_scale
+    tl.atomic_add(DR_h + rows.to(tl.int64)[None, :] * stride_drp + offs_d[:, None], drw_t,
+                  mask=((rows >= 0) & (rows < R_rows))[None, :] & dmask[:, None])
+
+
+@triton.jit
 def _probs(ac, bd, lse2, offs_i, offs_j, b, h, Lq, Lk, window_left, window_right, qk_scale,
            KPM, stride_kpm_b, stride_kpm_n, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
            band_on, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr):
@@ -211,6 +221,17 @@ def _probs(ac, bd, lse2, offs_i, offs_j, b, h, Lq, Lk, window_left, window_right
 
 
 @triton.jit
+def _bh_pointers(A_OP, QV_OP, DO, LSE, DELTA, K, V, R, pid_bh, b, h, stride_wbh, stride_dob,
+                 stride_doh, stride_lb, stride_lh, stride_kb, stride_kh, stride_vb, stride_vh,
+                 stride_rh):
+    """The per-(batch, head) base pointers, computed once per program."""
+    return (A_OP + pid_bh * stride_wbh, QV_OP + pid_bh * stride_wbh,
+            DO + b * stride_dob + h * stride_doh, LSE + b * stride_lb + h * stride_lh,
+            DELTA + b * stride_lb + h * stride_lh, K + b * stride_kb + h * stride_kh,
+            V + b * stride_vb + h * stride_vh, R + h * stride_rh)
+
+
+@triton.jit
 def _load_query_tile(A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, offs_i, offs_d, Lq, D,
                      stride_wm, stride_dom, stride_lm, DOT_DTYPE: tl.constexpr):
     """One query tile's operands (pointers pre-offset to the batch and head): (q + u) and
@@ -230,10 +251,11 @@ def _load_query_tile(A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, offs_i, offs_d, Lq, D
 
 
 @triton.jit
-def _recompute_p_dp(a_t, do, k_t, v_t, t_lo, t_hi, lse2, offs_i, offs_j, b, h, Lq, Lk, window_left, window_right,
-                    qk_scale, KPM, stride_kpm_b, stride_kpm_n, MASK, stride_mb, stride_mh,
-                    stride_mm, stride_mn, band_on, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
-                    HAS_BAND: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK: tl.constexpr):
+def _recompute_p_dp(a_t, do, k_t, v_t, t_lo, t_hi, lse2, offs_i, offs_j, b, h, Lq, Lk,
+                    window_left, window_right, qk_scale, KPM, stride_kpm_b, stride_kpm_n, MASK,
+                    stride_mb, stride_mh, stride_mm, stride_mn, band_on,
+                    HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
+                    DOT_PREC: tl.constexpr, BLOCK: tl.constexpr):
     """P (recomputed from lse, 0 where masked) and dP = dO V^T on one tile; t_lo / t_hi are the
     two window chunks (q + vb) @ R^T that the skew turns into BD."""
     bd = _skew(t_lo, t_hi, BLOCK)
@@ -315,15 +337,9 @@ def _rel_attn_bwd_dkdv_kernel(
     band_on = False
     if HAS_BAND:  # a dense mask that is a band: its window, and no mask loads
         window_left, window_right, band_on = apply_mask_band(BAND, window_left, window_right)
-    # per-(batch, head) base pointers, once
-    A_bh = A_OP + pid_bh * stride_wbh
-    QV_bh = QV_OP + pid_bh * stride_wbh
-    DO_bh = DO + b * stride_dob + h * stride_doh
-    LSE_bh = LSE + b * stride_lb + h * stride_lh
-    DELTA_bh = DELTA + b * stride_lb + h * stride_lh
-    K_bh = K + b * stride_kb + h * stride_kh
-    V_bh = V + b * stride_vb + h * stride_vh
-    R_h = R + h * stride_rh
+    A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, K_bh, V_bh, R_h = _bh_pointers(
+        A_OP, QV_OP, DO, LSE, DELTA, K, V, R, pid_bh, b, h, stride_wbh, stride_dob,
+        stride_doh, stride_lb, stride_lh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rh)
 
     j0 = pid_n * BLOCK
     offs_j = j0 + tl.arange(0, BLOCK)
@@ -410,15 +426,9 @@ def _rel_attn_bwd_dq_kernel(
     band_on = False
     if HAS_BAND:  # a dense mask that is a band: its window, and no mask loads
         window_left, window_right, band_on = apply_mask_band(BAND, window_left, window_right)
-    # per-(batch, head) base pointers, once
-    A_bh = A_OP + pid_bh * stride_wbh
-    QV_bh = QV_OP + pid_bh * stride_wbh
-    DO_bh = DO + b * stride_dob + h * stride_doh
-    LSE_bh = LSE + b * stride_lb + h * stride_lh
-    DELTA_bh = DELTA + b * stride_lb + h * stride_lh
-    K_bh = K + b * stride_kb + h * stride_kh
-    V_bh = V + b * stride_vb + h * stride_vh
-    R_h = R + h * stride_rh
+    A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, K_bh, V_bh, R_h = _bh_pointers(
+        A_OP, QV_OP, DO, LSE, DELTA, K, V, R, pid_bh, b, h, stride_wbh, stride_dob,
+        stride_doh, stride_lb, stride_lh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rh)
 
     i0 = m * BLOCK
     offs_i = i0 + tl.arange(0, BLOCK)
@@ -468,11 +478,8 @@ def _rel_attn_bwd_dq_kernel(
         dt = _unskew_gather(tl.where(own, ds, ds_prev), BLOCK)
         dqv = tl.dot(dt, r_lo, dqv, input_precision=DOT_PREC)
         if ATOMIC_DR:
-            drw = tl.dot(tl.trans(dt), qv_t, input_precision=DOT_PREC) * sm_scale
-            prow = p_lo + w
-            tl.atomic_add(DR_ACC + prow.to(tl.int64)[:, None] * stride_drp + h * stride_drh
-                          + offs_d[None, :], drw,
-                          mask=((prow >= 0) & (prow < R_rows))[:, None] & dmask[None, :])
+            _atomic_dr(DR_ACC + h * stride_drh, dt, qv_t, p_lo + w, R_rows, stride_drp, offs_d,
+                       dmask, sm_scale, DOT_PREC)
         ds_prev = ds
         r_lo = r_hi
         p_lo += BLOCK
@@ -480,11 +487,8 @@ def _rel_attn_bwd_dq_kernel(
     dt = _unskew_gather(tl.where(own, 0.0, ds_prev).to(DOT_DTYPE), BLOCK)
     dqv = tl.dot(dt, r_lo, dqv, input_precision=DOT_PREC)
     if ATOMIC_DR:
-        drw = tl.dot(tl.trans(dt), qv_t, input_precision=DOT_PREC) * sm_scale
-        prow = p_lo + w
-        tl.atomic_add(DR_ACC + prow.to(tl.int64)[:, None] * stride_drp + h * stride_drh
-                      + offs_d[None, :], drw,
-                      mask=((prow >= 0) & (prow < R_rows))[:, None] & dmask[None, :])
+        _atomic_dr(DR_ACC + h * stride_drh, dt, qv_t, p_lo + w, R_rows, stride_drp, offs_d, dmask,
+                   sm_scale, DOT_PREC)
 
     dqa = dqa * sm_scale
     dqv = dqv * sm_scale
@@ -527,15 +531,9 @@ def _rel_attn_bwd_dr_kernel(
     band_on = False
     if HAS_BAND:  # a dense mask that is a band: its window, and no mask loads
         window_left, window_right, band_on = apply_mask_band(BAND, window_left, window_right)
-    # per-(batch, head) base pointers, once
-    A_bh = A_OP + pid_bh * stride_wbh
-    QV_bh = QV_OP + pid_bh * stride_wbh
-    DO_bh = DO + b * stride_dob + h * stride_doh
-    LSE_bh = LSE + b * stride_lb + h * stride_lh
-    DELTA_bh = DELTA + b * stride_lb + h * stride_lh
-    K_bh = K + b * stride_kb + h * stride_kh
-    V_bh = V + b * stride_vb + h * stride_vh
-    R_h = R + h * stride_rh
+    A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, K_bh, V_bh, R_h = _bh_pointers(
+        A_OP, QV_OP, DO, LSE, DELTA, K, V, R, pid_bh, b, h, stride_wbh, stride_dob,
+        stride_doh, stride_lb, stride_lh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rh)
 
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
