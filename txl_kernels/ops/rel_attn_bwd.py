@@ -8,7 +8,7 @@ Algorithm (FlashAttention-2 style: P is recomputed from the saved natural-log ro
 log-sum-exp ``lse``, never stored; every tile product runs on the tensor cores in fp32
 accumulation):
 
-    delta_i = dO_i . O_i                                 (_rel_attn_bwd_preprocess_kernel)
+    delta_i = dO_i . O_i; A and Qv rounded once           (_rel_attn_bwd_preprocess_kernel)
     P = exp(S - lse)   (0 on masked pairs, and on rows with no allowed key: lse = +inf there)
     dP = dO V^T,   dS = P * (dP - delta) * scale
     dV = P^T dO,   dK = dS^T A                           (_rel_attn_bwd_dkdv_kernel)
@@ -33,10 +33,11 @@ wider-index gather that trips the GPU compiler (triton-lang/triton#5836). Rows o
 are never read (masked loads give 0; they only meet masked pairs) and never written.
 
 Window reuse: in the dq kernel (one query tile, key tiles in increasing order) the hi chunk of key
-tile n is the lo chunk of tile n + 1, so T_hi, the R_hi rows and the pending dT_hi part are
-carried to the next iteration: BD costs one extra QK-sized product per tile and dQv one more
-(the dT_hi of tile n and the dT_lo of tile n + 1 have disjoint supports and are merged before a
-single product with the shared rows). In the dk/dv kernel (one key tile, query tiles in
+tile n is the lo chunk of tile n + 1, so the R_hi rows and the pending dS of tile n (its dT_hi
+part) are carried to the next iteration: the dT_hi of tile n and the dT_lo of tile n + 1 have
+disjoint supports, so they are merged before a single rotation and a single product with the
+shared rows. Both T chunks are recomputed per tile (carrying T_hi would keep one more fp32 tile
+live and spill). In the dk/dv kernel (one key tile, query tiles in
 increasing order) the R rows are carried (R_hi of query tile m + 1 is R_lo of tile m), but Qv
 changes, so both T chunks are computed per tile.
 
@@ -51,8 +52,8 @@ P and dS once more (a third pass). du and dvb: the dq kernel writes the row sums
 of its query tile to per-(batch, query tile) partials, summed by torch in a fixed order. Two
 calls on the same inputs therefore give bitwise-equal gradients.
 
-Work per tile pair, in QK-sized products: dk/dv 6 (AC, 2 BD chunks, dP, dV, dK), dq 5 (AC, 1 BD
-chunk, dP, dA, dQv), dr 6 (AC, 2 BD chunks, dP, 2 dr chunks): 17, against 7 for a
+Work per tile pair, in QK-sized products: dk/dv 6 (AC, 2 BD chunks, dP, dV, dK), dq 6 (AC, 2 BD
+chunks, dP, dA, dQv), dr 6 (AC, 2 BD chunks, dP, 2 dr chunks): 18, against 7 for a
 FlashAttention-2-style backward of plain attention without atomics.
 
 Non-deterministic fast mode (``deterministic=False``): the dq kernel also forms dr from the merged
@@ -65,7 +66,8 @@ dense attn_mask [B, H, Lq, Lk] (any strides, broadcast views with stride 0 are f
 tile. Tile pairs entirely outside the window are skipped (the loop ranges of the dk/dv and dq
 kernels and the diagonal range of the dr kernel are clipped to the window).
 
-Memory: no Lq x Lk tensor is written to global memory. Workspace: delta [B, H, Lq] fp32, the dr
+Memory: no Lq x Lk tensor is written to global memory. Workspace: delta [B, H, Lq] fp32, the
+rounded operands q + u and q + vb [B * H, Lq, D] (input dtype; fp32 under the interpreter), the dr
 partials Z [2, B, R, H, D] fp32 (the atomic mode: [R, H, D]), the du / dvb partials
 [B, ceil(Lq / 16), H, D] fp32: O(B * H * (Lq + Lk + R) * D) in all.
 
@@ -83,6 +85,8 @@ interpreter's bf16 dot is wrong, triton-lang/triton#11584); on a GPU the block s
 16 only for fp32 with D > 128 in the dr kernel; square tiles, pruned by head dim and dtype to
 what fits on sm_90), num_warps (4 / 8) and num_stages are autotuned per (head dim, bucketed
 lengths, masks, dtype, fp32 precision); accumulated outputs are zeroed between tuning runs.
+With ``TXL_KERNELS_AUTOTUNE=0`` each kernel runs its ``_default_config`` (BLOCK 64, 4 warps,
+2 stages for fp16 / bf16 up to D 128), one of the autotuned configs.
 """
 from __future__ import annotations
 
@@ -93,12 +97,13 @@ import triton
 import triton.language as tl
 
 from .._utils import describe
-from ._common import (INTERPRET, apply_mask_band, dot_precision, last_dim_contiguous,
-                      round_bf16)
+from ._common import (INTERPRET, apply_mask_band, autotune_enabled, dot_precision,
+                      last_dim_contiguous, round_bf16)
 
 __all__ = ["rel_attn_bwd"]
 
-LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
+_LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E); qk_scale = softmax_scale * LOG2E
+LOG2E: tl.constexpr = tl.constexpr(_LOG2E)
 _MIN_BLOCK = 16  # smallest BLOCK of any config; sizes the du / dvb partial buffers
 
 
@@ -129,26 +134,31 @@ def _output(x, OUT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _rotate_rows(x, sh, BLOCK: tl.constexpr):
+    """out[a, c] = x[a, (c + sh[a]) % BLOCK] (0 <= sh < BLOCK): the per-row rotation of the
+    relative shift, one same-shape tl.gather (the forward's rotation helper can replace this
+    body: same contract)."""
+    idx = (tl.arange(0, BLOCK)[None, :] + sh[:, None]) & (BLOCK - 1)
+    return tl.gather(x, idx, 1)
+
+
+@triton.jit
 def _skew(t_lo, t_hi, BLOCK: tl.constexpr):
     """BD[a, b] = T[a, b - a + BLOCK - 1] over the window T = [t_lo | t_hi] ([BLOCK, 2 BLOCK]).
 
     Row a reads t_lo at columns x >= BLOCK - 1 - a (pairs b <= a) and t_hi at the other
-    columns (b > a), so the two chunks merge elementwise and one gather rotates each row."""
-    a = tl.arange(0, BLOCK)[:, None]
-    b = tl.arange(0, BLOCK)[None, :]
-    merged = tl.where(b + a >= BLOCK - 1, t_lo, t_hi)  # here b plays the column x
-    idx = (b - a + BLOCK - 1) & (BLOCK - 1)
-    return tl.gather(merged, idx, 1)
+    columns (b > a), so the two chunks merge elementwise and one rotation per row by
+    BLOCK - 1 - a aligns them."""
+    a = tl.arange(0, BLOCK)
+    merged = tl.where(tl.arange(0, BLOCK)[None, :] + a[:, None] >= BLOCK - 1, t_lo, t_hi)
+    return _rotate_rows(merged, BLOCK - 1 - a, BLOCK)
 
 
 @triton.jit
 def _unskew_gather(ds, BLOCK: tl.constexpr):
     """G[a, w] = ds[a, (w + a + 1) mod BLOCK]; the lo window chunk is G where
     w + a >= BLOCK - 1 (see _lo_part), the hi chunk is G elsewhere."""
-    a = tl.arange(0, BLOCK)[:, None]
-    w = tl.arange(0, BLOCK)[None, :]
-    idx = (w + a + 1) & (BLOCK - 1)
-    return tl.gather(ds, idx, 1)
+    return _rotate_rows(ds, (tl.arange(0, BLOCK) + 1) & (BLOCK - 1), BLOCK)
 
 
 @triton.jit
@@ -168,28 +178,40 @@ def _load_rows(PTR, rows, n_rows, stride_row, offs_d, D, DOT_DTYPE: tl.constexpr
 
 
 @triton.jit
-def _probs(ac, bd, lse2, offs_i, offs_j, b, h, Lq, Lk, WL, WR, qk_scale2,
-           KPM, stride_kpb, stride_kpn, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-           band_on, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr):
+def _atomic_dr(DR_h, dt, qv_t, rows, R_rows, stride_drp, offs_d, dmask, sm_scale,
+               DOT_PREC: tl.constexpr):
+    """dr[rows] += scale * dT^T Qv with fp32 atomics, computed as (Qv^T dT)^T: dT is the B
+    operand as it is, no transpose of a register tile."""
+    drw_t = tl.dot(tl.trans(qv_t), dt, input_precision=DOT_PREC) * sm_scale
+    tl.atomic_add(DR_h + rows.to(tl.int64)[None, :] * stride_drp + offs_d[:, None], drw_t,
+                  mask=((rows >= 0) & (rows < R_rows))[None, :] & dmask[:, None])
+
+
+@triton.jit
+def _probs(ac, bd, lse2, offs_i, offs_j, b, h, Lq, Lk, window_left, window_right, qk_scale,
+           KPM, stride_kpm_b, stride_kpm_n, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+           band_on, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr):
     """P = exp(S - lse) on one tile, 0 on masked pairs, out-of-range rows / columns, and rows
-    whose lse is +inf (no allowed key)."""
-    mlen = Lk - Lq
-    in_i = offs_i < Lq
-    in_j = offs_j < Lk
-    valid = in_i[:, None] & in_j[None, :]
-    d = offs_i[:, None] + mlen - offs_j[None, :]
-    valid = valid & ((WL < 0) | (d <= WL)) & ((WR < 0) | (-d <= WR))
+    whose lse is +inf (no allowed key). The window is given per row as a key range
+    (window_left / window_right are >= 0 here: the launcher turns unbounded into Lq + Lk), so a
+    pair costs two compares."""
+    key0 = offs_i + (Lk - Lq)  # the key at distance 0 from each row
+    j_min = key0 - window_left
+    j_max = tl.where(offs_i < Lq, tl.minimum(key0 + window_right, Lk - 1), -1)
+    valid = (offs_j[None, :] >= j_min[:, None]) & (offs_j[None, :] <= j_max[:, None])
     if HAS_KPM:
-        kp = tl.load(KPM + b * stride_kpb + offs_j.to(tl.int64) * stride_kpn, mask=in_j,
-                     other=1)
+        kp = tl.load(KPM + b * stride_kpm_b + offs_j.to(tl.int64) * stride_kpm_n,
+                     mask=offs_j < Lk, other=1)
         valid = valid & (kp == 0)[None, :]
     if HAS_MASK:
+        am_msk = valid
+        if HAS_BAND:  # the mask is its band (applied as the window): nothing to load
+            am_msk = am_msk & (band_on == 0)
         am = tl.load(MASK + b * stride_mb + h * stride_mh
                      + offs_i.to(tl.int64)[:, None] * stride_mm
-                     + offs_j.to(tl.int64)[None, :] * stride_mn,
-                     mask=in_i[:, None] & in_j[None, :] & (band_on == 0), other=0)
+                     + offs_j.to(tl.int64)[None, :] * stride_mn, mask=am_msk, other=0)
         valid = valid & (am == 0)
-    s = tl.where(valid, (ac + bd) * qk_scale2, float("-inf"))
+    s = tl.where(valid, (ac + bd) * qk_scale, float("-inf"))
     return tl.exp2(s - lse2[:, None])
 
 
@@ -199,60 +221,75 @@ def _probs(ac, bd, lse2, offs_i, offs_j, b, h, Lq, Lk, WL, WR, qk_scale2,
 
 
 @triton.jit
-def _load_query_tile(Q, DO, LSE, DELTA, b, h, offs_i, offs_d, u, vb, Lq, D,
-                     stride_qb, stride_qm, stride_qh, stride_dob, stride_dom, stride_doh,
-                     stride_lb, stride_lh, stride_lm,
-                     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
-    """One query tile's operands: (q + u) and (q + vb) rounded as the forward rounds them,
-    dO, the log-sum-exp in log2 units (+inf past Lq) and delta."""
+def _bh_pointers(A_OP, QV_OP, DO, LSE, DELTA, K, V, R, pid_bh, b, h, stride_wbh, stride_dob,
+                 stride_doh, stride_lb, stride_lh, stride_kb, stride_kh, stride_vb, stride_vh,
+                 stride_rh):
+    """The per-(batch, head) base pointers, computed once per program."""
+    return (A_OP + pid_bh * stride_wbh, QV_OP + pid_bh * stride_wbh,
+            DO + b * stride_dob + h * stride_doh, LSE + b * stride_lb + h * stride_lh,
+            DELTA + b * stride_lb + h * stride_lh, K + b * stride_kb + h * stride_kh,
+            V + b * stride_vb + h * stride_vh, R + h * stride_rh)
+
+
+@triton.jit
+def _load_query_tile(A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, offs_i, offs_d, Lq, D,
+                     stride_wm, stride_dom, stride_lm, DOT_DTYPE: tl.constexpr):
+    """One query tile's operands (pointers pre-offset to the batch and head): (q + u) and
+    (q + vb) as the preprocess kernel rounded them, dO, the log-sum-exp in log2 units (+inf
+    past Lq) and delta."""
     in_i = offs_i < Lq
     rows_i = offs_i.to(tl.int64)[:, None]
     q_msk = in_i[:, None] & (offs_d < D)[None, :]
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows_i * stride_qm + offs_d[None, :],
-                mask=q_msk, other=0.0).to(tl.float32)
-    a_t = _operand(q + u[None, :], Q.dtype.element_ty, UPCAST)
-    qv_t = _operand(q + vb[None, :], Q.dtype.element_ty, UPCAST)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + rows_i * stride_dom + offs_d[None, :],
-                 mask=q_msk, other=0.0).to(DOT_DTYPE)
-    l_off = b * stride_lb + h * stride_lh + offs_i.to(tl.int64) * stride_lm
-    lse2 = tl.load(LSE + l_off, mask=in_i, other=float("inf")) * LOG2E
-    delta = tl.load(DELTA + l_off, mask=in_i, other=0.0)
+    a_t = tl.load(A_bh + rows_i * stride_wm + offs_d[None, :], mask=q_msk, other=0.0)
+    qv_t = tl.load(QV_bh + rows_i * stride_wm + offs_d[None, :], mask=q_msk, other=0.0)
+    do = tl.load(DO_bh + rows_i * stride_dom + offs_d[None, :], mask=q_msk,
+                 other=0.0).to(DOT_DTYPE)
+    l_off = offs_i.to(tl.int64) * stride_lm
+    lse2 = tl.load(LSE_bh + l_off, mask=in_i, other=float("inf")) * LOG2E
+    delta = tl.load(DELTA_bh + l_off, mask=in_i, other=0.0)
     return a_t, qv_t, do, lse2, delta
 
 
 @triton.jit
-def _recompute_p_dp(a_t, do, k_t, v_t, t_lo, t_hi, lse2, offs_i, offs_j, b, h, Lq, Lk, WL, WR,
-                    qk_scale2, KPM, stride_kpb, stride_kpn, MASK, stride_mb, stride_mh,
-                    stride_mm, stride_mn, band_on, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
-                    INPUT_PRECISION: tl.constexpr, BLOCK: tl.constexpr):
+def _recompute_p_dp(a_t, do, k_t, v_t, t_lo, t_hi, lse2, offs_i, offs_j, b, h, Lq, Lk,
+                    window_left, window_right, qk_scale, KPM, stride_kpm_b, stride_kpm_n, MASK,
+                    stride_mb, stride_mh, stride_mm, stride_mn, band_on,
+                    HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
+                    DOT_PREC: tl.constexpr, BLOCK: tl.constexpr):
     """P (recomputed from lse, 0 where masked) and dP = dO V^T on one tile; t_lo / t_hi are the
     two window chunks (q + vb) @ R^T that the skew turns into BD."""
     bd = _skew(t_lo, t_hi, BLOCK)
-    ac = tl.dot(a_t, tl.trans(k_t), input_precision=INPUT_PRECISION)
-    p = _probs(ac, bd, lse2, offs_i, offs_j, b, h, Lq, Lk, WL, WR, qk_scale2,
-               KPM, stride_kpb, stride_kpn, MASK, stride_mb, stride_mh, stride_mm,
-               stride_mn, band_on, HAS_KPM, HAS_MASK)
-    dp = tl.dot(do, tl.trans(v_t), input_precision=INPUT_PRECISION)
+    ac = tl.dot(a_t, tl.trans(k_t), input_precision=DOT_PREC)
+    p = _probs(ac, bd, lse2, offs_i, offs_j, b, h, Lq, Lk, window_left, window_right, qk_scale,
+               KPM, stride_kpm_b, stride_kpm_n, MASK, stride_mb, stride_mh, stride_mm,
+               stride_mn, band_on, HAS_KPM, HAS_MASK, HAS_BAND)
+    dp = tl.dot(do, tl.trans(v_t), input_precision=DOT_PREC)
     return p, dp
 
 
 @triton.jit
 def _rel_attn_bwd_preprocess_kernel(
-    O, DO, DELTA,
+    O, DO, Q, U, VB, DELTA, A_OP, QV_OP,
     stride_ob, stride_om, stride_oh,
     stride_dob, stride_dom, stride_doh,
+    stride_qb, stride_qm, stride_qh,
+    stride_uh, stride_vbh,
     stride_lb, stride_lh, stride_lm,
+    stride_wbh, stride_wm,
     H, Lq, D,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] in fp32."""
+    """Per query row, once: delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] in fp32, and
+    the tensor-core operands (q + u) and (q + vb) rounded to the input dtype exactly as the
+    forward rounds them, into [B * H, Lq, D] workspaces (the later kernels load them as is)."""
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_m = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    msk = (offs_m < Lq)[:, None] & (offs_d < D)[None, :]
+    dmask = offs_d < D
+    msk = (offs_m < Lq)[:, None] & dmask[None, :]
     rows = offs_m.to(tl.int64)[:, None]
     o = tl.load(O + b * stride_ob + h * stride_oh + rows * stride_om + offs_d[None, :],
                 mask=msk, other=0.0).to(tl.float32)
@@ -261,26 +298,33 @@ def _rel_attn_bwd_preprocess_kernel(
     delta = tl.sum(o * do, axis=1)
     tl.store(DELTA + b * stride_lb + h * stride_lh + offs_m.to(tl.int64) * stride_lm, delta,
              mask=offs_m < Lq)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows * stride_qm + offs_d[None, :],
+                mask=msk, other=0.0).to(tl.float32)
+    bias_u = tl.load(U + h * stride_uh + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    bias_v = tl.load(VB + h * stride_vbh + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    w_off = pid_bh * stride_wbh + rows * stride_wm + offs_d[None, :]
+    tl.store(A_OP + w_off, _operand(q + bias_u[None, :], Q.dtype.element_ty, UPCAST), mask=msk)
+    tl.store(QV_OP + w_off, _operand(q + bias_v[None, :], Q.dtype.element_ty, UPCAST),
+             mask=msk)
 
 
 @triton.jit
 def _rel_attn_bwd_dkdv_kernel(
-    Q, K, V, R, U, VB, DO, LSE, DELTA, DK, DV, KPM, MASK, BAND,
-    stride_qb, stride_qm, stride_qh,
+    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, DK, DV, KPM, MASK, BAND,
+    stride_wbh, stride_wm,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_rp, stride_rh,
-    stride_uh, stride_vbh,
     stride_dob, stride_dom, stride_doh,
     stride_lb, stride_lh, stride_lm,
     stride_dkb, stride_dkn, stride_dkh,
-    stride_kpb, stride_kpn,
+    stride_kpm_b, stride_kpm_n,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    H, Lq, Lk, R_ROWS, D,
-    sm_scale, WL, WR,
+    H, Lq, Lk, R_rows, D,
+    sm_scale, qk_scale, window_left, window_right,
     LQ_BUCKET, LK_BUCKET,  # autotune keys only
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """One program per (batch * head, key tile): dk and dv of the tile, looping over the query
@@ -290,27 +334,27 @@ def _rel_attn_bwd_dkdv_kernel(
     b = pid_bh // H
     h = pid_bh % H
     mlen = Lk - Lq
-    qk_scale2 = sm_scale * LOG2E
     band_on = False
     if HAS_BAND:  # a dense mask that is a band: its window, and no mask loads
-        WL, WR, band_on = apply_mask_band(BAND, WL, WR)
+        window_left, window_right, band_on = apply_mask_band(BAND, window_left, window_right)
+    A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, K_bh, V_bh, R_h = _bh_pointers(
+        A_OP, QV_OP, DO, LSE, DELTA, K, V, R, pid_bh, b, h, stride_wbh, stride_dob,
+        stride_doh, stride_lb, stride_lh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rh)
 
     j0 = pid_n * BLOCK
     offs_j = j0 + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     kv_msk = (offs_j < Lk)[:, None] & dmask[None, :]
-    k_t = tl.load(K + b * stride_kb + h * stride_kh + offs_j.to(tl.int64)[:, None] * stride_kn
-                  + offs_d[None, :], mask=kv_msk, other=0.0).to(DOT_DTYPE)
-    v_t = tl.load(V + b * stride_vb + h * stride_vh + offs_j.to(tl.int64)[:, None] * stride_vn
-                  + offs_d[None, :], mask=kv_msk, other=0.0).to(DOT_DTYPE)
-    u = tl.load(U + h * stride_uh + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    vb = tl.load(VB + h * stride_vbh + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    R_h = R + h * stride_rh
+    k_t = tl.load(K_bh + offs_j.to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
+                  mask=kv_msk, other=0.0).to(DOT_DTYPE)
+    v_t = tl.load(V_bh + offs_j.to(tl.int64)[:, None] * stride_vn + offs_d[None, :],
+                  mask=kv_msk, other=0.0).to(DOT_DTYPE)
 
-    # Query rows that may see a key of this tile: d = i + mlen - j in [-WR, WL].
-    i_lo = tl.where(WR >= 0, tl.maximum(j0 - mlen - WR, 0), 0)
-    i_hi = tl.where(WL >= 0, tl.minimum(j0 + BLOCK - 1 + WL - mlen, Lq - 1), Lq - 1)
+    # Query rows that may see a key of this tile: d = i + mlen - j in [-window_right,
+    # window_left] (both >= 0 here).
+    i_lo = tl.maximum(j0 - mlen - window_right, 0)
+    i_hi = tl.minimum(j0 + BLOCK - 1 + window_left - mlen, Lq - 1)
     m_lo = i_lo // BLOCK
     m_hi = (tl.maximum(i_hi, -1) + BLOCK) // BLOCK
 
@@ -318,28 +362,27 @@ def _rel_attn_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     w = tl.arange(0, BLOCK)
     # R_hi of query tile m is R_lo of tile m - 1: carried.
-    r_hi = _load_rows(R_h, j0 - m_lo * BLOCK + Lq + w, R_ROWS, stride_rp, offs_d, D, DOT_DTYPE)
+    r_hi = _load_rows(R_h, j0 - m_lo * BLOCK + Lq + w, R_rows, stride_rp, offs_d, D, DOT_DTYPE)
     for m in range(m_lo, m_hi):
         i0 = m * BLOCK
         offs_i = i0 + tl.arange(0, BLOCK)
         a_t, qv_t, do, lse2, delta = _load_query_tile(
-            Q, DO, LSE, DELTA, b, h, offs_i, offs_d, u, vb, Lq, D,
-            stride_qb, stride_qm, stride_qh, stride_dob, stride_dom, stride_doh,
-            stride_lb, stride_lh, stride_lm, DOT_DTYPE, UPCAST)
+            A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, offs_i, offs_d, Lq, D, stride_wm,
+            stride_dom, stride_lm, DOT_DTYPE)
 
-        r_lo = _load_rows(R_h, j0 - i0 + Lq - BLOCK + w, R_ROWS, stride_rp, offs_d, D,
+        r_lo = _load_rows(R_h, j0 - i0 + Lq - BLOCK + w, R_rows, stride_rp, offs_d, D,
                           DOT_DTYPE)
-        t_lo = tl.dot(qv_t, tl.trans(r_lo), input_precision=INPUT_PRECISION)
-        t_hi = tl.dot(qv_t, tl.trans(r_hi), input_precision=INPUT_PRECISION)
+        t_lo = tl.dot(qv_t, tl.trans(r_lo), input_precision=DOT_PREC)
+        t_hi = tl.dot(qv_t, tl.trans(r_hi), input_precision=DOT_PREC)
         p, dp = _recompute_p_dp(a_t, do, k_t, v_t, t_lo, t_hi, lse2, offs_i, offs_j, b, h, Lq,
-                                Lk, WL, WR, qk_scale2, KPM, stride_kpb, stride_kpn, MASK,
-                                stride_mb, stride_mh, stride_mm, stride_mn, band_on, HAS_KPM,
-                                HAS_MASK, INPUT_PRECISION, BLOCK)
+                                Lk, window_left, window_right, qk_scale, KPM, stride_kpm_b,
+                                stride_kpm_n, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                                band_on, HAS_KPM, HAS_MASK, HAS_BAND, DOT_PREC, BLOCK)
         ds = p * (dp - delta[:, None])
-        dv = tl.dot(tl.trans(_operand(p, Q.dtype.element_ty, UPCAST)), do, dv,
-                    input_precision=INPUT_PRECISION)
-        dk = tl.dot(tl.trans(_operand(ds, Q.dtype.element_ty, UPCAST)), a_t, dk,
-                    input_precision=INPUT_PRECISION)
+        dv = tl.dot(tl.trans(_operand(p, K.dtype.element_ty, UPCAST)), do, dv,
+                    input_precision=DOT_PREC)
+        dk = tl.dot(tl.trans(_operand(ds, K.dtype.element_ty, UPCAST)), a_t, dk,
+                    input_precision=DOT_PREC)
         r_hi = r_lo
 
     dk = dk * sm_scale
@@ -351,24 +394,24 @@ def _rel_attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _rel_attn_bwd_dq_kernel(
-    Q, K, V, R, U, VB, DO, LSE, DELTA, DQ, DU_PART, DVB_PART, DR_ACC, KPM, MASK, BAND,
-    stride_qb, stride_qm, stride_qh,
+    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, DQ, DU_PART, DVB_PART, DR_ACC, KPM, MASK, BAND,
+    stride_wbh, stride_wm,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_rp, stride_rh,
-    stride_uh, stride_vbh,
     stride_dob, stride_dom, stride_doh,
     stride_lb, stride_lh, stride_lm,
     stride_dqb, stride_dqm, stride_dqh,
     stride_pb, stride_pm, stride_ph,
     stride_drp, stride_drh,
-    stride_kpb, stride_kpn,
+    stride_kpm_b, stride_kpm_n,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    H, Lq, Lk, R_ROWS, D,
-    sm_scale, WL, WR,
+    H, Lq, Lk, R_rows, D,
+    sm_scale, qk_scale, window_left, window_right,
     LQ_BUCKET, LK_BUCKET,  # autotune keys only
-    HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr, ATOMIC_DR: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
+    ATOMIC_DR: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """One program per (batch * head, query tile): dq of the tile (dA + dQv) and the row sums of
@@ -380,10 +423,12 @@ def _rel_attn_bwd_dq_kernel(
     b = pid_bh // H
     h = pid_bh % H
     mlen = Lk - Lq
-    qk_scale2 = sm_scale * LOG2E
     band_on = False
     if HAS_BAND:  # a dense mask that is a band: its window, and no mask loads
-        WL, WR, band_on = apply_mask_band(BAND, WL, WR)
+        window_left, window_right, band_on = apply_mask_band(BAND, window_left, window_right)
+    A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, K_bh, V_bh, R_h = _bh_pointers(
+        A_OP, QV_OP, DO, LSE, DELTA, K, V, R, pid_bh, b, h, stride_wbh, stride_dob,
+        stride_doh, stride_lb, stride_lh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rh)
 
     i0 = m * BLOCK
     offs_i = i0 + tl.arange(0, BLOCK)
@@ -392,28 +437,22 @@ def _rel_attn_bwd_dq_kernel(
     dmask = offs_d < D
     rows_i = offs_i.to(tl.int64)[:, None]
     q_msk = in_i[:, None] & dmask[None, :]
-    u = tl.load(U + h * stride_uh + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    vb = tl.load(VB + h * stride_vbh + offs_d, mask=dmask, other=0.0).to(tl.float32)
     a_t, qv_t, do, lse2, delta = _load_query_tile(
-        Q, DO, LSE, DELTA, b, h, offs_i, offs_d, u, vb, Lq, D,
-        stride_qb, stride_qm, stride_qh, stride_dob, stride_dom, stride_doh,
-        stride_lb, stride_lh, stride_lm, DOT_DTYPE, UPCAST)
-    R_h = R + h * stride_rh
-    K_bh = K + b * stride_kb + h * stride_kh
-    V_bh = V + b * stride_vb + h * stride_vh
+        A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, offs_i, offs_d, Lq, D, stride_wm, stride_dom,
+        stride_lm, DOT_DTYPE)
 
-    # Keys this query tile may see: d = i + mlen - j in [-WR, WL].
-    j_lo = tl.where(WL >= 0, tl.maximum(i0 + mlen - WL, 0), 0)
-    j_hi = tl.where(WR >= 0, tl.minimum(i0 + BLOCK - 1 + mlen + WR, Lk - 1), Lk - 1)
+    # Keys this query tile may see: d = i + mlen - j in [-window_right, window_left].
+    j_lo = tl.maximum(i0 + mlen - window_left, 0)
+    j_hi = tl.minimum(i0 + BLOCK - 1 + mlen + window_right, Lk - 1)
     n_lo = j_lo // BLOCK
     n_hi = (tl.maximum(j_hi, -1) + BLOCK) // BLOCK
 
     w = tl.arange(0, BLOCK)
-    lo_part = _lo_part(BLOCK)
+    # Source columns x <= a (row a) of a dS tile feed the lo window chunk, x > a the hi chunk.
+    own = tl.arange(0, BLOCK)[None, :] <= tl.arange(0, BLOCK)[:, None]
     p_lo = n_lo * BLOCK - i0 + Lq - BLOCK  # first r row of the lo chunk of the current tile
-    r_lo = _load_rows(R_h, p_lo + w, R_ROWS, stride_rp, offs_d, D, DOT_DTYPE)
-    t_lo = tl.dot(qv_t, tl.trans(r_lo), input_precision=INPUT_PRECISION)
-    g_prev = tl.zeros([BLOCK, BLOCK], dtype=DOT_DTYPE)  # pending hi part of the previous tile
+    r_lo = _load_rows(R_h, p_lo + w, R_rows, stride_rp, offs_d, D, DOT_DTYPE)
+    ds_prev = tl.zeros([BLOCK, BLOCK], dtype=DOT_DTYPE)  # its hi part is pending
     dqa = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dqv = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     for n in range(n_lo, n_hi):
@@ -424,36 +463,32 @@ def _rel_attn_bwd_dq_kernel(
                       mask=kv_msk, other=0.0).to(DOT_DTYPE)
         v_t = tl.load(V_bh + offs_j.to(tl.int64)[:, None] * stride_vn + offs_d[None, :],
                       mask=kv_msk, other=0.0).to(DOT_DTYPE)
-        r_hi = _load_rows(R_h, p_lo + BLOCK + w, R_ROWS, stride_rp, offs_d, D, DOT_DTYPE)
-        t_hi = tl.dot(qv_t, tl.trans(r_hi), input_precision=INPUT_PRECISION)
+        r_hi = _load_rows(R_h, p_lo + BLOCK + w, R_rows, stride_rp, offs_d, D, DOT_DTYPE)
+        # both window chunks per tile: carrying t_hi would keep one more fp32 tile live
+        t_lo = tl.dot(qv_t, tl.trans(r_lo), input_precision=DOT_PREC)
+        t_hi = tl.dot(qv_t, tl.trans(r_hi), input_precision=DOT_PREC)
         p, dp = _recompute_p_dp(a_t, do, k_t, v_t, t_lo, t_hi, lse2, offs_i, offs_j, b, h, Lq,
-                                Lk, WL, WR, qk_scale2, KPM, stride_kpb, stride_kpn, MASK,
-                                stride_mb, stride_mh, stride_mm, stride_mn, band_on, HAS_KPM,
-                                HAS_MASK, INPUT_PRECISION, BLOCK)
-        ds = _operand(p * (dp - delta[:, None]), Q.dtype.element_ty, UPCAST)
-        dqa = tl.dot(ds, k_t, dqa, input_precision=INPUT_PRECISION)
-        g = _unskew_gather(ds, BLOCK)
-        # rows p_lo ..: lo part of this tile + hi part of the previous one (disjoint supports)
-        dt = tl.where(lo_part, g, g_prev)
-        dqv = tl.dot(dt, r_lo, dqv, input_precision=INPUT_PRECISION)
+                                Lk, window_left, window_right, qk_scale, KPM, stride_kpm_b,
+                                stride_kpm_n, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                                band_on, HAS_KPM, HAS_MASK, HAS_BAND, DOT_PREC, BLOCK)
+        ds = _operand(p * (dp - delta[:, None]), K.dtype.element_ty, UPCAST)
+        dqa = tl.dot(ds, k_t, dqa, input_precision=DOT_PREC)
+        # rows p_lo ..: the lo part of this tile and the hi part of the previous one have
+        # disjoint supports: one merge, one gather, one product with the shared rows.
+        dt = _unskew_gather(tl.where(own, ds, ds_prev), BLOCK)
+        dqv = tl.dot(dt, r_lo, dqv, input_precision=DOT_PREC)
         if ATOMIC_DR:
-            drw = tl.dot(tl.trans(dt), qv_t, input_precision=INPUT_PRECISION) * sm_scale
-            prow = p_lo + w
-            tl.atomic_add(DR_ACC + prow.to(tl.int64)[:, None] * stride_drp + h * stride_drh
-                          + offs_d[None, :], drw,
-                          mask=((prow >= 0) & (prow < R_ROWS))[:, None] & dmask[None, :])
-        g_prev = tl.where(lo_part, 0.0, g).to(DOT_DTYPE)
+            _atomic_dr(DR_ACC + h * stride_drh, dt, qv_t, p_lo + w, R_rows, stride_drp, offs_d,
+                       dmask, sm_scale, DOT_PREC)
+        ds_prev = ds
         r_lo = r_hi
-        t_lo = t_hi
         p_lo += BLOCK
     # flush the hi part of the last tile
-    dqv = tl.dot(g_prev, r_lo, dqv, input_precision=INPUT_PRECISION)
+    dt = _unskew_gather(tl.where(own, 0.0, ds_prev).to(DOT_DTYPE), BLOCK)
+    dqv = tl.dot(dt, r_lo, dqv, input_precision=DOT_PREC)
     if ATOMIC_DR:
-        drw = tl.dot(tl.trans(g_prev), qv_t, input_precision=INPUT_PRECISION) * sm_scale
-        prow = p_lo + w
-        tl.atomic_add(DR_ACC + prow.to(tl.int64)[:, None] * stride_drp + h * stride_drh
-                      + offs_d[None, :], drw,
-                      mask=((prow >= 0) & (prow < R_ROWS))[:, None] & dmask[None, :])
+        _atomic_dr(DR_ACC + h * stride_drh, dt, qv_t, p_lo + w, R_rows, stride_drp, offs_d, dmask,
+                   sm_scale, DOT_PREC)
 
     dqa = dqa * sm_scale
     dqv = dqv * sm_scale
@@ -466,22 +501,21 @@ def _rel_attn_bwd_dq_kernel(
 
 @triton.jit
 def _rel_attn_bwd_dr_kernel(
-    Q, K, V, R, U, VB, DO, LSE, DELTA, Z, KPM, MASK, BAND,
-    stride_qb, stride_qm, stride_qh,
+    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, Z, KPM, MASK, BAND,
+    stride_wbh, stride_wm,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_rp, stride_rh,
-    stride_uh, stride_vbh,
     stride_dob, stride_dom, stride_doh,
     stride_lb, stride_lh, stride_lm,
     stride_zc, stride_zb, stride_zp, stride_zh,
-    stride_kpb, stride_kpn,
+    stride_kpm_b, stride_kpm_n,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    H, Lq, Lk, R_ROWS, D,
-    sm_scale, WL, WR,
+    H, Lq, Lk, R_rows, D,
+    sm_scale, qk_scale, window_left, window_right,
     LQ_BUCKET, LK_BUCKET,  # autotune keys only
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """One program per (batch * head, block diagonal t = n - m): the dr contributions of the
@@ -494,23 +528,20 @@ def _rel_attn_bwd_dr_kernel(
     b = pid_bh // H
     h = pid_bh % H
     mlen = Lk - Lq
-    qk_scale2 = sm_scale * LOG2E
     band_on = False
     if HAS_BAND:  # a dense mask that is a band: its window, and no mask loads
-        WL, WR, band_on = apply_mask_band(BAND, WL, WR)
+        window_left, window_right, band_on = apply_mask_band(BAND, window_left, window_right)
+    A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, K_bh, V_bh, R_h = _bh_pointers(
+        A_OP, QV_OP, DO, LSE, DELTA, K, V, R, pid_bh, b, h, stride_wbh, stride_dob,
+        stride_doh, stride_lb, stride_lh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rh)
 
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     w = tl.arange(0, BLOCK)
     p_lo = t * BLOCK + Lq - BLOCK
     p_hi = p_lo + BLOCK
-    R_h = R + h * stride_rh
-    r_lo = _load_rows(R_h, p_lo + w, R_ROWS, stride_rp, offs_d, D, DOT_DTYPE)
-    r_hi = _load_rows(R_h, p_hi + w, R_ROWS, stride_rp, offs_d, D, DOT_DTYPE)
-    u = tl.load(U + h * stride_uh + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    vb = tl.load(VB + h * stride_vbh + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    K_bh = K + b * stride_kb + h * stride_kh
-    V_bh = V + b * stride_vb + h * stride_vh
+    r_lo = _load_rows(R_h, p_lo + w, R_rows, stride_rp, offs_d, D, DOT_DTYPE)
+    r_hi = _load_rows(R_h, p_hi + w, R_rows, stride_rp, offs_d, D, DOT_DTYPE)
 
     # Tile pairs (m, m + t) inside both sequences.
     m_lo = tl.maximum(-t, 0)
@@ -519,8 +550,8 @@ def _rel_attn_bwd_dr_kernel(
     # skip the diagonal when that range misses the window, or when it has no row in [0, R).
     d_min = mlen - t * BLOCK - (BLOCK - 1)
     d_max = mlen - t * BLOCK + (BLOCK - 1)
-    skip = ((WR >= 0) & (d_max < -WR)) | ((WL >= 0) & (d_min > WL))
-    skip = skip | (p_hi + BLOCK - 1 < 0) | (p_lo >= R_ROWS)
+    skip = (d_max < -window_right) | (d_min > window_left)
+    skip = skip | (p_hi + BLOCK - 1 < 0) | (p_lo >= R_rows)
     m_hi = tl.where(skip, m_lo, m_hi)
 
     lo_part = _lo_part(BLOCK)
@@ -532,71 +563,80 @@ def _rel_attn_bwd_dr_kernel(
         offs_i = i0 + tl.arange(0, BLOCK)
         offs_j = j0 + tl.arange(0, BLOCK)
         a_t, qv_t, do, lse2, delta = _load_query_tile(
-            Q, DO, LSE, DELTA, b, h, offs_i, offs_d, u, vb, Lq, D,
-            stride_qb, stride_qm, stride_qh, stride_dob, stride_dom, stride_doh,
-            stride_lb, stride_lh, stride_lm, DOT_DTYPE, UPCAST)
+            A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, offs_i, offs_d, Lq, D, stride_wm,
+            stride_dom, stride_lm, DOT_DTYPE)
         kv_msk = (offs_j < Lk)[:, None] & dmask[None, :]
         k_t = tl.load(K_bh + offs_j.to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
                       mask=kv_msk, other=0.0).to(DOT_DTYPE)
         v_t = tl.load(V_bh + offs_j.to(tl.int64)[:, None] * stride_vn + offs_d[None, :],
                       mask=kv_msk, other=0.0).to(DOT_DTYPE)
 
-        t_lo = tl.dot(qv_t, tl.trans(r_lo), input_precision=INPUT_PRECISION)
-        t_hi = tl.dot(qv_t, tl.trans(r_hi), input_precision=INPUT_PRECISION)
+        t_lo = tl.dot(qv_t, tl.trans(r_lo), input_precision=DOT_PREC)
+        t_hi = tl.dot(qv_t, tl.trans(r_hi), input_precision=DOT_PREC)
         p, dp = _recompute_p_dp(a_t, do, k_t, v_t, t_lo, t_hi, lse2, offs_i, offs_j, b, h, Lq,
-                                Lk, WL, WR, qk_scale2, KPM, stride_kpb, stride_kpn, MASK,
-                                stride_mb, stride_mh, stride_mm, stride_mn, band_on, HAS_KPM,
-                                HAS_MASK, INPUT_PRECISION, BLOCK)
-        ds = _operand(p * (dp - delta[:, None]), Q.dtype.element_ty, UPCAST)
+                                Lk, window_left, window_right, qk_scale, KPM, stride_kpm_b,
+                                stride_kpm_n, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                                band_on, HAS_KPM, HAS_MASK, HAS_BAND, DOT_PREC, BLOCK)
+        ds = _operand(p * (dp - delta[:, None]), K.dtype.element_ty, UPCAST)
         g = _unskew_gather(ds, BLOCK)
         dt_lo = tl.where(lo_part, g, 0.0).to(DOT_DTYPE)
         dt_hi = tl.where(lo_part, 0.0, g).to(DOT_DTYPE)
-        dr_lo = tl.dot(tl.trans(dt_lo), qv_t, dr_lo, input_precision=INPUT_PRECISION)
-        dr_hi = tl.dot(tl.trans(dt_hi), qv_t, dr_hi, input_precision=INPUT_PRECISION)
+        dr_lo = tl.dot(tl.trans(dt_lo), qv_t, dr_lo, input_precision=DOT_PREC)
+        dr_hi = tl.dot(tl.trans(dt_hi), qv_t, dr_hi, input_precision=DOT_PREC)
 
     Z_bh = Z + b * stride_zb + h * stride_zh + offs_d[None, :]
     rows = p_lo + w
     tl.store(Z_bh + rows.to(tl.int64)[:, None] * stride_zp, dr_lo * sm_scale,
-             mask=((rows >= 0) & (rows < R_ROWS))[:, None] & dmask[None, :])
+             mask=((rows >= 0) & (rows < R_rows))[:, None] & dmask[None, :])
     rows = p_hi + w
     tl.store(Z_bh + stride_zc + rows.to(tl.int64)[:, None] * stride_zp, dr_hi * sm_scale,
-             mask=((rows >= 0) & (rows < R_ROWS))[:, None] & dmask[None, :])
+             mask=((rows >= 0) & (rows < R_rows))[:, None] & dmask[None, :])
 
 
 # ----------------------------------------------------------------------------------------------
-# Autotuning
+# Configs: autotuned on GPU, one fixed default when TXL_KERNELS_AUTOTUNE=0, one under the
+# interpreter
 # ----------------------------------------------------------------------------------------------
+
+INTERPRET_CONFIG = {"BLOCK": 16, "num_warps": 4, "num_stages": 1}
 
 
 def _configs():
     if INTERPRET:
-        return [triton.Config({"BLOCK": 16}, num_warps=4, num_stages=1)]
+        cfg = dict(INTERPRET_CONFIG)
+        nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
+        return [triton.Config(cfg, num_warps=nw, num_stages=ns)]
     return [triton.Config({"BLOCK": blk}, num_warps=nw, num_stages=ns)
             for blk in (16, 32, 64)
             for nw in (4, 8)
             for ns in (1, 2)]
 
 
+def _max_block(block_d: int, wide: bool, extra_tiles: bool, lq: int = 1 << 30,
+               lk: int = 1 << 30) -> int:
+    """The largest BLOCK whose tiles fit in shared memory / registers (from sm_90 compiles:
+    fp32 needs twice the bytes, and the dr kernel holds two more [BLOCK, BLOCK_D] tiles), and
+    none far larger than the sequences. (BLOCK 128 is not offered: an iteration keeps about
+    six fp32 [BLOCK, BLOCK] tiles live, 384 KB at 128, more than an SM's register file.)"""
+    if not wide:
+        max_block = 64 if block_d <= 128 else 32
+    else:
+        max_block = 64 if block_d <= 64 else 32
+        if extra_tiles and block_d > 128:
+            max_block = 16
+    return min(max_block, max(32, triton.next_power_of_2(max(lq, lk))))
+
+
 def _make_prune(extra_tiles: bool):
-    """Keep the blocks whose tiles fit in shared memory / registers (from sm_90 compiles: fp32
-    needs twice the bytes, and the dr kernel holds two more [BLOCK, BLOCK_D] tiles), BLOCK 16
-    only where nothing larger fits, none far larger than the sequences; at least one config.
-    (BLOCK 128 is not offered: an iteration keeps about six fp32 [BLOCK, BLOCK] tiles live,
-    384 KB at 128, more than an SM's register file, and each variant takes ~30 s to compile.)"""
+    """Keep the blocks up to _max_block, BLOCK 16 only where nothing larger fits; at least one
+    config."""
 
     def prune(configs, named_args, **kwargs):
         block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D", 64))
-        q = named_args.get("Q")
+        q = named_args.get("K")
         wide = q is not None and q.element_size() == 4
-        if not wide:
-            max_block = 64 if block_d <= 128 else 32
-        else:
-            max_block = 64 if block_d <= 64 else 32
-            if extra_tiles and block_d > 128:
-                max_block = 16
-        lq = named_args.get("Lq", 1 << 30)
-        lk = named_args.get("Lk", 1 << 30)
-        max_block = min(max_block, max(32, triton.next_power_of_2(max(lq, lk))))
+        max_block = _max_block(block_d, wide, extra_tiles, named_args.get("Lq", 1 << 30),
+                               named_args.get("Lk", 1 << 30))
         keep = [cfg for cfg in configs
                 if cfg.kwargs["BLOCK"] <= max_block
                 and (cfg.kwargs["BLOCK"] > 16 or max_block == 16)]
@@ -605,7 +645,19 @@ def _make_prune(extra_tiles: bool):
     return prune
 
 
-_KEY = ["BLOCK_D", "LQ_BUCKET", "LK_BUCKET", "HAS_KPM", "HAS_MASK", "HAS_BAND", "INPUT_PRECISION"]
+def _default_config(block_d: int, exact_fp32: bool, wide: bool = False,
+                    extra_tiles: bool = False, lq: int = 1 << 30, lk: int = 1 << 30) -> dict:
+    """The config a backward kernel uses on GPU when autotuning is off (TXL_KERNELS_AUTOTUNE=0):
+    the largest kept BLOCK (64 for fp16 / bf16 up to D 128: wgmma-sized tiles), 4 warps,
+    2 stages; exact fp32 products run on the FMA units: BLOCK 32 at most. Always one of
+    _configs() that _make_prune keeps (extra_tiles: the dr kernel)."""
+    block = _max_block(block_d, wide, extra_tiles, lq, lk)
+    if exact_fp32:
+        block = min(block, 32)
+    return {"BLOCK": block, "num_warps": 4, "num_stages": 2}
+
+
+_KEY = ["BLOCK_D", "LQ_BUCKET", "LK_BUCKET", "HAS_KPM", "HAS_MASK", "HAS_BAND", "DOT_PREC"]
 
 _dkdv_kernel = triton.autotune(configs=_configs(), key=_KEY,
                                prune_configs_by={"early_config_prune": _make_prune(False)})(
@@ -624,56 +676,20 @@ def _bucket(n: int) -> int:
     return min(16384, max(64, triton.next_power_of_2(int(n))))
 
 
+def _launch(tuned, raw, grid, args, meta, config):
+    """Launch ``raw`` with ``config`` (BLOCK, num_warps, num_stages), or ``tuned`` (its
+    autotuner) when config is None; ``grid`` maps the BLOCK to the launch grid."""
+    if config is None:
+        tuned[lambda m: grid(m["BLOCK"])](*args, **meta)
+    else:
+        raw[grid(config["BLOCK"])](*args, **meta, **config)
+
+
 # ----------------------------------------------------------------------------------------------
 # Launcher
 # ----------------------------------------------------------------------------------------------
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-
-
-def _check_args(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, key_padding_mask, attn_mask):
-    tensors = (("do", do), ("q", q), ("k", k), ("v", v), ("r", r), ("r_w_bias", r_w_bias),
-               ("r_r_bias", r_r_bias), ("out", out), ("lse", lse))
-    for name, t in tensors:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"rel_attn_bwd: {name} must be a torch.Tensor, "
-                            f"got {type(t).__name__}")
-    if q.dim() != 4:
-        raise ValueError(f"rel_attn_bwd: q must be [B, Lq, H, D], got {describe(q)}")
-    B, Lq, H, D = q.shape
-    if q.dtype not in _TL_DTYPES:
-        raise TypeError(f"rel_attn_bwd: q must be float16, bfloat16 or float32, got {q.dtype}")
-    if not 16 <= D <= 256:
-        raise ValueError(f"rel_attn_bwd: head dim must be in 16..256, got D={D}")
-    if k.dim() != 4 or k.shape[0] != B or k.shape[2:] != (H, D) or k.shape[1] < Lq:
-        raise ValueError(f"rel_attn_bwd: k must be [B, Lk, H, D] = [{B}, Lk >= {Lq}, {H}, {D}], "
-                         f"got {describe(k)}")
-    Lk = k.shape[1]
-    expect = {"do": (B, Lq, H, D), "v": (B, Lk, H, D), "out": (B, Lq, H, D),
-              "r_w_bias": (H, D), "r_r_bias": (H, D), "lse": (B, H, Lq)}
-    for name, t in tensors:
-        if name in expect and tuple(t.shape) != expect[name]:
-            raise ValueError(f"rel_attn_bwd: {name} must have shape {list(expect[name])}, "
-                             f"got {describe(t)}")
-        if t.device != q.device:
-            raise ValueError(f"rel_attn_bwd: {name} is on {t.device}, q is on {q.device}")
-        want = torch.float32 if name == "lse" else q.dtype
-        if t.dtype != want:
-            raise TypeError(f"rel_attn_bwd: {name} must have dtype {want}, got {t.dtype}")
-    if r.dim() != 3 or r.shape[1:] != (H, D) or r.shape[0] < 1:
-        raise ValueError(f"rel_attn_bwd: r must be [R, H, D] = [R >= 1, {H}, {D}], "
-                         f"got {describe(r)}")
-    if key_padding_mask is not None:
-        if (key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != (B, Lk)
-                or key_padding_mask.device != q.device):
-            raise ValueError(f"rel_attn_bwd: key_padding_mask must be a bool [B, Lk] = "
-                             f"[{B}, {Lk}] tensor on {q.device}, got {describe(key_padding_mask)}")
-    if attn_mask is not None:
-        if (attn_mask.dtype != torch.bool or tuple(attn_mask.shape) != (B, H, Lq, Lk)
-                or attn_mask.device != q.device):
-            raise ValueError(f"rel_attn_bwd: attn_mask must be a bool [B, H, Lq, Lk] = "
-                             f"[{B}, {H}, {Lq}, {Lk}] tensor on {q.device}, "
-                             f"got {describe(attn_mask)}")
 
 
 def rel_attn_bwd(
@@ -690,17 +706,32 @@ def rel_attn_bwd(
     for rows with no allowed key). Masks as in ``rel_attn_fwd``: causal folded into
     ``window_right = 0``, ``key_padding_mask`` bool [B, Lk] or None, ``attn_mask`` bool
     [B, H, Lq, Lk] (any strides) or None, True = masked. ``deterministic=False`` reduces dr
-    with fp32 atomics in the dq kernel (faster; not bitwise reproducible).
+    with fp32 atomics in the dq kernel (faster; not bitwise reproducible). The arguments are
+    validated by ``rel_attention``; here they are only asserted.
     """
-    _check_args(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, key_padding_mask, attn_mask)
     B, Lq, H, D = q.shape
     Lk = k.shape[1]
-    R_ROWS = r.shape[0]
+    R_rows = r.shape[0]
     dev = q.device
+    assert q.dtype in _TL_DTYPES and 16 <= D <= 256 and Lk >= Lq, f"rel_attn_bwd: q {describe(q)}"
+    for name, t, shape, dtype in (
+            ("do", do, (B, Lq, H, D), q.dtype), ("k", k, (B, Lk, H, D), q.dtype),
+            ("v", v, (B, Lk, H, D), q.dtype), ("r", r, (R_rows, H, D), q.dtype),
+            ("r_w_bias", r_w_bias, (H, D), q.dtype), ("r_r_bias", r_r_bias, (H, D), q.dtype),
+            ("out", out, (B, Lq, H, D), q.dtype), ("lse", lse, (B, H, Lq), torch.float32),
+            ("key_padding_mask", key_padding_mask, (B, Lk), torch.bool),
+            ("attn_mask", attn_mask, (B, H, Lq, Lk), torch.bool)):
+        assert t is None and name in ("key_padding_mask", "attn_mask") or (
+            tuple(t.shape) == shape and t.dtype == dtype and t.device == dev), \
+            f"rel_attn_bwd: {name} must be {list(shape)} {dtype} on {dev}, got {describe(t)}"
+    assert R_rows >= 1, f"rel_attn_bwd: r {describe(r)}"
     q, k, v, r, do, out = (last_dim_contiguous(t) for t in (q, k, v, r, do, out))
     r_w_bias, r_r_bias = last_dim_contiguous(r_w_bias), last_dim_contiguous(r_r_bias)
     lse = lse.contiguous()
-    wl, wr = int(window_left), int(window_right)
+    # Unbounded window sides become Lq + Lk (wider than any pair distance), so the kernels
+    # test every side without a flag; a mask band narrows them on the device.
+    wl = int(window_left) if window_left >= 0 else Lq + Lk
+    wr = int(window_right) if window_right >= 0 else Lq + Lk
     scale = float(softmax_scale)
 
     # The interpreter's bf16 dot is wrong (triton#11584): bf16 operands are rounded to bf16
@@ -712,6 +743,15 @@ def rel_attn_bwd(
         dot_dtype = _TL_DTYPES[q.dtype]
     precision = dot_precision(q.dtype)
     block_d = max(16, triton.next_power_of_2(D))
+    if INTERPRET:
+        configs = (INTERPRET_CONFIG,) * 3
+    elif not autotune_enabled():
+        wide = q.dtype == torch.float32
+        exact = wide and precision == "ieee"
+        configs = tuple(_default_config(block_d, exact, wide, extra, Lq, Lk)
+                        for extra in (False, False, True))
+    else:
+        configs = (None,) * 3
 
     if key_padding_mask is not None:
         kpm = key_padding_mask.view(torch.uint8)
@@ -724,42 +764,46 @@ def rel_attn_bwd(
     else:
         am, am_strides = q, (0, 0, 0, 0)
 
-    # delta = rowsum(dO * O)
+    # delta = rowsum(dO * O); the operands q + u and q + vb, rounded once
     delta = torch.empty((B, H, Lq), device=dev, dtype=torch.float32)
+    op_dtype = torch.float32 if upcast else q.dtype
+    a_op = torch.empty((B * H, Lq, D), device=dev, dtype=op_dtype)
+    qv_op = torch.empty((B * H, Lq, D), device=dev, dtype=op_dtype)
     pre_block = 16 if INTERPRET else 64
     _rel_attn_bwd_preprocess_kernel[(B * H, triton.cdiv(Lq, pre_block))](
-        out, do, delta,
+        out, do, q, r_w_bias, r_r_bias, delta, a_op, qv_op,
         out.stride(0), out.stride(1), out.stride(2),
         do.stride(0), do.stride(1), do.stride(2),
+        q.stride(0), q.stride(1), q.stride(2),
+        r_w_bias.stride(0), r_r_bias.stride(0),
         delta.stride(0), delta.stride(1), delta.stride(2),
-        H, Lq, D, BLOCK_M=pre_block, BLOCK_D=block_d)
+        a_op.stride(0), a_op.stride(1),
+        H, Lq, D, UPCAST=upcast, BLOCK_M=pre_block, BLOCK_D=block_d)
 
     common_in = (
-        q.stride(0), q.stride(1), q.stride(2),
+        a_op.stride(0), a_op.stride(1),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         r.stride(0), r.stride(1),
-        r_w_bias.stride(0), r_r_bias.stride(0),
         do.stride(0), do.stride(1), do.stride(2),
         lse.stride(0), lse.stride(1), lse.stride(2),
     )
     has_band = attn_mask_band is not None and attn_mask is not None
     band = attn_mask_band if has_band else delta  # unused without a band
-    common_tail = dict(HAS_KPM=key_padding_mask is not None, HAS_MASK=attn_mask is not None,
-                       HAS_BAND=has_band,
-                       DOT_DTYPE=dot_dtype, UPCAST=upcast, INPUT_PRECISION=precision,
-                       BLOCK_D=block_d)
-    sizes = (H, Lq, Lk, R_ROWS, D, scale, wl, wr, _bucket(Lq), _bucket(Lk))
+    meta = dict(HAS_KPM=key_padding_mask is not None, HAS_MASK=attn_mask is not None,
+                HAS_BAND=has_band, DOT_DTYPE=dot_dtype, UPCAST=upcast, DOT_PREC=precision,
+                BLOCK_D=block_d)
+    sizes = (H, Lq, Lk, R_rows, D, scale, scale * _LOG2E, wl, wr, _bucket(Lq), _bucket(Lk))
 
     # dk, dv: one program per key tile
     dk = torch.empty((B, Lk, H, D), device=dev, dtype=q.dtype)
     dv = torch.empty((B, Lk, H, D), device=dev, dtype=q.dtype)
-    _dkdv_kernel[lambda meta: (B * H, triton.cdiv(Lk, meta["BLOCK"]))](
-        q, k, v, r, r_w_bias, r_r_bias, do, lse, delta, dk, dv, kpm, am, band,
-        *common_in,
-        dk.stride(0), dk.stride(1), dk.stride(2),
-        *kpm_strides, *am_strides,
-        *sizes, **common_tail)
+    _launch(_dkdv_kernel, _rel_attn_bwd_dkdv_kernel,
+            lambda blk: (B * H, triton.cdiv(Lk, blk)),
+            (a_op, qv_op, k, v, r, do, lse, delta, dk, dv, kpm, am, band,
+             *common_in,
+             dk.stride(0), dk.stride(1), dk.stride(2),
+             *kpm_strides, *am_strides, *sizes), meta, configs[0])
 
     # dq (+ du / dvb partials; + dr with atomics when not deterministic): one program per
     # query tile
@@ -770,28 +814,29 @@ def rel_attn_bwd(
     if deterministic:
         dr_acc = du_part  # unused (ATOMIC_DR=False)
     else:
-        dr_acc = torch.zeros((R_ROWS, H, D), device=dev, dtype=torch.float32)
-    _dq_kernel[lambda meta: (B * H, triton.cdiv(Lq, meta["BLOCK"]))](
-        q, k, v, r, r_w_bias, r_r_bias, do, lse, delta, dq, du_part, dvb_part, dr_acc, kpm, am, band,
-        *common_in,
-        dq.stride(0), dq.stride(1), dq.stride(2),
-        du_part.stride(0), du_part.stride(1), du_part.stride(2),
-        dr_acc.stride(0), dr_acc.stride(1),
-        *kpm_strides, *am_strides,
-        *sizes, ATOMIC_DR=not deterministic, **common_tail)
+        dr_acc = torch.zeros((R_rows, H, D), device=dev, dtype=torch.float32)
+    _launch(_dq_kernel, _rel_attn_bwd_dq_kernel,
+            lambda blk: (B * H, triton.cdiv(Lq, blk)),
+            (a_op, qv_op, k, v, r, do, lse, delta, dq, du_part, dvb_part, dr_acc,
+             kpm, am, band,
+             *common_in,
+             dq.stride(0), dq.stride(1), dq.stride(2),
+             du_part.stride(0), du_part.stride(1), du_part.stride(2),
+             dr_acc.stride(0), dr_acc.stride(1),
+             *kpm_strides, *am_strides, *sizes), dict(meta, ATOMIC_DR=not deterministic),
+            configs[1])
     du = du_part.sum(dim=(0, 1)).to(q.dtype)
     dvb = dvb_part.sum(dim=(0, 1)).to(q.dtype)
 
     if deterministic:
         # dr: one program per block diagonal; Z[0] holds the lo chunks, Z[1] the hi chunks.
-        z = torch.zeros((2, B, R_ROWS, H, D), device=dev, dtype=torch.float32)
-        _dr_kernel[lambda meta: (B * H, triton.cdiv(Lq, meta["BLOCK"])
-                                 + triton.cdiv(Lk, meta["BLOCK"]) - 1)](
-            q, k, v, r, r_w_bias, r_r_bias, do, lse, delta, z, kpm, am, band,
-            *common_in,
-            z.stride(0), z.stride(1), z.stride(2), z.stride(3),
-            *kpm_strides, *am_strides,
-            *sizes, **common_tail)
+        z = torch.zeros((2, B, R_rows, H, D), device=dev, dtype=torch.float32)
+        _launch(_dr_kernel, _rel_attn_bwd_dr_kernel,
+                lambda blk: (B * H, triton.cdiv(Lq, blk) + triton.cdiv(Lk, blk) - 1),
+                (a_op, qv_op, k, v, r, do, lse, delta, z, kpm, am, band,
+                 *common_in,
+                 z.stride(0), z.stride(1), z.stride(2), z.stride(3),
+                 *kpm_strides, *am_strides, *sizes), meta, configs[2])
         dr = z.sum(dim=(0, 1)).to(q.dtype)
     else:
         dr = dr_acc.to(q.dtype)
