@@ -33,3 +33,18 @@ def test_wheel_ships_csrc_and_compiles_nothing(tmp_path):
     # the developer tools (private Triton APIs, the build report) stay in the source tree
     assert not [n for n in names if n.startswith("tools/") or "aot_check" in n
                 or "build_check" in n], names
+
+
+def test_installed_triton_is_the_pinned_tested_range():
+    """pyproject pins the one Triton minor the kernels are tested with; the tests must run on it
+    (a wider pin, or a test run on another Triton, would ship an untested combination)."""
+    import re
+
+    import triton
+
+    text = (ROOT / "pyproject.toml").read_text()
+    m = re.search(r'"triton>=(\d+)\.(\d+)(?:\.\d+)?,<(\d+)\.(\d+)"', text)
+    assert m, "pyproject.toml must pin triton as >=X.Y,<X.Z"
+    lo, hi = (int(m.group(1)), int(m.group(2))), (int(m.group(3)), int(m.group(4)))
+    have = tuple(int(x) for x in triton.__version__.split(".")[:2])
+    assert lo <= have < hi, f"triton {triton.__version__} is outside the pinned range {m.group(0)}"
