@@ -1,92 +1,21 @@
-"""Fused Triton backward of Transformer-XL relative attention: dq, dk, dv, dr, du, dvb.
+"""Fused Triton backward of Transformer-XL relative attention: ``rel_attn_bwd``.
 
-Forward (rel_attn_fwd.py), per batch b and head h, with A = q + u, Qv = q + vb, c = Lq - 1:
+Contract. Given the forward's inputs (layouts as in rel_attn_fwd.py: q / do / out
+``[B, Lq, H, D]``, k / v ``[B, Lk, H, D]``, r ``[R, H, D]``, u / vb ``[H, D]``, one dtype among
+fp16 / bf16 / fp32, head dim 16..256, Lk >= Lq), its out and lse (``[B, H, Lq]`` fp32, natural
+log, +inf for empty rows) and the same masks, returns dq, dk, dv, dr, du, dvb, each with its
+input's shape and dtype, contiguous. Any strides with ``stride(-1) == 1`` (others copied);
+int64 offsets. Kernels: preprocess (delta = dO . O, and q + u / q + vb rounded once per row into
+workspaces), dk/dv, dq (+ du / dvb partials, + atomic dr), dr (deterministic mode only).
 
-    S[i, j] = scale * (A_i . k_j + Qv_i . r[j - i + c]),   P = softmax over allowed j,   O = P V
+Invariants. P is recomputed from lse, never stored; the recomputed S uses exactly the
+forward's rounded operands; skew and unskew use ``_common.rotate_rows``; r rows outside
+[0, R) are never read or written. ``deterministic=True`` gives bitwise-equal gradients across
+calls (no atomics); ``deterministic=False`` (``rel_attention``'s default) reduces dr with fp32
+atomics. Without autotuning each kernel runs its fixed ``_default_config``.
 
-Algorithm (FlashAttention-2 style: P is recomputed from the saved natural-log row
-log-sum-exp ``lse``, never stored; every tile product runs on the tensor cores in fp32
-accumulation):
-
-    delta_i = dO_i . O_i; A and Qv rounded once           (_rel_attn_bwd_preprocess_kernel)
-    P = exp(S - lse)   (0 on masked pairs, and on rows with no allowed key: lse = +inf there)
-    dP = dO V^T,   dS = P * (dP - delta) * scale
-    dV = P^T dO,   dK = dS^T A                           (_rel_attn_bwd_dkdv_kernel)
-    dA = dS K,     dQv_i = sum_j dS[i, j] r[j - i + c],   dq = dA + dQv   (_rel_attn_bwd_dq_kernel)
-    du = sum_{b,i} dA_i,   dvb = sum_{b,i} dQv_i        (per-query-tile partials + torch sum)
-    dr[p] = sum_{b, i, j: j - i + c = p} dS[i, j] Qv_i   (_rel_attn_bwd_dr_kernel)
-
-Tiles are square, BLOCK x BLOCK. The query tile [i0, i0 + BLOCK) and key tile
-[j0, j0 + BLOCK) need the r rows ``p0 + w``, ``w`` in [0, 2 BLOCK - 1), with
-``p0 = j0 - i0 + c - (BLOCK - 1)``: two chunks of BLOCK rows, R_lo (rows p0 ..) and R_hi (rows
-p0 + BLOCK ..; its last row is never needed). With a = query row and b = key column in the tile,
-the pair uses window column w = b - a + BLOCK - 1, so
-
-    skew:    BD[a, b] = M[a, (b - a + BLOCK - 1) mod BLOCK],   T_x = Qv R_x^T,
-             M[a, x] = T_lo[a, x] if x + a >= BLOCK - 1 else T_hi[a, x]            (one gather)
-    unskew:  G[a, w] = dS[a, (w + a + 1) mod BLOCK];  dT_lo = G where w + a >= BLOCK - 1,
-             dT_hi = G elsewhere;   dQv += dT_lo R_lo + dT_hi R_hi,  dr_x += dT_x^T Qv
-                                                                                  (one gather)
-
-``tl.gather`` is used with index and source of the same [BLOCK, BLOCK] shape, which avoids the
-wider-index gather that trips the GPU compiler (triton-lang/triton#5836). Rows outside [0, R)
-are never read (masked loads give 0; they only meet masked pairs) and never written.
-
-Window reuse: in the dq kernel (one query tile, key tiles in increasing order) the hi chunk of key
-tile n is the lo chunk of tile n + 1, so the R_hi rows and the pending dS of tile n (its dT_hi
-part) are carried to the next iteration: the dT_hi of tile n and the dT_lo of tile n + 1 have
-disjoint supports, so they are merged before a single rotation and a single product with the
-shared rows. Both T chunks are recomputed per tile (carrying T_hi would keep one more fp32 tile
-live and spill). In the dk/dv kernel (one key tile, query tiles in
-increasing order) the R rows are carried (R_hi of query tile m + 1 is R_lo of tile m), but Qv
-changes, so both T chunks are computed per tile.
-
-Deterministic dr (the default): dr is a diagonal (Toeplitz) reduction. A tile pair (m, n) lies
-on block diagonal t = n - m and its window rows depend only on t, so _rel_attn_bwd_dr_kernel runs
-one program per (block diagonal t, batch, head); it walks the tile pairs of its diagonal in a
-fixed order and accumulates dT_lo^T Qv and dT_hi^T Qv in registers. The lo chunks of all
-diagonals tile the row axis without overlap, and so do the hi chunks, so the program writes its
-two results to Z[0, b, rows] and Z[1, b, rows] (each row written by exactly one program, no
-atomics), and dr = Z.sum over (chunk, batch) in torch, a fixed-order reduction. This recomputes
-P and dS once more (a third pass). du and dvb: the dq kernel writes the row sums of dA and dQv
-of its query tile to per-(batch, query tile) partials, summed by torch in a fixed order. Two
-calls on the same inputs therefore give bitwise-equal gradients.
-
-Work per tile pair, in QK-sized products: dk/dv 6 (AC, 2 BD chunks, dP, dV, dK), dq 6 (AC, 2 BD
-chunks, dP, dA, dQv), dr 6 (AC, 2 BD chunks, dP, 2 dr chunks): 18, against 7 for a
-FlashAttention-2-style backward of plain attention without atomics.
-
-Non-deterministic fast mode (``deterministic=False``): the dq kernel also forms dr from the merged
-dT tile it already has (one more product per tile) and adds it to an fp32 [R, H, D] buffer with
-``tl.atomic_add``; the dr kernel is not launched.
-
-Masks are generated from indices (bottom-right aligned window ``d = i + Lk - Lq - j``,
-``-window_right <= d <= window_left``, causal is window_right = 0); key_padding_mask [B, Lk] and a
-dense attn_mask [B, H, Lq, Lk] (any strides, broadcast views with stride 0 are fine) are loaded per
-tile. Tile pairs entirely outside the window are skipped (the loop ranges of the dk/dv and dq
-kernels and the diagonal range of the dr kernel are clipped to the window).
-
-Memory: no Lq x Lk tensor is written to global memory. Workspace: delta [B, H, Lq] fp32, the
-rounded operands q + u and q + vb [B * H, Lq, D] (input dtype; fp32 under the interpreter), the dr
-partials Z [2, B, R, H, D] fp32 (the atomic mode: [R, H, D]), the du / dvb partials
-[B, ceil(Lq / 16), H, D] fp32: O(B * H * (Lq + Lk + R) * D) in all.
-
-Precision and limits: fp16 / bf16 / fp32 inputs, fp32 accumulation. The tensor-core operands
-are rounded to the input dtype exactly as the forward rounds them (q + u and q + vb), so the
-recomputed S matches the forward's and P = exp(S - lse) is consistent; P and dS are rounded to
-the input dtype before their products, as in FlashAttention; delta uses the stored (rounded) O,
-as FlashAttention does. fp32 inputs follow
-``torch.get_float32_matmul_precision()`` ("highest" -> exact fp32 products, else TF32). Head dims
-16..256 (padded to a power of two with masked loads). Any Lq >= 1 and Lk >= Lq; any strides with
-stride(-1) == 1 (other tensors are copied). int64 offsets. Under ``TRITON_INTERPRET=1`` one fixed
-config (BLOCK 16) is used, and bf16 operands are rounded to bf16 (round to nearest even,
-emulated: the interpreter's fp32 -> bf16 cast truncates) but kept in fp32 for ``tl.dot`` (the
-interpreter's bf16 dot is wrong, triton-lang/triton#11584); on a GPU the block size (32 / 64,
-16 only for fp32 with D > 128 in the dr kernel; square tiles, pruned by head dim and dtype to
-what fits on sm_90), num_warps (4 / 8) and num_stages are autotuned per (head dim, bucketed
-lengths, masks, dtype, fp32 precision); accumulated outputs are zeroed between tuning runs.
-With ``TXL_KERNELS_AUTOTUNE=0`` each kernel runs its ``_default_config`` (BLOCK 64, 4 warps,
-2 stages for fp16 / bf16 up to D 128), one of the autotuned configs.
+Derivations: docs/DESIGN.md, sections "Backward", "Window reuse in the backward",
+"dr: atomic (the default) or deterministic", "Masks and memory in the backward", "Precision".
 """
 from __future__ import annotations
 
@@ -472,7 +401,7 @@ def _rel_attn_bwd_dq_kernel(
         ds = _operand(p * (dp - delta[:, None]), K.dtype.element_ty, UPCAST)
         dqa = tl.dot(ds, k_t, dqa, input_precision=DOT_PREC)
         # rows p_lo ..: the lo part of this tile and the hi part of the previous one have
-        # disjoint supports: one merge, one gather, one product with the shared rows.
+        # disjoint supports: one merge, one rotation, one product with the shared rows.
         dt = _unskew_gather(tl.where(own, ds, ds_prev), BLOCK)
         dqv = tl.dot(dt, r_lo, dqv, input_precision=DOT_PREC)
         if ATOMIC_DR:

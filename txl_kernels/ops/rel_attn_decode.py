@@ -1,17 +1,16 @@
 """Decode kernel: Transformer-XL relative attention for ONE query row per (batch, head), the
-generation step of ``MemTransformerLM.generate`` on its K/V cache.
+generation step of ``MemTransformerLM.generate`` on its K/V cache: ``rel_attn_decode``.
 
-With ``Lq = 1`` the relative shift vanishes: the query is the last position, key ``j`` pairs
-with position row ``p = j - i + Lq - 1 = j``, so
+Contract. q ``[B, 1, H, D]``, k / v ``[B, Lk, H, D]``, r ``[R >= Lk, H, D]`` (row j serves key
+j), u / vb ``[H, D]``; returns ``[B, 1, H, D]`` in q's dtype. Causal with an optional left
+window (keys ``j >= Lk - 1 - window_left``). Any strides with ``stride(-1) == 1`` (others
+copied). Forward only (inference).
 
-    s_j = scale * ((q + u) . k_j + (q + v) . r_j),   out = sum_j softmax(s)_j v_j
+Invariants. Flash-decoding: program (bh, split) writes an fp32 partial (running max, sum of
+exponentials, unnormalised output) for its slice of keys; a second kernel merges the splits;
+no tensor cores (element-wise products and row sums).
 
-over the allowed keys ``j >= Lk - 1 - window_left`` (all when ``window_left = -1``; causality
-holds for every key). A 16-row query tile would be 15/16 idle, so this is flash-decoding
-instead: split-K. Program ``(bh, split)`` walks its own slice of the keys in tiles of
-``BLOCK_N`` (element-wise products and row sums: one query row needs no tensor cores) and
-writes a partial (running max, sum of exponentials, unnormalised output); a second kernel
-merges the splits per (batch, head). Forward only (inference).
+Derivations: docs/DESIGN.md, section "Decode (rel_attn_decode.py)".
 """
 from __future__ import annotations
 

@@ -1,71 +1,23 @@
-"""Fused Transformer-XL relative attention, forward (Triton).
+"""Fused Transformer-XL relative attention, forward (Triton): ``rel_attn_fwd``.
 
-What it computes (see ``txl_kernels.functional.rel_attention``), per batch b and head h::
+Contract. Per batch b and head h, with c = Lq - 1:
+``S[i, j] = scale * ((q_i + u) . k_j + (q_i + vb) . r[j - i + c])``, ``out = softmax(S) v`` over
+the allowed pairs. q ``[B, Lq, H, D]``, k / v ``[B, Lk, H, D]`` (Lk >= Lq), r ``[R, H, D]``,
+u / vb ``[H, D]``, one dtype among fp16 / bf16 / fp32, head dim 16..256. Any strides with
+``stride(-1) == 1`` (other tensors are copied first); all offsets int64. Masks: the window
+``(window_left, window_right)`` bottom-right aligned (causal is window_right = 0), bool
+key_padding_mask ``[B, Lk]`` and attn_mask broadcastable to ``[B, H, Lq, Lk]`` (True = masked,
+any strides), or a device-side band. Returns out ``[B, Lq, H, D]`` (q's dtype) and lse
+``[B, H, Lq]`` (fp32, natural log).
 
-    S[i, j] = scale * ((q_i + u) . k_j + (q_i + vb) . r[p]),   p = j - i + Lq - 1
-    out_i   = sum_j softmax_j(S[i, :] over allowed j) v_j,      lse_i = log sum_j exp(S[i, j])
+Invariants. No Lq x Lk tensor in global memory; fp32 accumulation; q + u and q + vb summed in
+fp32 and rounded once (the backward relies on the same rounding); rows with no allowed key give
+out 0 and lse = +inf; r rows outside [0, R) are never read; BLOCK_M <= 2 BLOCK_N. Arguments are
+validated by ``rel_attention``; the launcher only asserts.
 
-without ever writing an Lq x Lk tensor to global memory.
-
-Algorithm. One program owns a query tile ``[i0, i0 + BM)`` of one (b, h) (and, with split-K,
-one slice of the key range) and walks its key tiles ``[j0, j0 + BN)`` with an online softmax
-(FlashAttention-2): scores in fp32, pre-scaled by ``scale * log2(e)`` so that ``exp2`` is
-used, running max / sum per row, ``P @ V`` accumulated in fp32 (P rounded to the input dtype
-for the tensor-core product, as the reference does). AC = ``(q + u) @ K^T`` is one ``tl.dot``.
-
-BD and the skew. The tile needs r rows ``p in [j0 - i0 - (BM - 1) + Lq - 1, j0 - i0 + BN - 1 +
-Lq - 1]``: a window of ``BM + BN - 1`` rows starting at ``base = j0 - i0 - (BM - 1) + Lq - 1``.
-``T = (q + vb) @ Rwin^T`` runs on the tensor cores, and the relative shift becomes an on-chip
-skew ``BD[a, c] = T[a, w]`` with ``w = c + sh_a``, ``sh_a = BM - 1 - a``. The window is held as
-``C`` chunks of BN rows (``C = 2`` when BM <= BN, ``C = 3`` when BN < BM <= 2 BN), each chunk's
-``T_k`` a [BM, BN] register tile. Row a reads chunk ``sh_a // BN`` at columns
-``>= sh_a % BN`` and the next chunk at columns ``< sh_a % BN``: the two sets never collide, so
-the chunks first merge elementwise (``tl.where``, no data movement) and the skew is then ONE
-same-shape ``tl.gather`` along axis 1, a per-row rotation ``BD[a, c] = M[a, (c + sh_a) % BN]``.
-(Gathering each chunk separately would double the gathers and the live index tensors. On sm_90
-Triton lowers this gather to a layout conversion through shared memory and two warp shuffles per
-element; that and register pressure are the costs to watch.)
-
-Window reuse. Key tile n + 1's window starts BN rows after tile n's, so chunks 1..C-1 of tile n
-are chunks 0..C-2 of tile n + 1: they stay in registers and only one new [BM, BN] chunk product
-``(q + vb) @ r[new BN rows]^T`` is computed per key tile. BD therefore costs one extra QK-sized
-product per tile (forward matmul work 1.5x plain attention), plus ``C - 1`` chunk products once
-per program to prime the window.
-
-Masking and tile skipping. With ``d = (i + Lk - Lq) - j``, a pair is allowed iff
-``(wl < 0 or d <= wl) and (wr < 0 or -d <= wr)`` (causal is ``wr = 0``), the key is not padded
-(``key_padding_mask[b, j]``) and ``attn_mask[b, h, i, j]`` is False. The window / causal masks
-come from indices; the loop bounds start at the first key tile that any row of the query tile
-may see and stop after the last, so fully masked tiles outside the band are never computed.
-The padding and dense masks are loaded per tile (any strides; broadcast views with stride 0 are
-read in place). r rows outside ``[0, R)`` are loaded as zeros (masked loads, never read): they
-only meet disallowed pairs, which the mask removes. Rows with no allowed key give output 0 and
-``lse = +inf`` (the backward relies on that convention).
-
-Split-K. When ``B * H * cdiv(Lq, 64)`` programs cannot fill the GPU (the Transformer-XL
-evaluation shapes: Lq 64 against Lk ~ 4k), the key tiles of each query tile are divided among
-``num_splits`` programs; each writes its normalised partial output and log2-sum-exp to a small
-fp32 workspace ``[B * H, splits, Lq, D]`` and a combine kernel merges them. ``num_splits`` is
-chosen from the SM count, or forced with the launcher keyword.
-
-Limits. Head dims 16..256 (padded to a power-of-two BLOCK_D with masked loads); fp16, bf16,
-fp32 (fp32 products use IEEE fp32 when ``torch.get_float32_matmul_precision() == "highest"``,
-else TF32; exact fp32 runs on the FMA units, much slower than the tensor-core paths). Any
-strides, but a q, k, v, r, u or vb whose last dimension is not contiguous is copied first.
-BLOCK_M <= 2 BLOCK_N (at most three window chunks). Offsets are int64 (tensors over 2^31
-elements); grid (B * H, query tiles, splits), so B * H < 2^31 and Lq < 65536 * BLOCK_M.
-Registers are the tight resource: one [BM, BLOCK_D] fp32 accumulator, the (q + u) and (q + vb)
-tiles, the scores and C - 1 carried [BM, BN] window chunks, so large BLOCK_N / BLOCK_D
-configs are not offered. No dropout (``rel_attention`` runs the reference path for
-dropout_p > 0).
-
-Interpreter and tuning. Under ``TRITON_INTERPRET=1`` one fixed 16 x 16 config is used and bf16
-dot operands are upcast to fp32 (the interpreter's bf16 ``tl.dot`` is wrong:
-triton-lang/triton#11584; so is its bf16 arithmetic, hence q + u and q + vb are always summed
-in fp32 and rounded once; and its fp32 -> bf16 conversion truncates, so bf16 roundings are done
-to nearest-even with bit arithmetic there). On GPU the block sizes are autotuned per bucket
-(next powers of two of Lq and Lk, BLOCK_D, dtype, precision, mask flags, splits);
-``TXL_KERNELS_AUTOTUNE=0`` uses one default config instead.
+Derivations: docs/DESIGN.md, sections "The skew" (window chunks, ``_common.rotate_rows``),
+"Window reuse", "Masking and tile skipping" (mask-free interior tiles), "Split-K (forward)",
+"Precision" and "Limits and resources".
 """
 from __future__ import annotations
 
