@@ -54,6 +54,14 @@ def _norm(inp):
     return inp.scale, -1, (0 if inp.causal else -1), inp.key_padding_mask, None
 
 
+# The baselines (SDPA with BD as a float mask, FlexAttention reading a BD table) hold the shifted
+# BD tensor in the input dtype, as the code they stand for does; the reference accumulates and
+# holds every score in fp32, so at fp16 / bf16 a baseline's error is several times the
+# reference's by construction (measured up to about 6x). They are checked to compute the same
+# function, not to be as precise as our kernels.
+BASELINE_FACTOR = 8.0
+
+
 def _check_against_reference(fn, cfg, dtype, grads=True, zero_pos=False, factor=3.0,
                              device="cpu"):
     inp = _attn_inputs(cfg, dtype, requires_grad=grads, zero_pos=zero_pos, device=device)
@@ -153,7 +161,7 @@ def test_nemo_rel_shift_equals_reference_shift_on_allowed_pairs():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"B{c[0]}q{c[1]}m{c[2]}H{c[3]}D{c[4]}")
 def test_sdpa_bias_matches_reference(cfg, dtype):
-    _check_against_reference(P.sdpa_bias, cfg, dtype)
+    _check_against_reference(P.sdpa_bias, cfg, dtype, factor=BASELINE_FACTOR)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -174,7 +182,7 @@ def test_sdpa_plain_differs_when_position_terms_are_present():
 def test_flex_forward_matches_reference_cpu(cfg, dtype):
     # Eager FlexAttention on CPU (forward only: no CPU backward); the block mask is reused.
     fn = lambda inp: P.flex(inp, compiled=False)  # noqa: E731
-    _check_against_reference(fn, cfg, dtype, grads=False)
+    _check_against_reference(fn, cfg, dtype, grads=False, factor=BASELINE_FACTOR)
 
 
 def test_flex_block_mask_is_built_once_per_input_set():
@@ -206,7 +214,8 @@ def test_flex_compiled_matches_reference_cuda():
 @requires_cuda
 @pytest.mark.parametrize("cfg", CONFIGS[:2], ids=["txl", "conformer"])
 def test_sdpa_bias_matches_reference_cuda(cfg):
-    _check_against_reference(P.sdpa_bias, cfg, torch.float16, device="cuda")
+    _check_against_reference(P.sdpa_bias, cfg, torch.float16, device="cuda",
+                             factor=BASELINE_FACTOR)
 
 
 @requires_cuda

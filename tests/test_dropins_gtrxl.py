@@ -149,7 +149,8 @@ def test_ding_causal_mask_is_read_as_a_band(spy):
     full, pos, mask, u, v = ding_inputs(cur, prev)
     ours(full[prev:], pos, full, u, v, mask=mask)
     (args, kw), = spy
-    assert kw["causal"] is True and kw["attn_mask_band"].tolist() == [1, -1, 0]
+    # a band: every distance up to Lk - 1 on the left, none on the right (causal)
+    assert kw["causal"] is True and kw["attn_mask_band"].tolist() == [1, cur + prev - 1, 0]
     q, k, vv, r = args[:4]
     assert all(t._base is not None for t in (q, k, vv, r))
     assert k._base is vv._base

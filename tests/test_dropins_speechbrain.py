@@ -130,7 +130,8 @@ def test_padding_and_lookahead_reach_kernel_without_dense_reads(spy):
     ours(x, x, x, pe, key_padding_mask=kpm, attn_mask=am, return_attn_weights=False)
     (a0, kw0), (a1, kw1) = spy
     assert kw0["attn_mask"] is None and torch.equal(kw0["key_padding_mask"], kpm)
-    assert kw1["attn_mask_band"].tolist() == [1, -1, 0]  # causal: the kernel reads no mask
+    # causal (a band: left up to Lk - 1, right 0): the kernel reads no mask
+    assert kw1["attn_mask_band"].tolist() == [1, T - 1, 0]
     q, k, v, r = a0[:4]
     assert q._base is not None and q._base is k._base is v._base
     assert r.shape == (2 * T - 1, H, E // H) and r._base is not None
