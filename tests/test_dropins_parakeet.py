@@ -127,7 +127,7 @@ def test_encoder_padding_mask_is_split_on_device(spy):
     (_, kw), = spy
     assert torch.equal(kw["key_padding_mask"], ~masks("flat", B, T))
     assert not kw["attn_mask"].any()
-    assert kw["attn_mask_band"].tolist() == [1, -1, -1]
+    assert kw["attn_mask_band"].tolist() == [1, T - 1, T - 1]  # every pair: a band, no mask reads
 
 
 def test_projections_and_position_table_are_views(spy):
@@ -319,7 +319,7 @@ def test_wav2vec2_conformer_padding_reaches_kernel_as_key_padding(spy):
     ours(x, additive, pe)
     (_, kw), = spy
     assert torch.equal(kw["key_padding_mask"], ~valid)
-    assert not kw["attn_mask"].any() and kw["attn_mask_band"].tolist() == [1, -1, -1]
+    assert not kw["attn_mask"].any() and kw["attn_mask_band"].tolist() == [1, T - 1, T - 1]
     with pytest.raises(ValueError, match="only 0 and"):
         ours(x, additive * 0.5, pe)
 
