@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .._utils import describe
 from ._common import (INTERPRET, apply_mask_band, autotune_enabled, dot_precision,
-                      last_dim_contiguous, rotate_rows, round_bf16)
+                      last_dim_contiguous, round_bf16)
 
 __all__ = ["rel_attn_bwd"]
 
@@ -65,8 +65,10 @@ def _output(x, OUT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
 @triton.jit
 def _rotate_rows(x, sh, BLOCK: tl.constexpr):
     """out[a, c] = x[a, (c + sh[a]) % BLOCK] (0 <= sh < BLOCK): the per-row rotation of the
-    relative shift, the forward's register rotation (``_common.rotate_rows``) on a square tile."""
-    return rotate_rows(x, sh, BLOCK, BLOCK)
+    relative shift, one same-shape tl.gather (the forward's rotation helper can replace this
+    body: same contract)."""
+    idx = (tl.arange(0, BLOCK)[None, :] + sh[:, None]) & (BLOCK - 1)
+    return tl.gather(x, idx, 1)
 
 
 @triton.jit
