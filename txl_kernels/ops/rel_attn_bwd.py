@@ -9,7 +9,7 @@ int64 offsets. Kernels: preprocess (delta = dO . O, and q + u / q + vb rounded o
 workspaces), dk/dv, dq (+ du / dvb partials, + atomic dr), dr (deterministic mode only).
 
 Invariants. P is recomputed from lse, never stored; the recomputed S uses exactly the
-forward's rounded operands; skew and unskew use ``_common.rotate_rows``; r rows outside
+forward's rounded operands; skew and unskew are one same-shape ``tl.gather`` each; r rows outside
 [0, R) are never read or written. ``deterministic=True`` gives bitwise-equal gradients across
 calls (no atomics); ``deterministic=False`` (``rel_attention``'s default) reduces dr with fp32
 atomics. Without autotuning each kernel runs its fixed ``_default_config``.
@@ -65,8 +65,9 @@ def _output(x, OUT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
 @triton.jit
 def _rotate_rows(x, sh, BLOCK: tl.constexpr):
     """out[a, c] = x[a, (c + sh[a]) % BLOCK] (0 <= sh < BLOCK): the per-row rotation of the
-    relative shift, one same-shape tl.gather (the forward's rotation helper can replace this
-    body: same contract)."""
+    relative shift, one same-shape tl.gather. (``_common.rotate_rows`` has the same contract;
+    in the atomic dq kernel at fp32 / TF32 it crashes Triton 3.8's TritonGPUOptimizeDotOperands
+    pass on sm_90, so the backward keeps the gather.)"""
     idx = (tl.arange(0, BLOCK)[None, :] + sh[:, None]) & (BLOCK - 1)
     return tl.gather(x, idx, 1)
 
