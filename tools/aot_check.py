@@ -256,12 +256,14 @@ def _returns_value(fn) -> bool:
 
 
 def entry_kernels(module) -> Dict[str, Any]:
-    """The ``@triton.jit`` entry points defined in ``module`` (jit functions that return
-    nothing; the value-returning ones are helpers inlined into them), by name."""
+    """The ``@triton.jit`` entry points defined in ``module``, by name: jit functions named
+    ``*_kernel`` (the project's naming chain) that return nothing. Helpers are inlined into
+    them, including those that return nothing (e.g. a helper that only stores or adds
+    atomically)."""
     out = {}
     for name, obj in vars(module).items():
         if _is_jit_function(obj) and getattr(obj.fn, "__module__", None) == module.__name__ \
-                and not _returns_value(obj):
+                and obj.fn.__name__.endswith("_kernel") and not _returns_value(obj):
             out[obj.fn.__name__] = obj
     return out
 
