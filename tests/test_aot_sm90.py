@@ -60,12 +60,14 @@ def _is_triton_jit(dec) -> bool:
 
 
 def _kernel_names(path: Path):
-    """@triton.jit functions of a source file that return nothing (the kernels; the helpers
-    return values), read from the source independently of the checker."""
+    """@triton.jit functions of a source file named ``*_kernel`` that return nothing (the
+    launched kernels; helpers are inlined into them), read from the source independently of
+    the checker."""
     tree = ast.parse(path.read_text())
     names = []
     for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and any(map(_is_triton_jit, node.decorator_list)):
+        if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel") \
+                and any(map(_is_triton_jit, node.decorator_list)):
             if not any(isinstance(n, ast.Return) and n.value is not None
                        for n in ast.walk(node)):
                 names.append(node.name)
