@@ -222,8 +222,15 @@ def rel_attention(
             the host: rows outside ``[0, R)`` count as zero (the band, when it is one, excludes
             them).
         softmax_scale: defaults to ``D ** -0.5``.
-        dropout_p: dropout on the attention probabilities. The fused kernel has no dropout:
-            ``dropout_p > 0`` runs the reference path. Pass 0.0 at evaluation.
+        dropout_p: dropout on the attention probabilities, after the softmax normaliser (kept
+            ones scaled by ``1 / (1 - p)``), on both backends. Pass 0.0 at evaluation. The
+            fused kernels draw their keep-mask from a counter-based RNG (Philox) keyed by a
+            (seed, offset) pair that one ``torch.randint`` draws, on q's device, from
+            PyTorch's default generator (the CUDA generator of that device; the CPU one
+            under the interpreter): ``torch.manual_seed`` makes a call reproducible,
+            consecutive calls differ, CUDA graph capture records it like any random op. The
+            backward regenerates the same mask (nothing Lq x Lk is stored). The reference
+            backend uses ``F.dropout`` (a different mask for the same seed).
         backend: ``"reference"`` (einsum path, any device), ``"triton"`` (fused kernel; CUDA
             tensors, or CPU tensors under ``TRITON_INTERPRET=1``) or ``"auto"`` (fused where it
             can run, else reference).
@@ -307,7 +314,7 @@ def rel_attention(
         _check_position_rows(Lq, Lk, r.shape[0], wl, wr)
 
     use_fused = False
-    if backend != "reference" and dropout_p == 0.0:
+    if backend != "reference":
         ok, why = fused_available(q.device)
         shape_ok = (q.dtype in FUSED_DTYPES
                     and FUSED_MIN_HEADDIM <= D <= FUSED_MAX_HEADDIM)
@@ -325,6 +332,6 @@ def rel_attention(
         from .ops import rel_attn_func  # imports triton lazily
 
         return rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                             attn_mask_band, deterministic)
+                             attn_mask_band, deterministic, float(dropout_p))
     return rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr,
                                    kpm, mask, float(dropout_p), attn_mask_band=attn_mask_band)

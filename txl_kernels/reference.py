@@ -102,7 +102,8 @@ def rel_attention_reference(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias
                             r_r_bias: Tensor, softmax_scale: float, window_left: int,
                             window_right: int, key_padding_mask: Optional[Tensor] = None,
                             attn_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
-                            return_lse: bool = False, attn_mask_band: Optional[Tensor] = None):
+                            return_lse: bool = False, attn_mask_band: Optional[Tensor] = None,
+                            dropout_mask: Optional[Tensor] = None):
     """Einsum relative attention. q ``[B, Lq, H, D]``, k/v ``[B, Lk, H, D]``, r ``[R, H, D]``,
     biases ``[H, D]``; masks already normalised (causal folded into ``window_right = 0``,
     ``attn_mask`` bool broadcastable to ``[B, H, Lq, Lk]``, True = masked).
@@ -112,13 +113,19 @@ def rel_attention_reference(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias
     (fp64 inputs stay fp64). Returns ``[B, Lq, H, D]`` in q's dtype, and with ``return_lse`` also the
     natural-log row log-sum-exp ``[B, H, Lq]`` (fp32 or fp64; ``+inf`` for rows with no
     allowed key), the quantity the fused forward saves for its backward.
+
+    Dropout (``dropout_p > 0``) acts on the normalised probabilities (the lse is that of the
+    undropped scores); kept ones are scaled by ``1 / (1 - dropout_p)``. ``dropout_mask``: an
+    explicit keep-mask (bool, True = kept, broadcastable to ``[B, H, Lq, Lk]``, e.g. the fused
+    kernels' ``ops.rel_attn_fwd.dropout_keep_mask``) instead of ``F.dropout``'s random one.
     """
     # Autocast, if on, was applied by the caller (functional.rel_attention); here it would
     # turn the fp32 accumulation below back into the low-precision dtype.
     with _no_autocast(q.device.type):
         return _rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale,
                                         window_left, window_right, key_padding_mask,
-                                        attn_mask, dropout_p, return_lse, attn_mask_band)
+                                        attn_mask, dropout_p, return_lse, attn_mask_band,
+                                        dropout_mask)
 
 
 def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
@@ -139,7 +146,7 @@ def _no_autocast(device_type: str):
 
 def _rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left,
                              window_right, key_padding_mask, attn_mask, dropout_p, return_lse,
-                             attn_mask_band):
+                             attn_mask_band, dropout_mask=None):
     lq, lk = q.shape[1], k.shape[1]
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
 
@@ -161,7 +168,9 @@ def _rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wind
     # and every gradient are exactly 0 (no NaN from -inf - -inf).
     scores = torch.where(row_has_key, scores, scores.new_zeros(()))
     prob = torch.softmax(scores, dim=-1) * row_has_key
-    if dropout_p > 0.0:
+    if dropout_p > 0.0 and dropout_mask is not None:
+        prob = prob * dropout_mask / (1.0 - dropout_p)
+    elif dropout_p > 0.0:
         prob = F.dropout(prob, p=dropout_p, training=True)
     out = torch.einsum("bhij,bjhd->bihd", prob.to(v.dtype), v).to(q.dtype)
     if not return_lse:

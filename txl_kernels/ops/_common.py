@@ -130,3 +130,37 @@ def rotate_rows(m, sh, BM: tl.constexpr, BN: tl.constexpr):
     f1 = tl.where(q < d1[:, None, None], _roll_groups(e1, 1, BM, NG, 4), e1)
     return tl.reshape(tl.join(_rotate_lanes(f0, d0, BM, NG), _rotate_lanes(f1, d1, BM, NG)),
                       [BM, BN])
+
+
+# ---- attention dropout: a counter-based keep-mask (Philox), a function of (b, h, i, j) only
+#
+# The 128-bit Philox counter of element (b, h, i, j) is (j, row mod 2^32, offset mod 2^32,
+# (offset >> 32) + (row >> 32)) with row = (b * H + h) * Lq + i, and the key is the 64-bit
+# seed: for one (seed, offset) every element has its own counter, whatever the tiling (split-K,
+# block sizes), so the forward and every backward kernel regenerate the same mask. The first
+# 32-bit word of the Philox output is compared with an integer threshold: P(keep) = 1 - p.
+
+def dropout_threshold(p: float) -> int:
+    """The uint32 threshold of ``dropout_keep``: an element is kept when its 32-bit Philox word
+    is ``>= floor(p * 2**32)`` (keep probability ``1 - floor(p * 2**32) / 2**32``)."""
+    return min(int(p * 4294967296.0), 4294967295)
+
+
+@triton.jit
+def load_dropout_seed(SEED):
+    """(seed, offset) from the int64 ``[2]`` device tensor (rel_attn_fwd.draw_dropout_seed)."""
+    return tl.load(SEED), tl.load(SEED + 1)
+
+
+@triton.jit
+def dropout_keep(seed, offset, bh, offs_i, offs_j, Lq, threshold):
+    """Keep-mask [len(offs_i), len(offs_j)] of (batch * H + head) ``bh``, query rows offs_i,
+    keys offs_j (any ints; the row index is formed in int64)."""
+    row = bh.to(tl.int64) * Lq + offs_i.to(tl.int64)
+    c1 = row.to(tl.uint32)
+    c3 = ((offset >> 32) + (row >> 32)).to(tl.uint32)
+    c2 = offset.to(tl.uint32)
+    c0 = offs_j.to(tl.uint32)[None, :]
+    zero = c0 * 0
+    r0, _, _, _ = tl.philox(seed, c0, c1[:, None] + zero, c2 + zero, c3[:, None] + zero)
+    return r0 >= tl.to_tensor(threshold).to(tl.uint32)

@@ -27,7 +27,8 @@ import triton.language as tl
 
 from .._utils import describe
 from ._common import (INTERPRET, apply_mask_band, autotune_enabled, dot_precision,
-                      last_dim_contiguous, round_bf16)
+                      dropout_keep, dropout_threshold, last_dim_contiguous, load_dropout_seed,
+                      round_bf16)
 
 __all__ = ["rel_attn_bwd"]
 
@@ -185,16 +186,27 @@ def _recompute_p_dp(a_t, do, k_t, v_t, t_lo, t_hi, lse2, offs_i, offs_j, b, h, L
                     window_left, window_right, qk_scale, KPM, stride_kpm_b, stride_kpm_n, MASK,
                     stride_mb, stride_mh, stride_mm, stride_mn, band_on,
                     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
-                    DOT_PREC: tl.constexpr, BLOCK: tl.constexpr):
+                    DOT_PREC: tl.constexpr, BLOCK: tl.constexpr, SEED, drop_thresh, drop_scale,
+                    pid_bh, DROPOUT: tl.constexpr):
     """P (recomputed from lse, 0 where masked) and dP = dO V^T on one tile; t_lo / t_hi are the
-    two window chunks (q + vb) @ R^T that the skew turns into BD."""
+    two window chunks (q + vb) @ R^T that the skew turns into BD. Returns (P, dP, Pv): Pv is
+    the P that multiplied V in the forward (for dV). DROPOUT: the forward's keep-mask Z is
+    regenerated (same Philox counters): Pv = P Z / (1 - p) and dP becomes dO V^T Z / (1 - p),
+    the gradient w.r.t. the undropped P; dS = P (dP - delta) then holds as without dropout
+    (delta = rowsum(dO O) = rowsum(P dP))."""
     bd = _skew(t_lo, t_hi, BLOCK)
     ac = tl.dot(a_t, tl.trans(k_t), input_precision=DOT_PREC)
     p = _probs(ac, bd, lse2, offs_i, offs_j, b, h, Lq, Lk, window_left, window_right, qk_scale,
                KPM, stride_kpm_b, stride_kpm_n, MASK, stride_mb, stride_mh, stride_mm,
                stride_mn, band_on, HAS_KPM, HAS_MASK, HAS_BAND)
     dp = tl.dot(do, tl.trans(v_t), input_precision=DOT_PREC)
-    return p, dp
+    pv = p
+    if DROPOUT:
+        drop_seed, drop_off = load_dropout_seed(SEED)
+        keep = dropout_keep(drop_seed, drop_off, pid_bh, offs_i, offs_j, Lq, drop_thresh)
+        dp = tl.where(keep, dp * drop_scale, 0.0)
+        pv = tl.where(keep, p * drop_scale, 0.0)
+    return p, dp, pv
 
 
 @triton.jit
@@ -240,7 +252,7 @@ def _rel_attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _rel_attn_bwd_dkdv_kernel(
-    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, DK, DV, KPM, MASK, BAND,
+    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, DK, DV, KPM, MASK, BAND, SEED,
     stride_wbh, stride_wm,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -251,11 +263,11 @@ def _rel_attn_bwd_dkdv_kernel(
     stride_kpm_b, stride_kpm_n,
     stride_mb, stride_mh, stride_mm, stride_mn,
     H, Lq, Lk, R_rows, D,
-    sm_scale, qk_scale, window_left, window_right,
+    sm_scale, qk_scale, window_left, window_right, drop_thresh, drop_scale,
     LQ_BUCKET, LK_BUCKET,  # autotune keys only
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, DROPOUT: tl.constexpr = False,
 ):
     """One program per (batch * head, key tile): dk and dv of the tile, looping over the query
     tiles that the window lets see it."""
@@ -304,12 +316,14 @@ def _rel_attn_bwd_dkdv_kernel(
                           DOT_DTYPE)
         t_lo = tl.dot(qv_t, tl.trans(r_lo), input_precision=DOT_PREC)
         t_hi = tl.dot(qv_t, tl.trans(r_hi), input_precision=DOT_PREC)
-        p, dp = _recompute_p_dp(a_t, do, k_t, v_t, t_lo, t_hi, lse2, offs_i, offs_j, b, h, Lq,
-                                Lk, window_left, window_right, qk_scale, KPM, stride_kpm_b,
-                                stride_kpm_n, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-                                band_on, HAS_KPM, HAS_MASK, HAS_BAND, DOT_PREC, BLOCK)
+        p, dp, pv = _recompute_p_dp(a_t, do, k_t, v_t, t_lo, t_hi, lse2, offs_i, offs_j, b, h,
+                                    Lq, Lk, window_left, window_right, qk_scale, KPM,
+                                    stride_kpm_b, stride_kpm_n, MASK, stride_mb, stride_mh,
+                                    stride_mm, stride_mn,
+                                    band_on, HAS_KPM, HAS_MASK, HAS_BAND, DOT_PREC, BLOCK,
+                                    SEED, drop_thresh, drop_scale, pid_bh, DROPOUT)
         ds = p * (dp - delta[:, None])
-        dv = tl.dot(tl.trans(_operand(p, K.dtype.element_ty, UPCAST)), do, dv,
+        dv = tl.dot(tl.trans(_operand(pv, K.dtype.element_ty, UPCAST)), do, dv,
                     input_precision=DOT_PREC)
         dk = tl.dot(tl.trans(_operand(ds, K.dtype.element_ty, UPCAST)), a_t, dk,
                     input_precision=DOT_PREC)
@@ -324,7 +338,7 @@ def _rel_attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _rel_attn_bwd_dq_kernel(
-    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, DQ, DU_PART, DVB_PART, DR_ACC, KPM, MASK, BAND,
+    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, DQ, DU_PART, DVB_PART, DR_ACC, KPM, MASK, BAND, SEED,
     stride_wbh, stride_wm,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -337,12 +351,12 @@ def _rel_attn_bwd_dq_kernel(
     stride_kpm_b, stride_kpm_n,
     stride_mb, stride_mh, stride_mm, stride_mn,
     H, Lq, Lk, R_rows, D,
-    sm_scale, qk_scale, window_left, window_right,
+    sm_scale, qk_scale, window_left, window_right, drop_thresh, drop_scale,
     LQ_BUCKET, LK_BUCKET,  # autotune keys only
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
     ATOMIC_DR: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, DROPOUT: tl.constexpr = False,
 ):
     """One program per (batch * head, query tile): dq of the tile (dA + dQv) and the row sums of
     dA and dQv (du / dvb partials), looping over the key tiles of the window in increasing
@@ -397,10 +411,12 @@ def _rel_attn_bwd_dq_kernel(
         # both window chunks per tile: carrying t_hi would keep one more fp32 tile live
         t_lo = tl.dot(qv_t, tl.trans(r_lo), input_precision=DOT_PREC)
         t_hi = tl.dot(qv_t, tl.trans(r_hi), input_precision=DOT_PREC)
-        p, dp = _recompute_p_dp(a_t, do, k_t, v_t, t_lo, t_hi, lse2, offs_i, offs_j, b, h, Lq,
-                                Lk, window_left, window_right, qk_scale, KPM, stride_kpm_b,
-                                stride_kpm_n, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-                                band_on, HAS_KPM, HAS_MASK, HAS_BAND, DOT_PREC, BLOCK)
+        p, dp, pv = _recompute_p_dp(a_t, do, k_t, v_t, t_lo, t_hi, lse2, offs_i, offs_j, b, h,
+                                    Lq, Lk, window_left, window_right, qk_scale, KPM,
+                                    stride_kpm_b, stride_kpm_n, MASK, stride_mb, stride_mh,
+                                    stride_mm, stride_mn,
+                                    band_on, HAS_KPM, HAS_MASK, HAS_BAND, DOT_PREC, BLOCK,
+                                    SEED, drop_thresh, drop_scale, pid_bh, DROPOUT)
         ds = _operand(p * (dp - delta[:, None]), K.dtype.element_ty, UPCAST)
         dqa = tl.dot(ds, k_t, dqa, input_precision=DOT_PREC)
         # rows p_lo ..: the lo part of this tile and the hi part of the previous one have
@@ -431,7 +447,7 @@ def _rel_attn_bwd_dq_kernel(
 
 @triton.jit
 def _rel_attn_bwd_dr_kernel(
-    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, Z, KPM, MASK, BAND,
+    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, Z, KPM, MASK, BAND, SEED,
     stride_wbh, stride_wm,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -442,11 +458,11 @@ def _rel_attn_bwd_dr_kernel(
     stride_kpm_b, stride_kpm_n,
     stride_mb, stride_mh, stride_mm, stride_mn,
     H, Lq, Lk, R_rows, D,
-    sm_scale, qk_scale, window_left, window_right,
+    sm_scale, qk_scale, window_left, window_right, drop_thresh, drop_scale,
     LQ_BUCKET, LK_BUCKET,  # autotune keys only
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, DROPOUT: tl.constexpr = False,
 ):
     """One program per (batch * head, block diagonal t = n - m): the dr contributions of the
     tile pairs (m, m + t) of one batch and head, reduced in registers in a fixed order, written
@@ -503,10 +519,12 @@ def _rel_attn_bwd_dr_kernel(
 
         t_lo = tl.dot(qv_t, tl.trans(r_lo), input_precision=DOT_PREC)
         t_hi = tl.dot(qv_t, tl.trans(r_hi), input_precision=DOT_PREC)
-        p, dp = _recompute_p_dp(a_t, do, k_t, v_t, t_lo, t_hi, lse2, offs_i, offs_j, b, h, Lq,
-                                Lk, window_left, window_right, qk_scale, KPM, stride_kpm_b,
-                                stride_kpm_n, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-                                band_on, HAS_KPM, HAS_MASK, HAS_BAND, DOT_PREC, BLOCK)
+        p, dp, pv = _recompute_p_dp(a_t, do, k_t, v_t, t_lo, t_hi, lse2, offs_i, offs_j, b, h,
+                                    Lq, Lk, window_left, window_right, qk_scale, KPM,
+                                    stride_kpm_b, stride_kpm_n, MASK, stride_mb, stride_mh,
+                                    stride_mm, stride_mn,
+                                    band_on, HAS_KPM, HAS_MASK, HAS_BAND, DOT_PREC, BLOCK,
+                                    SEED, drop_thresh, drop_scale, pid_bh, DROPOUT)
         ds = _operand(p * (dp - delta[:, None]), K.dtype.element_ty, UPCAST)
         g = _unskew_gather(ds, BLOCK)
         dt_lo = tl.where(lo_part, g, 0.0).to(DOT_DTYPE)
@@ -587,7 +605,8 @@ def _default_config(block_d: int, exact_fp32: bool, wide: bool = False,
     return {"BLOCK": block, "num_warps": 4, "num_stages": 2}
 
 
-_KEY = ["BLOCK_D", "LQ_BUCKET", "LK_BUCKET", "HAS_KPM", "HAS_MASK", "HAS_BAND", "DOT_PREC"]
+_KEY = ["BLOCK_D", "LQ_BUCKET", "LK_BUCKET", "HAS_KPM", "HAS_MASK", "HAS_BAND", "DOT_PREC",
+        "DROPOUT"]
 
 _dkdv_kernel = triton.autotune(configs=_configs(), key=_KEY,
                                prune_configs_by={"early_config_prune": _make_prune(False)})(
@@ -628,6 +647,7 @@ def rel_attn_bwd(
     softmax_scale: float, window_left: int, window_right: int,
     key_padding_mask: Optional[torch.Tensor] = None, attn_mask: Optional[torch.Tensor] = None,
     attn_mask_band: Optional[torch.Tensor] = None, deterministic: bool = True,
+    dropout_p: float = 0.0, dropout_seed: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv, dr, du, dvb) of the fused relative attention, each with its
     input's shape and dtype, contiguous.
@@ -636,8 +656,10 @@ def rel_attn_bwd(
     for rows with no allowed key). Masks as in ``rel_attn_fwd``: causal folded into
     ``window_right = 0``, ``key_padding_mask`` bool [B, Lk] or None, ``attn_mask`` bool
     [B, H, Lq, Lk] (any strides) or None, True = masked. ``deterministic=False`` reduces dr
-    with fp32 atomics in the dq kernel (faster; not bitwise reproducible). The arguments are
-    validated by ``rel_attention``; here they are only asserted.
+    with fp32 atomics in the dq kernel (faster; not bitwise reproducible). ``dropout_p`` > 0:
+    the forward's dropout, with the same (seed, offset) tensor ``dropout_seed`` (the keep-mask
+    is regenerated, never stored). The arguments are validated by ``rel_attention``; here they
+    are only asserted.
     """
     B, Lq, H, D = q.shape
     Lk = k.shape[1]
@@ -655,6 +677,10 @@ def rel_attn_bwd(
             tuple(t.shape) == shape and t.dtype == dtype and t.device == dev), \
             f"rel_attn_bwd: {name} must be {list(shape)} {dtype} on {dev}, got {describe(t)}"
     assert R_rows >= 1, f"rel_attn_bwd: r {describe(r)}"
+    dropout = dropout_p > 0.0
+    assert not dropout or (dropout_seed is not None and dropout_seed.dtype == torch.int64
+                           and dropout_seed.numel() == 2 and dropout_seed.device == dev), \
+        f"rel_attn_bwd: dropout_seed must be int64 [2] on {dev}, got {describe(dropout_seed)}"
     q, k, v, r, do, out = (last_dim_contiguous(t) for t in (q, k, v, r, do, out))
     r_w_bias, r_r_bias = last_dim_contiguous(r_w_bias), last_dim_contiguous(r_r_bias)
     lse = lse.contiguous()
@@ -720,17 +746,20 @@ def rel_attn_bwd(
     )
     has_band = attn_mask_band is not None and attn_mask is not None
     band = attn_mask_band if has_band else delta  # unused without a band
+    seed = dropout_seed if dropout else delta  # unused without dropout
     meta = dict(HAS_KPM=key_padding_mask is not None, HAS_MASK=attn_mask is not None,
                 HAS_BAND=has_band, DOT_DTYPE=dot_dtype, UPCAST=upcast, DOT_PREC=precision,
-                BLOCK_D=block_d)
-    sizes = (H, Lq, Lk, R_rows, D, scale, scale * _LOG2E, wl, wr, _bucket(Lq), _bucket(Lk))
+                BLOCK_D=block_d, DROPOUT=dropout)
+    sizes = (H, Lq, Lk, R_rows, D, scale, scale * _LOG2E, wl, wr,
+             dropout_threshold(dropout_p) if dropout else 0, 1.0 / (1.0 - dropout_p),
+             _bucket(Lq), _bucket(Lk))
 
     # dk, dv: one program per key tile
     dk = torch.empty((B, Lk, H, D), device=dev, dtype=q.dtype)
     dv = torch.empty((B, Lk, H, D), device=dev, dtype=q.dtype)
     _launch(_dkdv_kernel, _rel_attn_bwd_dkdv_kernel,
             lambda blk: (B * H, triton.cdiv(Lk, blk)),
-            (a_op, qv_op, k, v, r, do, lse, delta, dk, dv, kpm, am, band,
+            (a_op, qv_op, k, v, r, do, lse, delta, dk, dv, kpm, am, band, seed,
              *common_in,
              dk.stride(0), dk.stride(1), dk.stride(2),
              *kpm_strides, *am_strides, *sizes), meta, configs[0])
@@ -748,7 +777,7 @@ def rel_attn_bwd(
     _launch(_dq_kernel, _rel_attn_bwd_dq_kernel,
             lambda blk: (B * H, triton.cdiv(Lq, blk)),
             (a_op, qv_op, k, v, r, do, lse, delta, dq, du_part, dvb_part, dr_acc,
-             kpm, am, band,
+             kpm, am, band, seed,
              *common_in,
              dq.stride(0), dq.stride(1), dq.stride(2),
              du_part.stride(0), du_part.stride(1), du_part.stride(2),
@@ -763,7 +792,7 @@ def rel_attn_bwd(
         z = torch.zeros((2, B, R_rows, H, D), device=dev, dtype=torch.float32)
         _launch(_dr_kernel, _rel_attn_bwd_dr_kernel,
                 lambda blk: (B * H, triton.cdiv(Lq, blk) + triton.cdiv(Lk, blk) - 1),
-                (a_op, qv_op, k, v, r, do, lse, delta, z, kpm, am, band,
+                (a_op, qv_op, k, v, r, do, lse, delta, z, kpm, am, band, seed,
                  *common_in,
                  z.stride(0), z.stride(1), z.stride(2), z.stride(3),
                  *kpm_strides, *am_strides, *sizes), meta, configs[2])

@@ -31,9 +31,11 @@ import triton.language as tl
 
 from .._utils import describe
 from ._common import (INTERPRET, apply_mask_band, autotune_enabled, dot_precision,
-                      last_dim_contiguous, rotate_rows, round_bf16)
+                      dropout_keep, dropout_threshold, last_dim_contiguous, load_dropout_seed,
+                      rotate_rows, round_bf16)
 
-__all__ = ["rel_attn_fwd", "choose_num_splits", "autotune_enabled"]
+__all__ = ["rel_attn_fwd", "choose_num_splits", "autotune_enabled", "draw_dropout_seed",
+           "dropout_keep_mask"]
 
 _LOG2E = 1.4426950408889634
 
@@ -79,12 +81,15 @@ def _attend_tile(acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off,
                  r_off, stride_kn, stride_vn, stride_rp, offs_m, offs_n0, m_ok, d_ok, rot, take_first,
                  first_is_0, Lq, Lk, R_rows, mlen, window_left, window_right, qk_scale,
                  KPM, stride_kpm_n, MASK_B, stride_mm, stride_mn, band_on,
+                 drop_seed, drop_off, drop_thresh, pid_bh,
                  HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_KPM: tl.constexpr,
                  HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr, MASKED: tl.constexpr,
                  EVEN_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr = False):
     """One key tile [t * BN, t * BN + BN) of the online softmax. MASKED = False: an interior
-    tile (every pair allowed, every key < Lk, no padding / dense mask): no mask work at all."""
+    tile (every pair allowed, every key < Lk, no padding / dense mask): no mask work at all.
+    DROPOUT: P is dropped after the normaliser l_i took it (the 1 / (1 - p) rescale is applied
+    to the output once, by the caller)."""
     j0 = t * BLOCK_N
     offs_n = j0 + offs_n0
     n_ok = offs_n < Lk
@@ -141,6 +146,9 @@ def _attend_tile(acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off,
     alpha = tl.math.exp2(m_i - m_safe)
     p = tl.math.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
+    if DROPOUT:
+        p = tl.where(dropout_keep(drop_seed, drop_off, pid_bh, offs_m, offs_n, Lq, drop_thresh),
+                     p, 0.0)
     v = _load_kv(V_bh + j0.to(tl.int64) * stride_vn + v_off, n_ok, d_ok, MASKED, EVEN_D)
     if UPCAST:
         pv = round_bf16(p)
@@ -153,7 +161,7 @@ def _attend_tile(acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off,
 
 @triton.jit
 def _rel_attn_fwd_kernel(
-    Q, K, V, R, U, VB, Out, Lse, OPart, LPart, KPM, MASK, BAND,
+    Q, K, V, R, U, VB, Out, Lse, OPart, LPart, KPM, MASK, BAND, SEED,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -163,11 +171,12 @@ def _rel_attn_fwd_kernel(
     stride_kpm_b, stride_kpm_n,
     stride_mb, stride_mh, stride_mm, stride_mn,
     H, Lq, Lk, R_rows, D, window_left, window_right, num_splits, qk_scale,
+    drop_thresh, drop_scale,
     LQ_BUCKET, LK_BUCKET,  # autotune keys only
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_BAND: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, DROPOUT: tl.constexpr = False,
 ):
     pid_bh = tl.program_id(0)
     # Heaviest query tiles (largest i0 under causal masks) first.
@@ -247,6 +256,10 @@ def _rel_attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    drop_seed = 0
+    drop_off = 0
+    if DROPOUT:
+        drop_seed, drop_off = load_dropout_seed(SEED)
 
     # ---- interior key tiles [t_in, t_out): every pair allowed by the window, every key < Lk
     # and no padding / dense mask, so they run mask-free; the rest (the band edges) masked.
@@ -268,28 +281,34 @@ def _rel_attn_fwd_kernel(
                     stride_kn, stride_vn, stride_rp, offs_m, offs_n0, m_ok, d_ok, rot,
                     take_first, first_is_0, Lq, Lk, R_rows, mlen, window_left, window_right,
                     qk_scale, kpm_b, stride_kpm_n, mask_b, stride_mm, stride_mn, band_on,
+                    drop_seed, drop_off, drop_thresh, pid_bh,
                     HAS_WL, HAS_WR, HAS_KPM, HAS_MASK, HAS_BAND, True, EVEN_D, UPCAST,
-                    DOT_PREC, BLOCK_M, BLOCK_N)
+                    DOT_PREC, BLOCK_M, BLOCK_N, DROPOUT)
         for t in range(t_in, t_out):
             acc, m_i, l_i, t0, t1 = _attend_tile(
                 acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off, R_h, r_off,
                 stride_kn, stride_vn, stride_rp, offs_m, offs_n0, m_ok, d_ok, rot,
                 take_first, first_is_0, Lq, Lk, R_rows, mlen, window_left, window_right,
                 qk_scale, kpm_b, stride_kpm_n, mask_b, stride_mm, stride_mn, band_on,
+                drop_seed, drop_off, drop_thresh, pid_bh,
                 HAS_WL, HAS_WR, HAS_KPM, HAS_MASK, HAS_BAND, False, EVEN_D, UPCAST,
-                DOT_PREC, BLOCK_M, BLOCK_N)
+                DOT_PREC, BLOCK_M, BLOCK_N, DROPOUT)
     for t in range(t_out, t_end):
         acc, m_i, l_i, t0, t1 = _attend_tile(
             acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off, R_h, r_off,
             stride_kn, stride_vn, stride_rp, offs_m, offs_n0, m_ok, d_ok, rot,
             take_first, first_is_0, Lq, Lk, R_rows, mlen, window_left, window_right,
             qk_scale, kpm_b, stride_kpm_n, mask_b, stride_mm, stride_mn, band_on,
+            drop_seed, drop_off, drop_thresh, pid_bh,
             HAS_WL, HAS_WR, HAS_KPM, HAS_MASK, HAS_BAND, True, EVEN_D, UPCAST,
-            DOT_PREC, BLOCK_M, BLOCK_N)
+            DOT_PREC, BLOCK_M, BLOCK_N, DROPOUT)
 
     has_key = l_i > 0.0
     l_safe = tl.where(has_key, l_i, 1.0)
-    o = acc / l_safe[:, None]
+    if DROPOUT:  # the kept probabilities' 1 / (1 - p)
+        o = acc * (drop_scale / l_safe)[:, None]
+    else:
+        o = acc / l_safe[:, None]
     if SPLIT:
         # partial: normalised output and log2-sum-exp (-inf when this slice saw no key)
         row = (pid_bh.to(tl.int64) * num_splits + pid_s) * Lq + offs_m.to(tl.int64)
@@ -415,7 +434,7 @@ def _default_config(block_d: int, exact_fp32: bool, wide: bool = False) -> dict:
 
 
 _AUTOTUNE_KEYS = ["LQ_BUCKET", "LK_BUCKET", "BLOCK_D", "num_splits", "HAS_WL", "HAS_WR",
-                  "HAS_KPM", "HAS_MASK", "HAS_BAND", "SPLIT", "DOT_PREC", "EVEN_D"]
+                  "HAS_KPM", "HAS_MASK", "HAS_BAND", "SPLIT", "DOT_PREC", "EVEN_D", "DROPOUT"]
 
 _rel_attn_fwd_kernel_tuned = triton.autotune(
     configs=_hopper_configs(), key=_AUTOTUNE_KEYS,
@@ -465,6 +484,7 @@ def rel_attn_fwd(
     key_padding_mask: Optional[torch.Tensor] = None,
     attn_mask: Optional[torch.Tensor] = None,
     *, attn_mask_band: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0, dropout_seed: Optional[torch.Tensor] = None,
     num_splits: Optional[int] = None, config: Optional[dict] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Fused forward. Returns ``out [B, Lq, H, D]`` (q's dtype, contiguous) and
@@ -475,6 +495,13 @@ def rel_attn_fwd(
     broadcastable to ``[B, H, Lq, Lk]``). ``attn_mask_band``: int32 ``[is_band, left,
     right]`` on the device (``functional.mask_to_band(attn_mask)``): when ``is_band``, the
     mask is applied as that window (tiles outside skipped, nothing loaded), else densely.
+
+    ``dropout_p`` in [0, 1): dropout on the attention probabilities, after the softmax
+    normaliser (lse is that of the undropped scores), kept ones scaled by 1 / (1 - p). The
+    keep-mask is ``dropout_keep_mask(dropout_seed, B, H, Lq, Lk, dropout_p)``: ``dropout_seed``
+    is the int64 ``[2]`` (seed, offset) tensor on q's device (default: a fresh
+    ``draw_dropout_seed(q.device)``, from PyTorch's default generator); the backward needs
+    the same tensor.
 
     Keywords (testing / tuning): ``num_splits`` forces the split-K factor (1 = no split;
     default: chosen from the SM count on GPU, 1 under the interpreter); ``config`` =
@@ -539,9 +566,13 @@ def rel_attn_fwd(
     wl_arg = int(window_left) if window_left >= 0 or not has_band else Lk + Lq
     wr_arg = int(window_right) if window_right >= 0 or not has_band else Lk + Lq
     upcast = INTERPRET and dtype == torch.bfloat16
+    dropout = dropout_p > 0.0
+    if dropout and dropout_seed is None:
+        dropout_seed = draw_dropout_seed(q.device)
+    seed_arg = dropout_seed if dropout else lse  # unused without dropout
 
     args = (
-        q, k, v, r, u, vb, out, lse, o_part, l_part, kpm, am, band,
+        q, k, v, r, u, vb, out, lse, o_part, l_part, kpm, am, band, seed_arg,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -552,11 +583,12 @@ def rel_attn_fwd(
         am_strides[0], am_strides[1], am_strides[2], am_strides[3],
         H, Lq, Lk, R_rows, D, wl_arg, wr_arg, num_splits,
         float(softmax_scale) * _LOG2E,
+        dropout_threshold(dropout_p) if dropout else 0, 1.0 / (1.0 - dropout_p),
         _next_pow2(Lq), _next_pow2(Lk),
     )
     meta = dict(HAS_WL=window_left >= 0 or has_band, HAS_WR=window_right >= 0 or has_band,
                 HAS_KPM=has_kpm, HAS_MASK=has_mask, HAS_BAND=has_band, SPLIT=split, UPCAST=upcast,
-                DOT_PREC=dot_prec, EVEN_D=D == block_d, BLOCK_D=block_d)
+                DOT_PREC=dot_prec, EVEN_D=D == block_d, BLOCK_D=block_d, DROPOUT=dropout)
 
     def grid(META):
         return (B * H, triton.cdiv(Lq, META["BLOCK_M"]), num_splits)
@@ -581,3 +613,44 @@ def rel_attn_fwd(
                 num_warps=4)
     return out, lse
 
+
+
+# --------------------------------------------------------------------------------------------
+# Dropout: the (seed, offset) state and the keep-mask (testing)
+
+def draw_dropout_seed(device) -> torch.Tensor:
+    """A fresh int64 ``[2]`` (seed, offset) Philox state on ``device``, drawn with
+    ``torch.randint`` from PyTorch's default generator of that device (the CPU generator for
+    CPU tensors under the interpreter, the CUDA generator of the device on GPU): so
+    ``torch.manual_seed(s)`` makes it reproducible, consecutive calls differ, and it is a
+    device op (no host sync), which CUDA graph capture and torch.compile record like any other
+    random op. The kernels read it from device memory."""
+    return torch.randint(0, 2 ** 62, (2,), dtype=torch.int64, device=device)
+
+
+@triton.jit
+def _dropout_mask_kernel(SEED, Keep, H, Lq, Lk, drop_thresh,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    seed, off = load_dropout_seed(SEED)
+    keep = dropout_keep(seed, off, pid_bh, offs_m, offs_n, Lq, drop_thresh)
+    ptrs = (Keep + pid_bh.to(tl.int64) * Lq * Lk + offs_m.to(tl.int64)[:, None] * Lk
+            + offs_n[None, :])
+    tl.store(ptrs, keep.to(tl.int8), mask=(offs_m < Lq)[:, None] & (offs_n < Lk)[None, :])
+
+
+def dropout_keep_mask(seed: torch.Tensor, B: int, H: int, Lq: int, Lk: int,
+                      dropout_p: float) -> torch.Tensor:
+    """The keep-mask ``[B, H, Lq, Lk]`` (bool, True = kept) that the fused kernels use for
+    ``dropout_seed`` tensor ``seed`` (int64 ``[2]``) and probability ``dropout_p``: computed by
+    the kernels' own jit helper (``_common.dropout_keep``), tile by tile, so it is a function of
+    (b, h, i, j) and the seed alone. Debug / testing entry point: it materialises Lq x Lk."""
+    keep = torch.empty((B, H, Lq, Lk), dtype=torch.int8, device=seed.device)
+    bm = bn = 16 if INTERPRET else 64
+    with torch.cuda.device(seed.device) if seed.device.type == "cuda" \
+            else contextlib.nullcontext():
+        _dropout_mask_kernel[(B * H, triton.cdiv(Lq, bm), triton.cdiv(Lk, bn))](
+            seed, keep, H, Lq, Lk, dropout_threshold(dropout_p), BLOCK_M=bm, BLOCK_N=bn)
+    return keep.bool()

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .rel_attn_bwd import rel_attn_bwd
-from .rel_attn_fwd import rel_attn_fwd
+from .rel_attn_fwd import draw_dropout_seed, rel_attn_fwd
 
 __all__ = ["rel_attn_func"]
 
@@ -28,16 +28,21 @@ def _rel_attn_fwd_op(
     q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor, r_r_bias: Tensor,
     softmax_scale: float, window_left: int, window_right: int,
     key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor],
-    attn_mask_band: Optional[Tensor] = None,
+    attn_mask_band: Optional[Tensor] = None, dropout_p: float = 0.0,
+    dropout_seed: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
+    if dropout_p > 0.0 and dropout_seed is None:
+        raise ValueError("txl_kernels::rel_attn_fwd: dropout_p > 0 needs dropout_seed (int64 [2] "
+                         "(seed, offset) on q's device, e.g. ops.rel_attn_fwd.draw_dropout_seed)")
     return rel_attn_fwd(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left,
                         window_right, key_padding_mask, attn_mask,
-                        attn_mask_band=attn_mask_band)
+                        attn_mask_band=attn_mask_band, dropout_p=dropout_p,
+                        dropout_seed=dropout_seed)
 
 
 @_rel_attn_fwd_op.register_fake
 def _(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
-      key_padding_mask, attn_mask, attn_mask_band=None):
+      key_padding_mask, attn_mask, attn_mask_band=None, dropout_p=0.0, dropout_seed=None):
     B, Lq, H, D = q.shape
     out = q.new_empty((B, Lq, H, D))
     lse = q.new_empty((B, H, Lq), dtype=torch.float32)
@@ -50,15 +55,18 @@ def _rel_attn_bwd_op(
     out: Tensor, lse: Tensor, softmax_scale: float, window_left: int, window_right: int,
     key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor],
     attn_mask_band: Optional[Tensor] = None, deterministic: bool = True,
+    dropout_p: float = 0.0, dropout_seed: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     return rel_attn_bwd(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, softmax_scale,
                         window_left, window_right, key_padding_mask, attn_mask,
-                        attn_mask_band=attn_mask_band, deterministic=deterministic)
+                        attn_mask_band=attn_mask_band, deterministic=deterministic,
+                        dropout_p=dropout_p, dropout_seed=dropout_seed)
 
 
 @_rel_attn_bwd_op.register_fake
 def _(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, softmax_scale, window_left, window_right,
-      key_padding_mask, attn_mask, attn_mask_band=None, deterministic=True):
+      key_padding_mask, attn_mask, attn_mask_band=None, deterministic=True, dropout_p=0.0,
+      dropout_seed=None):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format),
@@ -69,10 +77,11 @@ def _(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, softmax_scale, window_left, 
 
 def _save(ctx, inputs, out, lse) -> None:
     (q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
-     key_padding_mask, attn_mask, attn_mask_band) = inputs
+     key_padding_mask, attn_mask, attn_mask_band, dropout_p, dropout_seed) = inputs
     ctx.save_for_backward(q, k, v, r, r_w_bias, r_r_bias, out, lse, key_padding_mask,
-                          attn_mask, attn_mask_band)
+                          attn_mask, attn_mask_band, dropout_seed)
     ctx.softmax_scale = softmax_scale
+    ctx.dropout_p = dropout_p
     ctx.window = (window_left, window_right)
 
 
@@ -83,20 +92,22 @@ def _grads(ctx, dout, deterministic: bool):
             "e.g. torch.autograd.grad(..., create_graph=True) for a gradient penalty) is not "
             "supported by the fused kernel; use backend='reference' for it")
     (q, k, v, r, r_w_bias, r_r_bias, out, lse, key_padding_mask, attn_mask,
-     attn_mask_band) = ctx.saved_tensors
+     attn_mask_band, dropout_seed) = ctx.saved_tensors
     return _rel_attn_bwd_op(
         dout, q, k, v, r, r_w_bias, r_r_bias, out, lse, ctx.softmax_scale, ctx.window[0],
-        ctx.window[1], key_padding_mask, attn_mask, attn_mask_band, deterministic)
+        ctx.window[1], key_padding_mask, attn_mask, attn_mask_band, deterministic,
+        ctx.dropout_p, dropout_seed)
 
 
 # The op's own autograd (for direct callers of torch.ops.txl_kernels.rel_attn_fwd): the
 # deterministic backward. rel_attn_func below carries the caller's choice instead.
 def _setup_context(ctx, inputs, output):
-    _save(ctx, inputs, *output)
+    inputs = tuple(inputs) + (None,) * (14 - len(inputs))  # defaults of the trailing arguments
+    _save(ctx, inputs[:12] + (inputs[12] or 0.0,) + inputs[13:], *output)
 
 
 def _backward(ctx, dout, dlse):
-    return (*_grads(ctx, dout, True), None, None, None, None, None, None)
+    return (*_grads(ctx, dout, True), None, None, None, None, None, None, None, None)
 
 
 _rel_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -108,9 +119,11 @@ class _RelAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
-                key_padding_mask, attn_mask, attn_mask_band, deterministic):
+                key_padding_mask, attn_mask, attn_mask_band, dropout_p, dropout_seed,
+                deterministic):
         return _rel_attn_fwd_op(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left,
-                                window_right, key_padding_mask, attn_mask, attn_mask_band)
+                                window_right, key_padding_mask, attn_mask, attn_mask_band,
+                                dropout_p, dropout_seed)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -121,16 +134,24 @@ class _RelAttnFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         return (*_grads(ctx, dout, ctx.deterministic), None, None, None, None, None, None,
-                None)
+                None, None, None)
 
 
 def rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
                   key_padding_mask=None, attn_mask=None, attn_mask_band=None,
-                  deterministic=True) -> Tensor:
+                  deterministic=True, dropout_p=0.0, dropout_seed=None) -> Tensor:
     """Fused relative attention on validated, normalised arguments (see functional.py).
     Raises at the first backward with ``create_graph=True`` (double backward is not
-    supported). Autocast is applied by the caller (``rel_attention``)."""
+    supported). Autocast is applied by the caller (``rel_attention``).
+
+    ``dropout_p`` > 0: attention dropout in the kernels; ``dropout_seed`` (int64 ``[2]``
+    (seed, offset) on q's device) defaults to ``draw_dropout_seed(q.device)``, one
+    ``torch.randint`` on PyTorch's default generator of that device (reproducible under
+    ``torch.manual_seed``). It is kept for the backward, which regenerates the same mask."""
+    if dropout_p > 0.0 and dropout_seed is None:
+        dropout_seed = draw_dropout_seed(q.device)
     out, _ = _RelAttnFunction.apply(q, k, v, r, r_w_bias, r_r_bias, softmax_scale,
                                     window_left, window_right, key_padding_mask, attn_mask,
-                                    attn_mask_band, deterministic)
+                                    attn_mask_band, float(dropout_p), dropout_seed,
+                                    deterministic)
     return out
