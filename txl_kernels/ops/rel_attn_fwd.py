@@ -648,7 +648,7 @@ def dropout_keep_mask(seed: torch.Tensor, B: int, H: int, Lq: int, Lk: int,
     the kernels' own jit helper (``_common.dropout_keep``), tile by tile, so it is a function of
     (b, h, i, j) and the seed alone. Debug / testing entry point: it materialises Lq x Lk."""
     keep = torch.empty((B, H, Lq, Lk), dtype=torch.int8, device=seed.device)
-    bm = bn = 16 if INTERPRET else 64
+    bm = bn = 64  # (any tiling gives the same mask; the kernels use their own)
     with torch.cuda.device(seed.device) if seed.device.type == "cuda" \
             else contextlib.nullcontext():
         _dropout_mask_kernel[(B * H, triton.cdiv(Lq, bm), triton.cdiv(Lk, bn))](

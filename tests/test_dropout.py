@@ -1,0 +1,306 @@
+"""Attention dropout inside the fused kernels (issue 11).
+
+The keep-mask is a Philox function of (b, h, i, j) and the (seed, offset) tensor the call drew
+from PyTorch's default generator; ``ops.rel_attn_fwd.dropout_keep_mask`` returns it (computed
+by the kernels' own jit helper). Exactness: the fused forward and every gradient equal the
+reference given that same mask. Statistics: keep rate within a binomial bound, the mean output
+over many masks approaches the undropped output. Identity: for a fixed seed the output is
+linear in v, so <dv, w> == <dout, forward(v=w)> only if the backward used the forward's mask.
+
+Runs under TRITON_INTERPRET=1 on CPU tensors (tests/conftest.py) and on the GPU when there is one.
+"""
+import math
+
+import pytest
+import torch
+
+import txl_kernels
+import txl_kernels.ops
+from txl_kernels import FusedRelAttention, rel_attention
+from txl_kernels.modules.conformer import (ESPnetRelPositionMultiHeadedAttention,
+                                           NeMoRelPositionMultiHeadAttention)
+from txl_kernels.ops.rel_attn_fwd import dropout_keep_mask, draw_dropout_seed, rel_attn_fwd
+from txl_kernels.reference import rel_attention_reference
+
+from helpers import FUSED_DEVICE, assert_within, make_inputs
+
+DEV = FUSED_DEVICE
+NAMES = ("out", "dq", "dk", "dv", "dr", "du", "dvb")
+
+
+def _masks(kind, B, Lq, Lk, H):
+    """(window_left, window_right, key_padding_mask, attn_mask) of a test case."""
+    g = torch.Generator().manual_seed(3)
+    if kind == "causal_kpm":  # causal with a memory, padded keys (one whole row masked)
+        kpm = torch.zeros(B, Lk, dtype=torch.bool)
+        kpm[0, :Lk - Lq + 1] = True  # query row 0 of batch 0 sees no key
+        kpm[-1, Lk - 5] = True
+        return -1, 0, kpm.to(DEV), None
+    if kind == "window_dense":  # a two-sided window and a dense random mask
+        mask = torch.rand(B, 1, Lq, Lk, generator=g) < 0.3
+        return 11, 3, None, mask.to(DEV)
+    return -1, -1, None, None
+
+
+def _public_call_and_mask(ts, p, wl, wr, kpm, mask, seed, deterministic=True):
+    """rel_attention(backend="triton") under torch.manual_seed(seed), and the keep-mask that
+    call used: the fused path draws its (seed, offset) first, with draw_dropout_seed."""
+    q, k = ts[0], ts[1]
+    B, Lq, H, _ = q.shape
+    torch.manual_seed(seed)
+    out = rel_attention(*ts, causal=False, window_size=(wl, wr), key_padding_mask=kpm,
+                        attn_mask=mask,
+                        dropout_p=p, backend="triton", deterministic=deterministic)
+    torch.manual_seed(seed)
+    keep = dropout_keep_mask(draw_dropout_seed(q.device), B, H, Lq, k.shape[1], p)
+    return out, keep
+
+
+@pytest.mark.parametrize("dtype,kind,deterministic", [
+    (torch.float32, "causal_kpm", True), (torch.float32, "window_dense", False),
+    (torch.float16, "causal_kpm", False), (torch.float16, "window_dense", True)])
+def test_forward_and_grads_equal_reference_with_kernel_mask(dtype, kind, deterministic):
+    B, Lq, Lk, H, D, p = (2 if dtype == torch.float32 else 1), 19, 37, 2, 41, 0.3
+    ts = make_inputs(B, Lq, Lk, H, D, R=Lk + Lq - 1, dtype=dtype, device=DEV,
+                     requires_grad=True, seed=1)
+    wl, wr, kpm, mask = _masks(kind, B, Lq, Lk, H)
+    out, keep = _public_call_and_mask(ts, p, wl, wr, kpm, mask, seed=11,
+                                      deterministic=deterministic)
+    assert 0.55 < keep.float().mean() < 0.85
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEV)
+    got = (out, *torch.autograd.grad(out, ts, dout))
+    scale = D ** -0.5
+
+    def ref(inputs, d_out):
+        o = rel_attention_reference(*inputs, scale, wl, wr, kpm, mask, dropout_p=p,
+                                    dropout_mask=keep)
+        return (o, *torch.autograd.grad(o, inputs, d_out))
+
+    same = ref([t.detach().requires_grad_(True) for t in ts], dout)
+    truth = ref([t.detach().double().requires_grad_(True) for t in ts], dout.double())
+    for name, a, s, t in zip(NAMES, got, same, truth):
+        assert a.dtype == dtype
+        assert_within(name, a.detach(), s.detach(), t.detach(), factor=3.0)
+    # rows with no allowed key: output and gradients 0
+    if kind == "causal_kpm":
+        assert torch.all(got[0][0, 0] == 0) and torch.all(got[1][0, 0] == 0)
+
+
+def test_reference_with_mask_differs_from_undropped_and_wrong_mask():
+    """The exactness test above can fail: a different mask gives a different output."""
+    B, Lq, Lk, H, D, p = 1, 9, 17, 2, 16, 0.4
+    ts = make_inputs(B, Lq, Lk, H, D, device=DEV)
+    out, keep = _public_call_and_mask(ts, p, -1, 0, None, None, seed=5)
+    want = rel_attention_reference(*ts, D ** -0.5, -1, 0, dropout_p=p, dropout_mask=keep)
+    other = rel_attention_reference(*ts, D ** -0.5, -1, 0, dropout_p=p,
+                                    dropout_mask=torch.roll(keep, 1, dims=-1))
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    assert (out - other).abs().max() > 1e-2
+    assert (out - rel_attention_reference(*ts, D ** -0.5, -1, 0)).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_keep_rate_within_binomial_bound(p):
+    B, H, Lq, Lk = 3, 2, 37, 53
+    keep = dropout_keep_mask(draw_dropout_seed(DEV), B, H, Lq, Lk, p)
+    assert keep.shape == (B, H, Lq, Lk) and keep.dtype == torch.bool
+    n = keep.numel()
+    sigma = math.sqrt(p * (1 - p) / n)
+    assert abs(keep.float().mean().item() - (1 - p)) < 5 * sigma
+    # no visible structure along rows, columns, heads or batches: each slice's rate is binomial
+    for dims in ((0, 1, 2), (0, 1, 3), (0, 2, 3), (1, 2, 3)):
+        rates = keep.float().mean(dim=dims)
+        m = n // rates.numel()
+        assert (rates - (1 - p)).abs().max() < 5.5 * math.sqrt(p * (1 - p) / m), dims
+
+
+def test_keep_mask_is_a_function_of_b_h_i_j_and_seed():
+    seed = draw_dropout_seed(DEV)
+    big = dropout_keep_mask(seed, 2, 2, 21, 70, 0.3)
+    # another Lk (other tiles): the common columns agree
+    assert torch.equal(dropout_keep_mask(seed, 2, 2, 21, 17, 0.3), big[..., :17])
+    other = seed.clone()
+    other[1] += 1  # another offset: another mask
+    assert not torch.equal(dropout_keep_mask(other, 2, 2, 21, 70, 0.3), big)
+    other = seed.clone()
+    other[0] += 1  # another seed
+    assert not torch.equal(dropout_keep_mask(other, 2, 2, 21, 70, 0.3), big)
+
+
+def test_mean_over_masks_approaches_undropped_output():
+    """E[Z / (1 - p)] = 1, so the output averaged over independent masks converges to the
+    undropped output. Many masks in few calls: the batch holds copies of one input (each copy
+    its own (b, ...) counters), over a few seeds."""
+    copies, Lq, Lk, H, D, p = 20, 7, 13, 1, 16, 0.3
+    q, k, v, r, u, vb = make_inputs(1, Lq, Lk, H, D, device=DEV, seed=9)
+    rep = [t.expand(copies, *t.shape[1:]) for t in (q, k, v)]
+    samples = []
+    for s in range(2):
+        torch.manual_seed(100 + s)
+        samples.append(rel_attention(*rep, r, u, vb, causal=True, dropout_p=p,
+                                     backend="triton"))
+    samples = torch.cat(samples).double()  # [N, Lq, H, D]
+    want = rel_attention(q, k, v, r, u, vb, causal=True, backend="triton").double()[0]
+    n = samples.shape[0]
+    mean, std = samples.mean(0), samples.std(0)
+    assert (std > 0).any()
+    err = (mean - want).abs()
+    assert torch.all(err <= 5 * std / math.sqrt(n) + 1e-5), (err / (std / math.sqrt(n))).max()
+    # and it is not the dropped output of one mask
+    assert (samples[0] - want).abs().max() > 10 * (std.max() / math.sqrt(n))
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_backward_uses_forward_mask_linearity_in_v(deterministic):
+    """For a fixed seed out = A v with A = P Z / (1 - p): <dv, w> == <dout, A w> exactly."""
+    B, Lq, Lk, H, D, p = 2, 13, 29, 2, 24, 0.35
+    q, k, v, r, u, vb = make_inputs(B, Lq, Lk, H, D, device=DEV, seed=4)
+    w = make_inputs(B, Lq, Lk, H, D, device=DEV, seed=5)[2]
+    dout = torch.randn(B, Lq, H, D, generator=torch.Generator().manual_seed(6)).to(DEV)
+    vg = v.clone().requires_grad_(True)
+    torch.manual_seed(21)
+    out = rel_attention(q, k, vg, r, u, vb, window_size=(15, 0), dropout_p=p,
+                        backend="triton", deterministic=deterministic)
+    dv, = torch.autograd.grad(out, vg, dout)
+    torch.manual_seed(21)
+    out_w = rel_attention(q, k, w, r, u, vb, window_size=(15, 0), dropout_p=p,
+                          backend="triton")
+    lhs = (dv.double() * w.double()).sum().item()
+    rhs = (dout.double() * out_w.double()).sum().item()
+    assert abs(lhs - rhs) <= 1e-5 * (abs(lhs) + 1.0), (lhs, rhs)
+    # a different seed for the forward of w breaks the identity (the test can fail)
+    torch.manual_seed(22)
+    out_x = rel_attention(q, k, w, r, u, vb, window_size=(15, 0), dropout_p=p,
+                          backend="triton")
+    assert abs((dout.double() * out_x.double()).sum().item() - lhs) > 1e-3 * (abs(lhs) + 1.0)
+
+
+def test_split_k_and_block_config_give_the_same_mask():
+    B, Lq, Lk, H, D, p = 1, 21, 70, 2, 16, 0.25
+    q, k, v, r, u, vb = make_inputs(B, Lq, Lk, H, D, device=DEV, seed=7)
+    seed = draw_dropout_seed(DEV)
+    args = (q, k, v, r, u, vb, D ** -0.5, -1, 0)
+    base, lse = rel_attn_fwd(*args, dropout_p=p, dropout_seed=seed, num_splits=1)
+    keep = dropout_keep_mask(seed, B, H, Lq, Lk, p)
+    want = rel_attention_reference(*args, dropout_p=p, dropout_mask=keep)
+    torch.testing.assert_close(base, want, rtol=1e-5, atol=1e-5)
+    _, lse0 = rel_attn_fwd(*args)  # the lse is that of the undropped scores
+    torch.testing.assert_close(lse, lse0, rtol=0, atol=0)
+    for kw in (dict(num_splits=3), dict(num_splits=2, config={"BLOCK_M": 16, "BLOCK_N": 32}),
+               dict(config={"BLOCK_M": 32, "BLOCK_N": 16})):
+        got, _ = rel_attn_fwd(*args, dropout_p=p, dropout_seed=seed, **kw)
+        torch.testing.assert_close(got, base, rtol=1e-5, atol=1e-6, msg=str(kw))
+
+
+def test_reproducible_under_manual_seed_and_consecutive_calls_differ():
+    ts = make_inputs(1, 9, 14, 2, 16, device=DEV, seed=8)
+    torch.manual_seed(1234)
+    a = rel_attention(*ts, causal=True, dropout_p=0.2, backend="triton")
+    b = rel_attention(*ts, causal=True, dropout_p=0.2, backend="triton")
+    torch.manual_seed(1234)
+    a2 = rel_attention(*ts, causal=True, dropout_p=0.2, backend="triton")
+    assert torch.equal(a, a2)
+    assert not torch.equal(a, b)
+    # the state comes from the default generator of the tensors' device
+    torch.manual_seed(1234)
+    s1 = draw_dropout_seed(DEV)
+    torch.manual_seed(1234)
+    assert torch.equal(draw_dropout_seed(DEV), s1)
+    assert s1.dtype == torch.int64 and s1.shape == (2,) and s1.device.type == DEV
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """dropout_p of every call that reached the fused op."""
+    seen = []
+    real = txl_kernels.ops.rel_attn_func
+
+    def wrapper(*args, **kwargs):
+        seen.append(args[13] if len(args) > 13 else kwargs.get("dropout_p", 0.0))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(txl_kernels.ops, "rel_attn_func", wrapper)
+    return seen
+
+
+def test_fused_rel_attention_module_routes_dropout_to_fused_kernel(fused_calls):
+    torch.manual_seed(0)
+    model = FusedRelAttention(2, 32, 16, 0.0, dropatt=0.2, untie_r=True, mask_mode="causal",
+                              backend="auto")
+    g = torch.Generator().manual_seed(1)
+    w, mems, r = (torch.randn(*s, generator=g).to(DEV) for s in ((6, 2, 32), (4, 2, 32),
+                                                                  (10, 1, 32)))
+    model = model.to(DEV).train()
+    torch.manual_seed(5)
+    a = model(w, r, mems=mems)
+    a.square().mean().backward()
+    torch.manual_seed(5)
+    a2 = model(w, r, mems=mems)
+    model.eval()
+    b = model(w, r, mems=mems)
+    c = model(w, r, mems=mems)
+    assert fused_calls == [0.2, 0.2, 0.0, 0.0]
+    assert torch.equal(a, a2) and torch.equal(b, c) and not torch.allclose(a, b)
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("cls", ["nemo", "espnet"])
+def test_conformer_modules_route_dropout_to_fused_kernel(cls, fused_calls):
+    B, T, n_feat = 2, 6, 32
+    torch.manual_seed(0)
+    if cls == "nemo":
+        mod = NeMoRelPositionMultiHeadAttention(2, n_feat, 0.25, None, None, backend="auto")
+    else:
+        mod = ESPnetRelPositionMultiHeadedAttention(2, n_feat, 0.25, backend="auto")
+    mod = mod.to(DEV)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(B, T, n_feat, generator=g).to(DEV)
+    pe = torch.randn(1, 2 * T - 1, n_feat, generator=g).to(DEV)
+
+    def run():
+        if cls == "nemo":
+            return mod(query=x, key=x, value=x, mask=None, pos_emb=pe)
+        return mod(x, x, x, pe)
+
+    mod.train()
+    a = run()
+    mod.eval()
+    b = run()
+    assert fused_calls == [0.25, 0.0]
+    assert not torch.allclose(a, b)
+
+
+def test_opcheck_with_dropout():
+    """Both ops with dropout_p and the (seed, offset) tensor: schema, fake tensors, autograd
+    registration (the forward op's own backward goes through the backward op)."""
+    B, Lq, Lk, H, D = 1, 5, 9, 2, 16
+    q, k, v, r, u, vb = make_inputs(B, Lq, Lk, H, D, device=DEV, requires_grad=True)
+    kpm = torch.zeros(B, Lk, dtype=torch.bool, device=DEV)
+    kpm[0, 1] = True
+    seed = draw_dropout_seed(DEV)
+    args = (q, k, v, r, u, vb, D ** -0.5, -1, 0, kpm, None, None, 0.3, seed)
+    torch.library.opcheck(torch.ops.txl_kernels.rel_attn_fwd.default, args,
+                          test_utils=("test_schema", "test_faketensor",
+                                      "test_autograd_registration", "test_aot_dispatch_dynamic"))
+
+
+def test_compile_fullgraph_functional_with_dropout():
+    ts = make_inputs(2, 7, 11, 2, 16, device=DEV, seed=3, requires_grad=True)
+
+    def f(q, k, v, r, u, vb):
+        return rel_attention(q, k, v, r, u, vb, window_size=(5, 0), dropout_p=0.3,
+                             backend="triton") * 2
+
+    backend = "inductor" if DEV == "cuda" else "aot_eager"
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    torch.manual_seed(3)
+    want = f(*ts)
+    gw = torch.autograd.grad(want.sum(), ts)
+    torch.manual_seed(3)
+    got = compiled(*ts)
+    gg = torch.autograd.grad(got.sum(), ts)
+    if DEV != "cuda":  # aot_eager draws the same seed as eager
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for a, b in zip(gg, gw):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert not torch.equal(compiled(*ts), got)  # a new mask per call
