@@ -134,15 +134,16 @@ def rotate_rows(m, sh, BM: tl.constexpr, BN: tl.constexpr):
 
 # ---- attention dropout: a counter-based keep-mask (Philox), a function of (b, h, i, j) only
 #
-# The 128-bit Philox counter of element (b, h, i, j) is (j, row mod 2^32, offset mod 2^32,
-# (offset >> 32) + (row >> 32)) with row = (b * H + h) * Lq + i, and the key is the 64-bit
-# seed: for one (seed, offset) every element has its own counter, whatever the tiling (split-K,
-# block sizes), so the forward and every backward kernel regenerate the same mask. The first
-# 32-bit word of the Philox output is compared with an integer threshold: P(keep) = 1 - p.
+# Element (b, h, i, j) takes 32-bit word j % 4 of Philox-4x32-10 at the 128-bit counter
+# (j // 4, row mod 2^32, offset mod 2^32, (offset >> 32) + (row >> 32)), row = (b * H + h) * Lq
+# + i, keyed by the 64-bit seed: one Philox call serves four neighbouring keys, and for one
+# (seed, offset) every element has its own (counter, word), whatever the tiling (split-K, block
+# sizes), so the forward and every backward kernel regenerate the same mask. The word is
+# compared with an integer threshold: P(keep) = 1 - floor(p * 2^32) / 2^32.
 
 def dropout_threshold(p: float) -> int:
     """The uint32 threshold of ``dropout_keep``: an element is kept when its 32-bit Philox word
-    is ``>= floor(p * 2**32)`` (keep probability ``1 - floor(p * 2**32) / 2**32``)."""
+    is ``>= floor(p * 2**32)``."""
     return min(int(p * 4294967296.0), 4294967295)
 
 
@@ -154,13 +155,18 @@ def load_dropout_seed(SEED):
 
 @triton.jit
 def dropout_keep(seed, offset, bh, offs_i, offs_j, Lq, threshold):
-    """Keep-mask [len(offs_i), len(offs_j)] of (batch * H + head) ``bh``, query rows offs_i,
-    keys offs_j (any ints; the row index is formed in int64)."""
+    """Keep-mask [len(offs_i), len(offs_j)] of (batch * H + head) ``bh``, query rows offs_i
+    (any ints; the row index is formed in int64) and keys offs_j: consecutive, starting at a
+    multiple of 4 (a key tile), a power of two >= 4 long."""
+    BM: tl.constexpr = offs_i.shape[0]
+    BN: tl.constexpr = offs_j.shape[0]
     row = bh.to(tl.int64) * Lq + offs_i.to(tl.int64)
-    c1 = row.to(tl.uint32)
-    c3 = ((offset >> 32) + (row >> 32)).to(tl.uint32)
-    c2 = offset.to(tl.uint32)
-    c0 = offs_j.to(tl.uint32)[None, :]
-    zero = c0 * 0
-    r0, _, _, _ = tl.philox(seed, c0, c1[:, None] + zero, c2 + zero, c3[:, None] + zero)
-    return r0 >= tl.to_tensor(threshold).to(tl.uint32)
+    c1 = row.to(tl.uint32)[:, None]
+    c3 = ((offset >> 32) + (row >> 32)).to(tl.uint32)[:, None]
+    c0 = ((tl.min(offs_j, 0) >> 2) + tl.arange(0, BN // 4)).to(tl.uint32)[None, :]
+    zero = c0 * c1 * 0  # [BM, BN // 4]
+    r0, r1, r2, r3 = tl.philox(seed, c0 + zero, c1 + zero, offset.to(tl.uint32) + zero,
+                               c3 + zero)
+    # column 4 c + k takes word k
+    r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [BM, BN])
+    return r >= tl.to_tensor(threshold).to(tl.uint32)
