@@ -129,13 +129,22 @@ def test_auto_falls_back_to_reference_on_cpu_without_interpreter(monkeypatch):
     assert not ok and "TRITON_INTERPRET" in why
 
 
-def test_dropout_runs_reference_path():
+def test_dropout_runs_fused_path():
+    """dropout_p > 0 on backend="triton" runs the fused kernels (it used to fall back to the
+    reference path): the result is the reference with the kernels' keep-mask, not F.dropout's."""
+    from txl_kernels.ops.rel_attn_fwd import draw_dropout_seed, dropout_keep_mask
+    from txl_kernels.reference import rel_attention_reference
+
     ts = _inputs()
     torch.manual_seed(0)
     a = _call(*ts, dropout_p=0.3, backend="triton")
     torch.manual_seed(0)
     b = _call(*ts, dropout_p=0.3, backend="reference")
-    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.manual_seed(0)
+    keep = dropout_keep_mask(draw_dropout_seed("cpu"), 2, 2, 5, 8, 0.3)
+    want = rel_attention_reference(*ts, 16 ** -0.5, -1, 0, dropout_p=0.3, dropout_mask=keep)
+    torch.testing.assert_close(a, want, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(a, b)
     assert not torch.allclose(a, _call(*ts))
 
 

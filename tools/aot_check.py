@@ -371,12 +371,12 @@ def _shapes(sc: Scenario) -> dict:
     """Launch shapes on meta tensors. Flags off: a square training segment whose sizes are
     multiples of 16. Flags on: odd lengths with a memory (Lk > Lq), a causal + left window,
     key padding, a dense mask (with its band descriptor unless "on-noband"), 4 key splits,
-    deterministic and atomic dr."""
+    deterministic and atomic dr, attention dropout."""
     if sc.flags == "off":
         return dict(B=2, H=8, Lq=1024, Lk=1024, R=1024, wl=-1, wr=-1, kpm=False, mask=False,
                     band=False, splits=1, deterministic=(True,))
     return dict(B=2, H=8, Lq=300, Lk=1000, R=1000, wl=256, wr=0, kpm=True, mask=True,
-                band=sc.flags == "on", splits=4, deterministic=(True, False))
+                band=sc.flags == "on", splits=4, deterministic=(True, False), dropout=0.1)
 
 
 def _meta_inputs(sc: Scenario, s: dict):
@@ -394,10 +394,19 @@ def _meta_inputs(sc: Scenario, s: dict):
             kpm, mask, band)
 
 
+def _dropout_kwargs(s: dict) -> dict:
+    import torch
+    if not s.get("dropout"):
+        return {}
+    return {"dropout_p": s["dropout"],
+            "dropout_seed": torch.empty(2, dtype=torch.int64, device="meta")}
+
+
 def _drive_fwd(module, sc: Scenario) -> None:
     s = _shapes(sc)
     q, k, v, r, u, vb, kpm, mask, band = _meta_inputs(sc, s)
     extra = {} if band is None else {"attn_mask_band": band}
+    extra.update(_dropout_kwargs(s))
     module.rel_attn_fwd(q, k, v, r, u, vb, sc.head_dim ** -0.5, s["wl"], s["wr"], kpm, mask,
                         num_splits=s["splits"], **extra)
 
@@ -407,6 +416,7 @@ def _drive_bwd(module, sc: Scenario) -> None:
     s = _shapes(sc)
     q, k, v, r, u, vb, kpm, mask, band = _meta_inputs(sc, s)
     extra = {} if band is None else {"attn_mask_band": band}
+    extra.update(_dropout_kwargs(s))
     out = torch.empty_like(q)
     do = torch.empty_like(q)
     lse = torch.empty(s["B"], s["H"], s["Lq"], dtype=torch.float32, device="meta")

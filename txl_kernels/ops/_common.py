@@ -1,8 +1,9 @@
 """Pieces shared by the forward and backward kernels: interpreter detection, operand rounding,
-fp32 product precision, stride normalisation and the autotuning switch."""
+fp32 product precision, stride normalisation, the autotuning switch and the dropout RNG."""
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 
 import torch
 import triton
@@ -170,3 +171,43 @@ def dropout_keep(seed, offset, bh, offs_i, offs_j, Lq, threshold):
     # column 4 c + k takes word k
     r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [BM, BN])
     return r >= tl.to_tensor(threshold).to(tl.uint32)
+
+
+# ---- the (seed, offset) state, and the keep-mask for testing (re-exported by rel_attn_fwd)
+
+def draw_dropout_seed(device) -> torch.Tensor:
+    """A fresh int64 ``[2]`` (seed, offset) Philox state on ``device``, drawn with
+    ``torch.randint`` from PyTorch's default generator of that device (the CPU generator for
+    CPU tensors under the interpreter, the CUDA generator of the device on GPU): so
+    ``torch.manual_seed(s)`` makes it reproducible, consecutive calls differ, and it is a
+    device op (no host sync), which CUDA graph capture and torch.compile record like any other
+    random op. The kernels read it from device memory."""
+    return torch.randint(0, 2 ** 62, (2,), dtype=torch.int64, device=device)
+
+
+@triton.jit
+def _dropout_mask_kernel(SEED, Keep, H, Lq, Lk, drop_thresh,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    seed, off = load_dropout_seed(SEED)
+    keep = dropout_keep(seed, off, pid_bh, offs_m, offs_n, Lq, drop_thresh)
+    ptrs = (Keep + pid_bh.to(tl.int64) * Lq * Lk + offs_m.to(tl.int64)[:, None] * Lk
+            + offs_n[None, :])
+    tl.store(ptrs, keep.to(tl.int8), mask=(offs_m < Lq)[:, None] & (offs_n < Lk)[None, :])
+
+
+def dropout_keep_mask(seed: torch.Tensor, B: int, H: int, Lq: int, Lk: int,
+                      dropout_p: float) -> torch.Tensor:
+    """The keep-mask ``[B, H, Lq, Lk]`` (bool, True = kept) that the fused kernels use for the
+    (seed, offset) tensor ``seed`` (int64 ``[2]``, ``draw_dropout_seed``) and probability
+    ``dropout_p``: computed by the kernels' own jit helper (``dropout_keep``), on its own tiles,
+    since the mask is a function of (b, h, i, j) and the seed alone. Debug / testing entry
+    point (like flash-attention's ``return_attn_probs``): it materialises Lq x Lk."""
+    keep = torch.empty((B, H, Lq, Lk), dtype=torch.int8, device=seed.device)
+    bm = bn = 64  # (any tiling gives the same mask; the kernels use their own)
+    with torch.cuda.device(seed.device) if seed.device.type == "cuda" else nullcontext():
+        _dropout_mask_kernel[(B * H, triton.cdiv(Lq, bm), triton.cdiv(Lk, bn))](
+            seed, keep, H, Lq, Lk, dropout_threshold(dropout_p), BLOCK_M=bm, BLOCK_N=bn)
+    return keep.bool()

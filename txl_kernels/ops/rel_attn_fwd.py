@@ -31,8 +31,8 @@ import triton.language as tl
 
 from .._utils import describe
 from ._common import (INTERPRET, apply_mask_band, autotune_enabled, dot_precision,
-                      dropout_keep, dropout_threshold, last_dim_contiguous, load_dropout_seed,
-                      rotate_rows, round_bf16)
+                      draw_dropout_seed, dropout_keep, dropout_keep_mask, dropout_threshold,
+                      last_dim_contiguous, load_dropout_seed, rotate_rows, round_bf16)
 
 __all__ = ["rel_attn_fwd", "choose_num_splits", "autotune_enabled", "draw_dropout_seed",
            "dropout_keep_mask"]
@@ -614,43 +614,3 @@ def rel_attn_fwd(
     return out, lse
 
 
-
-# --------------------------------------------------------------------------------------------
-# Dropout: the (seed, offset) state and the keep-mask (testing)
-
-def draw_dropout_seed(device) -> torch.Tensor:
-    """A fresh int64 ``[2]`` (seed, offset) Philox state on ``device``, drawn with
-    ``torch.randint`` from PyTorch's default generator of that device (the CPU generator for
-    CPU tensors under the interpreter, the CUDA generator of the device on GPU): so
-    ``torch.manual_seed(s)`` makes it reproducible, consecutive calls differ, and it is a
-    device op (no host sync), which CUDA graph capture and torch.compile record like any other
-    random op. The kernels read it from device memory."""
-    return torch.randint(0, 2 ** 62, (2,), dtype=torch.int64, device=device)
-
-
-@triton.jit
-def _dropout_mask_kernel(SEED, Keep, H, Lq, Lk, drop_thresh,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid_bh = tl.program_id(0)
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    seed, off = load_dropout_seed(SEED)
-    keep = dropout_keep(seed, off, pid_bh, offs_m, offs_n, Lq, drop_thresh)
-    ptrs = (Keep + pid_bh.to(tl.int64) * Lq * Lk + offs_m.to(tl.int64)[:, None] * Lk
-            + offs_n[None, :])
-    tl.store(ptrs, keep.to(tl.int8), mask=(offs_m < Lq)[:, None] & (offs_n < Lk)[None, :])
-
-
-def dropout_keep_mask(seed: torch.Tensor, B: int, H: int, Lq: int, Lk: int,
-                      dropout_p: float) -> torch.Tensor:
-    """The keep-mask ``[B, H, Lq, Lk]`` (bool, True = kept) that the fused kernels use for
-    ``dropout_seed`` tensor ``seed`` (int64 ``[2]``) and probability ``dropout_p``: computed by
-    the kernels' own jit helper (``_common.dropout_keep``), tile by tile, so it is a function of
-    (b, h, i, j) and the seed alone. Debug / testing entry point: it materialises Lq x Lk."""
-    keep = torch.empty((B, H, Lq, Lk), dtype=torch.int8, device=seed.device)
-    bm = bn = 64  # (any tiling gives the same mask; the kernels use their own)
-    with torch.cuda.device(seed.device) if seed.device.type == "cuda" \
-            else contextlib.nullcontext():
-        _dropout_mask_kernel[(B * H, triton.cdiv(Lq, bm), triton.cdiv(Lk, bn))](
-            seed, keep, H, Lq, Lk, dropout_threshold(dropout_p), BLOCK_M=bm, BLOCK_N=bn)
-    return keep.bool()
