@@ -27,9 +27,9 @@ rank ``r`` trains on columns ``[r * b, (r + 1) * b)`` with ``b = batch / world``
 memories of its own shard; gloo on CPUs, NCCL on GPUs. Losses and gradients equal those of one
 process with the whole batch (tests/test_examples.py checks it).
 
-``--checkpoint``: activation checkpointing per decoder layer (``torch.utils.checkpoint``,
-non-reentrant, RNG state preserved). ``MemTransformerLM`` has no ``checkpoint=True`` option, so
-this script wraps each layer's ``forward`` on the instance (state_dict keys are unchanged).
+``--checkpoint``: activation checkpointing per decoder layer, the model's own option
+``MemTransformerLM(..., checkpoint=True)`` (``torch.utils.checkpoint``, non-reentrant, RNG
+state preserved: the same losses and gradients, state_dict keys unchanged).
 """
 from __future__ import annotations
 
@@ -111,28 +111,9 @@ def build_model(args, device) -> MemTransformerLM:
                              args.d_inner, args.dropout, args.dropatt, tie_weight=True,
                              tgt_len=args.tgt_len, mem_len=args.mem_len, ext_len=0,
                              attn_backend=args.attn_backend,
-                             memory_backend=args.memory_backend)
-    if args.checkpoint:
-        checkpoint_layers(model)
+                             memory_backend=args.memory_backend,
+                             checkpoint=args.checkpoint)
     return model.to(device)
-
-
-def checkpoint_layers(model: MemTransformerLM) -> None:
-    """Activation checkpointing per decoder layer: each layer's ``forward`` (called by the
-    model's ``_forward``) runs under ``torch.utils.checkpoint`` (non-reentrant, the RNG state
-    kept so dropout masks repeat in the recomputation). The wrapper is set on the instance, so
-    parameters and state_dict keys are those of the plain model."""
-    from torch.utils.checkpoint import checkpoint
-
-    for layer in model.layers:
-        plain = layer.forward
-
-        def forward(*a, _plain=plain, **kw):
-            if not torch.is_grad_enabled():
-                return _plain(*a, **kw)
-            return checkpoint(_plain, *a, use_reentrant=False, **kw)
-
-        layer.forward = forward
 
 
 # ---- distributed ---------------------------------------------------------------------------
@@ -152,12 +133,8 @@ def wrap(model: nn.Module, mode: str, device) -> nn.Module:
 
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     if mode == "fsdp":
-        import warnings
-
         from torch.distributed.fsdp import fully_shard
 
-        # forward returns loss.view(...); nothing here modifies it in place
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
         for layer in model.layers:
             fully_shard(layer)
         fully_shard(model)
@@ -281,7 +258,7 @@ def parse_args(argv=None):
                    help='update_mems backend: default "auto" on CUDA, "torch" on CPU')
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--checkpoint", action="store_true",
-                   help="activation checkpointing per decoder layer")
+                   help="activation checkpointing per decoder layer (the model's checkpoint=True)")
     p.add_argument("--ddp", action="store_true", help="DistributedDataParallel (torchrun)")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard (torchrun)")
     p.add_argument("--threads", type=int, default=None,

@@ -113,6 +113,45 @@ def _tiny_args(**kw):
     return args
 
 
+def _fused_args(**kw):
+    """The smallest model on the fused kernels (the Triton interpreter on CPU here): 1 layer,
+    2 heads of 16, segments of 4 with 4 memory rows."""
+    args = _tiny_args(n_layer=1, d_inner=16, tgt_len=4, mem_len=4, attn_backend="triton")
+    for k, v in kw.items():
+        setattr(args, k, v)
+    return args
+
+
+def _args(backend, **kw):
+    return _fused_args(**kw) if backend == "triton" else _tiny_args(**kw)
+
+
+def _count_fused_calls():
+    """Wrap ``txl_kernels.ops.rel_attn_func`` (``rel_attention`` imports it at every call) to
+    count the calls that reach the fused kernels; returns the counter (a one-item list)."""
+    import txl_kernels.ops as ops
+
+    calls, plain = [0], ops.rel_attn_func
+
+    def counted(*a, **kw):
+        calls[0] += 1
+        return plain(*a, **kw)
+
+    ops.rel_attn_func = counted
+    return calls
+
+
+def _fused_cpu():
+    from txl_kernels.functional import fused_available
+
+    return fused_available(torch.device("cpu"))[0]
+
+
+def _skip_without_fused(backend):
+    if backend == "triton" and not _fused_cpu():
+        pytest.skip("the fused path on CPU needs TRITON_INTERPRET=1 (tests/conftest.py)")
+
+
 def _run(args, cols, steps, net_fn=lambda m: m, opt=True):
     """Per step: (global mean loss, full grads); a fresh model seeded by args.seed."""
     model = train_lm.build_model(args, torch.device("cpu"))
@@ -137,21 +176,101 @@ def _assert_same(a, b, tol=1e-5):
             torch.testing.assert_close(ga[k], gb[k], rtol=tol, atol=tol, msg=k)
 
 
-def test_activation_checkpointing_same_gradients(one_thread):
+def _differs(a, b, tol=1e-5):
+    try:
+        _assert_same(a, b, tol)
+    except AssertionError:
+        return True
+    return False
+
+
+# ---- activation checkpointing (MemTransformerLM(..., checkpoint=True)) ----------------------
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_checkpoint_same_losses_and_gradients(one_thread, monkeypatch, backend):
+    """Two segments (memories carried, an SGD step between them) with dropout: the model's
+    ``checkpoint=True`` gives the plain run's losses and every parameter's gradient, and each
+    layer really runs twice (forward, then recomputed in the backward)."""
+    _skip_without_fused(backend)
+    import txl_kernels.ops as ops
+
+    monkeypatch.setattr(ops, "rel_attn_func", ops.rel_attn_func)  # restored after the test
+    fused_calls = _count_fused_calls()
+    steps = 2
+    # dropatt > 0 would send the fused backend to the reference attention (no dropout in
+    # the kernel), so the fused variant has the residual / feed-forward dropout only
+    kw = dict(dropout=0.1, dropatt=0.1 if backend == "reference" else 0.0)
     torch.manual_seed(0)
-    cols = torch.randint(0, 256, (40, 3))
-    plain = _run(_tiny_args(dropout=0.1, dropatt=0.1), cols, 3)
-    ckpt = _run(_tiny_args(dropout=0.1, dropatt=0.1, checkpoint=True), cols, 3)
+    cols = torch.randint(0, 256, (40, 2))
+    layer_calls = []
+
+    def count_layers(model):
+        for layer in model.layers:
+            layer.register_forward_pre_hook(lambda *_: layer_calls.append(1))
+        return model
+
+    plain = _run(_args(backend, **kw), cols, steps, count_layers)
+    n_plain, n_fused_plain = len(layer_calls), fused_calls[0]
+    layer_calls.clear()
+    ckpt = _run(_args(backend, checkpoint=True, **kw), cols, steps, count_layers)
     _assert_same(plain, ckpt, tol=1e-6)
-    # and the wrapper is really in place (the state_dict keys are those of the plain model)
-    model = train_lm.build_model(_tiny_args(checkpoint=True), torch.device("cpu"))
-    assert "forward" in vars(model.layers[0])
-    assert model.state_dict().keys() == train_lm.build_model(
-        _tiny_args(), torch.device("cpu")).state_dict().keys()
+    n_layer = _args(backend).n_layer
+    assert n_plain == steps * n_layer and len(layer_calls) == 2 * steps * n_layer
+    if backend == "triton":  # the fused kernels ran, recomputation included
+        assert n_fused_plain == steps * n_layer
+        assert fused_calls[0] - n_fused_plain == 2 * steps * n_layer
+        return
+    # the dropout masks matter: no dropout, or a recomputation without the saved RNG state,
+    # changes the gradients (so the equality above is not that of a model without dropout)
+    assert _differs(plain, _run(_args(backend), cols, steps))
+    plain_ckpt = torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint",
+                        lambda *a, **k: plain_ckpt(*a, preserve_rng_state=False, **k))
+    assert _differs(plain, _run(_args(backend, checkpoint=True, **kw), cols, steps))
+
+
+def test_checkpoint_option_keeps_the_state_dict_and_the_eval_path():
+    from txl_kernels.models import MemTransformerLM
+
+    args = _tiny_args()
+    plain = train_lm.build_model(args, torch.device("cpu"))
+    args.checkpoint = True
+    ckpt = train_lm.build_model(args, torch.device("cpu"))
+    assert ckpt.checkpoint and not plain.checkpoint
+    assert ckpt.state_dict().keys() == plain.state_dict().keys()
+    ckpt.load_state_dict(plain.state_dict(), strict=True)
+    # kimiyoung's positional constructor still works; checkpoint is a keyword, default False
+    m = MemTransformerLM(256, 1, 2, 16, 8, 32, 0.0, 0.0, True, None, 1, (False,), False, 4, 0, 4)
+    assert m.checkpoint is False and m.mem_len == 4
+    with pytest.raises(TypeError, match="checkpoint must be a bool"):
+        MemTransformerLM(256, 1, 2, 16, 8, 32, 0.0, 0.0, checkpoint="yes")
+    # without gradients (evaluation) the layers run once: no checkpoint
+    calls = []
+    ckpt.layers[0].register_forward_pre_hook(lambda *_: calls.append(1))
+    data = torch.randint(0, 256, (5, 2))
+    with torch.no_grad():
+        ckpt.eval()(data, data)
+    assert len(calls) == 1
+
+
+def test_forward_loss_is_not_a_view():
+    """FSDP2 warns about forward outputs that are views (an in-place op on one would skip its
+    pre-backward hook): the loss is its own tensor, [tgt_len, bsz], the per-token NLL."""
+    model = train_lm.build_model(_tiny_args(), torch.device("cpu"))
+    data = torch.randint(0, 256, (5, 3))
+    target = torch.randint(0, 256, (4, 3))
+    loss = model(data, target)[0]
+    assert not loss._is_view() and loss.shape == (4, 3)
+    hidden = model._forward(data, model.init_mems())[0][-4:]
+    nll = -torch.log_softmax(model.crit._logit(hidden, *model.crit._cluster(0)), -1)
+    torch.testing.assert_close(loss, nll.gather(2, target[..., None])[..., 0])
 
 
 # ---- DDP / FSDP2 on 2 gloo ranks ------------------------------------------------------------
-STEPS, B = 2, 2  # per-rank batch B; global 2B
+# per rank: batch B (global 2B) and the wrappers (FSDP2 with checkpoint=True on the reference
+# path: the fused path's checkpointing is tested in one process above)
+STEPS = 2
+B = {"reference": 2, "triton": 1}
+MODES = {"reference": ("ddp", "fsdp", "fsdp+checkpoint"), "triton": ("ddp", "fsdp")}
 
 
 def _global_loss(per_step, world):
@@ -165,21 +284,32 @@ def _global_loss(per_step, world):
     return out
 
 
-def _worker(rank, world, port, cols, backends, result_path):
+def _worker(rank, world, port, cols, result_path):
+    import warnings
+
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:
-        shard = cols[:, rank * B:(rank + 1) * B]
         results = {}
-        for backend in backends:
-            args = _tiny_args(attn_backend=backend)
-            for mode in ("ddp", "fsdp"):
-                per_step = _run(args, shard, STEPS,
-                                lambda m, mode=mode: train_lm.wrap(m, mode, torch.device("cpu")))
+        fused_calls = _count_fused_calls()
+        for backend, b in B.items():
+            if backend == "triton" and not _fused_cpu():
+                continue
+            shard = cols[:, rank * b:(rank + 1) * b]
+            for mode in MODES[backend]:
+                args = _args(backend, checkpoint=mode.endswith("+checkpoint"))
+                before = fused_calls[0]
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    per_step = _run(args, shard, STEPS,
+                                    lambda m: train_lm.wrap(m, mode.split("+")[0],
+                                                            torch.device("cpu")))
                 results[f"{backend}/{mode}"] = _global_loss(per_step, world)
+                results[f"{backend}/{mode}/fused_calls"] = fused_calls[0] - before
+                results[f"{backend}/{mode}/warnings"] = [str(w.message) for w in caught]
         if rank == 0:
             torch.save(results, result_path)
     finally:
@@ -192,26 +322,34 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("backend", [
-    "reference",
-    # the fused kernels (under the Triton interpreter on CPU: minutes, hence slow)
-    pytest.param("triton", marks=pytest.mark.slow)])
-def test_ddp_and_fsdp_equal_one_process_with_the_whole_batch(tmp_path, one_thread, backend):
-    from txl_kernels.functional import fused_available
-
-    if backend == "triton":
-        if not fused_available(torch.device("cpu"))[0]:
-            pytest.skip("the fused path on CPU needs TRITON_INTERPRET=1 (tests/conftest.py)")
-        if os.environ.get("TXL_SLOW_TESTS") != "1":
-            pytest.skip("1-3 minutes under the Triton interpreter on 2 cores; passes, run it "
-                        "with TXL_SLOW_TESTS=1")
-    backends = [backend]
+@pytest.fixture(scope="module")
+def dist_results(tmp_path_factory):
+    """One spawn of 2 gloo ranks runs every backend and mode (starting the ranks costs more
+    than the tiny models): DDP, FSDP2 and FSDP2 with checkpoint=True, on the reference path and
+    (under the Triton interpreter) the fused one."""
     torch.manual_seed(0)
-    cols = torch.randint(0, 256, (40, 2 * B))
-    path = str(tmp_path / "dist.pt")
-    mp.spawn(_worker, args=(2, _free_port(), cols, backends, path), nprocs=2, join=True)
-    results = torch.load(path, weights_only=False)
-    for backend in backends:
-        single = _run(_tiny_args(attn_backend=backend), cols, STEPS)
-        for mode in ("ddp", "fsdp"):
-            _assert_same(results[f"{backend}/{mode}"], single)
+    cols = torch.randint(0, 256, (40, 2 * max(B.values())))
+    path = str(tmp_path_factory.mktemp("dist") / "dist.pt")
+    mp.spawn(_worker, args=(2, _free_port(), cols, path), nprocs=2, join=True)
+    return cols, torch.load(path, weights_only=False)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_ddp_and_fsdp_equal_one_process_with_the_whole_batch(one_thread, dist_results,
+                                                            backend):
+    _skip_without_fused(backend)
+    cols, results = dist_results
+    single = _run(_args(backend), cols[:, :2 * B[backend]], STEPS)
+    n_layer = _args(backend).n_layer
+    for mode in MODES[backend]:
+        _assert_same(results[f"{backend}/{mode}"], single)
+        recompute = 2 if mode.endswith("+checkpoint") else 1
+        expect = STEPS * n_layer * recompute if backend == "triton" else 0
+        assert results[f"{backend}/{mode}/fused_calls"] == expect, mode
+
+
+def test_fsdp_emits_no_view_warning(dist_results):
+    _, results = dist_results
+    for mode in MODES["reference"]:
+        caught = results[f"reference/{mode}/warnings"]
+        assert not [w for w in caught if "view" in w], caught

@@ -25,6 +25,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from .._utils import FUSED_DTYPES, check_same, describe
 from ..functional import fused_available, rel_attention
@@ -157,7 +158,10 @@ class MemTransformerLM(nn.Module):
     Keyword-only extras: ``untie_r`` (per-layer ``r_w_bias`` / ``r_r_bias``, HF's layout;
     default False: one pair on the model, the original's), ``layer_norm_epsilon``,
     ``attn_backend`` (``rel_attention`` backend: "auto", "triton", "reference"),
-    ``memory_backend`` (``update_mems`` / ``kv_cache_compact`` backend).
+    ``memory_backend`` (``update_mems`` / ``kv_cache_compact`` backend), ``checkpoint``
+    (activation checkpointing per decoder layer: while gradients are recorded, each layer runs
+    under ``torch.utils.checkpoint`` (non-reentrant, RNG state preserved, so dropout repeats)
+    and is recomputed in the backward; same losses and gradients, state_dict unchanged).
 
     ``forward(data, target, *mems, cache=None)``: data ``[qlen, bsz]`` token ids (seq-first),
     target ``[tgt_len, bsz]`` (``tgt_len <= qlen``, the last positions). Without ``cache``:
@@ -172,7 +176,8 @@ class MemTransformerLM(nn.Module):
                  tgt_len=None, ext_len=None, mem_len=None, cutoffs=(), adapt_inp=False,
                  same_length=False, attn_type=0, clamp_len=-1, sample_softmax=-1, *,
                  untie_r: bool = False, layer_norm_epsilon: float = 1e-5,
-                 attn_backend: str = "auto", memory_backend: str = "auto"):
+                 attn_backend: str = "auto", memory_backend: str = "auto",
+                 checkpoint: bool = False):
         super().__init__()
         if attn_type != 0:
             raise ValueError(f"MemTransformerLM: only attn_type=0 (relative partially learnable "
@@ -193,6 +198,9 @@ class MemTransformerLM(nn.Module):
         self.attn_type = attn_type
         self.untie_r = untie_r
         self.memory_backend = memory_backend
+        if not isinstance(checkpoint, bool):
+            raise TypeError(f"MemTransformerLM: checkpoint must be a bool, got {checkpoint!r}")
+        self.checkpoint = checkpoint
         self.layers = nn.ModuleList([
             RelPartialLearnableDecoderLayer(
                 n_head, d_model, d_head, d_inner, dropout, tgt_len=tgt_len, ext_len=ext_len,
@@ -402,8 +410,13 @@ class MemTransformerLM(nn.Module):
         hids = [core_out]
         for i, layer in enumerate(self.layers):
             mems_i = None if mems is None else mems[i]
-            core_out = layer(core_out, pos_emb, self.r_w_bias, self.r_r_bias,
-                             dec_attn_mask=mask, mems=mems_i)
+            if self.checkpoint and torch.is_grad_enabled():
+                core_out = torch.utils.checkpoint.checkpoint(
+                    layer, core_out, pos_emb, self.r_w_bias, self.r_r_bias,
+                    dec_attn_mask=mask, mems=mems_i, use_reentrant=False)
+            else:
+                core_out = layer(core_out, pos_emb, self.r_w_bias, self.r_r_bias,
+                                 dec_attn_mask=mask, mems=mems_i)
             hids.append(core_out)
         core_out = self.drop(core_out)
         new_mems = None
@@ -460,7 +473,9 @@ class MemTransformerLM(nn.Module):
         hidden, new_mems = self._hidden(data, mems, cache)
         pred_hid = hidden[-tgt_len:]
         loss = self.crit(pred_hid.reshape(-1, pred_hid.size(-1)), target.reshape(-1))
-        loss = loss.view(tgt_len, -1)
+        # a copy, not a view: FSDP2 warns about view outputs (in-place ops on them would skip
+        # its pre-backward hook)
+        loss = loss.view(tgt_len, -1).clone()
         return [loss] if new_mems is None else [loss] + new_mems
 
     def log_probs(self, data: torch.Tensor, *mems, cache: Optional[TransfoXLCache] = None):

@@ -9,8 +9,9 @@ int64 offsets. Kernels: preprocess (delta = dO . O, and q + u / q + vb rounded o
 workspaces), dk/dv, dq (+ du / dvb partials, + atomic dr), dr (deterministic mode only).
 
 Invariants. P is recomputed from lse, never stored; the recomputed S uses exactly the
-forward's rounded operands; skew and unskew are one same-shape ``tl.gather`` each; r rows outside
-[0, R) are never read or written. ``deterministic=True`` gives bitwise-equal gradients across
+forward's rounded operands; skew and unskew are one per-row rotation each (the forward's
+register rotation; a same-shape ``tl.gather`` for fp32 inputs); r rows outside [0, R) are never
+read or written. ``deterministic=True`` gives bitwise-equal gradients across
 calls (no atomics); ``deterministic=False`` (``rel_attention``'s default) reduces dr with fp32
 atomics. Without autotuning each kernel runs its fixed ``_default_config``.
 
@@ -28,7 +29,7 @@ import triton.language as tl
 from .._utils import describe
 from ._common import (INTERPRET, apply_mask_band, autotune_enabled, dot_precision,
                       dropout_keep, dropout_threshold, last_dim_contiguous, load_dropout_seed,
-                      round_bf16)
+                      rotate_rows, round_bf16)
 
 __all__ = ["rel_attn_bwd"]
 
@@ -64,17 +65,21 @@ def _output(x, OUT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _rotate_rows(x, sh, BLOCK: tl.constexpr):
+def _rotate_rows(x, sh, BLOCK: tl.constexpr, SKEW_GATHER: tl.constexpr):
     """out[a, c] = x[a, (c + sh[a]) % BLOCK] (0 <= sh < BLOCK): the per-row rotation of the
-    relative shift, one same-shape tl.gather. (``_common.rotate_rows`` has the same contract;
-    in the atomic dq kernel at fp32 / TF32 it crashes Triton 3.8's TritonGPUOptimizeDotOperands
-    pass on sm_90, so the backward keeps the gather.)"""
-    idx = (tl.arange(0, BLOCK)[None, :] + sh[:, None]) & (BLOCK - 1)
-    return tl.gather(x, idx, 1)
+    relative shift, by the forward's register rotation (``_common.rotate_rows``), or with
+    SKEW_GATHER by one same-shape tl.gather: the launcher sets it for fp32 inputs, where
+    rotate_rows crashes Triton 3.8's TritonGPUOptimizeDotOperands pass on sm_90 (atomic dq
+    kernel, fp32 / TF32 products)."""
+    if SKEW_GATHER:
+        y = tl.gather(x, (tl.arange(0, BLOCK)[None, :] + sh[:, None]) & (BLOCK - 1), 1)
+    else:
+        y = rotate_rows(x, sh, BLOCK, BLOCK)
+    return y
 
 
 @triton.jit
-def _skew(t_lo, t_hi, BLOCK: tl.constexpr):
+def _skew(t_lo, t_hi, BLOCK: tl.constexpr, SKEW_GATHER: tl.constexpr):
     """BD[a, b] = T[a, b - a + BLOCK - 1] over the window T = [t_lo | t_hi] ([BLOCK, 2 BLOCK]).
 
     Row a reads t_lo at columns x >= BLOCK - 1 - a (pairs b <= a) and t_hi at the other
@@ -82,14 +87,14 @@ def _skew(t_lo, t_hi, BLOCK: tl.constexpr):
     BLOCK - 1 - a aligns them."""
     a = tl.arange(0, BLOCK)
     merged = tl.where(tl.arange(0, BLOCK)[None, :] + a[:, None] >= BLOCK - 1, t_lo, t_hi)
-    return _rotate_rows(merged, BLOCK - 1 - a, BLOCK)
+    return _rotate_rows(merged, BLOCK - 1 - a, BLOCK, SKEW_GATHER)
 
 
 @triton.jit
-def _unskew_gather(ds, BLOCK: tl.constexpr):
+def _unskew(ds, BLOCK: tl.constexpr, SKEW_GATHER: tl.constexpr):
     """G[a, w] = ds[a, (w + a + 1) mod BLOCK]; the lo window chunk is G where
     w + a >= BLOCK - 1 (see _lo_part), the hi chunk is G elsewhere."""
-    return _rotate_rows(ds, (tl.arange(0, BLOCK) + 1) & (BLOCK - 1), BLOCK)
+    return _rotate_rows(ds, (tl.arange(0, BLOCK) + 1) & (BLOCK - 1), BLOCK, SKEW_GATHER)
 
 
 @triton.jit
@@ -152,14 +157,31 @@ def _probs(ac, bd, lse2, offs_i, offs_j, b, h, Lq, Lk, window_left, window_right
 
 
 @triton.jit
-def _bh_pointers(A_OP, QV_OP, DO, LSE, DELTA, K, V, R, pid_bh, b, h, stride_wbh, stride_dob,
-                 stride_doh, stride_lb, stride_lh, stride_kb, stride_kh, stride_vb, stride_vh,
-                 stride_rh):
-    """The per-(batch, head) base pointers, computed once per program."""
-    return (A_OP + pid_bh * stride_wbh, QV_OP + pid_bh * stride_wbh,
+def _program_setup(A_OP, QV_OP, DO, LSE, DELTA, K, V, R, BAND, H, window_left, window_right,
+                   stride_wbh, stride_dob, stride_doh, stride_lb, stride_lh, stride_kb,
+                   stride_kh, stride_vb, stride_vh, stride_rh, HAS_BAND: tl.constexpr):
+    """Every backward program's prologue: its batch and head (grid axis 0 is batch * head),
+    the window narrowed by a mask band (band_on: the band replaces the dense mask, nothing to
+    load) and the per-(batch, head) base pointers, computed once."""
+    pid_bh = tl.program_id(0).to(tl.int64)
+    b = pid_bh // H
+    h = pid_bh % H
+    band_on = False
+    if HAS_BAND:
+        window_left, window_right, band_on = apply_mask_band(BAND, window_left, window_right)
+    return (b, h, window_left, window_right, band_on,
+            A_OP + pid_bh * stride_wbh, QV_OP + pid_bh * stride_wbh,
             DO + b * stride_dob + h * stride_doh, LSE + b * stride_lb + h * stride_lh,
             DELTA + b * stride_lb + h * stride_lh, K + b * stride_kb + h * stride_kh,
             V + b * stride_vb + h * stride_vh, R + h * stride_rh)
+
+
+@triton.jit
+def _load_kv_tile(K_bh, V_bh, offs_j, Lk, offs_d, D, stride_kn, stride_vn,
+                  DOT_DTYPE: tl.constexpr):
+    """The K and V rows of one key tile (zero past Lk and past D)."""
+    return (_load_rows(K_bh, offs_j, Lk, stride_kn, offs_d, D, DOT_DTYPE),
+            _load_rows(V_bh, offs_j, Lk, stride_vn, offs_d, D, DOT_DTYPE))
 
 
 @triton.jit
@@ -182,19 +204,22 @@ def _load_query_tile(A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, offs_i, offs_d, Lq, D
 
 
 @triton.jit
-def _recompute_p_dp(a_t, do, k_t, v_t, t_lo, t_hi, lse2, offs_i, offs_j, b, h, Lq, Lk,
-                    window_left, window_right, qk_scale, KPM, stride_kpm_b, stride_kpm_n, MASK,
-                    stride_mb, stride_mh, stride_mm, stride_mn, band_on,
+def _recompute_p_ds(a_t, qv_t, do, k_t, v_t, r_lo, r_hi, lse2, delta, offs_i, offs_j, b, h,
+                    Lq, Lk, window_left, window_right, qk_scale, KPM, stride_kpm_b,
+                    stride_kpm_n, MASK, stride_mb, stride_mh, stride_mm, stride_mn, band_on,
                     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
-                    DOT_PREC: tl.constexpr, BLOCK: tl.constexpr, SEED, drop_thresh, drop_scale,
-                    pid_bh, DROPOUT: tl.constexpr):
-    """P (recomputed from lse, 0 where masked) and dP = dO V^T on one tile; t_lo / t_hi are the
-    two window chunks (q + vb) @ R^T that the skew turns into BD. Returns (P, dP, Pv): Pv is
-    the P that multiplied V in the forward (for dV). DROPOUT: the forward's keep-mask Z is
-    regenerated (same Philox counters): Pv = P Z / (1 - p) and dP becomes dO V^T Z / (1 - p),
-    the gradient w.r.t. the undropped P; dS = P (dP - delta) then holds as without dropout
-    (delta = rowsum(dO O) = rowsum(P dP))."""
-    bd = _skew(t_lo, t_hi, BLOCK)
+                    DOT_PREC: tl.constexpr, SKEW_GATHER: tl.constexpr, BLOCK: tl.constexpr,
+                    SEED, drop_thresh, drop_scale, H, DROPOUT: tl.constexpr):
+    """P and dS = P (dP - delta), dP = dO V^T, on one tile, both fp32; BD is the skew of the
+    two window chunks (q + vb) @ [R_lo | R_hi]^T (both recomputed: carrying one would keep
+    another fp32 tile live). Returns (Pv, dS): Pv is P as the forward applied it to V (for
+    dV): P itself (recomputed from lse, 0 where masked), or with DROPOUT P Z / (1 - p), Z the
+    forward's keep-mask regenerated from the same Philox counters; dP then becomes
+    dO V^T Z / (1 - p), the gradient w.r.t. the undropped P, and dS = P (dP - delta) holds as
+    without dropout (delta = rowsum(dO O) = rowsum(P dP))."""
+    t_lo = tl.dot(qv_t, tl.trans(r_lo), input_precision=DOT_PREC)
+    t_hi = tl.dot(qv_t, tl.trans(r_hi), input_precision=DOT_PREC)
+    bd = _skew(t_lo, t_hi, BLOCK, SKEW_GATHER)
     ac = tl.dot(a_t, tl.trans(k_t), input_precision=DOT_PREC)
     p = _probs(ac, bd, lse2, offs_i, offs_j, b, h, Lq, Lk, window_left, window_right, qk_scale,
                KPM, stride_kpm_b, stride_kpm_n, MASK, stride_mb, stride_mh, stride_mm,
@@ -203,10 +228,10 @@ def _recompute_p_dp(a_t, do, k_t, v_t, t_lo, t_hi, lse2, offs_i, offs_j, b, h, L
     pv = p
     if DROPOUT:
         drop_seed, drop_off = load_dropout_seed(SEED)
-        keep = dropout_keep(drop_seed, drop_off, pid_bh, offs_i, offs_j, Lq, drop_thresh)
+        keep = dropout_keep(drop_seed, drop_off, b * H + h, offs_i, offs_j, Lq, drop_thresh)
         dp = tl.where(keep, dp * drop_scale, 0.0)
         pv = tl.where(keep, p * drop_scale, 0.0)
-    return p, dp, pv
+    return pv, p * (dp - delta[:, None])
 
 
 @triton.jit
@@ -267,31 +292,25 @@ def _rel_attn_bwd_dkdv_kernel(
     LQ_BUCKET, LK_BUCKET,  # autotune keys only
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, DROPOUT: tl.constexpr = False,
+    SKEW_GATHER: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+    DROPOUT: tl.constexpr = False,
 ):
     """One program per (batch * head, key tile): dk and dv of the tile, looping over the query
     tiles that the window lets see it."""
-    pid_bh = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
     mlen = Lk - Lq
-    band_on = False
-    if HAS_BAND:  # a dense mask that is a band: its window, and no mask loads
-        window_left, window_right, band_on = apply_mask_band(BAND, window_left, window_right)
-    A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, K_bh, V_bh, R_h = _bh_pointers(
-        A_OP, QV_OP, DO, LSE, DELTA, K, V, R, pid_bh, b, h, stride_wbh, stride_dob,
-        stride_doh, stride_lb, stride_lh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rh)
+    (b, h, window_left, window_right, band_on,
+     A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, K_bh, V_bh, R_h) = _program_setup(
+        A_OP, QV_OP, DO, LSE, DELTA, K, V, R, BAND, H, window_left, window_right, stride_wbh,
+        stride_dob, stride_doh, stride_lb, stride_lh, stride_kb, stride_kh, stride_vb,
+        stride_vh, stride_rh, HAS_BAND)
 
     j0 = pid_n * BLOCK
     offs_j = j0 + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     kv_msk = (offs_j < Lk)[:, None] & dmask[None, :]
-    k_t = tl.load(K_bh + offs_j.to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
-                  mask=kv_msk, other=0.0).to(DOT_DTYPE)
-    v_t = tl.load(V_bh + offs_j.to(tl.int64)[:, None] * stride_vn + offs_d[None, :],
-                  mask=kv_msk, other=0.0).to(DOT_DTYPE)
+    k_t, v_t = _load_kv_tile(K_bh, V_bh, offs_j, Lk, offs_d, D, stride_kn, stride_vn, DOT_DTYPE)
 
     # Query rows that may see a key of this tile: d = i + mlen - j in [-window_right,
     # window_left] (both >= 0 here).
@@ -314,16 +333,13 @@ def _rel_attn_bwd_dkdv_kernel(
 
         r_lo = _load_rows(R_h, j0 - i0 + Lq - BLOCK + w, R_rows, stride_rp, offs_d, D,
                           DOT_DTYPE)
-        t_lo = tl.dot(qv_t, tl.trans(r_lo), input_precision=DOT_PREC)
-        t_hi = tl.dot(qv_t, tl.trans(r_hi), input_precision=DOT_PREC)
-        p, dp, pv = _recompute_p_dp(a_t, do, k_t, v_t, t_lo, t_hi, lse2, offs_i, offs_j, b, h,
-                                    Lq, Lk, window_left, window_right, qk_scale, KPM,
-                                    stride_kpm_b, stride_kpm_n, MASK, stride_mb, stride_mh,
-                                    stride_mm, stride_mn,
-                                    band_on, HAS_KPM, HAS_MASK, HAS_BAND, DOT_PREC, BLOCK,
-                                    SEED, drop_thresh, drop_scale, pid_bh, DROPOUT)
-        ds = p * (dp - delta[:, None])
-        dv = tl.dot(tl.trans(_operand(pv, K.dtype.element_ty, UPCAST)), do, dv,
+        p, ds = _recompute_p_ds(a_t, qv_t, do, k_t, v_t, r_lo, r_hi, lse2, delta, offs_i,
+                                offs_j, b, h, Lq, Lk, window_left, window_right, qk_scale, KPM,
+                                stride_kpm_b, stride_kpm_n, MASK, stride_mb, stride_mh,
+                                stride_mm, stride_mn, band_on, HAS_KPM, HAS_MASK, HAS_BAND,
+                                DOT_PREC, SKEW_GATHER, BLOCK,
+                                SEED, drop_thresh, drop_scale, H, DROPOUT)
+        dv = tl.dot(tl.trans(_operand(p, K.dtype.element_ty, UPCAST)), do, dv,
                     input_precision=DOT_PREC)
         dk = tl.dot(tl.trans(_operand(ds, K.dtype.element_ty, UPCAST)), a_t, dk,
                     input_precision=DOT_PREC)
@@ -356,23 +372,20 @@ def _rel_attn_bwd_dq_kernel(
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
     ATOMIC_DR: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, DROPOUT: tl.constexpr = False,
+    SKEW_GATHER: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+    DROPOUT: tl.constexpr = False,
 ):
     """One program per (batch * head, query tile): dq of the tile (dA + dQv) and the row sums of
     dA and dQv (du / dvb partials), looping over the key tiles of the window in increasing
     order with the window chunk carried from tile to tile. With ATOMIC_DR also dr (atomics)."""
     num_m = tl.cdiv(Lq, BLOCK)
-    pid_bh = tl.program_id(0).to(tl.int64)
     m = num_m - 1 - tl.program_id(1)  # longest rows (causal) first
-    b = pid_bh // H
-    h = pid_bh % H
     mlen = Lk - Lq
-    band_on = False
-    if HAS_BAND:  # a dense mask that is a band: its window, and no mask loads
-        window_left, window_right, band_on = apply_mask_band(BAND, window_left, window_right)
-    A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, K_bh, V_bh, R_h = _bh_pointers(
-        A_OP, QV_OP, DO, LSE, DELTA, K, V, R, pid_bh, b, h, stride_wbh, stride_dob,
-        stride_doh, stride_lb, stride_lh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rh)
+    (b, h, window_left, window_right, band_on,
+     A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, K_bh, V_bh, R_h) = _program_setup(
+        A_OP, QV_OP, DO, LSE, DELTA, K, V, R, BAND, H, window_left, window_right, stride_wbh,
+        stride_dob, stride_doh, stride_lb, stride_lh, stride_kb, stride_kh, stride_vb,
+        stride_vh, stride_rh, HAS_BAND)
 
     i0 = m * BLOCK
     offs_i = i0 + tl.arange(0, BLOCK)
@@ -402,26 +415,20 @@ def _rel_attn_bwd_dq_kernel(
     for n in range(n_lo, n_hi):
         j0 = n * BLOCK
         offs_j = j0 + tl.arange(0, BLOCK)
-        kv_msk = (offs_j < Lk)[:, None] & dmask[None, :]
-        k_t = tl.load(K_bh + offs_j.to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
-                      mask=kv_msk, other=0.0).to(DOT_DTYPE)
-        v_t = tl.load(V_bh + offs_j.to(tl.int64)[:, None] * stride_vn + offs_d[None, :],
-                      mask=kv_msk, other=0.0).to(DOT_DTYPE)
+        k_t, v_t = _load_kv_tile(K_bh, V_bh, offs_j, Lk, offs_d, D, stride_kn, stride_vn,
+                                 DOT_DTYPE)
         r_hi = _load_rows(R_h, p_lo + BLOCK + w, R_rows, stride_rp, offs_d, D, DOT_DTYPE)
-        # both window chunks per tile: carrying t_hi would keep one more fp32 tile live
-        t_lo = tl.dot(qv_t, tl.trans(r_lo), input_precision=DOT_PREC)
-        t_hi = tl.dot(qv_t, tl.trans(r_hi), input_precision=DOT_PREC)
-        p, dp, pv = _recompute_p_dp(a_t, do, k_t, v_t, t_lo, t_hi, lse2, offs_i, offs_j, b, h,
-                                    Lq, Lk, window_left, window_right, qk_scale, KPM,
-                                    stride_kpm_b, stride_kpm_n, MASK, stride_mb, stride_mh,
-                                    stride_mm, stride_mn,
-                                    band_on, HAS_KPM, HAS_MASK, HAS_BAND, DOT_PREC, BLOCK,
-                                    SEED, drop_thresh, drop_scale, pid_bh, DROPOUT)
-        ds = _operand(p * (dp - delta[:, None]), K.dtype.element_ty, UPCAST)
+        p, ds = _recompute_p_ds(a_t, qv_t, do, k_t, v_t, r_lo, r_hi, lse2, delta, offs_i,
+                                offs_j, b, h, Lq, Lk, window_left, window_right, qk_scale, KPM,
+                                stride_kpm_b, stride_kpm_n, MASK, stride_mb, stride_mh,
+                                stride_mm, stride_mn, band_on, HAS_KPM, HAS_MASK, HAS_BAND,
+                                DOT_PREC, SKEW_GATHER, BLOCK,
+                                SEED, drop_thresh, drop_scale, H, DROPOUT)
+        ds = _operand(ds, K.dtype.element_ty, UPCAST)
         dqa = tl.dot(ds, k_t, dqa, input_precision=DOT_PREC)
         # rows p_lo ..: the lo part of this tile and the hi part of the previous one have
         # disjoint supports: one merge, one rotation, one product with the shared rows.
-        dt = _unskew_gather(tl.where(own, ds, ds_prev), BLOCK)
+        dt = _unskew(tl.where(own, ds, ds_prev), BLOCK, SKEW_GATHER)
         dqv = tl.dot(dt, r_lo, dqv, input_precision=DOT_PREC)
         if ATOMIC_DR:
             _atomic_dr(DR_ACC + h * stride_drh, dt, qv_t, p_lo + w, R_rows, stride_drp, offs_d,
@@ -430,7 +437,7 @@ def _rel_attn_bwd_dq_kernel(
         r_lo = r_hi
         p_lo += BLOCK
     # flush the hi part of the last tile
-    dt = _unskew_gather(tl.where(own, 0.0, ds_prev).to(DOT_DTYPE), BLOCK)
+    dt = _unskew(tl.where(own, 0.0, ds_prev).to(DOT_DTYPE), BLOCK, SKEW_GATHER)
     dqv = tl.dot(dt, r_lo, dqv, input_precision=DOT_PREC)
     if ATOMIC_DR:
         _atomic_dr(DR_ACC + h * stride_drh, dt, qv_t, p_lo + w, R_rows, stride_drp, offs_d, dmask,
@@ -462,24 +469,21 @@ def _rel_attn_bwd_dr_kernel(
     LQ_BUCKET, LK_BUCKET,  # autotune keys only
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, DROPOUT: tl.constexpr = False,
+    SKEW_GATHER: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+    DROPOUT: tl.constexpr = False,
 ):
     """One program per (batch * head, block diagonal t = n - m): the dr contributions of the
     tile pairs (m, m + t) of one batch and head, reduced in registers in a fixed order, written
     to Z[0] (lo chunk rows) and Z[1] (hi chunk rows). No two programs write the same row of Z[c]."""
     num_m = tl.cdiv(Lq, BLOCK)
     num_n = tl.cdiv(Lk, BLOCK)
-    pid_bh = tl.program_id(0).to(tl.int64)
     t = num_n - 1 - tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
     mlen = Lk - Lq
-    band_on = False
-    if HAS_BAND:  # a dense mask that is a band: its window, and no mask loads
-        window_left, window_right, band_on = apply_mask_band(BAND, window_left, window_right)
-    A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, K_bh, V_bh, R_h = _bh_pointers(
-        A_OP, QV_OP, DO, LSE, DELTA, K, V, R, pid_bh, b, h, stride_wbh, stride_dob,
-        stride_doh, stride_lb, stride_lh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rh)
+    (b, h, window_left, window_right, band_on,
+     A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, K_bh, V_bh, R_h) = _program_setup(
+        A_OP, QV_OP, DO, LSE, DELTA, K, V, R, BAND, H, window_left, window_right, stride_wbh,
+        stride_dob, stride_doh, stride_lb, stride_lh, stride_kb, stride_kh, stride_vb,
+        stride_vh, stride_rh, HAS_BAND)
 
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
@@ -511,22 +515,16 @@ def _rel_attn_bwd_dr_kernel(
         a_t, qv_t, do, lse2, delta = _load_query_tile(
             A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, offs_i, offs_d, Lq, D, stride_wm,
             stride_dom, stride_lm, DOT_DTYPE)
-        kv_msk = (offs_j < Lk)[:, None] & dmask[None, :]
-        k_t = tl.load(K_bh + offs_j.to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
-                      mask=kv_msk, other=0.0).to(DOT_DTYPE)
-        v_t = tl.load(V_bh + offs_j.to(tl.int64)[:, None] * stride_vn + offs_d[None, :],
-                      mask=kv_msk, other=0.0).to(DOT_DTYPE)
-
-        t_lo = tl.dot(qv_t, tl.trans(r_lo), input_precision=DOT_PREC)
-        t_hi = tl.dot(qv_t, tl.trans(r_hi), input_precision=DOT_PREC)
-        p, dp, pv = _recompute_p_dp(a_t, do, k_t, v_t, t_lo, t_hi, lse2, offs_i, offs_j, b, h,
-                                    Lq, Lk, window_left, window_right, qk_scale, KPM,
-                                    stride_kpm_b, stride_kpm_n, MASK, stride_mb, stride_mh,
-                                    stride_mm, stride_mn,
-                                    band_on, HAS_KPM, HAS_MASK, HAS_BAND, DOT_PREC, BLOCK,
-                                    SEED, drop_thresh, drop_scale, pid_bh, DROPOUT)
-        ds = _operand(p * (dp - delta[:, None]), K.dtype.element_ty, UPCAST)
-        g = _unskew_gather(ds, BLOCK)
+        k_t, v_t = _load_kv_tile(K_bh, V_bh, offs_j, Lk, offs_d, D, stride_kn, stride_vn,
+                                 DOT_DTYPE)
+        p, ds = _recompute_p_ds(a_t, qv_t, do, k_t, v_t, r_lo, r_hi, lse2, delta, offs_i,
+                                offs_j, b, h, Lq, Lk, window_left, window_right, qk_scale, KPM,
+                                stride_kpm_b, stride_kpm_n, MASK, stride_mb, stride_mh,
+                                stride_mm, stride_mn, band_on, HAS_KPM, HAS_MASK, HAS_BAND,
+                                DOT_PREC, SKEW_GATHER, BLOCK,
+                                SEED, drop_thresh, drop_scale, H, DROPOUT)
+        ds = _operand(ds, K.dtype.element_ty, UPCAST)
+        g = _unskew(ds, BLOCK, SKEW_GATHER)
         dt_lo = tl.where(lo_part, g, 0.0).to(DOT_DTYPE)
         dt_hi = tl.where(lo_part, 0.0, g).to(DOT_DTYPE)
         dr_lo = tl.dot(tl.trans(dt_lo), qv_t, dr_lo, input_precision=DOT_PREC)
@@ -749,7 +747,7 @@ def rel_attn_bwd(
     seed = dropout_seed if dropout else delta  # unused without dropout
     meta = dict(HAS_KPM=key_padding_mask is not None, HAS_MASK=attn_mask is not None,
                 HAS_BAND=has_band, DOT_DTYPE=dot_dtype, UPCAST=upcast, DOT_PREC=precision,
-                BLOCK_D=block_d, DROPOUT=dropout)
+                SKEW_GATHER=q.dtype == torch.float32, BLOCK_D=block_d, DROPOUT=dropout)
     sizes = (H, Lq, Lk, R_rows, D, scale, scale * _LOG2E, wl, wr,
              dropout_threshold(dropout_p) if dropout else 0, 1.0 / (1.0 - dropout_p),
              _bucket(Lq), _bucket(Lk))

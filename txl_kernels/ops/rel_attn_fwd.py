@@ -274,34 +274,26 @@ def _rel_attn_fwd_kernel(
                                         + BLOCK_N - 1) // BLOCK_N)
             t_in = tl.minimum(t_in, t_end)
         t_out = tl.maximum(t_out, t_in)
-        if HAS_WL:
-            for t in range(t_begin, t_in):
+    # three runs of tiles: [t_begin, t_in) the left band edge (masked), [t_in, t_out) the
+    # interior (mask-free), [t_out, t_end) the right edge and padding (masked); only the last
+    # exists with a padding or dense mask, the first only with a left window
+    for run in tl.static_range(3):
+        if run == 0:
+            t_first, t_stop = t_begin, t_in
+        elif run == 1:
+            t_first, t_stop = t_in, t_out
+        else:
+            t_first, t_stop = t_out, t_end
+        if run == 2 or (not (HAS_KPM or HAS_MASK) and (run == 1 or HAS_WL)):
+            for t in range(t_first, t_stop):
                 acc, m_i, l_i, t0, t1 = _attend_tile(
                     acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off, R_h, r_off,
                     stride_kn, stride_vn, stride_rp, offs_m, offs_n0, m_ok, d_ok, rot,
                     take_first, first_is_0, Lq, Lk, R_rows, mlen, window_left, window_right,
                     qk_scale, kpm_b, stride_kpm_n, mask_b, stride_mm, stride_mn, band_on,
                     drop_seed, drop_off, drop_thresh, pid_bh,
-                    HAS_WL, HAS_WR, HAS_KPM, HAS_MASK, HAS_BAND, True, EVEN_D, UPCAST,
+                    HAS_WL, HAS_WR, HAS_KPM, HAS_MASK, HAS_BAND, run != 1, EVEN_D, UPCAST,
                     DOT_PREC, BLOCK_M, BLOCK_N, DROPOUT)
-        for t in range(t_in, t_out):
-            acc, m_i, l_i, t0, t1 = _attend_tile(
-                acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off, R_h, r_off,
-                stride_kn, stride_vn, stride_rp, offs_m, offs_n0, m_ok, d_ok, rot,
-                take_first, first_is_0, Lq, Lk, R_rows, mlen, window_left, window_right,
-                qk_scale, kpm_b, stride_kpm_n, mask_b, stride_mm, stride_mn, band_on,
-                drop_seed, drop_off, drop_thresh, pid_bh,
-                HAS_WL, HAS_WR, HAS_KPM, HAS_MASK, HAS_BAND, False, EVEN_D, UPCAST,
-                DOT_PREC, BLOCK_M, BLOCK_N, DROPOUT)
-    for t in range(t_out, t_end):
-        acc, m_i, l_i, t0, t1 = _attend_tile(
-            acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off, R_h, r_off,
-            stride_kn, stride_vn, stride_rp, offs_m, offs_n0, m_ok, d_ok, rot,
-            take_first, first_is_0, Lq, Lk, R_rows, mlen, window_left, window_right,
-            qk_scale, kpm_b, stride_kpm_n, mask_b, stride_mm, stride_mn, band_on,
-            drop_seed, drop_off, drop_thresh, pid_bh,
-            HAS_WL, HAS_WR, HAS_KPM, HAS_MASK, HAS_BAND, True, EVEN_D, UPCAST,
-            DOT_PREC, BLOCK_M, BLOCK_N, DROPOUT)
 
     has_key = l_i > 0.0
     l_safe = tl.where(has_key, l_i, 1.0)
