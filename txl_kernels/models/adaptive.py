@@ -125,9 +125,29 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         else:
             weight, bias = self.out_layers[i].weight, self.out_layers[i].bias
         if i == 0 and self.n_clusters > 0:
-            weight = torch.cat([weight, self.cluster_weight], 0)
-            bias = torch.cat([bias, self.cluster_bias], 0)
+            weight, bias = self._head_weight(weight, bias)
         return weight, bias, self.out_projs[i]
+
+    def _head_weight(self, weight, bias):
+        """The head's ``[shortlist + n_clusters, d]`` weight and bias (the shortlist rows
+        followed by the cluster rows). Without gradients the concatenation is kept until one
+        of the four tensors changes (storage or version counter), so evaluation and decoding
+        do not copy the shortlist rows (20000 x d for WikiText-103) on every call."""
+        parts = (weight, bias, self.cluster_weight, self.cluster_bias)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in parts):
+            return torch.cat([weight, self.cluster_weight], 0), torch.cat([bias, self.cluster_bias], 0)
+        key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in parts)
+        hit = getattr(self, "_head_cache", None)
+        if hit is None or hit[0] != key:
+            with torch.no_grad():
+                hit = (key, torch.cat([weight, self.cluster_weight], 0),
+                       torch.cat([bias, self.cluster_bias], 0))
+            self._head_cache = hit
+        return hit[1], hit[2]
+
+    def _apply(self, fn, *args, **kwargs):
+        self._head_cache = None
+        return super()._apply(fn, *args, **kwargs)
 
     @staticmethod
     def _logit(hidden, weight, bias, proj: Optional[torch.Tensor]):
@@ -177,3 +197,25 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
             tail = F.log_softmax(self._logit(hidden, *self._cluster(i)), dim=-1)
             parts.append(head[:, -i, None] + tail)
         return torch.cat(parts, dim=-1)
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, d_proj]`` -> ``[N]``: ``log_prob(hidden).argmax(-1)``, the same tokens (ties
+        to the lowest id), without scoring the tail clusters that cannot hold the argmax: a
+        tail token's log-probability is its cluster's head log-probability plus a log-softmax
+        value <= 0, so a cluster whose head log-probability does not exceed the best token
+        found so far (in every row) is skipped. Exact; the saving depends on the model (a
+        cluster is scored whenever its total probability beats the best token before it)."""
+        head = self._head_logprob(hidden)
+        if self.n_clusters == 0:
+            return head.argmax(dim=-1)
+        best, token = head[:, :self.shortlist_size].max(dim=-1)
+        for i in range(1, len(self.cutoffs)):
+            bound = head[:, -i]
+            if not bool((bound > best).any()):
+                continue
+            tail = head[:, -i, None] + F.log_softmax(self._logit(hidden, *self._cluster(i)), -1)
+            tail_best, tail_token = tail.max(dim=-1)
+            better = tail_best > best  # ties keep the lower id
+            best = torch.where(better, tail_best, best)
+            token = torch.where(better, tail_token + self.cutoff_ends[i], token)
+        return token
