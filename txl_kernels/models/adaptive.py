@@ -163,9 +163,13 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         if hidden.dim() != 2 or target.dim() != 1 or hidden.shape[0] != target.shape[0]:
             raise ValueError(f"ProjectedAdaptiveLogSoftmax: hidden must be [N, d_proj] and "
                              f"target [N], got {list(hidden.shape)} and {list(target.shape)}")
-        head = self._head_logprob(hidden)
+        # Only the targets' log-probabilities: logit - logsumexp per row, no [N, cluster]
+        # log-softmax tensor (a pass and an allocation less per cluster; the clusters' logits
+        # are still all computed, as the normaliser needs them).
+        head_logit = self._logit(hidden, *self._cluster(0))
+        head_lse = torch.logsumexp(head_logit, dim=-1)
         if self.n_clusters == 0:
-            return -head.gather(1, target[:, None]).squeeze(1)
+            return head_lse - head_logit.gather(1, target[:, None]).squeeze(1)
         nll = torch.zeros(target.shape, dtype=hidden.dtype, device=hidden.device)
         offset = 0
         for i in range(len(self.cutoffs)):
@@ -174,12 +178,13 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
             if idx.numel() == 0:
                 continue
             tgt_i = target[idx] - lo
-            head_i = head[idx]
+            head_i = head_logit[idx]
             if i == 0:
-                logprob = head_i.gather(1, tgt_i[:, None]).squeeze(1)
+                logprob = head_i.gather(1, tgt_i[:, None]).squeeze(1) - head_lse[idx]
             else:
-                tail = F.log_softmax(self._logit(hidden[idx], *self._cluster(i)), dim=-1)
-                logprob = head_i[:, -i] + tail.gather(1, tgt_i[:, None]).squeeze(1)
+                tail = self._logit(hidden[idx], *self._cluster(i))
+                logprob = (head_i[:, -i] - head_lse[idx] + tail.gather(1, tgt_i[:, None])
+                           .squeeze(1) - torch.logsumexp(tail, dim=-1))
             if self.keep_order or keep_order:
                 nll.index_copy_(0, idx, -logprob)
             else:
