@@ -135,7 +135,8 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         do not copy the shortlist rows (20000 x d for WikiText-103) on every call."""
         parts = (weight, bias, self.cluster_weight, self.cluster_bias)
         if torch.is_grad_enabled() and any(t.requires_grad for t in parts):
-            return torch.cat([weight, self.cluster_weight], 0), torch.cat([bias, self.cluster_bias], 0)
+            return (torch.cat([weight, self.cluster_weight], 0),
+                    torch.cat([bias, self.cluster_bias], 0))
         key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in parts)
         hit = getattr(self, "_head_cache", None)
         if hit is None or hit[0] != key:
