@@ -1,20 +1,34 @@
 """Transformer-XL LM (txl_kernels.models.MemTransformerLM) against HF TransfoXL, same weights.
 
-Two workloads (issue 12):
-- eval: one segment of tgt_len 64 tokens against a full memory of mem_len 640 (the state of a
-  long evaluation), ours with the K/V cache, ours on the mems path, HF with mems;
-- generate: 128 new tokens (greedy) after a 512-token prompt, mem_len 512: ours
-  ``model.generate`` (prompt in segments on the cache, then one token at a time), HF's loop
-  (the prompt in the same segments with mems, then the last token fed with mems).
-HF needs transformers 4.x (the ``hf4`` extra, e.g. ``PYTHONPATH=/tmp/hf4``); without it the HF
-cases skip with the reason. Sizes are CPU-sized (4 layers, d_model 256); on a GPU the same
-cases run on CUDA.
+Two workloads (issue 12), on the model size those settings come from: Transformer-XL base on
+WikiText-103 (kimiyoung's ``run_wt103_base.sh``: 16 layers, 10 heads of 41, d_model 410,
+d_inner 2100, vocabulary 267,735 with adaptive softmax cutoffs 20000 / 40000 / 200000,
+div_val 1, same_length, clamp_len 400; evaluated with tgt_len 64 / mem_len 640), random
+weights, fp32:
+- eval: one segment of tgt_len 64 tokens against a full memory of mem_len 640, bsz 10 (eval.py's
+  default; the state of a long evaluation): ours with the K/V cache (warmed up by the segments
+  before), ours on the mems path, HF with mems (memories of random hidden states: the cost
+  does not depend on their values);
+- generate: 128 new tokens (greedy) after a 512-token prompt, mem_len 512, bsz 1: ours
+  ``model.generate`` (prompt in segments of 64 on the cache, then one token at a time), HF's
+  loop (the prompt in the same segments with mems, then the last token fed with mems), which
+  must give the same tokens.
+Token ids are drawn from a Zipf law over the vocabulary (rank r with probability ~ 1/r), as
+in text, whose vocabulary the adaptive softmax's clusters are sorted by: about 80% of the
+tokens fall in the 20000-token head. (Uniform ids would put 92% in the tail clusters and make
+the softmax, the same work in both models, most of the time.)
 
-    python -m pytest benchmarks/test_bench_lm.py --benchmark-only
-    python -m benchmarks.test_bench_lm          # side-by-side times and ratios
+Times: :func:`benchmarks.runner.measure` (``torch.utils.benchmark.Timer`` on CPU, one thread,
+the median of its blocks; ``do_bench`` on CUDA). HF needs transformers 4.x (the ``hf4``
+extra, e.g. ``PYTHONPATH=/tmp/hf4``); without it the HF cases skip with the reason.
+
+    python -m benchmarks.test_bench_lm            # side-by-side times and ratios
+    python -m benchmarks.test_bench_lm --small    # the same at the small size (seconds)
+    python -m pytest benchmarks/test_bench_lm.py --benchmark-only   # small size on CPU
 """
 from __future__ import annotations
 
+import gc
 import time
 import warnings
 from typing import Callable, Dict, Optional
@@ -22,12 +36,20 @@ from typing import Callable, Dict, Optional
 import pytest
 import torch
 
+from benchmarks.runner import measure, synced
 from txl_kernels.models import MemTransformerLM
 
-CONFIG = dict(n_token=2000, n_layer=4, n_head=4, d_model=256, d_head=64, d_inner=1024,
-              cutoffs=[500, 1000], div_val=1, same_length=True, clamp_len=1000, untie_r=True)
-EVAL = dict(tgt_len=64, mem_len=640, bsz=2)
+# Transformer-XL base, WikiText-103 (kimiyoung/transformer-xl pytorch/run_wt103_base.sh).
+WT103_BASE = dict(n_token=267735, n_layer=16, n_head=10, d_model=410, d_head=41, d_inner=2100,
+                  cutoffs=[20000, 40000, 200000], div_val=1, same_length=True, clamp_len=400,
+                  untie_r=True)
+EVAL = dict(tgt_len=64, mem_len=640, bsz=10)  # eval.py's default batch size
 GEN = dict(prompt=512, new=128, mem_len=512, tgt_len=64, bsz=1)
+# The small size: `python -m txl_kernels`' report, the CPU pytest-benchmark subset, --small.
+SMALL = dict(n_token=2000, n_layer=4, n_head=4, d_model=128, d_head=32, d_inner=512,
+             cutoffs=[500, 1000], div_val=1, same_length=True, clamp_len=400, untie_r=True)
+SMALL_EVAL = dict(tgt_len=16, mem_len=160, bsz=2)
+SMALL_GEN = dict(prompt=64, new=32, mem_len=64, tgt_len=16, bsz=1)
 
 
 def _device() -> torch.device:
@@ -48,37 +70,59 @@ def hf_classes():
     return TransfoXLConfig, TransfoXLLMHeadModel
 
 
-def build(mem_len: int, tgt_len: int, with_hf: bool, device=None):
-    """(ours, hf or None) with the same random weights, eval mode, fp32."""
-    device = device or _device()
+HF_MISSING = ("HF TransfoXL needs transformers 4.x (the 'hf4' extra: pip install --target "
+              "/tmp/hf4 transformers==4.34.1 and PYTHONPATH=/tmp/hf4)")
+
+
+def build(config: dict, mem_len: int, tgt_len: int, with_hf: bool, device=None):
+    """(ours, hf or None) with the same random weights, eval mode, fp32. On CPU ours uses
+    attn_backend "reference": the torch paths that "auto" takes there, also when the Triton
+    interpreter is on (as in ``python -m txl_kernels``), which is a test tool, not a path to
+    time."""
+    device = torch.device(device) if device is not None else _device()
     torch.manual_seed(0)
     classes = hf_classes() if with_hf else None
+    c = dict(config, attn_backend="reference" if device.type == "cpu" else "auto")
     if classes is None:
-        c = dict(CONFIG)
         ours = MemTransformerLM(c.pop("n_token"), c.pop("n_layer"), c.pop("n_head"),
                                 c.pop("d_model"), c.pop("d_head"), c.pop("d_inner"), 0.0, 0.0,
                                 tgt_len=tgt_len, mem_len=mem_len, **c)
         return ours.to(device).eval(), None
     Config, LMHead = classes
-    c = dict(CONFIG)
+    backend = c.pop("attn_backend")
     cfg = Config(vocab_size=c.pop("n_token"), d_embed=c["d_model"], mem_len=mem_len,
                  dropout=0.0, dropatt=0.0, **c)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hf = LMHead(cfg).to(device).eval()
-    return MemTransformerLM.from_hf(hf, tgt_len=tgt_len), hf
+    return MemTransformerLM.from_hf(hf, tgt_len=tgt_len, attn_backend=backend), hf
+
+
+def zipf_ids(n_token: int, shape, seed: int) -> torch.Tensor:
+    """Token ids with P(id = r) ~ 1 / (r + 1): text-like frequencies (see the docstring)."""
+    g = torch.Generator().manual_seed(seed)
+    weights = 1.0 / torch.arange(1, n_token + 1, dtype=torch.float64)
+    n = 1
+    for s in shape:
+        n *= s
+    return torch.multinomial(weights, n, replacement=True, generator=g).view(*shape)
 
 
 # ----------------------------------------------------------------------------- workloads
 
-def eval_step(provider: str, ours, hf) -> Callable[[], None]:
+def _no_grad(fn: Callable[[], object]) -> Callable[[], None]:
+    def step():
+        with torch.no_grad():
+            fn()
+    return step
+
+
+def eval_step(provider: str, ours, hf, spec: dict) -> Callable[[], None]:
     """A callable that evaluates the next segment of tgt_len tokens against a full memory."""
-    tgt_len, mem_len, bsz = EVAL["tgt_len"], EVAL["mem_len"], EVAL["bsz"]
+    tgt_len, mem_len, bsz = spec["tgt_len"], spec["mem_len"], spec["bsz"]
     device = next(ours.parameters()).device
-    g = torch.Generator().manual_seed(1)
-    n_seg = mem_len // tgt_len + 1
-    data = torch.randint(0, CONFIG["n_token"], (n_seg * tgt_len + 1, bsz), generator=g)
-    data = data.to(device)
+    n_seg = -(-mem_len // tgt_len) + 1
+    data = zipf_ids(ours.n_token, (n_seg * tgt_len + 1, bsz), seed=1).to(device)
     warm = [(data[s:s + tgt_len], data[s + 1:s + 1 + tgt_len])
             for s in range(0, (n_seg - 1) * tgt_len, tgt_len)]
     inp, tgt = data[-tgt_len - 1:-1], data[-tgt_len:]
@@ -87,18 +131,19 @@ def eval_step(provider: str, ours, hf) -> Callable[[], None]:
             cache = ours.new_cache(bsz)
             for x, y in warm:
                 ours(x, y, cache=cache)
-            return lambda: ours(inp, tgt, cache=cache)
+            return _no_grad(lambda: ours(inp, tgt, cache=cache))
+        # The mems paths get memories of random hidden states (their cost does not depend on
+        # the values; running the warm-up segments through HF takes minutes at this size).
+        g = torch.Generator().manual_seed(3)
+        mems = [torch.randn(mem_len, bsz, ours.d_model, generator=g).to(device)
+                for _ in range(ours.n_layer + 1)]
         if provider == "txl_kernels_mems":
-            mems = []
-            for x, y in warm:
-                mems = ours(x, y, *mems)[1:]
-            return lambda: ours(inp, tgt, *mems)
-        mems = [torch.empty(0, bsz, CONFIG["d_model"], device=device)
-                for _ in range(CONFIG["n_layer"])]
-        for x, _ in warm:
-            mems = hf(x.t(), mems=mems).mems
+            return _no_grad(lambda: ours(inp, tgt, *mems))
+        mems = mems[:-1]  # HF keeps n_layer memories (the last layer's output is not one)
         x_bf = inp.t().contiguous()
-        return lambda: hf(x_bf, labels=x_bf, mems=mems)
+        # HF shifts the labels inside (position t is scored on token t + 1), so it scores
+        # tgt_len - 1 tokens of the segment, ours tgt_len: one token less work for HF.
+        return _no_grad(lambda: hf(x_bf, labels=x_bf, mems=mems))
 
 
 def hf_greedy(hf, prompt: torch.Tensor, new: int, seg: int) -> torch.Tensor:
@@ -117,36 +162,116 @@ def hf_greedy(hf, prompt: torch.Tensor, new: int, seg: int) -> torch.Tensor:
     return torch.cat(seq, 1)
 
 
-def generate_step(provider: str, ours, hf) -> Callable[[], torch.Tensor]:
-    g = torch.Generator().manual_seed(2)
+def generate_step(provider: str, ours, hf, spec: dict, keep: Optional[dict] = None
+                  ) -> Callable[[], None]:
+    """A callable that generates ``spec['new']`` tokens after a prompt; the tokens of its
+    last call go to ``keep[provider]``."""
     device = next(ours.parameters()).device
-    prompt = torch.randint(0, CONFIG["n_token"], (GEN["bsz"], GEN["prompt"]), generator=g)
-    prompt = prompt.to(device)
-    if provider == "txl_kernels":
-        return lambda: ours.generate(prompt, GEN["new"])
-    return lambda: hf_greedy(hf, prompt, GEN["new"], GEN["tgt_len"])
+    prompt = zipf_ids(ours.n_token, (spec["bsz"], spec["prompt"]), seed=2).to(device)
+    keep = {} if keep is None else keep
+
+    def step():
+        with torch.no_grad():
+            if provider == "txl_kernels":
+                keep[provider] = ours.generate(prompt, spec["new"])
+            else:
+                keep[provider] = hf_greedy(hf, prompt, spec["new"], spec["tgt_len"])
+    return step
+
+
+# ----------------------------------------------------------------------------- side by side
+
+def compare(config: dict = WT103_BASE, eval_spec: dict = EVAL, gen_spec: dict = GEN,
+            min_run_time_s: float = 1.0, with_hf: bool = True,
+            log: Callable[[str], None] = print, device=None,
+            kinds=("eval", "generate")) -> dict:
+    """Time both workloads, ours and (when transformers 4.x is importable and ``with_hf``) HF
+    on the same weights, with :func:`benchmarks.runner.measure`; greedy tokens must be equal.
+    Returns ``{"eval": {provider: s}, "generate": {provider: s}, "hf": reason or None}`` (the
+    median seconds per call). Without HF the providers are ours with the K/V cache
+    ("txl_kernels") and on the mems path ("txl_kernels_mems", eval only)."""
+    device = torch.device(device) if device is not None else _device()
+    if device.type == "cpu":  # setup and warm-up calls too (Timer times with one thread)
+        torch.set_num_threads(1)
+    hf_ok = with_hf and hf_classes() is not None
+    out = {"device": str(device), "hf": None if hf_ok else HF_MISSING, "eval": {},
+           "generate": {}}
+
+    def timed(step):
+        times = sorted(measure(synced(step, device), device, min_run_time_s))
+        return times[len(times) // 2]
+
+    if "eval" in kinds:
+        ours, hf = build(config, eval_spec["mem_len"], eval_spec["tgt_len"], hf_ok, device)
+        for p in ("txl_kernels", "txl_kernels_mems") + (("hf",) if hf_ok else ()):
+            out["eval"][p] = timed(eval_step(p, ours, hf, eval_spec))
+            log(f"  eval {p}: {out['eval'][p]:.4f} s")
+        del ours, hf
+        gc.collect()
+    if "generate" not in kinds:
+        return out
+    ours, hf = build(config, gen_spec["mem_len"], gen_spec["tgt_len"], hf_ok, device)
+    tokens: Dict[str, torch.Tensor] = {}
+    for p in ("txl_kernels",) + (("hf",) if hf_ok else ()):
+        out["generate"][p] = timed(generate_step(p, ours, hf, gen_spec, tokens))
+        log(f"  generate {p}: {out['generate'][p]:.3f} s")
+    if hf_ok and not torch.equal(tokens["txl_kernels"], tokens["hf"]):
+        raise AssertionError("generate: greedy tokens differ from HF's loop")
+    return out
+
+
+def table(res: dict, config: dict, eval_spec: dict, gen_spec: dict) -> str:
+    e, g = res["eval"], res["generate"]
+    rows = ["| workload | HF TransfoXL (s) | txl_kernels (s) | speedup |", "|---|---|---|---|"]
+    ev = (f"eval, tgt_len {eval_spec['tgt_len']} / mem_len {eval_spec['mem_len']}, "
+          f"bsz {eval_spec['bsz']}, per segment")
+    gen = (f"generate {gen_spec['new']} after a {gen_spec['prompt']}-token prompt, mem_len "
+           f"{gen_spec['mem_len']}, bsz {gen_spec['bsz']}")
+    hf_e, hf_g = e.get("hf"), g.get("hf")
+
+    def fmt(t):
+        return "-" if t is None else f"{t:.4f}"
+
+    def ratio(a, b):
+        return f"{a / b:.2f}x" if a is not None else "-"
+
+    rows.append(f"| {ev} (K/V cache) | {fmt(hf_e)} | {e['txl_kernels']:.4f} | "
+                f"{ratio(hf_e, e['txl_kernels'])} |")
+    rows.append(f"| {ev} (mems path) | {fmt(hf_e)} | {e['txl_kernels_mems']:.4f} | "
+                f"{ratio(hf_e, e['txl_kernels_mems'])} |")
+    rows.append(f"| {gen} | {fmt(hf_g)} | {g['txl_kernels']:.3f} | "
+                f"{ratio(hf_g, g['txl_kernels'])} |")
+    return "\n".join(rows)
 
 
 # ----------------------------------------------------------------------------- pytest cases
+# On CPU the small size (the realistic one takes minutes per case there: run the module
+# instead); on CUDA the realistic size.
 
 _MODELS: Dict[str, tuple] = {}
 
 
+def _sizes(kind: str):
+    big = torch.cuda.is_available()
+    if kind == "eval":
+        return (WT103_BASE, EVAL) if big else (SMALL, SMALL_EVAL)
+    return (WT103_BASE, GEN) if big else (SMALL, SMALL_GEN)
+
+
 def _models(kind: str, need_hf: bool):
     if need_hf and hf_classes() is None:
-        pytest.skip("HF TransfoXL needs transformers 4.x (the 'hf4' extra, e.g. "
-                    "pip install --no-deps --target /tmp/hf4 transformers==4.34.1 ... and "
-                    "PYTHONPATH=/tmp/hf4)")
+        pytest.skip(HF_MISSING)
     key = f"{kind}-{need_hf}"
     if key not in _MODELS:
-        spec = EVAL if kind == "eval" else GEN
-        _MODELS[key] = build(spec["mem_len"], spec["tgt_len"], with_hf=need_hf)
+        config, spec = _sizes(kind)
+        _MODELS[key] = build(config, spec["mem_len"], spec["tgt_len"], with_hf=need_hf)
     return _MODELS[key]
 
 
 @pytest.fixture(autouse=True)
 def _one_cpu_thread():
-    """CPU cases run with one intra-op thread (see compare()); restored afterwards."""
+    """CPU cases run with one intra-op thread, as Timer does (on a shared machine OpenMP
+    threads that spin-wait make small ops erratic); restored afterwards."""
     before = torch.get_num_threads()
     if not torch.cuda.is_available():
         torch.set_num_threads(1)
@@ -155,93 +280,54 @@ def _one_cpu_thread():
 
 
 def _run(benchmark, step, rounds):
-    def timed():
-        step()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-
     with torch.no_grad():
-        benchmark.pedantic(timed, rounds=rounds, iterations=1, warmup_rounds=1)
+        benchmark.pedantic(synced(step, _device()), rounds=rounds, iterations=1,
+                           warmup_rounds=1)
 
 
 @pytest.mark.parametrize("provider", ["txl_kernels", "txl_kernels_mems", "hf"])
-def test_lm_eval_tgt64_mem640(benchmark, provider):
+def test_lm_eval(benchmark, provider):
     ours, hf = _models("eval", provider == "hf")
-    benchmark.group = "LM eval: tgt_len 64, mem_len 640, bsz 2"
-    _run(benchmark, eval_step(provider, ours, hf), rounds=5)
+    config, spec = _sizes("eval")
+    benchmark.group = (f"LM eval: tgt_len {spec['tgt_len']}, mem_len {spec['mem_len']}, "
+                       f"bsz {spec['bsz']}, d_model {config['d_model']}")
+    _run(benchmark, eval_step(provider, ours, hf, spec), rounds=5)
 
 
 @pytest.mark.parametrize("provider", ["txl_kernels", "hf"])
-def test_lm_generate_128_after_512(benchmark, provider):
+def test_lm_generate(benchmark, provider):
     ours, hf = _models("gen", provider == "hf")
-    benchmark.group = "LM generate: 128 tokens after a 512-token prompt, mem_len 512"
-    _run(benchmark, generate_step(provider, ours, hf), rounds=1)
-
-
-# ----------------------------------------------------------------------------- side by side
-
-def _median_time(step: Callable, reps: int) -> float:
-    times = []
-    with torch.no_grad():
-        step()  # warm-up
-        for _ in range(reps):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            step()
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
-def compare(eval_reps: int = 5, gen_reps: int = 1, check: bool = True,
-            cpu_threads: Optional[int] = 1, gen_bsz: int = 1) -> Optional[dict]:
-    """Time both workloads for ours and HF on the same weights; print and return the times
-    (HF time / our time is the speedup). With ``check``, greedy tokens must be equal first.
-    On CPU both run with ``cpu_threads`` intra-op threads (default 1: on a shared machine
-    OpenMP threads that spin-wait make small ops erratic; None keeps torch's setting).
-    ``gen_bsz``: batch size of the generation workload. Returns None when transformers 4.x
-    is not importable."""
-    GEN["bsz"] = gen_bsz
-    if hf_classes() is None:
-        print("HF TransfoXL not importable (needs transformers 4.x): nothing to compare")
-        return None
-    device = _device()
-    if device.type == "cpu" and cpu_threads:
-        torch.set_num_threads(cpu_threads)
-    out = {"device": str(device), "threads": torch.get_num_threads()}
-    ours, hf = build(EVAL["mem_len"], EVAL["tgt_len"], with_hf=True)
-    t = {p: _median_time(eval_step(p, ours, hf), eval_reps)
-         for p in ("txl_kernels", "txl_kernels_mems", "hf")}
-    out["eval"] = t
-    ours, hf = build(GEN["mem_len"], GEN["tgt_len"], with_hf=True)
-    if check:
-        ours_tokens = generate_step("txl_kernels", ours, hf)()
-        with torch.no_grad():
-            hf_tokens = generate_step("hf", ours, hf)()
-        if not torch.equal(ours_tokens, hf_tokens):
-            raise AssertionError("generate: greedy tokens differ from HF's loop")
-    g = {p: _median_time(generate_step(p, ours, hf), gen_reps) for p in ("txl_kernels", "hf")}
-    out["generate"] = g
-    print(f"device: {device} ({torch.get_num_threads()} threads); model {CONFIG}")
-    print(f"| workload | HF TransfoXL (s) | txl_kernels (s) | speedup |")
-    print(f"|---|---|---|---|")
-    print(f"| eval, tgt_len 64 / mem_len 640, bsz 2, per segment (K/V cache) | {t['hf']:.4f} | "
-          f"{t['txl_kernels']:.4f} | {t['hf'] / t['txl_kernels']:.2f}x |")
-    print(f"| eval, same, mems path | {t['hf']:.4f} | {t['txl_kernels_mems']:.4f} | "
-          f"{t['hf'] / t['txl_kernels_mems']:.2f}x |")
-    print(f"| generate 128 after a 512 prompt, mem_len 512, bsz {gen_bsz} | {g['hf']:.3f} | "
-          f"{g['txl_kernels']:.3f} | {g['hf'] / g['txl_kernels']:.2f}x |")
-    return out
+    config, spec = _sizes("gen")
+    benchmark.group = (f"LM generate: {spec['new']} tokens after a {spec['prompt']}-token "
+                       f"prompt, mem_len {spec['mem_len']}, d_model {config['d_model']}")
+    _run(benchmark, generate_step(provider, ours, hf, spec), rounds=1)
 
 
 if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--gen-bsz", type=int, default=1, help="generation batch size")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="CPU intra-op threads (0 = torch's default)")
+    parser.add_argument("--small", action="store_true", help="the small size (seconds)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the whole comparison N times (median ratios at the end)")
+    parser.add_argument("--min-run-time", type=float, default=1.0,
+                        help="seconds of calls per timing (Timer.blocked_autorange)")
     a = parser.parse_args()
-    compare(gen_bsz=a.gen_bsz, cpu_threads=a.threads or None)
+    config, ev, gen = (SMALL, SMALL_EVAL, SMALL_GEN) if a.small else (WT103_BASE, EVAL, GEN)
+    print(f"device: {_device()}, torch {torch.__version__}, 1 thread on CPU (Timer's default); "
+          f"model {config}; eval {ev}; generate {gen}")
+    runs = []
+    for i in range(a.repeat):
+        t0 = time.perf_counter()
+        res = compare(config, ev, gen, a.min_run_time)
+        runs.append(res)
+        print(f"run {i + 1} ({time.perf_counter() - t0:.0f} s)")
+        print(table(res, config, ev, gen))
+    if a.repeat > 1 and runs[0]["hf"] is None:
+        def med(xs):
+            return sorted(xs)[len(xs) // 2]
+        for kind, p in (("eval", "txl_kernels"), ("eval", "txl_kernels_mems"),
+                        ("generate", "txl_kernels")):
+            ratios = [r[kind]["hf"] / r[kind][p] for r in runs]
+            print(f"median speedup {kind} {p}: {med(ratios):.2f}x "
+                  f"(runs: {', '.join(f'{x:.2f}' for x in ratios)})")

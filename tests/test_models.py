@@ -454,7 +454,7 @@ def test_from_hf_rejects_other_models():
 
 # ----------------------------------------------------------------------------- decode kernel
 
-@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("impl", ["triton", "torch", "torch_scratch"])
 @pytest.mark.parametrize("lk,d,wl,splits,dtype", [
     (1, 16, -1, 0, torch.float32), (37, 41, -1, 3, torch.float32), (130, 16, 20, 2, torch.float32),
     (70, 32, 0, 0, torch.float32), (45, 16, -1, 2, torch.float16),
@@ -477,11 +477,71 @@ def test_decode_matches_reference(lk, d, wl, splits, dtype, impl):
     scale = d ** -0.5
     if impl == "triton":
         got = rel_attn_decode(q, k, v, r, u, vb, scale, wl, num_splits=splits)
-    else:
+    elif impl == "torch":
         got = decode_attention_torch(q, k, v, r, u, vb, scale, wl)
+    else:  # with a work buffer larger than needed, holding NaNs (the cache lends one)
+        scratch = torch.full(((lk + 9) * B * H * d,), float("nan"), dtype=dtype,
+                             device=FUSED_DEVICE)
+        got = decode_attention_torch(q, k, v, r, u, vb, scale, wl, scratch)
     want = rel_attention_reference(*(t.double() for t in (q, k, v, r, u, vb)), scale, wl, 0)
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("lq,lk,d,wl,dtype", [
+    (1, 1, 16, -1, torch.float32), (5, 37, 41, -1, torch.float32), (37, 37, 41, 3, torch.float64),
+    (16, 80, 8, 40, torch.float32)])
+@pytest.mark.parametrize("with_work", [False, True])
+def test_segment_attention_torch_matches_reference(lq, lk, d, wl, dtype, with_work):
+    """The cached model's torch segment path (CPUs: strided relative shift, one baddbmm, the
+    softmax into a reused buffer) against the einsum reference, causal bottom-right with and
+    without a left window, seq-first strided keys and values as the cache passes them; the
+    reused buffers start out holding NaNs."""
+    from txl_kernels.models.mem_transformer import segment_attention_torch
+    from txl_kernels.reference import rel_attention_reference
+
+    g = torch.Generator().manual_seed(lq * 100 + lk)
+    B, H = 2, 3
+    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)
+    q = rnd(lq + 2, B, H, d)[:lq].transpose(0, 1)
+    k = rnd(lk + 5, B, H, d)[:lk].transpose(0, 1)
+    v = rnd(lk + 5, B, H, d)[:lk].transpose(0, 1)
+    r, u, vb = rnd(lk, H, d), rnd(H, d), rnd(H, d)
+    bufs = {}
+
+    def work(slot, numel):
+        if slot not in bufs:
+            bufs[slot] = torch.full((numel + 7,), float("nan"), dtype=dtype)
+        return bufs[slot][:numel]
+
+    got = segment_attention_torch(q, k, v, r, u, vb, d ** -0.5, wl, work if with_work else None)
+    want = rel_attention_reference(*(t.double() for t in (q, k, v, r, u, vb)), d ** -0.5, wl, 0)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cfg", ["adaptive2", "proj_prelnorm", "plain"])
+def test_greedy_skips_tail_clusters_exactly(cfg):
+    """crit.greedy (what generate uses) is log_prob(...).argmax(-1) whether the argmax is in
+    the shortlist, in a tail cluster (cluster logits raised so the tails win) or a tie; and the
+    kept head weight follows in-place changes of the weights."""
+    model = make_model(cfg)
+    randomize(model)
+    crit = model.crit
+    h = torch.randn(64, D_MODEL, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(crit.greedy(h), crit.log_prob(h).argmax(-1))
+        if crit.n_clusters == 0:
+            return
+        for shift, tails_win in ((-30.0, False), (60.0, True)):
+            crit.cluster_bias.add_(shift)  # in place: the kept head weight must follow
+            got, want = crit.greedy(h), crit.log_prob(h).argmax(-1)
+            assert torch.equal(got, want)
+            assert bool((want >= crit.cutoffs[0]).any()) == tails_win
+        # A tie between the best shortlist token and a tail token: the lower id wins.
+        crit.cluster_bias.zero_()
+        crit.cluster_weight.zero_()
+        lp = crit.log_prob(h[:1])
+        assert torch.equal(crit.greedy(h[:1]), lp.argmax(-1))
 
 
 def test_training_gradients_equal_original():

@@ -112,6 +112,55 @@ def _interpreter(device: torch.device, allowed: bool) -> str:
             "kernels under the Triton interpreter (--no-interpret: do not)")
 
 
+def _lm_report(device: torch.device) -> bool:
+    """The two LM workloads of ``benchmarks/test_bench_lm.py`` at its small size (4 layers,
+    d_model 128, vocabulary 2000; eval tgt_len 16 / mem_len 160, generate 32 tokens after 64),
+    so the report stays quick: against HF TransfoXL on the same weights when transformers 4.x
+    is importable, else ours with the K/V cache against ours on the mems path. Needs the
+    source checkout (the benchmarks package); the realistic sizes: ``python -m
+    benchmarks.test_bench_lm``. Returns False when greedy tokens differ from HF's."""
+    print("\nTransformer-XL LM (txl_kernels.models), small size, fp32, one CPU thread: "
+          "time per call")
+    try:
+        import benchmarks.test_bench_lm as lm
+    except Exception as exc:
+        _row("skipped", f"needs the source checkout's benchmarks package ({type(exc).__name__}: "
+                        f"{exc}); run from the repository root")
+        return True
+    threads = torch.get_num_threads()
+    try:
+        res = lm.compare(lm.SMALL, lm.SMALL_EVAL, lm.SMALL_GEN, min_run_time_s=0.2,
+                         log=lambda line: None, device=device)
+    except AssertionError as exc:
+        _row("generate", f"FAILED: {exc}")
+        return False
+    finally:
+        torch.set_num_threads(threads)
+    e, g = res["eval"], res["generate"]
+    ev = lm.SMALL_EVAL
+    gen = lm.SMALL_GEN
+    _row("sizes", f"{lm.SMALL['n_layer']} layers, d_model {lm.SMALL['d_model']}, vocabulary "
+                  f"{lm.SMALL['n_token']}; eval tgt_len {ev['tgt_len']} / mem_len "
+                  f"{ev['mem_len']}, bsz {ev['bsz']}; generate {gen['new']} after "
+                  f"{gen['prompt']}, mem_len {gen['mem_len']}")
+    if res["hf"] is None:
+        _row("eval, K/V cache", f"{e['txl_kernels'] * 1e3:8.1f} ms   "
+                                f"HF {e['hf'] * 1e3:.1f} ms: {e['hf'] / e['txl_kernels']:.2f}x")
+        _row("eval, mems path", f"{e['txl_kernels_mems'] * 1e3:8.1f} ms   "
+                                f"HF: {e['hf'] / e['txl_kernels_mems']:.2f}x")
+        _row("generate (greedy)", f"{g['txl_kernels'] * 1e3:8.1f} ms   HF {g['hf'] * 1e3:.1f}"
+                                  f" ms: {g['hf'] / g['txl_kernels']:.2f}x (same tokens)")
+    else:
+        _row("HF TransfoXL", f"not compared: {res['hf']}")
+        _row("eval, K/V cache", f"{e['txl_kernels'] * 1e3:8.1f} ms   "
+                                f"{e['txl_kernels_mems'] / e['txl_kernels']:.2f}x the mems path")
+        _row("eval, mems path", f"{e['txl_kernels_mems'] * 1e3:8.1f} ms")
+        _row("generate (greedy)", f"{g['txl_kernels'] * 1e3:8.1f} ms")
+    print("  (small sizes, where per-call overhead weighs most; the issue's sizes and ratios: "
+          "BENCHMARKS.md)")
+    return True
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m txl_kernels", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -213,6 +262,8 @@ def main(argv=None) -> int:
     if fused_ok and device.type == "cpu":
         print("  (the triton row ran under the Triton interpreter: a correctness check, not a "
               "speed measurement)")
+    if not _lm_report(device):
+        failures.append("MemTransformerLM generate (tokens differ from HF's greedy loop)")
     if failures:
         print(f"\nFAILED: {', '.join(failures)}: does not agree with the reference")
         return 1

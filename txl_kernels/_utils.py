@@ -36,7 +36,14 @@ def interpreting() -> bool:
     """Whether our Triton kernels run under the interpreter. ``@triton.jit`` reads
     ``TRITON_INTERPRET`` once, when it creates a kernel (when ``txl_kernels.ops`` is imported):
     after that, what it created decides (an ``InterpretedFunction`` or a compiled
-    ``JITFunction``), whatever the variable says now; before, the variable now."""
+    ``JITFunction``), whatever the variable says now; before, the variable now.
+    Cheap after the first kernel is found (the answer is kept with the module that holds it:
+    the model layers ask on every call)."""
+    global _FOUND
+    if _FOUND is not None and sys.modules.get(_FOUND[0].__name__) is _FOUND[0]:
+        return _FOUND[1]
+    if "txl_kernels.ops" not in sys.modules:  # no kernel created yet
+        return interpret_requested()
     for name, mod in list(sys.modules.items()):
         if not name.startswith("txl_kernels.ops.") or mod is None:
             continue
@@ -44,9 +51,13 @@ def interpreting() -> bool:
             for _ in range(3):  # triton.autotune / triton.heuristics wrap the kernel as .fn
                 kind = type(obj).__name__
                 if kind in ("InterpretedFunction", "JITFunction"):
-                    return kind == "InterpretedFunction"
+                    _FOUND = (mod, kind == "InterpretedFunction")
+                    return _FOUND[1]
                 obj = getattr(obj, "fn", None)
     return interpret_requested()
+
+
+_FOUND = None  # (the ops module whose kernel interpreting() found, the answer)
 
 
 def no_interpreter_reason() -> str:

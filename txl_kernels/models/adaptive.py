@@ -125,9 +125,30 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         else:
             weight, bias = self.out_layers[i].weight, self.out_layers[i].bias
         if i == 0 and self.n_clusters > 0:
-            weight = torch.cat([weight, self.cluster_weight], 0)
-            bias = torch.cat([bias, self.cluster_bias], 0)
+            weight, bias = self._head_weight(weight, bias)
         return weight, bias, self.out_projs[i]
+
+    def _head_weight(self, weight, bias):
+        """The head's ``[shortlist + n_clusters, d]`` weight and bias (the shortlist rows
+        followed by the cluster rows). Without gradients the concatenation is kept until one
+        of the four tensors changes (storage or version counter), so evaluation and decoding
+        do not copy the shortlist rows (20000 x d for WikiText-103) on every call."""
+        parts = (weight, bias, self.cluster_weight, self.cluster_bias)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in parts):
+            return (torch.cat([weight, self.cluster_weight], 0),
+                    torch.cat([bias, self.cluster_bias], 0))
+        key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in parts)
+        hit = getattr(self, "_head_cache", None)
+        if hit is None or hit[0] != key:
+            with torch.no_grad():
+                hit = (key, torch.cat([weight, self.cluster_weight], 0),
+                       torch.cat([bias, self.cluster_bias], 0))
+            self._head_cache = hit
+        return hit[1], hit[2]
+
+    def _apply(self, fn, *args, **kwargs):
+        self._head_cache = None
+        return super()._apply(fn, *args, **kwargs)
 
     @staticmethod
     def _logit(hidden, weight, bias, proj: Optional[torch.Tensor]):
@@ -143,9 +164,13 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         if hidden.dim() != 2 or target.dim() != 1 or hidden.shape[0] != target.shape[0]:
             raise ValueError(f"ProjectedAdaptiveLogSoftmax: hidden must be [N, d_proj] and "
                              f"target [N], got {list(hidden.shape)} and {list(target.shape)}")
-        head = self._head_logprob(hidden)
+        # Only the targets' log-probabilities: logit - logsumexp per row, no [N, cluster]
+        # log-softmax tensor (a pass and an allocation less per cluster; the clusters' logits
+        # are still all computed, as the normaliser needs them).
+        head_logit = self._logit(hidden, *self._cluster(0))
+        head_lse = torch.logsumexp(head_logit, dim=-1)
         if self.n_clusters == 0:
-            return -head.gather(1, target[:, None]).squeeze(1)
+            return head_lse - head_logit.gather(1, target[:, None]).squeeze(1)
         nll = torch.zeros(target.shape, dtype=hidden.dtype, device=hidden.device)
         offset = 0
         for i in range(len(self.cutoffs)):
@@ -154,12 +179,13 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
             if idx.numel() == 0:
                 continue
             tgt_i = target[idx] - lo
-            head_i = head[idx]
+            head_i = head_logit[idx]
             if i == 0:
-                logprob = head_i.gather(1, tgt_i[:, None]).squeeze(1)
+                logprob = head_i.gather(1, tgt_i[:, None]).squeeze(1) - head_lse[idx]
             else:
-                tail = F.log_softmax(self._logit(hidden[idx], *self._cluster(i)), dim=-1)
-                logprob = head_i[:, -i] + tail.gather(1, tgt_i[:, None]).squeeze(1)
+                tail = self._logit(hidden[idx], *self._cluster(i))
+                logprob = (head_i[:, -i] - head_lse[idx] + tail.gather(1, tgt_i[:, None])
+                           .squeeze(1) - torch.logsumexp(tail, dim=-1))
             if self.keep_order or keep_order:
                 nll.index_copy_(0, idx, -logprob)
             else:
@@ -177,3 +203,25 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
             tail = F.log_softmax(self._logit(hidden, *self._cluster(i)), dim=-1)
             parts.append(head[:, -i, None] + tail)
         return torch.cat(parts, dim=-1)
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, d_proj]`` -> ``[N]``: ``log_prob(hidden).argmax(-1)``, the same tokens (ties
+        to the lowest id), without scoring the tail clusters that cannot hold the argmax: a
+        tail token's log-probability is its cluster's head log-probability plus a log-softmax
+        value <= 0, so a cluster whose head log-probability does not exceed the best token
+        found so far (in every row) is skipped. Exact; the saving depends on the model (a
+        cluster is scored whenever its total probability beats the best token before it)."""
+        head = self._head_logprob(hidden)
+        if self.n_clusters == 0:
+            return head.argmax(dim=-1)
+        best, token = head[:, :self.shortlist_size].max(dim=-1)
+        for i in range(1, len(self.cutoffs)):
+            bound = head[:, -i]
+            if not bool((bound > best).any()):
+                continue
+            tail = head[:, -i, None] + F.log_softmax(self._logit(hidden, *self._cluster(i)), -1)
+            tail_best, tail_token = tail.max(dim=-1)
+            better = tail_best > best  # ties keep the lower id
+            best = torch.where(better, tail_best, best)
+            token = torch.where(better, tail_token + self.cutoff_ends[i], token)
+        return token

@@ -47,6 +47,7 @@ class TransfoXLCache:
         shape = (self.capacity, bsz, width)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        self._work = {}
         self.start = 0
         self.mlen = 0
 
@@ -77,6 +78,17 @@ class TransfoXLCache:
         followed by the rows the segment writes (views into the buffers)."""
         lo, hi = self.start, self.start + self.mlen + qlen
         return self.k[layer][lo:hi], self.v[layer][lo:hi]
+
+    def work(self, slot: int, numel: int) -> torch.Tensor:
+        """A flat buffer of ``numel`` elements (cache dtype and device) for the torch
+        attention paths' large temporaries (scores, products with every key row), kept and
+        reused by every layer and step: on CPUs a fresh allocation of megabytes per layer
+        costs its page faults every time. Not part of the memory (not in ``nbytes``)."""
+        buf = self._work.get(slot)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=self.dtype, device=self.device)
+            self._work[slot] = buf
+        return buf[:numel]
 
     def _advance(self, qlen: int) -> None:
         end = self.mlen + max(0, qlen - self.ext_len)

@@ -88,12 +88,13 @@ class RelPartialLearnableDecoderLayer(nn.Module):
 
     def forward_cached(self, w: torch.Tensor, r_head_k: torch.Tensor, r_w_bias, r_r_bias,
                        keys: torch.Tensor, values: torch.Tensor,
-                       window_size) -> torch.Tensor:
+                       window_size, work=None) -> torch.Tensor:
         """The layer with a K/V cache. ``w`` ``[qlen, bsz, d_model]``; ``keys`` / ``values``
         ``[mlen + qlen, bsz, H * D]`` views whose first ``mlen`` rows hold the memory's
         projections (this call writes the last ``qlen``); ``r_head_k`` the projected position
         table ``[mlen + qlen, H, D]``. Same result as ``forward`` with the memory's hidden
-        states as ``mems``."""
+        states as ``mems``. ``work``: the cache's ``work(slot, numel)`` (reused buffers for
+        the torch paths' large temporaries) or None."""
         att = self.dec_attn
         qlen, bsz = w.shape[0], w.shape[1]
         klen = keys.shape[0]
@@ -112,7 +113,11 @@ class RelPartialLearnableDecoderLayer(nn.Module):
 
             attn_vec = rel_attn_decode(*args, att.scale, window_size[0])
         elif qlen == 1 and not (self.training and att.dropatt_p > 0):
-            attn_vec = decode_attention_torch(*args, att.scale, window_size[0])
+            scratch = None if work is None else work(0, klen * bsz * H * D)
+            attn_vec = decode_attention_torch(*args, att.scale, window_size[0], scratch)
+        elif (not (self.training and att.dropatt_p > 0) and q.dtype in _TORCH_SEGMENT_DTYPES
+              and (att.backend == "reference" or not self._fused_ok(q))):
+            attn_vec = segment_attention_torch(*args, att.scale, window_size[0], work)
         else:
             attn_vec = rel_attention(
                 *args, causal=True, window_size=window_size, softmax_scale=att.scale,
@@ -127,24 +132,84 @@ class RelPartialLearnableDecoderLayer(nn.Module):
         att = self.dec_attn
         if att.backend == "reference" or (self.training and att.dropatt_p > 0):
             return False
+        return self._fused_ok(q)
+
+    @staticmethod
+    def _fused_ok(q: torch.Tensor) -> bool:
         return q.dtype in FUSED_DTYPES and fused_available(q.device)[0]
 
 
+_TORCH_SEGMENT_DTYPES = (torch.float32, torch.float64)
+
+
+def segment_attention_torch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale: float,
+                            window_left: int = -1, work=None) -> torch.Tensor:
+    """A segment of ``Lq`` query rows (``q`` ``[B, Lq, H, D]``) against the cached keys /
+    values ``[B, Lk, H, D]`` (seq-first buffers, read in place), causal (bottom-right) with an
+    optional left window, ``r`` ``[Lk, H, D]`` (row ``t`` serves distance ``Lk - 1 - t``), in
+    torch: the path the cached model takes where the fused kernel does not run (CPUs),
+    fp32 / fp64. The same function as ``rel_attention(..., causal=True)`` with fewer passes
+    over the ``[B, H, Lq, Lk]`` scores than the reference: ``(q + vb) r^T`` once into a
+    buffer, the relative shift as a strided view of it (no pad, no copy), ``(q + u) k^T`` and
+    the scale in one ``baddbmm``, the mask in place, the softmax into the first buffer.
+    ``work``: the cache's ``work(slot, numel)`` to reuse those two buffers (no allocation per
+    layer), or None."""
+    B, Lq, H, D = q.shape
+    Lk = k.shape[1]
+    n = B * H * Lq * Lk
+
+    def buf(slot):
+        return (torch.empty(n, dtype=q.dtype, device=q.device) if work is None
+                else work(slot, n))
+
+    qu = (q + r_w_bias).transpose(1, 2).reshape(B * H, Lq, D)
+    qv = (q + r_r_bias).transpose(1, 2)  # [B, H, Lq, D]
+    pos = buf(1).view(B, H, Lq, Lk)
+    r_t = r.permute(1, 2, 0)  # [H, D, Lk] (a broadcast matmul over B would copy it B times)
+    for b in range(B):
+        torch.bmm(qv[b], r_t, out=pos[b])  # [H, Lq, Lk]: every position row
+    # Query i reads row Lq - 1 - i + j for key j: a view with row stride Lk - 1 (entries
+    # past the causal edge read neighbouring values; they are masked below).
+    bd = pos.as_strided((B * H, Lq, Lk), (Lq * Lk, Lk - 1, 1), pos.storage_offset() + Lq - 1)
+    scores = buf(2).view(B * H, Lq, Lk)
+    torch.baddbmm(bd, qu, k.permute(0, 2, 3, 1).reshape(B * H, D, Lk), beta=softmax_scale,
+                  alpha=softmax_scale, out=scores)
+    i = torch.arange(Lq, device=q.device)[:, None] + (Lk - Lq)
+    j = torch.arange(Lk, device=q.device)[None, :]
+    masked = j > i
+    if window_left >= 0:
+        masked |= j < i - window_left
+    scores.masked_fill_(masked, float("-inf"))
+    prob = pos.view(B * H, Lq, Lk)
+    torch._softmax(scores, -1, False, out=prob)
+    out = torch.bmm(prob, v.permute(0, 2, 1, 3).reshape(B * H, Lk, D))
+    return out.view(B, H, Lq, D).transpose(1, 2)
+
+
 def decode_attention_torch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale: float,
-                           window_left: int = -1) -> torch.Tensor:
+                           window_left: int = -1,
+                           scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One query row (``q`` ``[B, 1, H, D]``) against ``k`` / ``v`` ``[B, Lk, H, D]`` in
     torch, for CPUs (the split-K kernel's contract, see ``ops/rel_attn_decode.py``): no
     relative shift (key ``j`` uses position row ``j``) and no mask (the left window only
-    drops the keys before ``Lk - 1 - window_left``)."""
+    drops the keys before ``Lk - 1 - window_left``). ``scratch``: optional buffer of at least
+    ``Lk * B * H * D`` elements of k's dtype for the products (the K/V cache lends one, so a
+    decoding step allocates no key-sized temporary)."""
     lk = k.shape[1]
     lo = 0 if window_left < 0 else max(0, lk - 1 - window_left)
     q0 = q[:, 0]  # [B, H, D]
-    k, v, r = k[:, lo:], v[:, lo:], r[lo:lk]
-    scores = (torch.einsum("bhd,bjhd->bhj", q0 + r_w_bias, k)
-              + torch.einsum("bhd,jhd->bhj", q0 + r_r_bias, r))
+    # In the cache's own layout [Lk, B, H, D] (rows of the K/V buffers), read in place:
+    # products and sums over contiguous rows (on CPUs, batched GEMVs with D ~ 64 are slower).
+    kj, vj = k[:, lo:].transpose(0, 1), v[:, lo:].transpose(0, 1)
+    n = kj.numel()
+    tmp = (scratch.reshape(-1)[:n].view(kj.shape) if scratch is not None and
+           scratch.numel() >= n and scratch.dtype == k.dtype and scratch.device == k.device
+           else None)
+    scores = torch.mul(kj, q0 + r_w_bias, out=tmp).sum(-1)  # [Lk, B, H]
+    scores += torch.mul(r[lo:lk, None], q0 + r_r_bias, out=tmp).sum(-1)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    prob = torch.softmax(scores.to(acc) * softmax_scale, dim=-1).to(v.dtype)
-    return torch.einsum("bhj,bjhd->bhd", prob, v)[:, None]
+    prob = torch.softmax(scores.to(acc) * softmax_scale, dim=0).to(v.dtype)
+    return torch.mul(prob[..., None], vj, out=tmp).sum(0)[:, None]
 
 
 class MemTransformerLM(nn.Module):
@@ -443,7 +508,7 @@ class MemTransformerLM(nn.Module):
         for i, layer in enumerate(self.layers):
             keys, values = cache._keys_values(i, qlen)
             core_out = layer.forward_cached(core_out, tables[i], self.r_w_bias, self.r_r_bias,
-                                            keys, values, window)
+                                            keys, values, window, cache.work)
         cache._advance(qlen)
         return self.drop(core_out)
 
@@ -531,8 +596,11 @@ class MemTransformerLM(nn.Module):
             hidden = self._forward_cached(data[s:s + seg], cache)
         out = [input_ids]
         for t in range(max_new_tokens):
-            logp = self.crit.log_prob(hidden[-1])  # [bsz, n_token]
-            tok = self._next_token(logp, do_sample, temperature, top_k, top_p, generator)
+            if do_sample:
+                logp = self.crit.log_prob(hidden[-1])  # [bsz, n_token]
+                tok = self._next_token(logp, do_sample, temperature, top_k, top_p, generator)
+            else:  # the argmax of log_prob, skipping tail clusters that cannot hold it
+                tok = self.crit.greedy(hidden[-1])
             out.append(tok[:, None])
             if t + 1 < max_new_tokens:
                 hidden = self._forward_cached(tok[None], cache)

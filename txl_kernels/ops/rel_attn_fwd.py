@@ -46,25 +46,36 @@ INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16}
 
 @triton.jit
 def _window_chunk(qv, R_h, r_off, stride_rp, row0, R_rows, offs_n0, d_ok,
-                  EVEN_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+                  EVEN_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+                  USE_DESC: tl.constexpr):
     """T_c = qv @ r[row0 : row0 + BLOCK_N]^T ([BM, BN], fp32); rows outside [0, R) read as 0.
     ``R_h``: this head's r; ``r_off``: int32 offsets of rows offs_n0 (row0 is added here)."""
-    offs_p = row0 + offs_n0
-    p_ok = (offs_p >= 0) & (offs_p < R_rows)
-    if EVEN_D:
-        msk = p_ok[:, None]
+    if USE_DESC:  # rows outside [0, R) and columns >= D arrive as zeros
+        rc = R_h.load([row0, 0])
     else:
-        msk = p_ok[:, None] & d_ok[None, :]
-    rc = tl.load(R_h + row0.to(tl.int64) * stride_rp + r_off, mask=msk, other=0.0)
+        offs_p = row0 + offs_n0
+        p_ok = (offs_p >= 0) & (offs_p < R_rows)
+        if EVEN_D:
+            msk = p_ok[:, None]
+        else:
+            msk = p_ok[:, None] & d_ok[None, :]
+        rc = tl.load(R_h + row0.to(tl.int64) * stride_rp + r_off, mask=msk, other=0.0)
     if UPCAST:
         rc = rc.to(tl.float32)
     return tl.dot(qv, tl.trans(rc), input_precision=DOT_PREC)
 
 
 @triton.jit
-def _load_kv(ptrs, n_ok, d_ok, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
-    """A [BN, BLOCK_D] key / value tile: masked only where it can leave the tensor."""
-    if MASKED:
+def _load_kv(X_bh, x_off, j0, stride_xn, n_ok, d_ok, MASKED: tl.constexpr,
+             EVEN_D: tl.constexpr, USE_DESC: tl.constexpr):
+    """A [BN, BLOCK_D] key / value tile from row j0: masked only where it can leave the
+    tensor (a descriptor zero-fills by itself)."""
+    ptrs = X_bh
+    if not USE_DESC:
+        ptrs = X_bh + j0.to(tl.int64) * stride_xn + x_off
+    if USE_DESC:
+        x = X_bh.load([j0, 0])
+    elif MASKED:
         if EVEN_D:
             x = tl.load(ptrs, mask=n_ok[:, None], other=0.0)
         else:
@@ -85,7 +96,8 @@ def _attend_tile(acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off,
                  HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_KPM: tl.constexpr,
                  HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr, MASKED: tl.constexpr,
                  EVEN_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr = False):
+                 USE_DESC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 DROPOUT: tl.constexpr = False):
     """One key tile [t * BN, t * BN + BN) of the online softmax. MASKED = False: an interior
     tile (every pair allowed, every key < Lk, no padding / dense mask): no mask work at all.
     DROPOUT: P is dropped after the normaliser l_i took it (the 1 / (1 - p) rescale is applied
@@ -97,19 +109,19 @@ def _attend_tile(acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off,
     base = j0 - i0 - (BLOCK_M - 1) + Lq - 1
     if BLOCK_M > BLOCK_N:
         t2 = _window_chunk(qv, R_h, r_off, stride_rp, base + 2 * BLOCK_N, R_rows, offs_n0, d_ok,
-                           EVEN_D, UPCAST, DOT_PREC)
+                           EVEN_D, UPCAST, DOT_PREC, USE_DESC)
         merged = tl.where(take_first, tl.where(first_is_0, t0, t1),
                           tl.where(first_is_0, t1, t2))
         t0 = t1
         t1 = t2
     else:
         tn = _window_chunk(qv, R_h, r_off, stride_rp, base + BLOCK_N, R_rows, offs_n0, d_ok,
-                           EVEN_D, UPCAST, DOT_PREC)
+                           EVEN_D, UPCAST, DOT_PREC, USE_DESC)
         merged = tl.where(take_first, t0, tn)
         t0 = tn
     bd = rotate_rows(merged, rot, BLOCK_M, BLOCK_N)
     # AC accumulates onto BD in the same registers
-    k = _load_kv(K_bh + j0.to(tl.int64) * stride_kn + k_off, n_ok, d_ok, MASKED, EVEN_D)
+    k = _load_kv(K_bh, k_off, j0, stride_kn, n_ok, d_ok, MASKED, EVEN_D, USE_DESC)
     if UPCAST:
         k = k.to(tl.float32)
     s = tl.dot(qu, tl.trans(k), bd, input_precision=DOT_PREC) * qk_scale
@@ -149,7 +161,7 @@ def _attend_tile(acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off,
     if DROPOUT:
         p = tl.where(dropout_keep(drop_seed, drop_off, pid_bh, offs_m, offs_n, Lq, drop_thresh),
                      p, 0.0)
-    v = _load_kv(V_bh + j0.to(tl.int64) * stride_vn + v_off, n_ok, d_ok, MASKED, EVEN_D)
+    v = _load_kv(V_bh, v_off, j0, stride_vn, n_ok, d_ok, MASKED, EVEN_D, USE_DESC)
     if UPCAST:
         pv = round_bf16(p)
         v = v.to(tl.float32)
@@ -175,8 +187,8 @@ def _rel_attn_fwd_kernel(
     LQ_BUCKET, LK_BUCKET,  # autotune keys only
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_BAND: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-    EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, DROPOUT: tl.constexpr = False,
+    EVEN_D: tl.constexpr, USE_DESC: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DROPOUT: tl.constexpr = False,
 ):
     pid_bh = tl.program_id(0)
     # Heaviest query tiles (largest i0 under causal masks) first.
@@ -227,9 +239,19 @@ def _rel_attn_fwd_kernel(
     t_end = tl.minimum(t_begin + per_split, t_hi)
 
     # ---- base pointers of this (b, h), offset once; tiles add j0 * stride and int32 offsets
-    K_bh = K + b * stride_kb + h * stride_kh
-    V_bh = V + b * stride_vb + h * stride_vh
-    R_h = R + h * stride_rh
+    if USE_DESC:  # TMA: no pointer math, zero fill replaces the row / column masks
+        K_bh = tl.make_tensor_descriptor(K + b * stride_kb + h * stride_kh, shape=[Lk, D],
+                                         strides=[stride_kn, 1],
+                                         block_shape=[BLOCK_N, BLOCK_D])
+        V_bh = tl.make_tensor_descriptor(V + b * stride_vb + h * stride_vh, shape=[Lk, D],
+                                         strides=[stride_vn, 1],
+                                         block_shape=[BLOCK_N, BLOCK_D])
+        R_h = tl.make_tensor_descriptor(R + h * stride_rh, shape=[R_rows, D],
+                                        strides=[stride_rp, 1], block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        K_bh = K + b * stride_kb + h * stride_kh
+        V_bh = V + b * stride_vb + h * stride_vh
+        R_h = R + h * stride_rh
     k_off = offs_n0[:, None] * stride_kn + offs_d[None, :]
     v_off = offs_n0[:, None] * stride_vn + offs_d[None, :]
     r_off = offs_n0[:, None] * stride_rp + offs_d[None, :]
@@ -247,11 +269,11 @@ def _rel_attn_fwd_kernel(
     # ---- prime the window: chunks 0 .. C-2 of the first tile
     base0 = t_begin * BLOCK_N - i0 - (BLOCK_M - 1) + Lq - 1
     t0 = _window_chunk(qv, R_h, r_off, stride_rp, base0, R_rows, offs_n0, d_ok,
-                       EVEN_D, UPCAST, DOT_PREC)
+                       EVEN_D, UPCAST, DOT_PREC, USE_DESC)
     t1 = t0
     if BLOCK_M > BLOCK_N:  # C == 3
         t1 = _window_chunk(qv, R_h, r_off, stride_rp, base0 + BLOCK_N, R_rows, offs_n0, d_ok,
-                           EVEN_D, UPCAST, DOT_PREC)
+                           EVEN_D, UPCAST, DOT_PREC, USE_DESC)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -293,7 +315,7 @@ def _rel_attn_fwd_kernel(
                     qk_scale, kpm_b, stride_kpm_n, mask_b, stride_mm, stride_mn, band_on,
                     drop_seed, drop_off, drop_thresh, pid_bh,
                     HAS_WL, HAS_WR, HAS_KPM, HAS_MASK, HAS_BAND, run != 1, EVEN_D, UPCAST,
-                    DOT_PREC, BLOCK_M, BLOCK_N, DROPOUT)
+                    DOT_PREC, USE_DESC, BLOCK_M, BLOCK_N, DROPOUT)
 
     has_key = l_i > 0.0
     l_safe = tl.where(has_key, l_i, 1.0)
@@ -426,7 +448,8 @@ def _default_config(block_d: int, exact_fp32: bool, wide: bool = False) -> dict:
 
 
 _AUTOTUNE_KEYS = ["LQ_BUCKET", "LK_BUCKET", "BLOCK_D", "num_splits", "HAS_WL", "HAS_WR",
-                  "HAS_KPM", "HAS_MASK", "HAS_BAND", "SPLIT", "DOT_PREC", "EVEN_D", "DROPOUT"]
+                  "HAS_KPM", "HAS_MASK", "HAS_BAND", "SPLIT", "DOT_PREC", "EVEN_D", "USE_DESC",
+                  "DROPOUT"]
 
 _rel_attn_fwd_kernel_tuned = triton.autotune(
     configs=_hopper_configs(), key=_AUTOTUNE_KEYS,
@@ -463,6 +486,31 @@ def choose_num_splits(B: int, H: int, Lq: int, Lk: int, window_left: int, window
         span = min(Lk, Lk - Lq + window_right + 64)
     by_keys = max(1, span // 256)
     return int(max(1, min(triton.cdiv(4 * num_sms, base), by_keys, 64)))
+
+
+def _descriptors_ok(*ts: torch.Tensor) -> bool:
+    """K, V and R tiles load through TMA descriptors (made in the kernel) when every base
+    address and row stride is 16-byte aligned, as TMA requires; otherwise through pointers."""
+    return all(t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0
+                                             for st in t.stride()[:-1]) for t in ts)
+
+
+def _scratch(size: int, alignment: int, stream):
+    """Triton's global scratch (the kernel writes its TMA descriptors there)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_scratch_allocator() -> None:
+    """Kernels that make TMA descriptors need Triton's global-scratch allocator: set one that
+    allocates through torch (CUDA graph and caching-allocator aware), unless the caller has
+    set their own."""
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+        if not isinstance(_allocator.get(), NullAllocator):
+            return
+    except ImportError:  # other Triton versions: set ours
+        pass
+    triton.set_allocator(_scratch)
 
 
 def _next_pow2(n: int) -> int:
@@ -580,11 +628,14 @@ def rel_attn_fwd(
     )
     meta = dict(HAS_WL=window_left >= 0 or has_band, HAS_WR=window_right >= 0 or has_band,
                 HAS_KPM=has_kpm, HAS_MASK=has_mask, HAS_BAND=has_band, SPLIT=split, UPCAST=upcast,
-                DOT_PREC=dot_prec, EVEN_D=D == block_d, BLOCK_D=block_d, DROPOUT=dropout)
+                DOT_PREC=dot_prec, EVEN_D=D == block_d, USE_DESC=_descriptors_ok(k, v, r),
+                BLOCK_D=block_d, DROPOUT=dropout)
 
     def grid(META):
         return (B * H, triton.cdiv(Lq, META["BLOCK_M"]), num_splits)
 
+    if meta["USE_DESC"] and q.device.type == "cuda" and not INTERPRET:
+        _ensure_scratch_allocator()
     with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
         if config is not None:
             cfg = dict(config)
