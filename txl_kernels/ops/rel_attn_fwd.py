@@ -172,6 +172,22 @@ def _attend_tile(acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off,
 
 
 @triton.jit
+def _store_rows(Out, Lse, o, m2, den, b, h, pid_bh, offs_m, offs_d, m_ok, d_ok, Lq,
+                stride_ob, stride_om, stride_oh, UPCAST: tl.constexpr):
+    """The final rows of a query tile: out = o (normalised), and lse = (m2 + log2 den) ln 2
+    (natural log; m2 the row max in log2 units), +inf for rows with no allowed key (den 0)."""
+    if UPCAST:
+        o = round_bf16(o)
+    o_ptrs = (Out + b * stride_ob + h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_om
+              + offs_d[None, :])
+    tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    has_key = den > 0.0
+    lse = tl.where(has_key, (m2 + tl.math.log2(tl.where(has_key, den, 1.0)))
+                   * 0.6931471805599453, float("inf"))
+    tl.store(Lse + pid_bh.to(tl.int64) * Lq + offs_m, lse, mask=m_ok)
+
+
+@triton.jit
 def _rel_attn_fwd_kernel(
     Q, K, V, R, U, VB, Out, Lse, OPart, LPart, KPM, MASK, BAND, SEED,
     stride_qb, stride_qm, stride_qh,
@@ -331,14 +347,8 @@ def _rel_attn_fwd_kernel(
         tl.store(LPart + row, tl.where(has_key, m_i + tl.math.log2(l_safe), float("-inf")),
                  mask=m_ok)
     else:
-        if UPCAST:
-            o = round_bf16(o)
-        o_ptrs = (Out + b * stride_ob + h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_om
-                  + offs_d[None, :])
-        tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
-        lse = tl.where(has_key, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453,
-                       float("inf"))
-        tl.store(Lse + pid_bh.to(tl.int64) * Lq + offs_m, lse, mask=m_ok)
+        _store_rows(Out, Lse, o, m_i, l_i, b, h, pid_bh, offs_m, offs_d, m_ok, d_ok, Lq,
+                    stride_ob, stride_om, stride_oh, UPCAST)
 
 
 @triton.jit
@@ -373,17 +383,9 @@ def _rel_attn_fwd_combine_kernel(
                       mask=m_ok[:, None] & d_ok[None, :], other=0.0)
         acc += w[:, None] * os_
         den += w
-    has_key = den > 0.0
-    den_safe = tl.where(has_key, den, 1.0)
-    o = acc / den_safe[:, None]
-    if UPCAST:
-        o = round_bf16(o)
-    o_ptrs = (Out + b * stride_ob + h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_om
-              + offs_d[None, :])
-    tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
-    lse = tl.where(has_key, (m_safe + tl.math.log2(den_safe)) * 0.6931471805599453,
-                   float("inf"))
-    tl.store(Lse + pid_bh.to(tl.int64) * Lq + offs_m, lse, mask=m_ok)
+    o = acc / tl.where(den > 0.0, den, 1.0)[:, None]
+    _store_rows(Out, Lse, o, m_safe, den, b, h, pid_bh, offs_m, offs_d, m_ok, d_ok, Lq,
+                stride_ob, stride_om, stride_oh, UPCAST)
 
 
 # --------------------------------------------------------------------------------------------
