@@ -209,10 +209,12 @@ def _recompute_p_ds(a_t, qv_t, do, k_t, v_t, r_lo, r_hi, lse2, delta, offs_i, of
                     stride_kpm_n, MASK, stride_mb, stride_mh, stride_mm, stride_mn, band_on,
                     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
                     DOT_PREC: tl.constexpr, SKEW_GATHER: tl.constexpr, BLOCK: tl.constexpr,
+                    IN_DTYPE: tl.constexpr, UPCAST: tl.constexpr,
                     SEED, drop_thresh, drop_scale, H, DROPOUT: tl.constexpr):
-    """P and dS = P (dP - delta), dP = dO V^T, on one tile, both fp32; BD is the skew of the
-    two window chunks (q + vb) @ [R_lo | R_hi]^T (both recomputed: carrying one would keep
-    another fp32 tile live). Returns (Pv, dS): Pv is P as the forward applied it to V (for
+    """P and dS = P (dP - delta), dP = dO V^T, on one tile, computed in fp32 and returned
+    rounded to the operand dtype (IN_DTYPE), as the products that take them need; BD is the
+    skew of the two window chunks (q + vb) @ [R_lo | R_hi]^T (both recomputed: carrying one
+    would keep another fp32 tile live). Returns (Pv, dS): Pv is P as the forward applied it to V (for
     dV): P itself (recomputed from lse, 0 where masked), or with DROPOUT P Z / (1 - p), Z the
     forward's keep-mask regenerated from the same Philox counters; dP then becomes
     dO V^T Z / (1 - p), the gradient w.r.t. the undropped P, and dS = P (dP - delta) holds as
@@ -231,7 +233,7 @@ def _recompute_p_ds(a_t, qv_t, do, k_t, v_t, r_lo, r_hi, lse2, delta, offs_i, of
         keep = dropout_keep(drop_seed, drop_off, b * H + h, offs_i, offs_j, Lq, drop_thresh)
         dp = tl.where(keep, dp * drop_scale, 0.0)
         pv = tl.where(keep, p * drop_scale, 0.0)
-    return pv, p * (dp - delta[:, None])
+    return _operand(pv, IN_DTYPE, UPCAST), _operand(p * (dp - delta[:, None]), IN_DTYPE, UPCAST)
 
 
 @triton.jit
@@ -337,12 +339,10 @@ def _rel_attn_bwd_dkdv_kernel(
                                 offs_j, b, h, Lq, Lk, window_left, window_right, qk_scale, KPM,
                                 stride_kpm_b, stride_kpm_n, MASK, stride_mb, stride_mh,
                                 stride_mm, stride_mn, band_on, HAS_KPM, HAS_MASK, HAS_BAND,
-                                DOT_PREC, SKEW_GATHER, BLOCK,
+                                DOT_PREC, SKEW_GATHER, BLOCK, K.dtype.element_ty, UPCAST,
                                 SEED, drop_thresh, drop_scale, H, DROPOUT)
-        dv = tl.dot(tl.trans(_operand(p, K.dtype.element_ty, UPCAST)), do, dv,
-                    input_precision=DOT_PREC)
-        dk = tl.dot(tl.trans(_operand(ds, K.dtype.element_ty, UPCAST)), a_t, dk,
-                    input_precision=DOT_PREC)
+        dv = tl.dot(tl.trans(p), do, dv, input_precision=DOT_PREC)
+        dk = tl.dot(tl.trans(ds), a_t, dk, input_precision=DOT_PREC)
         r_hi = r_lo
 
     dk = dk * sm_scale
@@ -422,9 +422,8 @@ def _rel_attn_bwd_dq_kernel(
                                 offs_j, b, h, Lq, Lk, window_left, window_right, qk_scale, KPM,
                                 stride_kpm_b, stride_kpm_n, MASK, stride_mb, stride_mh,
                                 stride_mm, stride_mn, band_on, HAS_KPM, HAS_MASK, HAS_BAND,
-                                DOT_PREC, SKEW_GATHER, BLOCK,
+                                DOT_PREC, SKEW_GATHER, BLOCK, K.dtype.element_ty, UPCAST,
                                 SEED, drop_thresh, drop_scale, H, DROPOUT)
-        ds = _operand(ds, K.dtype.element_ty, UPCAST)
         dqa = tl.dot(ds, k_t, dqa, input_precision=DOT_PREC)
         # rows p_lo ..: the lo part of this tile and the hi part of the previous one have
         # disjoint supports: one merge, one rotation, one product with the shared rows.
@@ -521,9 +520,8 @@ def _rel_attn_bwd_dr_kernel(
                                 offs_j, b, h, Lq, Lk, window_left, window_right, qk_scale, KPM,
                                 stride_kpm_b, stride_kpm_n, MASK, stride_mb, stride_mh,
                                 stride_mm, stride_mn, band_on, HAS_KPM, HAS_MASK, HAS_BAND,
-                                DOT_PREC, SKEW_GATHER, BLOCK,
+                                DOT_PREC, SKEW_GATHER, BLOCK, K.dtype.element_ty, UPCAST,
                                 SEED, drop_thresh, drop_scale, H, DROPOUT)
-        ds = _operand(ds, K.dtype.element_ty, UPCAST)
         g = _unskew(ds, BLOCK, SKEW_GATHER)
         dt_lo = tl.where(lo_part, g, 0.0).to(DOT_DTYPE)
         dt_hi = tl.where(lo_part, 0.0, g).to(DOT_DTYPE)

@@ -70,20 +70,19 @@ def _load_kv(X_bh, x_off, j0, stride_xn, n_ok, d_ok, MASKED: tl.constexpr,
              EVEN_D: tl.constexpr, USE_DESC: tl.constexpr):
     """A [BN, BLOCK_D] key / value tile from row j0: masked only where it can leave the
     tensor (a descriptor zero-fills by itself)."""
-    ptrs = X_bh
-    if not USE_DESC:
-        ptrs = X_bh + j0.to(tl.int64) * stride_xn + x_off
     if USE_DESC:
         x = X_bh.load([j0, 0])
-    elif MASKED:
-        if EVEN_D:
-            x = tl.load(ptrs, mask=n_ok[:, None], other=0.0)
-        else:
-            x = tl.load(ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-    elif EVEN_D:
-        x = tl.load(ptrs)
     else:
-        x = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
+        ptrs = X_bh + j0.to(tl.int64) * stride_xn + x_off
+        if MASKED:
+            if EVEN_D:
+                x = tl.load(ptrs, mask=n_ok[:, None], other=0.0)
+            else:
+                x = tl.load(ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        elif EVEN_D:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
     return x
 
 
