@@ -9,6 +9,7 @@ Public API:
     SpeechBrainRelPosMHAXL, RLlibRelativeMultiHeadAttention, DIEngineAttentionXL: more drop-ins
     swap_rel_pos_attention, SWAP_TABLE: replace the originals inside a model
     update_mems        segment-memory update (JIT-built C++/CUDA extension, torch fallback)
+    QuantizedKV, quantize_kv: 8-bit (int8 / float8_e4m3fn) attention memory
 """
 from .functional import BACKENDS, fused_available, mask_to_band, rel_attention
 from .modules import (SWAP_TABLE, DIEngineAttentionXL, ESPnetRelPositionMultiHeadedAttention,
@@ -18,6 +19,7 @@ from .modules import (SWAP_TABLE, DIEngineAttentionXL, ESPnetRelPositionMultiHea
                       RLlibRelativeMultiHeadAttention, SpeechBrainRelPosMHAXL,
                       swap_rel_pos_attention)
 from .memory import update_mems
+from .quant import QuantizedKV, quantize_kv
 from .reference import rel_attention_reference, rel_shift, rel_shift_pad_reshape
 
 __version__ = "0.1.0"
@@ -29,4 +31,4 @@ __all__ = ["rel_attention", "FusedRelAttention", "NeMoRelPositionMultiHeadAttent
            "Wav2Vec2ConformerSelfAttention", "FastSpeech2ConformerAttention",
            "swap_rel_pos_attention", "SWAP_TABLE", "update_mems", "mask_to_band",
            "fused_available", "BACKENDS", "rel_attention_reference", "rel_shift",
-           "rel_shift_pad_reshape", "__version__"]
+           "rel_shift_pad_reshape", "QuantizedKV", "quantize_kv", "__version__"]

@@ -11,6 +11,7 @@ import torch
 
 from ._utils import (FUSED_DTYPES, FUSED_MAX_HEADDIM, FUSED_MIN_HEADDIM, REF_DTYPES, check_same,
                      describe, interpreting, no_interpreter_reason)
+from .quant import QUANT_DTYPES, SCALE_DTYPES, QuantizedKV
 from .reference import autocast_dtype, in_band, pair_distance, rel_attention_reference
 
 __all__ = ["rel_attention", "fused_available", "mask_to_band", "BACKENDS"]
@@ -28,6 +29,36 @@ def _check_tensor(name: str, t, ndim: int, layout: str) -> None:
     if t.dtype not in REF_DTYPES:
         raise TypeError(f"rel_attention: {name} must be float16, bfloat16, float32 or float64, "
                         f"got {t.dtype}")
+
+
+def _check_memory(memory, q: torch.Tensor) -> int:
+    """Check an 8-bit ``memory`` against q ``[B, Lq, H, D]``; return its length M."""
+    if not isinstance(memory, QuantizedKV):
+        raise TypeError(f"rel_attention: memory must be a txl_kernels.quant.QuantizedKV "
+                        f"(k, k_scale, v, v_scale), got {type(memory).__name__}")
+    B, _, H, D = q.shape
+    for name in ("k", "v"):
+        data = getattr(memory, name)
+        scale = getattr(memory, name + "_scale")
+        if not isinstance(data, torch.Tensor) or data.dim() != 4:
+            raise ValueError(f"rel_attention: memory.{name} must be a 4-D tensor [B, M, H, D], "
+                             f"got {describe(data)}")
+        if data.dtype not in QUANT_DTYPES:
+            raise TypeError(f"rel_attention: memory.{name} must be torch.int8 or "
+                            f"torch.float8_e4m3fn, got {describe(data)}")
+        if data.dtype != memory.k.dtype or tuple(data.shape) != tuple(memory.k.shape):
+            raise ValueError(f"rel_attention: memory.v must have memory.k's shape and dtype "
+                             f"({describe(memory.k)}), got {describe(data)}")
+        if data.shape[0] != B or data.shape[2:] != (H, D):
+            raise ValueError(f"rel_attention: memory.{name} must be [B, M, H, D] = [{B}, M, {H}, "
+                             f"{D}] to match q {list(q.shape)}, got {describe(data)}")
+        if not isinstance(scale, torch.Tensor) or scale.dtype not in SCALE_DTYPES \
+                or tuple(scale.shape) != tuple(data.shape[:3]):
+            raise ValueError(f"rel_attention: memory.{name}_scale must be a float32 / float16 "
+                             f"tensor [B, M, H] = {list(data.shape[:3])}, got {describe(scale)}")
+        check_same("rel_attention", f"memory.{name}", data, "q", q, dtype=False)
+        check_same("rel_attention", f"memory.{name}_scale", scale, "q", q, dtype=False)
+    return memory.k.shape[1]
 
 
 def fused_available(device: torch.device) -> Tuple[bool, str]:
@@ -57,14 +88,13 @@ def _check_bool_mask(name: str, t, layout: str, meaning: str, q: torch.Tensor) -
     check_same("rel_attention", name, t, "q", q, dtype=False)
 
 
-def _normalize_masks(q, k, causal, window_size, key_padding_mask, attn_mask):
+def _normalize_masks(q, Lk, causal, window_size, key_padding_mask, attn_mask):
     """Check the masks and turn them into (window_left, window_right, kpm, attn_mask).
 
     causal is folded into window_right = 0. attn_mask comes back as a bool view expanded to
     [B, H, Lq, Lk] (broadcast dimensions have stride 0; nothing is copied).
     """
     B, Lq, H, _ = q.shape
-    Lk = k.shape[1]
     if type(causal).__module__ == "numpy" and type(causal).__name__ in ("bool", "bool_"):
         causal = bool(causal)  # numpy.bool_ (numpy.bool in numpy 2)
     if not isinstance(causal, bool):
@@ -188,6 +218,7 @@ def rel_attention(
     dropout_p: float = 0.0,
     backend: str = "auto",
     deterministic: bool = False,
+    memory: Optional[QuantizedKV] = None,
 ) -> torch.Tensor:
     """Transformer-XL relative multi-head attention.
 
@@ -238,6 +269,16 @@ def rel_attention(
             gradient of r is accumulated with fp32 atomics (run-to-run bit differences). True:
             it is reduced in a fixed order by a third pass (about 1.3-1.5x the backward time),
             so two backward passes give bitwise-equal gradients.
+        memory: optional 8-bit memory, a :class:`txl_kernels.quant.QuantizedKV` (int8 or
+            float8_e4m3fn keys / values ``[B, M, H, D]`` with one scale per (token, head),
+            ``[B, M, H]``). The keys and values are then the memory's ``M`` rows followed by
+            ``k`` / ``v`` (the current segment, ``[B, Lc, H, D]`` in the compute dtype), so
+            ``Lk = M + Lc`` in everything above (masks, r rows, windows). The fused kernels
+            read the 8-bit tiles and dequantise them in registers (no full-precision copy);
+            the reference dequantises first (``(data.float() * scale) -> q's dtype``).
+            Forward only on the fused backend: gradients (of q, k, v, r, the biases; the
+            memory has none) need ``backend="reference"``, which ``"auto"`` picks when they
+            are recorded.
 
     Rows whose keys are all masked give output 0 and zero gradients.
     Raises ValueError if an allowed pair needs a row of r outside ``[0, R)``.
@@ -263,11 +304,12 @@ def rel_attention(
         q, k, v, r, r_w_bias, r_r_bias = (t.to(amp) if t.dtype in FUSED_DTYPES else t
                                           for t in (q, k, v, r, r_w_bias, r_r_bias))
     B, Lq, H, D = q.shape
-    Lk = k.shape[1]
+    mlen = 0 if memory is None else _check_memory(memory, q)
+    Lk = mlen + k.shape[1]
     for name, t in (("k", k), ("v", v), ("r", r), ("r_w_bias", r_w_bias),
                     ("r_r_bias", r_r_bias)):
         check_same("rel_attention", name, t, "q", q)  # one dtype, one device for all inputs
-    if Lq < 1 or Lk < 1 or B < 1 or H < 1 or D < 1:
+    if Lq < 1 or k.shape[1] < 1 or B < 1 or H < 1 or D < 1:
         raise ValueError(f"rel_attention: empty dimension in q {list(q.shape)} / "
                          f"k {list(k.shape)}")
     if k.shape[0] != B or k.shape[2:] != (H, D):
@@ -301,7 +343,7 @@ def rel_attention(
     if backend not in BACKENDS:
         raise ValueError(f"rel_attention: backend must be one of {BACKENDS}, got {backend!r}")
 
-    wl, wr, kpm, mask = _normalize_masks(q, k, causal, window_size, key_padding_mask, attn_mask)
+    wl, wr, kpm, mask = _normalize_masks(q, Lk, causal, window_size, key_padding_mask, attn_mask)
     if attn_mask_band is not None:
         if mask is None:
             raise ValueError("rel_attention: attn_mask_band needs attn_mask")
@@ -327,11 +369,24 @@ def rel_attention(
                     f"float32 and head dims {FUSED_MIN_HEADDIM}..{FUSED_MAX_HEADDIM}; got "
                     f"dtype {q.dtype}, D={D}")
         use_fused = ok and shape_ok
+    if memory is not None:
+        grads = torch.is_grad_enabled() and any(
+            t.requires_grad for t in (q, k, v, r, r_w_bias, r_r_bias))
+        if grads and backend == "triton":
+            raise ValueError("rel_attention: backend='triton' with an 8-bit memory is forward "
+                             "only (inference); inputs require grad: use backend='reference' "
+                             "or torch.no_grad()")
+        use_fused = use_fused and not grads
+        use_fused = False  # the fused 8-bit kernels come next (hq-kern)
 
     if use_fused:
         from .ops import rel_attn_func  # imports triton lazily
 
         return rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
                              attn_mask_band, deterministic, float(dropout_p))
+    if memory is not None and mlen > 0:
+        # The oracle: dequantise explicitly, then attend over [memory; current segment].
+        mk, mv = memory.dequantize(q.dtype)
+        k, v = torch.cat([mk, k], dim=1), torch.cat([mv, v], dim=1)
     return rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr,
                                    kpm, mask, float(dropout_p), attn_mask_band=attn_mask_band)

@@ -1,0 +1,110 @@
+"""8-bit memory: keys and values stored as int8 or float8_e4m3fn with one scale per
+(token, head), read directly by the attention.
+
+Granularity. One scale per (token, head), the absmax of that head's ``D`` values, divided by
+the format's largest value (127 for int8, 448 for float8_e4m3fn):
+
+- per token, because a token is quantised once, when its segment enters the memory, and never
+  again: a scale shared with other tokens would have to be fixed before those tokens exist, or
+  re-quantise the old ones when it changes. Keys and values also vary in magnitude from token to
+  token (outlier tokens), which one per-tensor scale would pay for with the precision of all the
+  others;
+- per head, because each head's ``D`` values are one operand of one head's dot products, and
+  heads differ in scale by orders of magnitude; a scale per (token, head) is exactly what a
+  kernel that loads a ``[tokens, D]`` tile of one head needs (one scale per tile row);
+- not finer (per group of channels), because at ``D`` of 64 one fp32 scale per row already
+  costs 4 / 64 of a byte per value: an 8-bit memory is ``(D + 4) / (2 D)`` = 0.53x the bytes of
+  a 16-bit one (``(D + 2) / (2 D)`` with fp16 scales, for small head dims).
+
+Dequantisation, the contract the kernels and the reference share: ``(data.float() *
+scale.float()[..., None]).to(compute dtype)``.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Tuple
+
+import torch
+
+from ._utils import describe
+
+__all__ = ["QuantizedKV", "QUANT_DTYPES", "SCALE_DTYPES", "quantize_per_token",
+           "dequantize_per_token", "quantize_kv", "check_quant_dtype"]
+
+QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+SCALE_DTYPES = (torch.float32, torch.float16)
+_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
+def check_quant_dtype(who: str, name: str, dtype) -> None:
+    """Raise a TypeError naming ``name`` unless ``dtype`` is an 8-bit memory format."""
+    if dtype not in QUANT_DTYPES:
+        raise TypeError(f"{who}: {name} must be torch.int8 or torch.float8_e4m3fn (8-bit "
+                        f"memory), got {dtype}")
+
+
+def quantize_per_token(x: torch.Tensor, dtype: torch.dtype,
+                       scale_dtype: torch.dtype = torch.float32
+                       ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Quantise ``x`` ``[..., D]`` to ``dtype`` (int8 / float8_e4m3fn) with one scale per
+    row of ``D`` values (the last dim; for ``[B, M, H, D]`` keys: one per token and head).
+
+    Returns ``(data [..., D] dtype, scale [...] scale_dtype)``. ``scale = absmax / qmax``
+    rounded to ``scale_dtype``; ``data = round(x / scale)`` (int8: to nearest even, clamped to
+    +-127; fp8: the nearest e4m3 value, clamped to +-448). A row of zeros gets scale 0 and data
+    0. Computed in fp32."""
+    check_quant_dtype("quantize_per_token", "dtype", dtype)
+    if scale_dtype not in SCALE_DTYPES:
+        raise TypeError(f"quantize_per_token: scale_dtype must be torch.float32 or "
+                        f"torch.float16, got {scale_dtype}")
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1:
+        raise TypeError(f"quantize_per_token: x must be a floating tensor [..., D], "
+                        f"got {describe(x)}")
+    qmax = _QMAX[dtype]
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1) / qmax).to(scale_dtype)
+    s = scale.float()[..., None]
+    y = torch.where(s > 0, xf / torch.where(s > 0, s, 1.0), 0.0).clamp(-qmax, qmax)
+    if dtype == torch.int8:
+        y = torch.round(y)
+    return y.to(dtype), scale
+
+
+def dequantize_per_token(data: torch.Tensor, scale: torch.Tensor,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """``(data.float() * scale.float()[..., None]).to(dtype)``: the dequantisation every
+    path uses (the reference, the fused kernels in registers, the torch fallbacks)."""
+    return (data.float() * scale.float()[..., None]).to(dtype)
+
+
+class QuantizedKV(NamedTuple):
+    """An 8-bit attention memory: the keys and values of ``M`` memory tokens.
+
+    ``k`` / ``v``: ``[B, M, H, D]`` int8 or float8_e4m3fn (both the same), any strides with a
+    contiguous last dim (seq-first ``[M, B, H, D]`` buffers pass as ``.transpose(0, 1)`` views).
+    ``k_scale`` / ``v_scale``: ``[B, M, H]`` float32 or float16, one per (token, head).
+    Pass it as ``rel_attention(q, k, v, ..., memory=QuantizedKV(...))``: the keys are then the
+    memory's ``M`` rows followed by ``k``'s (the current segment, in the compute dtype).
+    Make one with :func:`quantize_kv`."""
+    k: torch.Tensor
+    k_scale: torch.Tensor
+    v: torch.Tensor
+    v_scale: torch.Tensor
+
+    @property
+    def mlen(self) -> int:
+        return self.k.shape[1]
+
+    def dequantize(self, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(k, v)`` ``[B, M, H, D]`` in ``dtype`` (a full-precision copy: for the reference
+        path and tests)."""
+        return (dequantize_per_token(self.k, self.k_scale, dtype),
+                dequantize_per_token(self.v, self.v_scale, dtype))
+
+
+def quantize_kv(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype = torch.int8,
+                scale_dtype: torch.dtype = torch.float32) -> QuantizedKV:
+    """Quantise memory keys / values ``[B, M, H, D]`` per (token, head) into a
+    :class:`QuantizedKV`."""
+    kq, ks = quantize_per_token(k, dtype, scale_dtype)
+    vq, vs = quantize_per_token(v, dtype, scale_dtype)
+    return QuantizedKV(kq, ks, vq, vs)
