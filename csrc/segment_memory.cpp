@@ -5,6 +5,8 @@
 //
 //   update_mems(hids, mems, mem_len, ext_len) -> list of new memories
 //   kv_cache_compact(bufs, src, n): rows [src, src + n) -> [0, n) of every buffer, in place
+//   kv_cache_quantize_append(srcs, data_bufs, scale_bufs, dst_row, n_head): the 8-bit cache's
+//       append: every source's rows quantised per (token, head) into its 8-bit buffers
 //
 // hids: L tensors [qlen, bsz, d]; mems: empty (no memory) or L tensors, each [mlen, bsz, d] or
 // the legacy 1-D empty placeholder torch.empty(0) (no memory for that layer). Per layer:
@@ -49,6 +51,17 @@ void copy_layer_cpu(const LayerDesc& L) {
 }
 
 #ifdef TXL_WITH_CUDA
+// The jobs as an int64 [num, fields] table on device (through pinned memory, asynchronously).
+template <typename Desc>
+at::Tensor device_table(const std::vector<Desc>& descs, const at::Device& device) {
+  const int64_t num = static_cast<int64_t>(descs.size());
+  const int64_t fields = static_cast<int64_t>(sizeof(Desc) / sizeof(int64_t));
+  at::Tensor host =
+      at::empty({num, fields}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  std::memcpy(host.data_ptr<int64_t>(), descs.data(), descs.size() * sizeof(Desc));
+  return host.to(device, /*non_blocking=*/true);
+}
+
 bool aligned16(int64_t ptr) { return ptr % 16 == 0; }
 
 // Whether every row of every layer can be copied as aligned 16-byte vectors.
@@ -72,14 +85,15 @@ bool rows_vectorizable(const std::vector<LayerDesc>& descs, int64_t elem) {
 void run_copies(std::vector<LayerDesc>& descs, at::ScalarType dtype, const at::Device& device,
                 int64_t max_rows, int64_t max_d, const char* what) {
   if (device.is_cpu()) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "txl_copy_cpu", [&] {
+    AT_DISPATCH_FLOATING_TYPES_AND3(at::kHalf, at::kBFloat16, at::kByte, dtype, "txl_copy_cpu",
+                                    [&] {
       for (const auto& L : descs) copy_layer_cpu<scalar_t>(L);
     });
     return;
   }
 #ifdef TXL_WITH_CUDA
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 ||
-                  dtype == at::kDouble,
+                  dtype == at::kDouble || dtype == at::kByte,
               what, ": unsupported dtype ", dtype);
   if (max_rows == 0 || max_d == 0) return;
   c10::DeviceGuard guard(device);
@@ -87,10 +101,7 @@ void run_copies(std::vector<LayerDesc>& descs, at::ScalarType dtype, const at::D
   const bool vec = rows_vectorizable(descs, elem);
   const int64_t max_vecs = vec ? max_d * elem / 16 : max_d;
   const int64_t num = static_cast<int64_t>(descs.size());
-  at::Tensor table_host =
-      at::empty({num, kDescFields}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-  std::memcpy(table_host.data_ptr<int64_t>(), descs.data(), descs.size() * sizeof(LayerDesc));
-  at::Tensor table = table_host.to(device, /*non_blocking=*/true);
+  at::Tensor table = device_table(descs, device);
   launch_update_mems_cuda(reinterpret_cast<const LayerDesc*>(table.data_ptr<int64_t>()), num,
                           max_rows, max_vecs, vec ? 16 : 0, static_cast<int>(dtype),
                           static_cast<int>(device.index()));
@@ -172,15 +183,16 @@ std::vector<at::Tensor> update_mems(const std::vector<at::Tensor>& hids,
 }
 
 // K/V-cache compaction for the Transformer-XL LM's cache: in every buffer (contiguous
-// [cap, bsz, d]), rows [src, src + n) move to rows [0, n). The two ranges must not overlap
-// (src >= n, or n == 0). ONE copy job per buffer, one launch on CUDA for all of them.
+// [cap, ...]), rows [src, src + n) move to rows [0, n). The two ranges must not overlap
+// (src >= n, or n == 0). A pure copy, done on bytes, so the buffers may differ in dtype (an
+// 8-bit cache moves its int8 / fp8 data and its scales together): ONE copy job per buffer,
+// one launch on CUDA for all of them.
 void kv_cache_compact(const std::vector<at::Tensor>& bufs, int64_t src, int64_t n) {
   TORCH_CHECK(src >= 0 && n >= 0, "kv_cache_compact: src and n must be >= 0, got src=", src,
               ", n=", n);
   TORCH_CHECK(n == 0 || src >= n, "kv_cache_compact: rows [", src, ", ", src + n,
               ") overlap their destination [0, ", n, ")");
   if (bufs.empty() || n == 0 || src == 0) return;
-  const auto dtype = bufs[0].scalar_type();
   const auto device = bufs[0].device();
   TORCH_CHECK(device.is_cpu() || device.is_cuda(),
               "kv_cache_compact: buffers must be on CPU or CUDA, got ", device);
@@ -188,30 +200,148 @@ void kv_cache_compact(const std::vector<at::Tensor>& bufs, int64_t src, int64_t 
   int64_t max_rows = 0, max_d = 0;
   for (size_t l = 0; l < bufs.size(); ++l) {
     const at::Tensor& b = bufs[l];
-    TORCH_CHECK(b.dim() == 3 && b.is_contiguous(), "kv_cache_compact: bufs[", l,
-                "] must be a contiguous [cap, bsz, d] tensor, got ", b.sizes());
-    TORCH_CHECK(b.scalar_type() == dtype && b.device() == device, "kv_cache_compact: bufs[", l,
-                "] is ", b.scalar_type(), " on ", b.device(), ", bufs[0] is ", dtype, " on ",
-                device);
+    TORCH_CHECK(b.dim() >= 2 && b.is_contiguous(), "kv_cache_compact: bufs[", l,
+                "] must be a contiguous [cap, ...] tensor, got ", b.sizes());
+    TORCH_CHECK(b.device() == device, "kv_cache_compact: bufs[", l, "] is on ", b.device(),
+                ", bufs[0] is on ", device);
     TORCH_CHECK(src + n <= b.size(0), "kv_cache_compact: rows [", src, ", ", src + n,
                 ") exceed bufs[", l, "] with ", b.size(0), " rows");
-    const int64_t elem = static_cast<int64_t>(b.element_size());
+    // one row = the bytes of one cache row (every batch entry): n rows of row_bytes bytes
+    const int64_t row_bytes = b.stride(0) * static_cast<int64_t>(b.element_size());
     LayerDesc& L = descs[l];
     L = LayerDesc{};
-    L.hid_ptr = reinterpret_cast<int64_t>(b.data_ptr()) + src * b.stride(0) * elem;
-    L.hid_s0 = b.stride(0);
-    L.hid_s1 = b.stride(1);
-    L.hid_s2 = b.stride(2);
+    L.hid_ptr = reinterpret_cast<int64_t>(b.data_ptr()) + src * row_bytes;
+    L.hid_s0 = row_bytes;
+    L.hid_s1 = row_bytes;
+    L.hid_s2 = 1;
     L.out_ptr = reinterpret_cast<int64_t>(b.data_ptr());
     L.mlen = 0;
     L.beg = 0;
     L.n = n;
-    L.bsz = b.size(1);
-    L.d = b.size(2);
-    max_rows = std::max(max_rows, L.n * L.bsz);
+    L.bsz = 1;
+    L.d = row_bytes;
+    max_rows = std::max(max_rows, L.n);
     max_d = std::max(max_d, L.d);
   }
-  run_copies(descs, dtype, device, max_rows, max_d, "kv_cache_compact");
+  run_copies(descs, at::kByte, device, max_rows, max_d, "kv_cache_compact");
+}
+
+namespace {
+
+template <typename scalar_t, typename quant_t, typename scale_t>
+void quantize_append_cpu(const QuantDesc& Q) {
+  const int64_t rows = Q.n * Q.bsz;
+  if (rows == 0 || Q.heads == 0 || Q.d == 0) return;
+  const int64_t width = Q.heads * Q.d;
+  auto* data = reinterpret_cast<quant_t*>(Q.data_ptr) + Q.dst_row * Q.bsz * width;
+  auto* scales = reinterpret_cast<scale_t*>(Q.scale_ptr) + Q.dst_row * Q.bsz * Q.heads;
+  const int64_t grain = std::max<int64_t>(1, 16384 / width);
+  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t t = r / Q.bsz, b = r - t * Q.bsz;
+      const auto* src = reinterpret_cast<const scalar_t*>(Q.src_ptr) + t * Q.src_s0 +
+                        b * Q.src_s1;
+      for (int64_t h = 0; h < Q.heads; ++h) {
+        const scalar_t* x = src + h * Q.d * Q.src_s2;
+        float absmax = 0.0f;
+        for (int64_t c = 0; c < Q.d; ++c) {
+          absmax = nan_max(std::fabs(static_cast<float>(x[c * Q.src_s2])), absmax);
+        }
+        float s;
+        scales[r * Q.heads + h] = head_scale<quant_t, scale_t>(absmax, &s);
+        quant_t* out = data + r * width + h * Q.d;
+        for (int64_t c = 0; c < Q.d; ++c)
+          out[c] = quantize_value<quant_t>(static_cast<float>(x[c * Q.src_s2]), s);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// The 8-bit K/V cache's append: srcs[i] ([n, bsz, n_head * d], any strides, one floating
+// dtype) quantised per (row, batch, head) into rows [dst_row, dst_row + n) of data_bufs[i]
+// (contiguous [cap, bsz, n_head * d], int8 or float8_e4m3fn) and scale_bufs[i] (contiguous
+// [cap, bsz, n_head], float32 or float16). One job per buffer; ONE launch for all on CUDA.
+void kv_cache_quantize_append(const std::vector<at::Tensor>& srcs,
+                              const std::vector<at::Tensor>& data_bufs,
+                              const std::vector<at::Tensor>& scale_bufs, int64_t dst_row,
+                              int64_t n_head) {
+  const char* who = "kv_cache_quantize_append";
+  TORCH_CHECK(srcs.size() == data_bufs.size() && srcs.size() == scale_bufs.size(), who,
+              ": srcs, data_bufs and scale_bufs must have one length, got ", srcs.size(), ", ",
+              data_bufs.size(), ", ", scale_bufs.size());
+  TORCH_CHECK(n_head >= 1 && dst_row >= 0, who, ": need n_head >= 1 and dst_row >= 0, got ",
+              n_head, ", ", dst_row);
+  if (srcs.empty()) return;
+  const auto src_dtype = srcs[0].scalar_type();
+  const auto quant = data_bufs[0].scalar_type();
+  const auto scale = scale_bufs[0].scalar_type();
+  const auto device = srcs[0].device();
+  TORCH_CHECK(device.is_cpu() || device.is_cuda(), who, ": tensors must be on CPU or CUDA, got ",
+              device);
+  TORCH_CHECK(quant == at::kChar || quant == at::kFloat8_e4m3fn, who,
+              ": data buffers must be int8 or float8_e4m3fn, got ", quant);
+  TORCH_CHECK(scale == at::kFloat || scale == at::kHalf, who,
+              ": scale buffers must be float32 or float16, got ", scale);
+  std::vector<QuantDesc> descs(srcs.size());
+  int64_t max_heads = 0;
+  for (size_t i = 0; i < srcs.size(); ++i) {
+    const at::Tensor &x = srcs[i], &q = data_bufs[i], &sc = scale_bufs[i];
+    TORCH_CHECK(x.dim() == 3 && x.scalar_type() == src_dtype && x.device() == device, who,
+                ": srcs[", i, "] must be [n, bsz, width] ", src_dtype, " on ", device, ", got ",
+                x.sizes(), " ", x.scalar_type(), " on ", x.device());
+    const int64_t n = x.size(0), bsz = x.size(1), width = x.size(2);
+    TORCH_CHECK(width % n_head == 0, who, ": srcs[", i, "] width ", width,
+                " is not a multiple of n_head ", n_head);
+    TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.size(1) == bsz && q.size(2) == width &&
+                    q.scalar_type() == quant && q.device() == device,
+                who, ": data_bufs[", i, "] must be a contiguous [cap, ", bsz, ", ", width, "] ",
+                quant, " tensor on ", device, ", got ", q.sizes(), " ", q.scalar_type());
+    TORCH_CHECK(sc.dim() == 3 && sc.is_contiguous() && sc.size(0) == q.size(0) &&
+                    sc.size(1) == bsz && sc.size(2) == n_head && sc.scalar_type() == scale &&
+                    sc.device() == device,
+                who, ": scale_bufs[", i, "] must be a contiguous [", q.size(0), ", ", bsz, ", ",
+                n_head, "] ", scale, " tensor on ", device, ", got ", sc.sizes(), " ",
+                sc.scalar_type());
+    TORCH_CHECK(dst_row + n <= q.size(0), who, ": rows [", dst_row, ", ", dst_row + n,
+                ") exceed data_bufs[", i, "] with ", q.size(0), " rows");
+    QuantDesc& Q = descs[i];
+    Q = QuantDesc{};
+    Q.src_ptr = reinterpret_cast<int64_t>(x.data_ptr());
+    Q.data_ptr = reinterpret_cast<int64_t>(q.data_ptr());
+    Q.scale_ptr = reinterpret_cast<int64_t>(sc.data_ptr());
+    Q.n = n;
+    Q.bsz = bsz;
+    Q.heads = n_head;
+    Q.d = width / n_head;
+    Q.dst_row = dst_row;
+    Q.src_s0 = x.stride(0);
+    Q.src_s1 = x.stride(1);
+    Q.src_s2 = x.stride(2);
+    max_heads = std::max(max_heads, n * bsz * (Q.d > 0 ? n_head : 0));
+  }
+  if (device.is_cpu()) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src_dtype, "txl_quant_cpu", [&] {
+      dispatch_quant(static_cast<int>(quant), static_cast<int>(scale), [&](auto q0, auto s0) {
+        for (const auto& Q : descs)
+          quantize_append_cpu<scalar_t, decltype(q0), decltype(s0)>(Q);
+      });
+    });
+    return;
+  }
+#ifdef TXL_WITH_CUDA
+  if (max_heads == 0) return;
+  c10::DeviceGuard guard(device);
+  at::Tensor table = device_table(descs, device);
+  launch_quantize_append_cuda(reinterpret_cast<const QuantDesc*>(table.data_ptr<int64_t>()),
+                              static_cast<int64_t>(descs.size()), max_heads,
+                              static_cast<int>(src_dtype), static_cast<int>(quant),
+                              static_cast<int>(scale), static_cast<int>(device.index()));
+#else
+  TORCH_CHECK(false, who, ": this build of the txl_kernels extension has no CUDA kernel "
+              "(compiled without a CUDA toolkit); got tensors on ", device);
+#endif
 }
 
 }  // namespace txl_kernels
@@ -226,6 +356,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("src"), pybind11::arg("n"),
         "In every contiguous [cap, bsz, d] buffer, move rows [src, src + n) to [0, n) "
         "(non-overlapping); one launch for all buffers on CUDA.");
+  m.def("kv_cache_quantize_append", &txl_kernels::kv_cache_quantize_append,
+        pybind11::arg("srcs"), pybind11::arg("data_bufs"), pybind11::arg("scale_bufs"),
+        pybind11::arg("dst_row"), pybind11::arg("n_head"),
+        "Quantise every srcs[i] [n, bsz, n_head * d] per (row, batch, head) into rows "
+        "[dst_row, dst_row + n) of data_bufs[i] (int8 / fp8) and scale_bufs[i] (fp32 / fp16); "
+        "one launch for all on CUDA.");
 #ifdef TXL_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

@@ -5,9 +5,19 @@
 //     new_mem_l = cat([M_l, H_l], 0)[beg:end]          (a fresh contiguous tensor)
 // Row t of new_mem_l is row s = beg + t of the concatenation: M_l[s] if s < mlen, else
 // H_l[s - mlen]. Every kernel below is a pure copy, so results equal the formula bit for bit.
+//
+// 8-bit K/V cache (kv_cache_quantize_append): per (token, head) absmax quantisation of new rows
+// into int8 / float8_e4m3fn buffers with one fp32 / fp16 scale per (token, head), the values of
+// txl_kernels.quant.quantize_per_token bit for bit (quantize_head below, shared by both parts).
 #pragma once
 
 #include <cstdint>
+#include <cmath>
+#include <type_traits>
+
+#include <c10/core/ScalarType.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
 
 namespace txl_kernels {
 
@@ -53,10 +63,86 @@ TXL_HOST_DEVICE inline const scalar_t* row_source(const LayerDesc& L, int64_t r,
          b * L.hid_s1;
 }
 
+// One buffer's quantise-and-append job: rows [0, n) of a source [n, bsz, heads * d] (element
+// strides src_s0, src_s1, src_s2) go, quantised per (row, batch, head), to rows
+// [dst_row, dst_row + n) of a contiguous data buffer [cap, bsz, heads * d] and a contiguous
+// scale buffer [cap, bsz, heads]. All fields 8 bytes (a [num, kQuantDescFields] int64 table).
+struct QuantDesc {
+  int64_t src_ptr;    // const scalar_t*
+  int64_t data_ptr;   // quant_t* (int8_t or c10::Float8_e4m3fn)
+  int64_t scale_ptr;  // scale_t* (float or c10::Half)
+  int64_t n;          // rows appended
+  int64_t bsz;
+  int64_t heads;
+  int64_t d;          // head dim
+  int64_t dst_row;
+  int64_t src_s0, src_s1, src_s2;
+};
+
+constexpr int kQuantDescFields = static_cast<int>(sizeof(QuantDesc) / sizeof(int64_t));
+static_assert(sizeof(QuantDesc) == 11 * sizeof(int64_t), "QuantDesc must be 11 int64 fields");
+
+template <typename quant_t>
+struct QuantMax;
+template <>
+struct QuantMax<int8_t> {
+  static constexpr float value = 127.0f;
+};
+template <>
+struct QuantMax<c10::Float8_e4m3fn> {
+  static constexpr float value = 448.0f;
+};
+
+// max that propagates NaN (as torch.amax does).
+TXL_HOST_DEVICE inline float nan_max(float a, float b) { return a > b || a != a ? a : b; }
+
+// The scale of a head whose largest |value| (in fp32) is absmax: absmax / qmax rounded to
+// scale_t, returned as stored and (via *s) as the fp32 value the data is divided by.
+template <typename quant_t, typename scale_t>
+TXL_HOST_DEVICE inline scale_t head_scale(float absmax, float* s) {
+  const scale_t stored = static_cast<scale_t>(absmax / QuantMax<quant_t>::value);
+  *s = static_cast<float>(stored);
+  return stored;
+}
+
+// One value: round(x / s) clamped to +-qmax (int8: to nearest even; fp8: the nearest e4m3
+// value, c10's conversion, the one torch's .to() uses); 0 where the scale is not > 0.
+// The clamp keeps NaN, as torch.clamp does.
+template <typename quant_t>
+TXL_HOST_DEVICE inline quant_t quantize_value(float x, float s) {
+  constexpr float qmax = QuantMax<quant_t>::value;
+  float y = s > 0.0f ? x / s : 0.0f;
+  y = y < -qmax ? -qmax : (y > qmax ? qmax : y);
+  if constexpr (std::is_same<quant_t, int8_t>::value) {
+    return static_cast<int8_t>(nearbyintf(y));
+  } else {
+    return quant_t(y);
+  }
+}
+
+// Calls f(quant_t{}, scale_t{}) for the 8-bit data dtype (int8 or float8_e4m3fn) and the scale
+// dtype (float32 or float16), both c10::ScalarType values as int (checked by the caller).
+template <typename F>
+inline void dispatch_quant(int quant_dtype, int scale_dtype, F&& f) {
+  const bool fp32 = static_cast<c10::ScalarType>(scale_dtype) == c10::ScalarType::Float;
+  if (static_cast<c10::ScalarType>(quant_dtype) == c10::ScalarType::Char) {
+    if (fp32) f(int8_t{}, float{}); else f(int8_t{}, c10::Half{});
+  } else {
+    if (fp32) f(c10::Float8_e4m3fn{}, float{}); else f(c10::Float8_e4m3fn{}, c10::Half{});
+  }
+}
+
 #ifdef TXL_WITH_CUDA
+// Launch ONE kernel that quantises and appends every buffer's rows (QuantDesc table in device
+// memory). src_dtype / quant_dtype / scale_dtype are c10::ScalarType values (as int);
+// max_heads: the largest n * bsz * heads over the jobs.
+void launch_quantize_append_cuda(const QuantDesc* desc_device, int64_t num, int64_t max_heads,
+                                 int src_dtype, int quant_dtype, int scale_dtype,
+                                 int device_index);
+
 // Launch ONE kernel that performs every layer's copy. desc_device points to num_layers
 // LayerDesc in device memory. dtype is a c10::ScalarType (as int, to keep this header free of
-// torch includes). vec_bytes is 16 when every row of every layer may be copied as aligned
+// ATen includes). vec_bytes is 16 when every row of every layer may be copied as aligned
 // 16-byte vectors (contiguous rows, 16-byte aligned pointers and strides), else 0 (element
 // copies with arbitrary strides). max_rows / max_vecs: the largest n * bsz and row length (in
 // vectors or elements) over the layers, used to size the grid.

@@ -25,8 +25,9 @@ import torch
 
 from . import _build
 from ._utils import check_same, describe
+from .quant import SCALE_DTYPES, check_quant_dtype, quantize_per_token
 
-__all__ = ["update_mems", "kv_cache_compact", "MEMORY_BACKENDS"]
+__all__ = ["update_mems", "kv_cache_compact", "kv_cache_quantize_append", "MEMORY_BACKENDS"]
 
 MEMORY_BACKENDS = ("auto", "extension", "torch")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -201,13 +202,14 @@ def kv_cache_compact(bufs: Sequence[torch.Tensor], src: int, n: int, *,
     """Move rows ``[src, src + n)`` of every K/V-cache buffer to rows ``[0, n)``, in place.
 
     The truncation step of the LM's K/V cache (``txl_kernels.models``): each buffer is a
-    contiguous ``[cap, bsz, d]`` tensor (one per layer for keys and one for values) whose live
-    memory window is moved back to the start. With the C++/CUDA extension it is one copy per
-    buffer on CPU and ONE kernel launch for all buffers on CUDA; else a torch copy per buffer
-    (with the same one-time warning as :func:`update_mems`).
+    contiguous ``[cap, bsz, d]`` tensor (one per layer for keys and one for values; an 8-bit
+    cache adds its ``[cap, bsz, n_head]`` scales) whose live memory window is moved back to
+    the start. With the C++/CUDA extension it is one copy per buffer on CPU and ONE kernel
+    launch for all buffers on CUDA (a byte copy, so the buffers may differ in dtype); else a
+    torch copy per buffer (with the same one-time warning as :func:`update_mems`).
 
     Args:
-        bufs: list of contiguous 3-D tensors, one dtype and device, each with at least
+        bufs: list of contiguous 3-D tensors on one device (any dtypes), each with at least
             ``src + n`` rows.
         src, n: the window ``[src, src + n)``; it must not overlap ``[0, n)`` (``src >= n``).
         backend: "auto", "extension" or "torch", as for :func:`update_mems`.
@@ -225,9 +227,9 @@ def kv_cache_compact(bufs: Sequence[torch.Tensor], src: int, n: int, *,
         if not isinstance(b, torch.Tensor) or b.dim() != 3 or not b.is_contiguous():
             raise ValueError(f"kv_cache_compact: bufs[{l}] must be a contiguous 3-D tensor "
                              f"[cap, bsz, d], got {describe(b) if isinstance(b, torch.Tensor) else type(b).__name__}")
-        if b.dtype != bufs[0].dtype or b.device != bufs[0].device:
-            raise ValueError(f"kv_cache_compact: bufs[{l}] is {b.dtype} on {b.device}, bufs[0] "
-                             f"is {bufs[0].dtype} on {bufs[0].device}")
+        if b.device != bufs[0].device:
+            raise ValueError(f"kv_cache_compact: bufs[{l}] is on {b.device}, bufs[0] is on "
+                             f"{bufs[0].device}")
         if src + n > b.shape[0]:
             raise ValueError(f"kv_cache_compact: rows [{src}, {src + n}) exceed bufs[{l}] "
                              f"with {b.shape[0]} rows")
@@ -238,13 +240,107 @@ def kv_cache_compact(bufs: Sequence[torch.Tensor], src: int, n: int, *,
         return
     if backend == "torch":
         return _kv_cache_compact_torch(bufs, src, n)
-    device = bufs[0].device
-    ext, reason = _extension_for(device)
-    if ext is None or not hasattr(ext, "kv_cache_compact"):
-        reason = reason or "the loaded extension predates kv_cache_compact"
-        if backend == "extension":
-            raise RuntimeError(f"kv_cache_compact: backend='extension' is not available for "
-                               f"{device.type} tensors: {reason}")
-        _warn_once(device.type, reason)
+    ext = _extension_or_fallback("kv_cache_compact", bufs[0].device, backend)
+    if ext is None:
         return _kv_cache_compact_torch(bufs, src, n)
     ext.kv_cache_compact(bufs, src, n)
+
+
+def _extension_or_fallback(op: str, device: torch.device, backend: str):
+    """The extension module when it has ``op`` for ``device`` tensors; else None after the
+    one-time warning (backend "auto") or a RuntimeError (backend "extension")."""
+    ext, reason = _extension_for(device)
+    if ext is None or not hasattr(ext, op):
+        reason = reason or f"the loaded extension predates {op}"
+        if backend == "extension":
+            raise RuntimeError(f"{op}: backend='extension' is not available for "
+                               f"{device.type} tensors: {reason}")
+        _warn_once(device.type, reason)
+        return None
+    return ext
+
+
+def _quantize_append_torch(srcs, data_bufs, scale_bufs, dst_row: int, n_head: int) -> None:
+    with torch.no_grad():
+        for x, q, s in zip(srcs, data_bufs, scale_bufs):
+            n = x.shape[0]
+            data, scale = quantize_per_token(x.unflatten(-1, (n_head, -1)), q.dtype, s.dtype)
+            q[dst_row:dst_row + n].copy_(data.flatten(-2))
+            s[dst_row:dst_row + n].copy_(scale)
+
+
+def kv_cache_quantize_append(srcs: Sequence[torch.Tensor], data_bufs: Sequence[torch.Tensor],
+                             scale_bufs: Sequence[torch.Tensor], dst_row: int, n_head: int, *,
+                             backend: str = "auto") -> None:
+    """Quantise new K/V rows into an 8-bit cache's buffers, in place: the append step of the
+    LM's 8-bit K/V cache (``new_cache(bsz, dtype=torch.int8)``), once per segment.
+
+    For every ``i``: ``srcs[i]`` ``[n, bsz, n_head * d]`` (a layer's new keys or values in the
+    compute dtype, any strides) is quantised per (row, batch entry, head) as
+    :func:`txl_kernels.quant.quantize_per_token` does (bit for bit) into rows
+    ``[dst_row, dst_row + n)`` of ``data_bufs[i]`` (contiguous ``[cap, bsz, n_head * d]``,
+    int8 or float8_e4m3fn) and ``scale_bufs[i]`` (contiguous ``[cap, bsz, n_head]``, float32
+    or float16). With the C++/CUDA extension: one parallel loop per buffer on CPU, ONE kernel
+    launch for all buffers (every layer's keys and values) on CUDA; else ``quantize_per_token``
+    per buffer (with the one-time warning of :func:`update_mems`).
+
+    Args:
+        srcs: list of 3-D floating tensors, one dtype and device.
+        data_bufs / scale_bufs: one per source; all data buffers one dtype, all scale buffers
+            one dtype, on the sources' device.
+        dst_row: first row written (``dst_row + n <= cap``).
+        n_head: heads per row (``width = n_head * d``).
+        backend: "auto", "extension" or "torch", as for :func:`update_mems`.
+    """
+    who = "kv_cache_quantize_append"
+    if backend not in MEMORY_BACKENDS:
+        raise ValueError(f"{who}: backend must be one of {MEMORY_BACKENDS}, got {backend!r}")
+    dst_row = _as_len("dst_row", dst_row, who)
+    n_head = _as_len("n_head", n_head, who, 1)
+    lists = []
+    for name, value in (("srcs", srcs), ("data_bufs", data_bufs), ("scale_bufs", scale_bufs)):
+        if isinstance(value, torch.Tensor) or not isinstance(value, (list, tuple)):
+            raise TypeError(f"{who}: {name} must be a list of tensors, got "
+                            f"{type(value).__name__}")
+        if not all(isinstance(t, torch.Tensor) for t in value):
+            raise TypeError(f"{who}: {name} must hold only tensors")
+        lists.append(list(value))
+    srcs, data_bufs, scale_bufs = lists
+    if not len(srcs) == len(data_bufs) == len(scale_bufs):
+        raise ValueError(f"{who}: srcs, data_bufs and scale_bufs must have one length, got "
+                         f"{len(srcs)}, {len(data_bufs)}, {len(scale_bufs)}")
+    if not srcs:
+        return
+    for i, (x, q, s) in enumerate(zip(srcs, data_bufs, scale_bufs)):
+        if x.dim() != 3 or x.dtype not in _DTYPES or x.dtype != srcs[0].dtype:
+            raise TypeError(f"{who}: srcs[{i}] must be a 3-D float tensor [n, bsz, width] of "
+                            f"srcs[0]'s dtype ({srcs[0].dtype}), got {describe(x)}")
+        n, bsz, width = x.shape
+        if width % n_head:
+            raise ValueError(f"{who}: srcs[{i}] width {width} is not a multiple of "
+                             f"n_head={n_head}")
+        check_quant_dtype(who, f"data_bufs[{i}].dtype", q.dtype)
+        if q.dtype != data_bufs[0].dtype:
+            raise TypeError(f"{who}: data_bufs[{i}] is {q.dtype}, data_bufs[0] is "
+                            f"{data_bufs[0].dtype}")
+        if s.dtype not in SCALE_DTYPES or s.dtype != scale_bufs[0].dtype:
+            raise TypeError(f"{who}: scale_bufs[{i}] must be float32 or float16 (one dtype for "
+                            f"all), got {describe(s)}")
+        if q.dim() != 3 or not q.is_contiguous() or tuple(q.shape[1:]) != (bsz, width):
+            raise ValueError(f"{who}: data_bufs[{i}] must be a contiguous [cap, {bsz}, "
+                             f"{width}] tensor, got {describe(q)}")
+        if s.dim() != 3 or not s.is_contiguous() or tuple(s.shape) != (q.shape[0], bsz, n_head):
+            raise ValueError(f"{who}: scale_bufs[{i}] must be a contiguous [{q.shape[0]}, {bsz}, "
+                             f"{n_head}] tensor, got {describe(s)}")
+        if dst_row + n > q.shape[0]:
+            raise ValueError(f"{who}: rows [{dst_row}, {dst_row + n}) exceed data_bufs[{i}] "
+                             f"with {q.shape[0]} rows")
+        for name, t in ((f"data_bufs[{i}]", q), (f"scale_bufs[{i}]", s), (f"srcs[{i}]", x)):
+            check_same(who, name, t, "srcs[0]", srcs[0], dtype=False)
+    if backend == "torch":
+        return _quantize_append_torch(srcs, data_bufs, scale_bufs, dst_row, n_head)
+    ext = _extension_or_fallback(who, srcs[0].device, backend)
+    if ext is None:
+        return _quantize_append_torch(srcs, data_bufs, scale_bufs, dst_row, n_head)
+    ext.kv_cache_quantize_append([x.detach() for x in srcs], data_bufs, scale_bufs, dst_row,
+                                 n_head)

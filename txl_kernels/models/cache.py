@@ -13,12 +13,26 @@ only moves ``start``). When the next segment would not fit, the window moves bac
 one :func:`txl_kernels.memory.kv_cache_compact` call, a single launch for every buffer of every
 layer on CUDA. ``cap = 2 * mem_len + max_qlen`` guarantees that this move never overlaps itself
 and happens at most once every ``mem_len + 1`` tokens.
+
+8-bit memory (``new_cache(bsz, dtype=torch.int8)`` or ``torch.float8_e4m3fn``): the buffers
+hold the memory's keys and values in 8 bits, with one scale per (token, head) in
+``[cap, bsz, n_head]`` buffers (fp32, or fp16 with ``scale_dtype``; why this granularity:
+:mod:`txl_kernels.quant`). A segment's own keys and values stay in the compute dtype (the
+model's) while it is attended; after the last layer they are quantised into the buffers,
+every layer's keys and values in ONE :func:`txl_kernels.memory.kv_cache_quantize_append`
+call (one launch on CUDA), and never again. The attention reads the memory as
+:class:`txl_kernels.quant.QuantizedKV` views of the buffers (``[bsz, mlen, H, D]``, no copy);
+the torch paths (CPUs) dequantise it into the reusable ``work`` buffers. Compaction moves the
+scales with the data (the same single launch).
 """
 from __future__ import annotations
 
+from typing import List, Optional
+
 import torch
 
-from ..memory import kv_cache_compact
+from ..memory import kv_cache_compact, kv_cache_quantize_append
+from ..quant import QUANT_DTYPES, SCALE_DTYPES, QuantizedKV, dequantize_per_token
 
 __all__ = ["TransfoXLCache"]
 
@@ -26,34 +40,59 @@ __all__ = ["TransfoXLCache"]
 class TransfoXLCache:
     """Per-layer projected keys and values of the Transformer-XL memory.
 
-    Made by ``MemTransformerLM.new_cache(bsz, max_qlen=None, ext_len=None)``; pass it as
-    ``model(data, target, cache=cache)`` or ``model.generate(..., cache=cache)``; it is updated
-    in place. Attributes: ``bsz``, ``mem_len``, ``ext_len``, ``max_qlen`` (the longest segment
-    it accepts), ``mlen`` (rows of memory held now), ``nbytes`` (bytes of its buffers).
+    Made by ``MemTransformerLM.new_cache(bsz, max_qlen=None, ext_len=None, dtype=None,
+    scale_dtype=torch.float32)``; pass it as ``model(data, target, cache=cache)`` or
+    ``model.generate(..., cache=cache)``; it is updated in place. Attributes: ``bsz``,
+    ``mem_len``, ``ext_len``, ``max_qlen`` (the longest segment it accepts), ``mlen`` (rows of
+    memory held now), ``dtype`` (of the stored keys / values: the model's, or int8 /
+    float8_e4m3fn), ``compute_dtype`` (the model's), ``quantized``, ``nbytes`` (bytes of its
+    buffers, scales included).
     """
 
     def __init__(self, n_layer: int, bsz: int, mem_len: int, ext_len: int, max_qlen: int,
                  width: int, dtype: torch.dtype, device: torch.device,
-                 memory_backend: str = "auto"):
+                 memory_backend: str = "auto", *, n_head: int = 1,
+                 quant_dtype: Optional[torch.dtype] = None,
+                 scale_dtype: torch.dtype = torch.float32):
         for name, value, low in (("bsz", bsz, 1), ("max_qlen", max_qlen, 1),
                                  ("mem_len", mem_len, 0), ("ext_len", ext_len, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"new_cache: {name} must be an int >= {low}, got {value!r}")
-        self.n_layer, self.bsz, self.width = n_layer, bsz, width
+        if quant_dtype is not None and quant_dtype not in QUANT_DTYPES:
+            raise TypeError(f"new_cache: dtype must be None (the model's dtype), torch.int8 or "
+                            f"torch.float8_e4m3fn (8-bit memory), got {quant_dtype!r}")
+        if scale_dtype not in SCALE_DTYPES:
+            raise TypeError(f"new_cache: scale_dtype must be torch.float32 or torch.float16, "
+                            f"got {scale_dtype!r}")
+        self.n_layer, self.bsz, self.width, self.n_head = n_layer, bsz, width, n_head
         self.mem_len, self.ext_len, self.max_qlen = mem_len, ext_len, max_qlen
-        self.dtype, self.device = dtype, torch.device(device)
+        self.compute_dtype, self.device = dtype, torch.device(device)
+        self.quantized = quant_dtype is not None
+        self.dtype = quant_dtype if self.quantized else dtype
         self.memory_backend = memory_backend
         self.capacity = 2 * mem_len + max_qlen
         shape = (self.capacity, bsz, width)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(n_layer)]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(n_layer)]
+        self.k_scale: List[torch.Tensor] = []
+        self.v_scale: List[torch.Tensor] = []
+        if self.quantized:
+            sshape = (self.capacity, bsz, n_head)
+            self.k_scale = [torch.zeros(sshape, dtype=scale_dtype, device=device)
+                            for _ in range(n_layer)]
+            self.v_scale = [torch.zeros(sshape, dtype=scale_dtype, device=device)
+                            for _ in range(n_layer)]
+        self._pending: List[torch.Tensor] = []  # 8-bit: this segment's keys, values per layer
         self._work = {}
         self.start = 0
         self.mlen = 0
 
+    def _buffers(self) -> List[torch.Tensor]:
+        return self.k + self.v + self.k_scale + self.v_scale
+
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self._buffers())
 
     def reset(self) -> None:
         """Forget the memory (the buffers are kept)."""
@@ -61,32 +100,93 @@ class TransfoXLCache:
         self.mlen = 0
 
     def __repr__(self) -> str:
+        scales = f", scale_dtype={self.k_scale[0].dtype}" if self.k_scale else ""
         return (f"TransfoXLCache(n_layer={self.n_layer}, bsz={self.bsz}, mem_len={self.mem_len}, "
                 f"ext_len={self.ext_len}, max_qlen={self.max_qlen}, mlen={self.mlen}, "
-                f"dtype={self.dtype}, device={self.device}, nbytes={self.nbytes})")
+                f"dtype={self.dtype}{scales}, compute_dtype={self.compute_dtype}, "
+                f"device={self.device}, nbytes={self.nbytes})")
 
     # -- used by MemTransformerLM -----------------------------------------------------------
     def _make_room(self, qlen: int) -> None:
-        """Ensure rows ``[start + mlen, start + mlen + qlen)`` are inside the buffers."""
+        """Ensure rows ``[start + mlen, start + mlen + qlen)`` are inside the buffers (the
+        first step of a segment: also drops rows a failed segment left pending)."""
+        self._pending = []
         if self.start + self.mlen + qlen <= self.capacity:
             return
-        kv_cache_compact(self.k + self.v, self.start, self.mlen, backend=self.memory_backend)
+        kv_cache_compact(self._buffers(), self.start, self.mlen, backend=self.memory_backend)
         self.start = 0
 
-    def _keys_values(self, layer: int, qlen: int):
-        """(key rows, value rows) ``[mlen + qlen, bsz, width]`` of ``layer``: the memory
-        followed by the rows the segment writes (views into the buffers)."""
-        lo, hi = self.start, self.start + self.mlen + qlen
-        return self.k[layer][lo:hi], self.v[layer][lo:hi]
+    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Take the segment's keys and values ``[qlen, bsz, width]`` of ``layer``; return
+        ``(keys, values, memory)`` for its attention. Full-precision cache: ``k`` / ``v`` are
+        written after the memory and ``keys`` / ``values`` are the buffer rows
+        ``[mlen + qlen, bsz, width]`` (views), ``memory`` None. 8-bit cache: ``k`` / ``v`` are
+        kept for :meth:`_append` and returned as they are, with the memory as a
+        :class:`QuantizedKV` of buffer views ``[bsz, mlen, H, D]`` (None while empty)."""
+        lo, mid = self.start, self.start + self.mlen
+        qlen = k.shape[0]
+        if not self.quantized:
+            keys, values = self.k[layer][lo:mid + qlen], self.v[layer][lo:mid + qlen]
+            keys[self.mlen:].copy_(k)
+            values[self.mlen:].copy_(v)
+            return keys, values, None
+        self._pending += [k, v]
+        if self.mlen == 0:
+            return k, v, None
+        H, M, B = self.n_head, self.mlen, self.bsz
+        data = [buf[lo:mid].view(M, B, H, self.width // H).transpose(0, 1) for buf in (self.k[layer],
+                                                                         self.v[layer])]
+        scales = [buf[lo:mid].transpose(0, 1) for buf in (self.k_scale[layer],
+                                                          self.v_scale[layer])]
+        return k, v, QuantizedKV(data[0], scales[0], data[1], scales[1])
+
+    def _dequantized(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """8-bit cache, torch paths: ``(keys, values)`` ``[mlen + qlen, bsz, width]`` in the
+        compute dtype, the dequantised memory of ``layer`` (``quant.dequantize_per_token``'s
+        values) followed by ``k`` / ``v``, in the reused work buffers (slots 3 and 4)."""
+        lo, mlen, qlen = self.start, self.mlen, k.shape[0]
+        out = []
+        for slot, cur, data, scale in ((3, k, self.k[layer], self.k_scale[layer]),
+                                       (4, v, self.v[layer], self.v_scale[layer])):
+            buf = self.work(slot, (mlen + qlen) * self.bsz * self.width)
+            buf = buf.view(mlen + qlen, self.bsz, self.width)
+            mem = buf[:mlen].view(mlen, self.bsz, self.n_head, self.width // self.n_head)
+            data = data[lo:lo + mlen].view(mem.shape)
+            scale = scale[lo:lo + mlen]
+            if self.compute_dtype == torch.float32:  # in place: data.float() * scale.float()
+                mem.copy_(data).mul_(scale[..., None])
+            else:  # the product in fp32, then rounded to the compute dtype
+                mem.copy_(dequantize_per_token(data, scale, self.compute_dtype))
+            buf[mlen:].copy_(cur)
+            out.append(buf)
+        return out[0], out[1]
+
+    def _append(self, qlen: int) -> None:
+        """8-bit cache, after the last layer: quantise the rows of the segment that the
+        window keeps (every layer's keys and values in one call) right after the memory."""
+        pending, self._pending = self._pending, []
+        end = self.mlen + max(0, qlen - self.ext_len)
+        lo = max(0, end - self.mem_len - self.mlen)  # first segment row kept
+        hi = end - self.mlen
+        if hi > lo:
+            kv_cache_quantize_append([t[lo:hi] for t in pending], self._interleaved(self.k, self.v),
+                                     self._interleaved(self.k_scale, self.v_scale),
+                                     self.start + self.mlen + lo, self.n_head,
+                                     backend=self.memory_backend)
+
+    @staticmethod
+    def _interleaved(a: List[torch.Tensor], b: List[torch.Tensor]) -> List[torch.Tensor]:
+        return [t for pair in zip(a, b) for t in pair]
 
     def work(self, slot: int, numel: int) -> torch.Tensor:
         """A flat buffer of ``numel`` elements (cache dtype and device) for the torch
         attention paths' large temporaries (scores, products with every key row), kept and
         reused by every layer and step: on CPUs a fresh allocation of megabytes per layer
-        costs its page faults every time. Not part of the memory (not in ``nbytes``)."""
+        costs its page faults every time. Compute dtype. Not part of the memory (not in
+        ``nbytes``)."""
         buf = self._work.get(slot)
         if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=self.dtype, device=self.device)
+            buf = torch.empty(numel, dtype=self.compute_dtype, device=self.device)
             self._work[slot] = buf
         return buf[:numel]
 

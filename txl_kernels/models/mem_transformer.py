@@ -20,6 +20,8 @@ would read count as zero.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import List, Optional, Sequence
 
 import torch
@@ -87,41 +89,57 @@ class RelPartialLearnableDecoderLayer(nn.Module):
         return self.pos_ff(out)
 
     def forward_cached(self, w: torch.Tensor, r_head_k: torch.Tensor, r_w_bias, r_r_bias,
-                       keys: torch.Tensor, values: torch.Tensor,
-                       window_size, work=None) -> torch.Tensor:
-        """The layer with a K/V cache. ``w`` ``[qlen, bsz, d_model]``; ``keys`` / ``values``
-        ``[mlen + qlen, bsz, H * D]`` views whose first ``mlen`` rows hold the memory's
-        projections (this call writes the last ``qlen``); ``r_head_k`` the projected position
-        table ``[mlen + qlen, H, D]``. Same result as ``forward`` with the memory's hidden
-        states as ``mems``. ``work``: the cache's ``work(slot, numel)`` (reused buffers for
-        the torch paths' large temporaries) or None."""
+                       cache: TransfoXLCache, layer: int, window_size) -> torch.Tensor:
+        """The layer with a K/V cache. ``w`` ``[qlen, bsz, d_model]``; ``cache`` holds the
+        memory's projections for ``layer`` and takes this segment's (``cache._store``);
+        ``r_head_k`` the projected position table ``[mlen + qlen, H, D]``. Same result as
+        ``forward`` with the memory's hidden states as ``mems`` (with an 8-bit cache: with
+        the memory's keys / values dequantised). The torch paths' large temporaries live in
+        the cache's reused ``work`` buffers."""
         att = self.dec_attn
         qlen, bsz = w.shape[0], w.shape[1]
-        klen = keys.shape[0]
         H, D = att.n_head, att.d_head
         w_heads = att.qkv_net(att.layer_norm(w) if att.pre_lnorm else w)
         q, k, v = torch.chunk(w_heads, 3, dim=-1)
-        keys[klen - qlen:].copy_(k)
-        values[klen - qlen:].copy_(v)
+        # full precision: keys / values = memory + segment rows; 8-bit: the segment's rows,
+        # the memory in `memory` (QuantizedKV views of the cache)
+        keys, values, memory = cache._store(layer, k, v)
+        klen = cache.mlen + qlen
         r_w_bias = (att.r_w_bias if r_w_bias is None else r_w_bias).to(q.dtype)
         r_r_bias = (att.r_r_bias if r_r_bias is None else r_r_bias).to(q.dtype)
-        args = (q.view(qlen, bsz, H, D).transpose(0, 1),
-                keys.view(klen, bsz, H, D).transpose(0, 1),
-                values.view(klen, bsz, H, D).transpose(0, 1), r_head_k, r_w_bias, r_r_bias)
-        if qlen == 1 and self._decode_kernel_ok(q):
+        dropout = self.training and att.dropatt_p > 0
+        q4 = q.view(qlen, bsz, H, D).transpose(0, 1)
+        rest = (r_head_k, r_w_bias, r_r_bias)
+
+        def kv4(kk, vv):  # seq-first [L, bsz, H * D] -> [bsz, L, H, D] views
+            n = kk.shape[0]
+            return kk.view(n, bsz, H, D).transpose(0, 1), vv.view(n, bsz, H, D).transpose(0, 1)
+
+        def full_kv():  # every key / value row in the compute dtype, for the torch paths
+            if cache.quantized:
+                return kv4(*cache._dequantized(layer, k, v))
+            return kv4(keys, values)
+
+        if qlen == 1 and self._decode_kernel_ok(q) and (memory is None or
+                                                        _decode_takes_memory()):
             from ..ops.rel_attn_decode import rel_attn_decode  # imports triton
 
-            attn_vec = rel_attn_decode(*args, att.scale, window_size[0])
-        elif qlen == 1 and not (self.training and att.dropatt_p > 0):
-            scratch = None if work is None else work(0, klen * bsz * H * D)
-            attn_vec = decode_attention_torch(*args, att.scale, window_size[0], scratch)
-        elif (not (self.training and att.dropatt_p > 0) and q.dtype in _TORCH_SEGMENT_DTYPES
+            extra = {} if memory is None else {"memory": memory}
+            attn_vec = rel_attn_decode(q4, *kv4(keys, values), *rest, att.scale,
+                                       window_size[0], **extra)
+        elif qlen == 1 and not dropout:
+            scratch = cache.work(0, klen * bsz * H * D)
+            attn_vec = decode_attention_torch(q4, *full_kv(), *rest, att.scale, window_size[0],
+                                              scratch)
+        elif (not dropout and q.dtype in _TORCH_SEGMENT_DTYPES
               and (att.backend == "reference" or not self._fused_ok(q))):
-            attn_vec = segment_attention_torch(*args, att.scale, window_size[0], work)
+            attn_vec = segment_attention_torch(q4, *full_kv(), *rest, att.scale,
+                                               window_size[0], cache.work)
         else:
             attn_vec = rel_attention(
-                *args, causal=True, window_size=window_size, softmax_scale=att.scale,
-                dropout_p=att.dropatt_p if self.training else 0.0, backend=att.backend)
+                q4, *kv4(keys, values), *rest, causal=True, window_size=window_size,
+                softmax_scale=att.scale, dropout_p=att.dropatt_p if self.training else 0.0,
+                backend=att.backend, memory=memory)
         attn_out = att.drop(att.o_net(attn_vec.transpose(0, 1).reshape(qlen, bsz, H * D)))
         out = w + attn_out if att.pre_lnorm else att.layer_norm(w + attn_out)
         return self.pos_ff(out)
@@ -140,6 +158,15 @@ class RelPartialLearnableDecoderLayer(nn.Module):
 
 
 _TORCH_SEGMENT_DTYPES = (torch.float32, torch.float64)
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_takes_memory() -> bool:
+    """Whether the split-K decode kernel reads an 8-bit memory itself (its ``memory``
+    argument); else one query row with an 8-bit cache takes the torch decode path."""
+    from ..ops.rel_attn_decode import rel_attn_decode  # imports triton
+
+    return "memory" in inspect.signature(rel_attn_decode).parameters
 
 
 def segment_attention_torch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale: float,
@@ -325,10 +352,18 @@ class MemTransformerLM(nn.Module):
         return [torch.empty(0, dtype=p.dtype, device=p.device) for _ in range(self.n_layer + 1)]
 
     def new_cache(self, bsz: int, max_qlen: Optional[int] = None,
-                  ext_len: Optional[int] = None) -> TransfoXLCache:
+                  ext_len: Optional[int] = None, dtype: Optional[torch.dtype] = None,
+                  scale_dtype: torch.dtype = torch.float32) -> TransfoXLCache:
         """An empty K/V cache for batch size ``bsz``, segments of at most ``max_qlen`` tokens
         (default ``tgt_len + ext_len``), the model's ``mem_len`` and ``ext_len`` (unless
-        given), on the model's device and dtype."""
+        given), on the model's device.
+
+        ``dtype``: None keeps the memory's keys and values in the model's dtype;
+        ``torch.int8`` or ``torch.float8_e4m3fn`` stores them in 8 bits with one scale per
+        (token, head) (``scale_dtype`` float32 or float16), quantised once when a segment
+        enters the memory: about half the bytes of a 16-bit cache (``(D + 4) / (2 D)`` with
+        fp32 scales) and of the bytes the attention reads; the segment being evaluated is
+        attended in full precision. Accuracy: see the README ("8-bit memory")."""
         p = next(self.parameters())
         ext_len = self.ext_len if ext_len is None else ext_len
         if max_qlen is None:
@@ -337,7 +372,8 @@ class MemTransformerLM(nn.Module):
             max_qlen = self.tgt_len + ext_len
         return TransfoXLCache(self.n_layer, bsz, self.mem_len, ext_len, max_qlen,
                               self.n_head * self.d_head, p.dtype, p.device,
-                              memory_backend=self.memory_backend)
+                              memory_backend=self.memory_backend, n_head=self.n_head,
+                              quant_dtype=dtype, scale_dtype=scale_dtype)
 
     @classmethod
     def from_hf(cls, model, **kwargs) -> "MemTransformerLM":
@@ -412,9 +448,9 @@ class MemTransformerLM(nn.Module):
             raise ValueError(f"MemTransformerLM: the cache has mem_len={cache.mem_len}, the "
                              f"model mem_len={self.mem_len} (reset_length since?); make a new "
                              f"cache")
-        if cache.dtype != p.dtype or cache.device != p.device:
-            raise ValueError(f"MemTransformerLM: the cache is {cache.dtype} on {cache.device}, "
-                             f"the model {p.dtype} on {p.device}")
+        if cache.compute_dtype != p.dtype or cache.device != p.device:
+            raise ValueError(f"MemTransformerLM: the cache is for {cache.compute_dtype} on "
+                             f"{cache.device}, the model is {p.dtype} on {p.device}")
         if qlen > cache.max_qlen:
             raise ValueError(f"MemTransformerLM: a segment of {qlen} tokens is longer than the "
                              f"cache allows (max_qlen={cache.max_qlen}); feed shorter segments "
@@ -506,9 +542,10 @@ class MemTransformerLM(nn.Module):
             tables = self._projected_pos(klen, cache.mem_len + cache.max_qlen)
         window = (self.mem_len - 1, 0) if self.same_length and self.mem_len > 0 else (-1, 0)
         for i, layer in enumerate(self.layers):
-            keys, values = cache._keys_values(i, qlen)
             core_out = layer.forward_cached(core_out, tables[i], self.r_w_bias, self.r_r_bias,
-                                            keys, values, window, cache.work)
+                                            cache, i, window)
+        if cache.quantized:  # every layer's new keys / values into the 8-bit memory, at once
+            cache._append(qlen)
         cache._advance(qlen)
         return self.drop(core_out)
 
