@@ -25,13 +25,23 @@ extra, e.g. ``PYTHONPATH=/tmp/hf4``); without it the HF cases skip with the reas
     python -m benchmarks.test_bench_lm            # side-by-side times and ratios
     python -m benchmarks.test_bench_lm --small    # the same at the small size (seconds)
     python -m pytest benchmarks/test_bench_lm.py --benchmark-only   # small size on CPU
+
+8-bit memory (issue 13): ``new_cache(bsz, dtype=torch.int8 / torch.float8_e4m3fn)`` against
+the full-precision cache (the model's dtype: bf16 on CUDA, fp32 on CPU, where the torch paths
+run), at the Transformer-XL evaluation shapes tgt_len 64 / mem_len 640, 128 / 1,600 and
+128 / 3,800 (bsz 10; on CPU the small model at a quarter of each length, bsz 2), for the
+evaluation of a segment against a full memory and for one decoded token (qlen 1). The cache's
+bytes go to the benchmark's ``extra_info``; :func:`footprint_table` gives them at the
+Transformer-XL base size without allocating (meta tensors).
+
+    python -m benchmarks.test_bench_lm --quant [--small]   # 8-bit vs full memory, side by side
 """
 from __future__ import annotations
 
 import gc
 import time
 import warnings
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import pytest
 import torch
@@ -50,6 +60,12 @@ SMALL = dict(n_token=2000, n_layer=4, n_head=4, d_model=128, d_head=32, d_inner=
              cutoffs=[500, 1000], div_val=1, same_length=True, clamp_len=400, untie_r=True)
 SMALL_EVAL = dict(tgt_len=16, mem_len=160, bsz=2)
 SMALL_GEN = dict(prompt=64, new=32, mem_len=64, tgt_len=16, bsz=1)
+# 8-bit memory: the Transformer-XL evaluation shapes, and a quarter of them on CPU (small model)
+QUANT_SHAPES = [dict(tgt_len=64, mem_len=640, bsz=10), dict(tgt_len=128, mem_len=1600, bsz=10),
+                dict(tgt_len=128, mem_len=3800, bsz=10)]
+SMALL_QUANT_SHAPES = [dict(tgt_len=16, mem_len=160, bsz=2), dict(tgt_len=32, mem_len=400, bsz=2),
+                      dict(tgt_len=32, mem_len=950, bsz=2)]
+CACHE_DTYPES = {"full": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
 def _device() -> torch.device:
@@ -179,6 +195,79 @@ def generate_step(provider: str, ours, hf, spec: dict, keep: Optional[dict] = No
     return step
 
 
+def quant_step(kind: str, ours, spec: dict, cache_dtype) -> Tuple[Callable[[], None], int]:
+    """(a callable, the cache's bytes): ``kind`` "eval" evaluates the next segment of tgt_len
+    tokens, "decode" feeds one token, against a full memory held by a cache of
+    ``cache_dtype`` (None: the model's dtype; int8 / float8_e4m3fn: 8-bit memory). The memory
+    slides (stays full) from call to call, as in a long evaluation / generation."""
+    tgt_len, mem_len, bsz = spec["tgt_len"], spec["mem_len"], spec["bsz"]
+    device = next(ours.parameters()).device
+    n_seg = -(-mem_len // tgt_len) + 1
+    data = zipf_ids(ours.n_token, (n_seg * tgt_len + 2, bsz), seed=1).to(device)
+    cache = ours.new_cache(bsz, max_qlen=tgt_len, ext_len=0, dtype=cache_dtype)
+    with torch.no_grad():
+        for s in range(0, (n_seg - 1) * tgt_len, tgt_len):
+            ours(data[s:s + tgt_len], data[s + 1:s + 1 + tgt_len], cache=cache)
+    if kind == "eval":
+        inp, tgt = data[-tgt_len - 1:-1], data[-tgt_len:]
+    else:
+        inp, tgt = data[-2:-1], data[-1:]
+    return _no_grad(lambda: ours(inp, tgt, cache=cache)), cache.nbytes
+
+
+def footprint_table(config: dict = WT103_BASE, shapes=QUANT_SHAPES,
+                    dtype: torch.dtype = torch.bfloat16) -> str:
+    """Bytes of the K/V cache (all layers, capacity ``2 mem_len + tgt_len`` rows) at each
+    shape: ``dtype`` against int8 / fp8 with fp32 and fp16 scales (meta tensors: nothing is
+    allocated)."""
+    from txl_kernels.models import TransfoXLCache
+
+    width = config["n_head"] * config["d_head"]
+    rows = [f"| shape (bsz {shapes[0]['bsz']}) | {dtype} (MB) | 8-bit, fp32 scales (MB) | ratio "
+            f"| 8-bit, fp16 scales (MB) | ratio |", "|---|---|---|---|---|---|"]
+    for sp in shapes:
+        def nbytes(q=None, sdt=torch.float32):
+            return TransfoXLCache(config["n_layer"], sp["bsz"], sp["mem_len"], 0, sp["tgt_len"],
+                                  width, dtype, "meta", n_head=config["n_head"], quant_dtype=q,
+                                  scale_dtype=sdt).nbytes
+        full, q32, q16 = nbytes(), nbytes(torch.int8), nbytes(torch.int8, torch.float16)
+        rows.append(f"| tgt_len {sp['tgt_len']} / mem_len {sp['mem_len']} | {full / 1e6:.1f} | "
+                    f"{q32 / 1e6:.1f} | {q32 / full:.3f} | {q16 / 1e6:.1f} | {q16 / full:.3f} |")
+    return "\n".join(rows)
+
+
+def compare_quant(config: dict = WT103_BASE, shapes=QUANT_SHAPES, min_run_time_s: float = 1.0,
+                  log: Callable[[str], None] = print, device=None) -> str:
+    """Times of evaluation and of one decoded token with the full-precision and the 8-bit
+    caches at each shape (bf16 model on CUDA, fp32 on CPU); returns a markdown table."""
+    device = torch.device(device) if device is not None else _device()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = [f"| workload ({device.type}, {str(dtype)[6:]} model) | full cache (ms) | int8 (ms) "
+            f"| ratio | fp8 (ms) | ratio | cache bytes 8-bit / full |",
+            "|---|---|---|---|---|---|---|"]
+    for sp in shapes:
+        ours, _ = build(config, sp["mem_len"], sp["tgt_len"], False, device)
+        ours = ours.to(dtype)
+        for kind in ("eval", "decode"):
+            t, nb = {}, {}
+            for name, cdt in CACHE_DTYPES.items():
+                step, nb[name] = quant_step(kind, ours, sp, cdt)
+                times = sorted(measure(synced(step, device), device, min_run_time_s))
+                t[name] = times[len(times) // 2]
+                log(f"  {kind} tgt {sp['tgt_len']} / mem {sp['mem_len']} {name}: "
+                    f"{t[name] * 1e3:.2f} ms")
+            what = (f"eval tgt_len {sp['tgt_len']}" if kind == "eval" else "decode 1 token") + \
+                f" / mem_len {sp['mem_len']}, bsz {sp['bsz']}"
+            rows.append(f"| {what} | {t['full'] * 1e3:.2f} | {t['int8'] * 1e3:.2f} | "
+                        f"{t['full'] / t['int8']:.2f}x | {t['fp8'] * 1e3:.2f} | "
+                        f"{t['full'] / t['fp8']:.2f}x | {nb['int8'] / nb['full']:.3f} |")
+        del ours
+        gc.collect()
+    return "\n".join(rows)
+
+
 # ----------------------------------------------------------------------------- side by side
 
 def compare(config: dict = WT103_BASE, eval_spec: dict = EVAL, gen_spec: dict = GEN,
@@ -303,6 +392,27 @@ def test_lm_generate(benchmark, provider):
     _run(benchmark, generate_step(provider, ours, hf, spec), rounds=1)
 
 
+@pytest.mark.parametrize("cache", list(CACHE_DTYPES))
+@pytest.mark.parametrize("kind", ["eval", "decode"])
+@pytest.mark.parametrize("shape", [0, 1, 2])
+def test_lm_quant_memory(benchmark, kind, shape, cache):
+    """Full-precision vs 8-bit memory: a segment (eval) or one token (decode) against a full
+    memory; the cache's bytes in extra_info. CPU: the small model at a quarter of the
+    Transformer-XL lengths; CUDA: Transformer-XL base in bf16 at its evaluation shapes."""
+    big = torch.cuda.is_available()
+    config, spec = (WT103_BASE, QUANT_SHAPES[shape]) if big else (SMALL, SMALL_QUANT_SHAPES[shape])
+    key = f"quant-{shape}"
+    if key not in _MODELS:
+        _MODELS.clear()  # one model at a time (the realistic ones are large)
+        ours, _ = build(config, spec["mem_len"], spec["tgt_len"], with_hf=False)
+        _MODELS[key] = (ours.to(torch.bfloat16 if big else torch.float32), None)
+    step, nbytes = quant_step(kind, _MODELS[key][0], spec, CACHE_DTYPES[cache])
+    benchmark.group = (f"LM {kind} with 8-bit memory: tgt_len {spec['tgt_len']}, mem_len "
+                       f"{spec['mem_len']}, bsz {spec['bsz']}, d_model {config['d_model']}")
+    benchmark.extra_info["cache_bytes"] = nbytes
+    _run(benchmark, step, rounds=3 if kind == "eval" else 5)
+
+
 if __name__ == "__main__":
     import argparse
 
@@ -312,7 +422,15 @@ if __name__ == "__main__":
                         help="run the whole comparison N times (median ratios at the end)")
     parser.add_argument("--min-run-time", type=float, default=1.0,
                         help="seconds of calls per timing (Timer.blocked_autorange)")
+    parser.add_argument("--quant", action="store_true",
+                        help="8-bit memory against the full-precision cache (issue 13)")
     a = parser.parse_args()
+    if a.quant:
+        print(f"device: {_device()}, torch {torch.__version__}; 8-bit memory")
+        print(footprint_table())
+        print(compare_quant(SMALL if a.small else WT103_BASE,
+                            SMALL_QUANT_SHAPES if a.small else QUANT_SHAPES, a.min_run_time))
+        raise SystemExit(0)
     config, ev, gen = (SMALL, SMALL_EVAL, SMALL_GEN) if a.small else (WT103_BASE, EVAL, GEN)
     print(f"device: {_device()}, torch {torch.__version__}, 1 thread on CPU (Timer's default); "
           f"model {config}; eval {ev}; generate {gen}")
