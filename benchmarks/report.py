@@ -191,6 +191,25 @@ def run_matrix(cases, device: str, provider_filter, timer, deadline: float, t_st
     return records
 
 
+def lm_quant_section(device: str, small: bool, deadline: float) -> str:
+    """The LM with 8-bit against full-precision memory (issue 13; benchmarks/test_bench_lm.py
+    ``compare_quant``): Transformer-XL base in bf16 at its evaluation shapes on the GPU, the
+    small model at a quarter of them for --cpu-smoke. Skipped when the budget is spent."""
+    if time.time() > deadline - 60:
+        return "LM with 8-bit memory: not run (time budget spent)"
+    print("\n== LM with 8-bit memory (eval and one decoded token; full vs int8 / fp8 cache)",
+          flush=True)
+    try:
+        from benchmarks import test_bench_lm as lm
+        table = lm.compare_quant(lm.SMALL if small else lm.WT103_BASE,
+                                 lm.SMALL_QUANT_SHAPES if small else lm.QUANT_SHAPES,
+                                 min_run_time_s=0.1 if small else 0.5, device=device)
+    except Exception as exc:  # the matrix's numbers are kept either way
+        return f"LM with 8-bit memory: failed ({type(exc).__name__}: {exc})"
+    return "#### LM with 8-bit memory (`compare_quant`)\n\n" + table + "\n\n" + \
+        lm.footprint_table()
+
+
 def main(argv=None) -> int:
     t_start = time.time()
     args = parse_args(argv)
@@ -239,6 +258,7 @@ def main(argv=None) -> int:
           f"{max(0.0, deadline - time.time()):.0f} s", flush=True)
     records = run_matrix(cases, device, set(args.providers or ()), timer, deadline, t_start)
     results.add_ratios(records)
+    lm_quant = lm_quant_section(device, args.cpu_smoke, deadline)
 
     # 3. output
     tag = "cpu-smoke" if args.cpu_smoke else "".join(
@@ -273,6 +293,8 @@ def main(argv=None) -> int:
         base = md_path.resolve().parent if md_path else out_dir.resolve()
         plot_rel = os.path.relpath(png_path.resolve(), base)
     section = results.results_section(records, env, command, tests["line"], plot_rel)
+    if lm_quant:
+        section = section.rstrip() + "\n\n" + lm_quant + "\n"
     if args.cpu_smoke:
         section = section.replace(
             "### Latest run:", "### CPU SMOKE RUN (not GPU numbers, do not publish):", 1)
