@@ -98,8 +98,9 @@ void launch_quantize_append_cuda(const QuantDesc* desc_device, int64_t num, int6
   constexpr int64_t kThreads = 256, kWarps = kThreads / 32;
   const int64_t gx = std::min<int64_t>((max_heads + kWarps - 1) / kWarps, 65535);
   const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(num));
-  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_index));
+  const auto index = static_cast<c10::DeviceIndex>(device_index);
+  c10::cuda::CUDAGuard guard(index);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(index);
   AT_DISPATCH_FLOATING_TYPES_AND2(c10::ScalarType::Half, c10::ScalarType::BFloat16,
                                   static_cast<c10::ScalarType>(src_dtype),
                                   "kv_cache_quantize_append_cuda", [&] {

@@ -23,17 +23,9 @@ from txl_kernels.memory import kv_cache_compact, kv_cache_quantize_append
 from txl_kernels.models import MemTransformerLM
 from txl_kernels.quant import dequantize_per_token, quantize_per_token
 
-from test_models import make_model, tokens
+from test_models import _one_thread, make_model, tokens  # noqa: F401 (autouse fixture)
 
 QDTYPES = [torch.int8, torch.float8_e4m3fn]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(params=["extension", "torch"])
@@ -86,6 +78,23 @@ def test_quantize_append_bit_identical_to_quantize_per_token(backend, src_dtype,
         assert tie[1:6].tolist() == [0.0, 2.0, 2.0, 0.0, -4.0] and tie[8] == -10.0
     else:
         assert tie[6:8].tolist() == [1.0, 16.0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qdtype", QDTYPES)
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
+def test_quantize_append_cuda_bit_identical(extension, src_dtype, qdtype, scale_dtype):
+    """The CUDA kernel (one launch for every buffer) against quantize_per_token on CUDA."""
+    n, bsz, H, D, cap, dst = 5, 3, 4, 41, 12, 2
+    srcs = [_source(n, bsz, H, D, src_dtype, qdtype, seed).cuda() for seed in range(4)]
+    data = [torch.zeros(cap, bsz, H * D, dtype=qdtype, device="cuda") for _ in srcs]
+    scales = [torch.zeros(cap, bsz, H, dtype=scale_dtype, device="cuda") for _ in srcs]
+    kv_cache_quantize_append(srcs, data, scales, dst, H, backend="extension")
+    for x, q, s in zip(srcs, data, scales):
+        want_q, want_s = quantize_per_token(x.unflatten(-1, (H, D)), qdtype, scale_dtype)
+        assert torch.equal(q[dst:dst + n].view(torch.int8), want_q.flatten(-2).view(torch.int8))
+        assert torch.equal(s[dst:dst + n], want_s)
 
 
 def test_quantize_append_bad_arguments(backend):

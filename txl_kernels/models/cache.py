@@ -134,8 +134,8 @@ class TransfoXLCache:
         if self.mlen == 0:
             return k, v, None
         H, M, B = self.n_head, self.mlen, self.bsz
-        data = [buf[lo:mid].view(M, B, H, self.width // H).transpose(0, 1) for buf in (self.k[layer],
-                                                                         self.v[layer])]
+        data = [buf[lo:mid].view(M, B, H, self.width // H).transpose(0, 1)
+                for buf in (self.k[layer], self.v[layer])]
         scales = [buf[lo:mid].transpose(0, 1) for buf in (self.k_scale[layer],
                                                           self.v_scale[layer])]
         return k, v, QuantizedKV(data[0], scales[0], data[1], scales[1])
