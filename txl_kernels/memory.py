@@ -12,6 +12,10 @@ all layers. Where the extension cannot be built (no ninja, no C++ compiler, no C
 CUDA tensors) a pure-torch implementation is used and a warning saying why is issued once per
 device type. Both give the formula's values bit for bit (they only copy).
 
+The same extension serves the LM's K/V cache: ``kv_cache_compact`` (the window moved back to
+row 0) and ``kv_cache_quantize_append`` (the 8-bit cache's per-(token, head) quantisation of a
+segment's keys and values), each one launch for every buffer on CUDA, with the same fallback.
+
 The new memories are fresh contiguous tensors that never alias ``hids`` or ``mems`` (the
 original's are views into the concatenation, which keeps the whole ``cat`` alive).
 """

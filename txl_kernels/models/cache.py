@@ -61,6 +61,10 @@ class TransfoXLCache:
         if quant_dtype is not None and quant_dtype not in QUANT_DTYPES:
             raise TypeError(f"new_cache: dtype must be None (the model's dtype), torch.int8 or "
                             f"torch.float8_e4m3fn (8-bit memory), got {quant_dtype!r}")
+        if isinstance(n_head, bool) or not isinstance(n_head, int) or n_head < 1 \
+                or width % n_head:
+            raise ValueError(f"new_cache: n_head must be an int >= 1 dividing width={width}, "
+                             f"got {n_head!r}")
         if scale_dtype not in SCALE_DTYPES:
             raise TypeError(f"new_cache: scale_dtype must be torch.float32 or torch.float16, "
                             f"got {scale_dtype!r}")
