@@ -27,6 +27,7 @@ scales with the data (the same single launch).
 """
 from __future__ import annotations
 
+import functools
 from typing import List, Optional
 
 import torch
@@ -35,6 +36,13 @@ from ..memory import kv_cache_compact, kv_cache_quantize_append
 from ..quant import QUANT_DTYPES, SCALE_DTYPES, QuantizedKV, dequantize_per_token
 
 __all__ = ["TransfoXLCache"]
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_values(device: torch.device) -> torch.Tensor:
+    """The fp32 value of each of the 256 float8_e4m3fn bit patterns."""
+    bits = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    return bits.view(torch.float8_e4m3fn).float().to(device)
 
 
 class TransfoXLCache:
@@ -158,7 +166,14 @@ class TransfoXLCache:
             data = data[lo:lo + mlen].view(mem.shape)
             scale = scale[lo:lo + mlen]
             if self.compute_dtype == torch.float32:  # in place: data.float() * scale.float()
-                mem.copy_(data).mul_(scale[..., None])
+                if data.dtype == torch.float8_e4m3fn:  # a table of the 256 values: exact,
+                    # and ~4x faster on CPUs than the element-wise fp8 conversion
+                    torch.index_select(_fp8_values(data.device), 0,
+                                       data.reshape(-1).view(torch.uint8).int(),
+                                       out=mem.view(-1))
+                else:
+                    mem.copy_(data)
+                mem.mul_(scale[..., None])
             else:  # the product in fp32, then rounded to the compute dtype
                 mem.copy_(dequantize_per_token(data, scale, self.compute_dtype))
             buf[mlen:].copy_(cur)
