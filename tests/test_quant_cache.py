@@ -116,6 +116,24 @@ def test_quantize_append_bad_arguments(backend):
         kv_cache_quantize_append(x, [q], [s], 0, 2, backend=backend)
 
 
+def test_quantize_append_without_extension(monkeypatch):
+    """No extension: "auto" warns once and quantises with the torch fallback (same values),
+    "extension" raises naming the op and the reason."""
+    from txl_kernels import memory
+
+    monkeypatch.setattr(memory, "_extension_for", lambda device: (None, "no compiler here"))
+    monkeypatch.setattr(memory, "_WARNED", set())
+    x = _source(3, 2, 2, 8, torch.float32, torch.int8, 0)
+    q, s = torch.zeros(4, 2, 16, dtype=torch.int8), torch.zeros(4, 2, 2)
+    with pytest.warns(RuntimeWarning, match="pure-torch fallback.*no compiler here"):
+        kv_cache_quantize_append([x], [q], [s], 1, 2)
+    want_q, want_s = quantize_per_token(x.unflatten(-1, (2, 8)), torch.int8)
+    assert torch.equal(q[1:], want_q.flatten(-2)) and torch.equal(s[1:], want_s)
+    with pytest.raises(RuntimeError, match="kv_cache_quantize_append: backend='extension' is "
+                                           "not available.*no compiler here"):
+        kv_cache_quantize_append([x], [q], [s], 1, 2, backend="extension")
+
+
 def test_compact_moves_data_and_scales_together(backend):
     g = torch.Generator().manual_seed(0)
     bufs = [torch.randint(-127, 127, (11, 2, 6), generator=g, dtype=torch.int8),
