@@ -1,5 +1,6 @@
 """Pieces shared by the forward and backward kernels: interpreter detection, operand rounding,
-fp32 product precision, stride normalisation, the autotuning switch and the dropout RNG."""
+8-bit memory dequantisation (forward and decode), fp32 product precision, stride
+normalisation, the autotuning switch and the dropout RNG."""
 from __future__ import annotations
 
 import os
@@ -22,6 +23,22 @@ def round_bf16(x):
     bits = x.to(tl.uint32, bitcast=True)
     bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def load_dequant(ptrs, s_ptrs, row_ok, msk, OUT_TY: tl.constexpr, UPCAST: tl.constexpr):
+    """Rows of an 8-bit memory (int8 / float8_e4m3fn) dequantised in registers, by the
+    contract of ``txl_kernels.quant``: ``data.float() * scale.float()`` rounded to ``OUT_TY``
+    (UPCAST: an fp32 tensor holding the nearest bf16, as the interpreter needs). ``ptrs``:
+    ``[BN, BD]`` data pointers; ``s_ptrs``: ``[BN]`` per-row scale pointers, loaded where
+    ``row_ok``; ``msk`` (broadcastable to ``[BN, BD]``): the entries to load, the others
+    come back 0."""
+    x = tl.load(ptrs, mask=msk)  # no `other`: the interpreter cannot cast one to fp8
+    s = tl.load(s_ptrs, mask=row_ok, other=0.0).to(tl.float32)
+    y = tl.where(msk, x.to(tl.float32) * s[:, None], 0.0)
+    if UPCAST:
+        return round_bf16(y)
+    return y.to(OUT_TY)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
