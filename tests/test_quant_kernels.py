@@ -57,9 +57,12 @@ def _inputs(B, Lq, Lc, M, H, D, dtype, qdtype, seed=0, seq_first=False, R=None,
     return q, k, v, r, u, vb, mem
 
 
-def _truth_and_same(q, k, v, r, u, vb, mem, **kw):
-    """(float64 attention over the dequantised memory, the same-precision oracle)."""
-    mk, mv = mem.dequantize(q.dtype)  # the values the kernels must see
+def _truth_and_same(q, k, v, r, u, vb, mem, rounded=True, **kw):
+    """(float64 attention over the dequantised memory, the same-precision oracle).
+    rounded: the memory's values as the contract gives them (``data * scale`` rounded to q's
+    dtype: what the fused forward's tensor-core operands hold); False: ``data * scale``
+    exactly (what the fp32 decode kernel computes with)."""
+    mk, mv = mem.dequantize(q.dtype if rounded else torch.float64)
     kf, vf = torch.cat([mk, k], 1), torch.cat([mv, v], 1)
     truth = rel_attention(*(t.double() for t in (q, kf, vf, r, u, vb)), backend="reference",
                           **kw)
@@ -256,13 +259,17 @@ DECODE = [  # (dtype, qdtype, M, Lc, window_left, num_splits)
                          ids=[f"{_id(a)}-{_id(b)}-M{m}-Lc{c}-w{w}" for a, b, m, c, w, _ in DECODE])
 def test_decode_memory_matches_oracle(dtype, qdtype, M, Lc, wl, splits):
     """Seq-first strided current rows and memory (as the LM cache passes them), D 41, odd
-    M (a tile across j = M, splits across it), windows."""
+    M (a tile across j = M, splits across it), windows. The kernel computes in fp32 with the
+    memory's exact ``data * scale`` (see _decode_split_kernel's docstring): the float64 truth
+    is the attention over those values, and the bound 2x the error of the same-precision
+    oracle (the reference with the same memory, which rounds it to q's dtype)."""
     q, k, v, r, u, vb, mem = _inputs(2, 1, Lc, M, 3, 41, dtype, qdtype, seed=M,
                                      seq_first=True)
     assert mem.k.stride(-1) == 1 and not mem.k.is_contiguous()
     got = dec_mod.rel_attn_decode(q, k, v, r, u, vb, 41 ** -0.5, wl, num_splits=splits,
                                   memory=mem)
-    truth, same = _truth_and_same(q, k, v, r, u, vb, mem, window_size=(wl, 0))
+    truth, same = _truth_and_same(q, k, v, r, u, vb, mem, rounded=False,
+                                  window_size=(wl, 0))
     assert got.dtype == dtype and got.shape == q.shape
     assert_within(f"decode {dtype} {qdtype}", got, same, truth)
 

@@ -25,6 +25,23 @@ def round_bf16(x):
     return bits.to(tl.float32, bitcast=True)
 
 
+_INTERP = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def load_8bit(ptrs, msk):
+    """fp32 values of 8-bit memory data (int8 / float8_e4m3fn) at ``ptrs``, 0 where not
+    ``msk``. (int8 by I2F: in the static model of the decode loop (tools/decode_static.py)
+    the integer trick 2^23 + (x + 128) as fp32 bits minus 2^23 + 128 costs more issue slots
+    than the conversion pipe, which stays below the issue bound.)"""
+    if ptrs.dtype.element_ty == tl.int8:
+        return tl.load(ptrs, mask=msk, other=0).to(tl.float32)
+    elif _INTERP:  # the interpreter cannot cast an `other` to fp8
+        return tl.where(msk, tl.load(ptrs, mask=msk).to(tl.float32), 0.0)
+    else:
+        return tl.load(ptrs, mask=msk, other=0.0).to(tl.float32)
+
+
 @triton.jit
 def load_dequant(ptrs, s_ptrs, row_ok, msk, OUT_TY: tl.constexpr, UPCAST: tl.constexpr):
     """Rows of an 8-bit memory (int8 / float8_e4m3fn) dequantised in registers, by the
@@ -33,9 +50,8 @@ def load_dequant(ptrs, s_ptrs, row_ok, msk, OUT_TY: tl.constexpr, UPCAST: tl.con
     ``[BN, BD]`` data pointers; ``s_ptrs``: ``[BN]`` per-row scale pointers, loaded where
     ``row_ok``; ``msk`` (broadcastable to ``[BN, BD]``): the entries to load, the others
     come back 0."""
-    x = tl.load(ptrs, mask=msk)  # no `other`: the interpreter cannot cast one to fp8
     s = tl.load(s_ptrs, mask=row_ok, other=0.0).to(tl.float32)
-    y = tl.where(msk, x.to(tl.float32) * s[:, None], 0.0)
+    y = load_8bit(ptrs, msk) * s[:, None]
     if UPCAST:
         return round_bf16(y)
     return y.to(OUT_TY)

@@ -6,9 +6,9 @@ j), u / vb ``[H, D]``; returns ``[B, 1, H, D]`` in q's dtype. Causal with an opt
 window (keys ``j >= Lk - 1 - window_left``). Any strides with ``stride(-1) == 1`` (others
 copied). Forward only (inference). With ``memory=QuantizedKV`` (8-bit memory, ``M`` rows):
 the keys are the memory's rows followed by k / v's (``Lk = M + Lc``); the memory is loaded as
-int8 / float8_e4m3fn plus one scale per (token, head) and dequantised in registers by the
-``txl_kernels.quant`` contract, rounded to q's dtype (so the kernel sees exactly the values the
-reference attends to), in a key loop of its own; no full-precision copy is made.
+int8 / float8_e4m3fn plus one scale per (token, head) and dequantised in registers, in fp32
+(``data * scale``, the scales applied per row; not rounded to q's dtype: see the kernel's
+docstring), in a key loop of its own; no full-precision copy is made.
 
 Invariants. Flash-decoding: program (bh, split) writes an fp32 partial (running max, sum of
 exponentials, unnormalised output) for its slice of keys; a second kernel merges the splits;
@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..quant import QuantizedKV
-from ._common import INTERPRET, last_dim_contiguous, load_dequant
+from ._common import last_dim_contiguous, load_8bit
 
 __all__ = ["rel_attn_decode", "num_splits_for"]
 
@@ -33,14 +33,23 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _decode_tile(acc, m_i, l_i, k, r, v, nmask, qu, qv, qk_scale):
-    """Online-softmax update with one tile of keys: k / r / v ``[BN, BD]`` fp32."""
-    s = (tl.sum(k * qu[None, :], axis=1) + tl.sum(r * qv[None, :], axis=1)) * qk_scale
+def _decode_tile(acc, m_i, l_i, k, r, v, nmask, qu, qv, qk_scale, k_scale, v_scale,
+                 SCALED: tl.constexpr):
+    """Online-softmax update with one tile of keys: k / r / v ``[BN, BD]`` fp32. SCALED: k / v
+    are 8-bit data, ``k_scale`` / ``v_scale`` ``[BN]`` their rows' scales, applied per row:
+    ``(k_j * s_j) . qu = s_j (k_j . qu)`` and ``sum_j p_j (v_j * t_j) = sum_j (p_j t_j) v_j``."""
+    ac = tl.sum(k * qu[None, :], axis=1)
+    if SCALED:
+        ac = ac * k_scale
+    s = (ac + tl.sum(r * qv[None, :], axis=1)) * qk_scale
     s = tl.where(nmask, s, -float("inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=0))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new)
-    acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+    pv = p
+    if SCALED:
+        pv = p * v_scale
+    acc = acc * alpha + tl.sum(pv[:, None] * v, axis=0)
     l_i = l_i * alpha + tl.sum(p, axis=0)
     return acc, m_new, l_i
 
@@ -54,12 +63,21 @@ def _decode_split_kernel(
     stride_vqb, stride_vqn, stride_vqh, stride_vsb, stride_vsn, stride_vsh,
     H, LK, D, J_LO, KEYS_PER_SPLIT, NUM_SPLITS, scale, MEM_M,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr = False,
-    UPCAST: tl.constexpr = False,
 ):
     """Keys j in this split's slice of [J_LO, LK). QUANT: keys j < MEM_M are the 8-bit
-    memory's (KQ / VQ data, KS / VS per-row scales), dequantised in registers and rounded to
-    q's dtype (``load_dequant``: exactly the values the reference attends to; UPCAST: bf16
-    under the interpreter), in a loop of their own; keys j >= MEM_M are row j - MEM_M of K / V."""
+    memory's (KQ / VQ data, KS / VS per-row scales), in a loop of their own, dequantised in
+    registers in fp32 with the scales applied per row (``_decode_tile``); keys j >= MEM_M
+    are row j - MEM_M of K / V.
+
+    Why fp32, without rounding the dequantised values to q's dtype as the reference does:
+    this kernel computes in fp32 throughout (no tensor-core operands to round for), so its
+    memory values are ``data * scale`` exactly, the contract's values before their final
+    rounding, and the result differs from the exact attention over them only by arithmetic
+    order (fp32 reassociation of the per-row scale); rounding would only add the 16-bit
+    rounding error the reference has, at two conversion-pipe instructions per value (the
+    static model, tools/decode_static.py: they made the 8-bit key loop XU-bound, slower
+    than the 16-bit loop). The tests compare with the float64 attention over ``data *
+    scale``, within 2x the error of the same-precision reference with the same memory."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -99,12 +117,13 @@ def _decode_split_kernel(
             nmask = offs_n < j_mem
             m2 = nmask[:, None] & dmask[None, :]
             jj = tl.cast(j0, tl.int64)
-            k = load_dequant(KQ_bh + jj * stride_kqn + kq_off, KS_bh + offs_n * stride_ksn,
-                             nmask, m2, Q.dtype.element_ty, UPCAST).to(tl.float32)
+            k = load_8bit(KQ_bh + jj * stride_kqn + kq_off, m2)
+            ks = tl.load(KS_bh + offs_n * stride_ksn, mask=nmask, other=0.0).to(tl.float32)
             r = tl.load(R_h + jj * stride_rn + r_off, mask=m2, other=0.0).to(tl.float32)
-            v = load_dequant(VQ_bh + jj * stride_vqn + vq_off, VS_bh + offs_n * stride_vsn,
-                             nmask, m2, Q.dtype.element_ty, UPCAST).to(tl.float32)
-            acc, m_i, l_i = _decode_tile(acc, m_i, l_i, k, r, v, nmask, qu, qv, qk_scale)
+            v = load_8bit(VQ_bh + jj * stride_vqn + vq_off, m2)
+            vs = tl.load(VS_bh + offs_n * stride_vsn, mask=nmask, other=0.0).to(tl.float32)
+            acc, m_i, l_i = _decode_tile(acc, m_i, l_i, k, r, v, nmask, qu, qv, qk_scale,
+                                         ks, vs, True)
         j_start = tl.maximum(j_start, MEM_M)
         c0 = MEM_M
     for j0 in range(j_start, j_end, BLOCK_N):
@@ -116,7 +135,8 @@ def _decode_split_kernel(
         k = tl.load(K_bh + jc * stride_kn + k_off, mask=m2, other=0.0).to(tl.float32)
         r = tl.load(R_h + jj * stride_rn + r_off, mask=m2, other=0.0).to(tl.float32)
         v = tl.load(V_bh + jc * stride_vn + v_off, mask=m2, other=0.0).to(tl.float32)
-        acc, m_i, l_i = _decode_tile(acc, m_i, l_i, k, r, v, nmask, qu, qv, qk_scale)
+        acc, m_i, l_i = _decode_tile(acc, m_i, l_i, k, r, v, nmask, qu, qv, qk_scale,
+                                     1.0, 1.0, False)
     idx = bh * NUM_SPLITS + split
     tl.store(M_OUT + idx, m_i)
     tl.store(L_OUT + idx, l_i)
@@ -171,7 +191,8 @@ def rel_attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.
     ``memory``: an 8-bit memory (``txl_kernels.quant.QuantizedKV``, k / v ``[B, M, H, D]``
     int8 / float8_e4m3fn, scales ``[B, M, H]``; any strides with a contiguous last dim). The
     keys are then its ``M`` rows followed by k / v's (``Lc >= 1`` current rows): ``Lk = M +
-    Lc`` for r and the window; the memory is read in 8 bits and dequantised in registers."""
+    Lc`` for r and the window; the memory is read in 8 bits and dequantised in registers
+    (fp32 ``data * scale``, not rounded to q's dtype)."""
     B, Lq, H, D = q.shape
     mem_m = 0 if memory is None else memory.k.shape[1]
     quant = mem_m > 0
@@ -208,8 +229,7 @@ def rel_attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.
         v.stride(0), v.stride(1), v.stride(2), r.stride(0), r.stride(1), u.stride(0),
         *mem_strides,
         H, Lk, D, j_lo, per_split, splits, float(softmax_scale), mem_m,
-        BLOCK_N=block_n, BLOCK_D=block_d, QUANT=quant,
-        UPCAST=INTERPRET and q.dtype == torch.bfloat16)
+        BLOCK_N=block_n, BLOCK_D=block_d, QUANT=quant)
     out = torch.empty((B, 1, H, D), device=q.device, dtype=q.dtype)
     _decode_merge_kernel[(B * H,)](
         m, l, acc, out, out.stride(0), out.stride(2), H, D, splits,
