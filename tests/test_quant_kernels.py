@@ -145,6 +145,15 @@ def test_forward_memory_of_length_zero_is_plain_attention():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def _spy_on(monkeypatch, module, name):
+    """Record the launches of module.name (launching them), with every full-precision
+    dequantisation of an 8-bit memory made to fail."""
+    spy = _Spy(getattr(module, name))
+    monkeypatch.setattr(module, name, spy)
+    _no_dequantize(monkeypatch)
+    return spy
+
+
 class _Spy:
     """Stands in for a @triton.jit kernel: records each launch's arguments, then launches."""
 
@@ -179,9 +188,7 @@ def _check_reads_storage(args, mem, Lc):
 def test_forward_reads_the_8bit_memory_itself(monkeypatch):
     q, k, v, r, u, vb, mem = _inputs(1, 5, 5, 19, 2, 16, torch.float16, torch.int8)
     want = rel_attention(q, k, v, r, u, vb, memory=mem, backend="reference")
-    spy = _Spy(fwd_mod._rel_attn_fwd_kernel)
-    monkeypatch.setattr(fwd_mod, "_rel_attn_fwd_kernel", spy)
-    _no_dequantize(monkeypatch)
+    spy = _spy_on(monkeypatch, fwd_mod, "_rel_attn_fwd_kernel")
     with torch.no_grad():
         got = rel_attention(q, k, v, r, u, vb, memory=mem, backend="triton")
     assert len(spy.calls) == 1
@@ -277,9 +284,7 @@ def test_decode_memory_matches_oracle(dtype, qdtype, M, Lc, wl, splits):
 def test_decode_reads_the_8bit_memory_itself(monkeypatch):
     q, k, v, r, u, vb, mem = _inputs(1, 1, 2, 33, 2, 16, torch.float32, torch.int8)
     want = rel_attention(q, k, v, r, u, vb, memory=mem, backend="reference")
-    spy = _Spy(dec_mod._decode_split_kernel)
-    monkeypatch.setattr(dec_mod, "_decode_split_kernel", spy)
-    _no_dequantize(monkeypatch)
+    spy = _spy_on(monkeypatch, dec_mod, "_decode_split_kernel")
     got = dec_mod.rel_attn_decode(q, k, v, r, u, vb, 0.25, memory=mem)
     args, kw = spy.calls[0]
     assert kw["QUANT"] is True

@@ -57,6 +57,34 @@ def load_dequant(ptrs, s_ptrs, row_ok, msk, OUT_TY: tl.constexpr, UPCAST: tl.con
     return y.to(OUT_TY)
 
 
+@triton.jit
+def memory_bases(KQ, KS, VQ, VS, b, h, stride_kqb, stride_kqn, stride_kqh, stride_ksb,
+                 stride_ksh, stride_vqb, stride_vqn, stride_vqh, stride_vsb, stride_vsh,
+                 offs_n0, offs_d):
+    """The 8-bit memory's (b, h) base pointers (data KQ / VQ, scales KS / VS) and the int32
+    offsets of a [BN, BD] data tile's rows offs_n0 (``memory_launch_args``' strides)."""
+    return (KQ + b * stride_kqb + h * stride_kqh, KS + b * stride_ksb + h * stride_ksh,
+            VQ + b * stride_vqb + h * stride_vqh, VS + b * stride_vsb + h * stride_vsh,
+            offs_n0[:, None] * stride_kqn + offs_d[None, :],
+            offs_n0[:, None] * stride_vqn + offs_d[None, :])
+
+
+def memory_launch_args(memory, k: torch.Tensor, v: torch.Tensor):
+    """A kernel launch's 8-bit memory arguments (forward and decode): ``(KQ, KS, VQ, VS)``
+    and their 12 strides (data: batch, row, head; scales: batch, row, head), the data with a
+    contiguous last dim. ``memory`` None or of length 0: placeholders (k, v and zero
+    strides; the kernels' QUANT variant is then off and reads none of them)."""
+    if memory is None or memory.k.shape[1] == 0:
+        return (k, k, v, v), (0,) * 12
+    kq, vq = (last_dim_contiguous(t) for t in (memory.k, memory.v))
+    ks, vs = memory.k_scale, memory.v_scale
+    B, M, H, D = kq.shape
+    assert kq.dtype == vq.dtype and kq.element_size() == 1 \
+        and (k.shape[0], *k.shape[2:]) == (B, H, D) and tuple(vq.shape) == (B, M, H, D) \
+        and tuple(ks.shape) == (B, M, H) == tuple(vs.shape), f"memory {memory!r:.200}"
+    return (kq, ks, vq, vs), (*kq.stride()[:3], *ks.stride(), *vq.stride()[:3], *vs.stride())
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot`` input_precision: fp32 inputs follow torch.get_float32_matmul_precision()
     ("highest" -> exact IEEE fp32 products, otherwise TF32); fp16 / bf16 products are exact."""

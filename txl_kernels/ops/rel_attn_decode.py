@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..quant import QuantizedKV
-from ._common import last_dim_contiguous, load_8bit
+from ._common import last_dim_contiguous, load_8bit, memory_bases, memory_launch_args
 
 __all__ = ["rel_attn_decode", "num_splits_for"]
 
@@ -105,12 +105,9 @@ def _decode_split_kernel(
     R_h = R + h * stride_rh
     c0 = 0  # key j >= c0 is row j - c0 of K / V
     if QUANT:
-        KQ_bh = KQ + b * stride_kqb + h * stride_kqh
-        VQ_bh = VQ + b * stride_vqb + h * stride_vqh
-        KS_bh = KS + b * stride_ksb + h * stride_ksh
-        VS_bh = VS + b * stride_vsb + h * stride_vsh
-        kq_off = offs_n0[:, None] * stride_kqn + offs_d[None, :]
-        vq_off = offs_n0[:, None] * stride_vqn + offs_d[None, :]
+        KQ_bh, KS_bh, VQ_bh, VS_bh, kq_off, vq_off = memory_bases(
+            KQ, KS, VQ, VS, b, h, stride_kqb, stride_kqn, stride_kqh, stride_ksb, stride_ksh,
+            stride_vqb, stride_vqn, stride_vqh, stride_vsb, stride_vsh, offs_n0, offs_d)
         j_mem = tl.minimum(j_end, MEM_M)
         for j0 in range(j_start, j_mem, BLOCK_N):  # the 8-bit memory's keys
             offs_n = j0 + offs_n0
@@ -203,16 +200,7 @@ def rel_attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.
     if r.shape[0] < Lk:
         raise ValueError(f"rel_attn_decode: r needs at least Lk={Lk} rows, got {list(r.shape)}")
     q, k, v, r = (last_dim_contiguous(t) for t in (q, k, v, r))
-    if quant:
-        kq, vq = (last_dim_contiguous(t) for t in (memory.k, memory.v))
-        ks, vs = memory.k_scale, memory.v_scale
-        assert kq.dtype == vq.dtype and kq.dtype in (torch.int8, torch.float8_e4m3fn) \
-            and tuple(kq.shape) == (B, mem_m, H, D) == tuple(vq.shape) \
-            and tuple(ks.shape) == (B, mem_m, H) == tuple(vs.shape), f"memory {memory!r:.200}"
-        mem_args = (kq, ks, vq, vs)
-        mem_strides = (*kq.stride()[:3], *ks.stride(), *vq.stride()[:3], *vs.stride())
-    else:  # unused
-        mem_args, mem_strides = (k, k, v, v), (0,) * 12
+    mem_args, mem_strides = memory_launch_args(memory, k, v)
     u, vb = r_w_bias.contiguous(), r_r_bias.contiguous()
     j_lo = 0 if window_left < 0 else max(0, Lk - 1 - window_left)
     block_n = 64

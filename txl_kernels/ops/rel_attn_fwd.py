@@ -8,7 +8,10 @@ u / vb ``[H, D]``, one dtype among fp16 / bf16 / fp32, head dim 16..256. Any str
 ``(window_left, window_right)`` bottom-right aligned (causal is window_right = 0), bool
 key_padding_mask ``[B, Lk]`` and attn_mask broadcastable to ``[B, H, Lq, Lk]`` (True = masked,
 any strides), or a device-side band. Returns out ``[B, Lq, H, D]`` (q's dtype) and lse
-``[B, H, Lq]`` (fp32, natural log).
+``[B, H, Lq]`` (fp32, natural log). Optional 8-bit memory (``QUANT_MEM``): int8 /
+float8_e4m3fn keys / values ``[B, M, H, D]`` with scales ``[B, M, H]`` (fp32 / fp16) in front of
+k / v (``Lk = M + Lc`` everywhere above), loaded in 8 bits and dequantised in registers by the
+``txl_kernels.quant`` contract (fp32 product rounded to the compute dtype); forward only.
 
 Invariants. No Lq x Lk tensor in global memory; fp32 accumulation; q + u and q + vb summed in
 fp32 and rounded once (the backward relies on the same rounding); rows with no allowed key give
@@ -17,6 +20,7 @@ validated by ``rel_attention``; the launcher only asserts.
 
 Derivations: docs/DESIGN.md, sections "The skew" (window chunks, ``_common.rotate_rows``),
 "Window reuse", "Masking and tile skipping" (mask-free interior tiles), "Split-K (forward)",
+"Forward: tiles, online softmax" (the 8-bit memory),
 "Precision" and "Limits and resources".
 """
 from __future__ import annotations
@@ -33,8 +37,8 @@ from .._utils import describe
 from ..quant import QuantizedKV
 from ._common import (INTERPRET, apply_mask_band, autotune_enabled, dot_precision,
                       draw_dropout_seed, dropout_keep, dropout_keep_mask, dropout_threshold,
-                      last_dim_contiguous, load_dequant, load_dropout_seed, rotate_rows,
-                      round_bf16)
+                      last_dim_contiguous, load_dequant, load_dropout_seed,
+                      memory_bases, memory_launch_args, rotate_rows, round_bf16)
 
 __all__ = ["rel_attn_fwd", "choose_num_splits", "autotune_enabled", "draw_dropout_seed",
            "dropout_keep_mask"]
@@ -336,12 +340,9 @@ def _rel_attn_fwd_kernel(
                                         strides=[stride_rp, 1], block_shape=[BLOCK_N, BLOCK_D])
     else:
         R_h = R + h * stride_rh
-    KQ_bh = KQ + b * stride_kqb + h * stride_kqh
-    KS_bh = KS + b * stride_ksb + h * stride_ksh
-    VQ_bh = VQ + b * stride_vqb + h * stride_vqh
-    VS_bh = VS + b * stride_vsb + h * stride_vsh
-    kq_off = offs_n0[:, None] * stride_kqn + offs_d[None, :]
-    vq_off = offs_n0[:, None] * stride_vqn + offs_d[None, :]
+    KQ_bh, KS_bh, VQ_bh, VS_bh, kq_off, vq_off = memory_bases(
+        KQ, KS, VQ, VS, b, h, stride_kqb, stride_kqn, stride_kqh, stride_ksb, stride_ksh,
+        stride_vqb, stride_vqn, stride_vqh, stride_vsb, stride_vsh, offs_n0, offs_d)
     k_off = offs_n0[:, None] * stride_kn + offs_d[None, :]
     v_off = offs_n0[:, None] * stride_vn + offs_d[None, :]
     r_off = offs_n0[:, None] * stride_rp + offs_d[None, :]
@@ -651,16 +652,7 @@ def rel_attn_fwd(
         f"r {describe(r)}, r_w_bias {describe(r_w_bias)}, r_r_bias {describe(r_r_bias)}"
     assert 16 <= D <= 256, f"head dim {D}"
     q, k, v, r, u, vb = (last_dim_contiguous(t) for t in (q, k, v, r, r_w_bias, r_r_bias))
-    if quant:
-        kq, vq = (last_dim_contiguous(t) for t in (memory.k, memory.v))
-        ks, vs = memory.k_scale, memory.v_scale
-        assert kq.dtype == vq.dtype and kq.dtype in (torch.int8, torch.float8_e4m3fn) \
-            and tuple(kq.shape) == (B, mem_m, H, D) == tuple(vq.shape) \
-            and tuple(ks.shape) == (B, mem_m, H) == tuple(vs.shape), f"memory {memory!r:.200}"
-        mem_args = (kq, ks, vq, vs)
-        mem_strides = (*kq.stride()[:3], *ks.stride(), *vq.stride()[:3], *vs.stride())
-    else:  # unused
-        mem_args, mem_strides = (k, k, v, v), (0,) * 12
+    mem_args, mem_strides = memory_launch_args(memory, k, v)
 
     out = torch.empty((B, Lq, H, D), dtype=dtype, device=q.device)
     lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
