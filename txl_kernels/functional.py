@@ -377,13 +377,12 @@ def rel_attention(
                              "only (inference); inputs require grad: use backend='reference' "
                              "or torch.no_grad()")
         use_fused = use_fused and not grads
-        use_fused = False  # the fused 8-bit kernels come next (hq-kern)
 
     if use_fused:
         from .ops import rel_attn_func  # imports triton lazily
 
         return rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                             attn_mask_band, deterministic, float(dropout_p))
+                             attn_mask_band, deterministic, float(dropout_p), memory=memory)
     if memory is not None and mlen > 0:
         # The oracle: dequantise explicitly, then attend over [memory; current segment].
         mk, mv = memory.dequantize(q.dtype)

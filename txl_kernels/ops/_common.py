@@ -1,5 +1,6 @@
 """Pieces shared by the forward and backward kernels: interpreter detection, operand rounding,
-fp32 product precision, stride normalisation, the autotuning switch and the dropout RNG."""
+8-bit memory dequantisation (forward and decode), fp32 product precision, stride
+normalisation, the autotuning switch and the dropout RNG."""
 from __future__ import annotations
 
 import os
@@ -22,6 +23,66 @@ def round_bf16(x):
     bits = x.to(tl.uint32, bitcast=True)
     bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
     return bits.to(tl.float32, bitcast=True)
+
+
+_INTERP = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def load_8bit(ptrs, msk):
+    """fp32 values of 8-bit memory data (int8 / float8_e4m3fn) at ``ptrs``, 0 where not
+    ``msk``. (int8 by I2F: in the static model of the decode loop (tools/decode_static.py)
+    the integer trick 2^23 + (x + 128) as fp32 bits minus 2^23 + 128 costs more issue slots
+    than the conversion pipe, which stays below the issue bound.)"""
+    if ptrs.dtype.element_ty == tl.int8:
+        return tl.load(ptrs, mask=msk, other=0).to(tl.float32)
+    elif _INTERP:  # the interpreter cannot cast an `other` to fp8
+        return tl.where(msk, tl.load(ptrs, mask=msk).to(tl.float32), 0.0)
+    else:
+        return tl.load(ptrs, mask=msk, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def load_dequant(ptrs, s_ptrs, row_ok, msk, OUT_TY: tl.constexpr, UPCAST: tl.constexpr):
+    """Rows of an 8-bit memory (int8 / float8_e4m3fn) dequantised in registers, by the
+    contract of ``txl_kernels.quant``: ``data.float() * scale.float()`` rounded to ``OUT_TY``
+    (UPCAST: an fp32 tensor holding the nearest bf16, as the interpreter needs). ``ptrs``:
+    ``[BN, BD]`` data pointers; ``s_ptrs``: ``[BN]`` per-row scale pointers, loaded where
+    ``row_ok``; ``msk`` (broadcastable to ``[BN, BD]``): the entries to load, the others
+    come back 0."""
+    s = tl.load(s_ptrs, mask=row_ok, other=0.0).to(tl.float32)
+    y = load_8bit(ptrs, msk) * s[:, None]
+    if UPCAST:
+        return round_bf16(y)
+    return y.to(OUT_TY)
+
+
+@triton.jit
+def memory_bases(KQ, KS, VQ, VS, b, h, stride_kqb, stride_kqn, stride_kqh, stride_ksb,
+                 stride_ksh, stride_vqb, stride_vqn, stride_vqh, stride_vsb, stride_vsh,
+                 offs_n0, offs_d):
+    """The 8-bit memory's (b, h) base pointers (data KQ / VQ, scales KS / VS) and the int32
+    offsets of a [BN, BD] data tile's rows offs_n0 (``memory_launch_args``' strides)."""
+    return (KQ + b * stride_kqb + h * stride_kqh, KS + b * stride_ksb + h * stride_ksh,
+            VQ + b * stride_vqb + h * stride_vqh, VS + b * stride_vsb + h * stride_vsh,
+            offs_n0[:, None] * stride_kqn + offs_d[None, :],
+            offs_n0[:, None] * stride_vqn + offs_d[None, :])
+
+
+def memory_launch_args(memory, k: torch.Tensor, v: torch.Tensor):
+    """A kernel launch's 8-bit memory arguments (forward and decode): ``(KQ, KS, VQ, VS)``
+    and their 12 strides (data: batch, row, head; scales: batch, row, head), the data with a
+    contiguous last dim. ``memory`` None or of length 0: placeholders (k, v and zero
+    strides; the kernels' QUANT variant is then off and reads none of them)."""
+    if memory is None or memory.k.shape[1] == 0:
+        return (k, k, v, v), (0,) * 12
+    kq, vq = (last_dim_contiguous(t) for t in (memory.k, memory.v))
+    ks, vs = memory.k_scale, memory.v_scale
+    B, M, H, D = kq.shape
+    assert kq.dtype == vq.dtype and kq.element_size() == 1 \
+        and (k.shape[0], *k.shape[2:]) == (B, H, D) and tuple(vq.shape) == (B, M, H, D) \
+        and tuple(ks.shape) == (B, M, H) == tuple(vs.shape), f"memory {memory!r:.200}"
+    return (kq, ks, vq, vs), (*kq.stride()[:3], *ks.stride(), *vq.stride()[:3], *vs.stride())
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -4,7 +4,11 @@ generation step of ``MemTransformerLM.generate`` on its K/V cache: ``rel_attn_de
 Contract. q ``[B, 1, H, D]``, k / v ``[B, Lk, H, D]``, r ``[R >= Lk, H, D]`` (row j serves key
 j), u / vb ``[H, D]``; returns ``[B, 1, H, D]`` in q's dtype. Causal with an optional left
 window (keys ``j >= Lk - 1 - window_left``). Any strides with ``stride(-1) == 1`` (others
-copied). Forward only (inference).
+copied). Forward only (inference). With ``memory=QuantizedKV`` (8-bit memory, ``M`` rows):
+the keys are the memory's rows followed by k / v's (``Lk = M + Lc``); the memory is loaded as
+int8 / float8_e4m3fn plus one scale per (token, head) and dequantised in registers, in fp32
+(``data * scale``, the scales applied per row; not rounded to q's dtype: see the kernel's
+docstring), in a key loop of its own; no full-precision copy is made.
 
 Invariants. Flash-decoding: program (bh, split) writes an fp32 partial (running max, sum of
 exponentials, unnormalised output) for its slice of keys; a second kernel merges the splits;
@@ -14,11 +18,14 @@ Derivations: docs/DESIGN.md, section "Decode (rel_attn_decode.py)".
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
-from ._common import last_dim_contiguous
+from ..quant import QuantizedKV
+from ._common import last_dim_contiguous, load_8bit, memory_bases, memory_launch_args
 
 __all__ = ["rel_attn_decode", "num_splits_for"]
 
@@ -26,18 +33,57 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
+def _decode_tile(acc, m_i, l_i, k, r, v, nmask, qu, qv, qk_scale, k_scale, v_scale,
+                 SCALED: tl.constexpr):
+    """Online-softmax update with one tile of keys: k / r / v ``[BN, BD]`` fp32. SCALED: k / v
+    are 8-bit data, ``k_scale`` / ``v_scale`` ``[BN]`` their rows' scales, applied per row:
+    ``(k_j * s_j) . qu = s_j (k_j . qu)`` and ``sum_j p_j (v_j * t_j) = sum_j (p_j t_j) v_j``."""
+    ac = tl.sum(k * qu[None, :], axis=1)
+    if SCALED:
+        ac = ac * k_scale
+    s = (ac + tl.sum(r * qv[None, :], axis=1)) * qk_scale
+    s = tl.where(nmask, s, -float("inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new)
+    pv = p
+    if SCALED:
+        pv = p * v_scale
+    acc = acc * alpha + tl.sum(pv[:, None] * v, axis=0)
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _decode_split_kernel(
-    Q, K, V, R, U, VB, M_OUT, L_OUT, ACC_OUT,
+    Q, K, V, R, U, VB, M_OUT, L_OUT, ACC_OUT, KQ, KS, VQ, VS,
     stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_rn, stride_rh, stride_uh,
-    H, LK, D, J_LO, KEYS_PER_SPLIT, NUM_SPLITS, scale,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_kqb, stride_kqn, stride_kqh, stride_ksb, stride_ksn, stride_ksh,
+    stride_vqb, stride_vqn, stride_vqh, stride_vsb, stride_vsn, stride_vsh,
+    H, LK, D, J_LO, KEYS_PER_SPLIT, NUM_SPLITS, scale, MEM_M,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr = False,
 ):
+    """Keys j in this split's slice of [J_LO, LK). QUANT: keys j < MEM_M are the 8-bit
+    memory's (KQ / VQ data, KS / VS per-row scales), in a loop of their own, dequantised in
+    registers in fp32 with the scales applied per row (``_decode_tile``); keys j >= MEM_M
+    are row j - MEM_M of K / V.
+
+    Why fp32, without rounding the dequantised values to q's dtype as the reference does:
+    this kernel computes in fp32 throughout (no tensor-core operands to round for), so its
+    memory values are ``data * scale`` exactly, the contract's values before their final
+    rounding, and the result differs from the exact attention over them only by arithmetic
+    order (fp32 reassociation of the per-row scale); rounding would only add the 16-bit
+    rounding error the reference has, at two conversion-pipe instructions per value (the
+    static model, tools/decode_static.py: they made the 8-bit key loop XU-bound, slower
+    than the 16-bit loop). The tests compare with the float64 attention over ``data *
+    scale``, within 2x the error of the same-precision reference with the same memory."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_n0 = tl.arange(0, BLOCK_N)
     dmask = offs_d < D
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d, mask=dmask, other=0.0).to(tl.float32)
     u = tl.load(U + h * stride_uh + offs_d, mask=dmask, other=0.0).to(tl.float32)
@@ -51,24 +97,43 @@ def _decode_split_kernel(
     m_i = tl.full([], -float("inf"), tl.float32)
     l_i = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    k_off = offs_n0[:, None] * stride_kn + offs_d[None, :]
+    v_off = offs_n0[:, None] * stride_vn + offs_d[None, :]
+    r_off = offs_n0[:, None] * stride_rn + offs_d[None, :]
+    K_bh = K + b * stride_kb + h * stride_kh
+    V_bh = V + b * stride_vb + h * stride_vh
+    R_h = R + h * stride_rh
+    c0 = 0  # key j >= c0 is row j - c0 of K / V
+    if QUANT:
+        KQ_bh, KS_bh, VQ_bh, VS_bh, kq_off, vq_off = memory_bases(
+            KQ, KS, VQ, VS, b, h, stride_kqb, stride_kqn, stride_kqh, stride_ksb, stride_ksh,
+            stride_vqb, stride_vqn, stride_vqh, stride_vsb, stride_vsh, offs_n0, offs_d)
+        j_mem = tl.minimum(j_end, MEM_M)
+        for j0 in range(j_start, j_mem, BLOCK_N):  # the 8-bit memory's keys
+            offs_n = j0 + offs_n0
+            nmask = offs_n < j_mem
+            m2 = nmask[:, None] & dmask[None, :]
+            jj = tl.cast(j0, tl.int64)
+            k = load_8bit(KQ_bh + jj * stride_kqn + kq_off, m2)
+            ks = tl.load(KS_bh + offs_n * stride_ksn, mask=nmask, other=0.0).to(tl.float32)
+            r = tl.load(R_h + jj * stride_rn + r_off, mask=m2, other=0.0).to(tl.float32)
+            v = load_8bit(VQ_bh + jj * stride_vqn + vq_off, m2)
+            vs = tl.load(VS_bh + offs_n * stride_vsn, mask=nmask, other=0.0).to(tl.float32)
+            acc, m_i, l_i = _decode_tile(acc, m_i, l_i, k, r, v, nmask, qu, qv, qk_scale,
+                                         ks, vs, True)
+        j_start = tl.maximum(j_start, MEM_M)
+        c0 = MEM_M
     for j0 in range(j_start, j_end, BLOCK_N):
-        offs_n = j0 + tl.arange(0, BLOCK_N)
+        offs_n = j0 + offs_n0
         nmask = offs_n < j_end
         m2 = nmask[:, None] & dmask[None, :]
-        k = tl.load(K + b * stride_kb + offs_n[:, None] * stride_kn + h * stride_kh
-                    + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
-        r = tl.load(R + offs_n[:, None] * stride_rn + h * stride_rh + offs_d[None, :],
-                    mask=m2, other=0.0).to(tl.float32)
-        s = (tl.sum(k * qu[None, :], axis=1) + tl.sum(r * qv[None, :], axis=1)) * qk_scale
-        s = tl.where(nmask, s, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new)
-        v = tl.load(V + b * stride_vb + offs_n[:, None] * stride_vn + h * stride_vh
-                    + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        m_i = m_new
+        jj = tl.cast(j0, tl.int64)
+        jc = tl.cast(j0 - c0, tl.int64)
+        k = tl.load(K_bh + jc * stride_kn + k_off, mask=m2, other=0.0).to(tl.float32)
+        r = tl.load(R_h + jj * stride_rn + r_off, mask=m2, other=0.0).to(tl.float32)
+        v = tl.load(V_bh + jc * stride_vn + v_off, mask=m2, other=0.0).to(tl.float32)
+        acc, m_i, l_i = _decode_tile(acc, m_i, l_i, k, r, v, nmask, qu, qv, qk_scale,
+                                     1.0, 1.0, False)
     idx = bh * NUM_SPLITS + split
     tl.store(M_OUT + idx, m_i)
     tl.store(L_OUT + idx, l_i)
@@ -111,21 +176,31 @@ def num_splits_for(bh: int, lk: int, device: torch.device, block_n: int = 64) ->
 
 def rel_attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.Tensor,
                     r_w_bias: torch.Tensor, r_r_bias: torch.Tensor, softmax_scale: float,
-                    window_left: int = -1, num_splits: int = 0) -> torch.Tensor:
+                    window_left: int = -1, num_splits: int = 0,
+                    memory: Optional[QuantizedKV] = None) -> torch.Tensor:
     """Relative attention of one query row: q ``[B, 1, H, D]``, k / v ``[B, Lk, H, D]``, r
     ``[R >= Lk, H, D]`` (row ``j`` serves key ``j``), biases ``[H, D]``; causal, with the
     left window ``window_left`` (-1 = none; same_length is ``mem_len - 1``). Any strides with
     a contiguous last dimension. ``num_splits`` 0 = chosen from the machine. Returns
     ``[B, 1, H, D]`` in q's dtype. Arguments are those ``rel_attention`` validated (the model
-    calls it only after the same checks)."""
+    calls it only after the same checks).
+
+    ``memory``: an 8-bit memory (``txl_kernels.quant.QuantizedKV``, k / v ``[B, M, H, D]``
+    int8 / float8_e4m3fn, scales ``[B, M, H]``; any strides with a contiguous last dim). The
+    keys are then its ``M`` rows followed by k / v's (``Lc >= 1`` current rows): ``Lk = M +
+    Lc`` for r and the window; the memory is read in 8 bits and dequantised in registers
+    (fp32 ``data * scale``, not rounded to q's dtype)."""
     B, Lq, H, D = q.shape
-    Lk = k.shape[1]
+    mem_m = 0 if memory is None else memory.k.shape[1]
+    quant = mem_m > 0
+    Lk = mem_m + k.shape[1]
     if Lq != 1:
         raise ValueError(f"rel_attn_decode: q must have one query row (Lq = 1), got "
                          f"{list(q.shape)}")
     if r.shape[0] < Lk:
         raise ValueError(f"rel_attn_decode: r needs at least Lk={Lk} rows, got {list(r.shape)}")
     q, k, v, r = (last_dim_contiguous(t) for t in (q, k, v, r))
+    mem_args, mem_strides = memory_launch_args(memory, k, v)
     u, vb = r_w_bias.contiguous(), r_r_bias.contiguous()
     j_lo = 0 if window_left < 0 else max(0, Lk - 1 - window_left)
     block_n = 64
@@ -137,11 +212,12 @@ def rel_attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.
     l = torch.empty_like(m)
     acc = torch.empty(B * H * splits * block_d, device=q.device, dtype=torch.float32)
     _decode_split_kernel[(B * H, splits)](
-        q, k, v, r, u, vb, m, l, acc,
+        q, k, v, r, u, vb, m, l, acc, *mem_args,
         q.stride(0), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), r.stride(0), r.stride(1), u.stride(0),
-        H, Lk, D, j_lo, per_split, splits, float(softmax_scale),
-        BLOCK_N=block_n, BLOCK_D=block_d)
+        *mem_strides,
+        H, Lk, D, j_lo, per_split, splits, float(softmax_scale), mem_m,
+        BLOCK_N=block_n, BLOCK_D=block_d, QUANT=quant)
     out = torch.empty((B, 1, H, D), device=q.device, dtype=q.dtype)
     _decode_merge_kernel[(B * H,)](
         m, l, acc, out, out.stride(0), out.stride(2), H, D, splits,

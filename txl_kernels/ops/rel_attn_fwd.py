@@ -8,7 +8,10 @@ u / vb ``[H, D]``, one dtype among fp16 / bf16 / fp32, head dim 16..256. Any str
 ``(window_left, window_right)`` bottom-right aligned (causal is window_right = 0), bool
 key_padding_mask ``[B, Lk]`` and attn_mask broadcastable to ``[B, H, Lq, Lk]`` (True = masked,
 any strides), or a device-side band. Returns out ``[B, Lq, H, D]`` (q's dtype) and lse
-``[B, H, Lq]`` (fp32, natural log).
+``[B, H, Lq]`` (fp32, natural log). Optional 8-bit memory (``QUANT_MEM``): int8 /
+float8_e4m3fn keys / values ``[B, M, H, D]`` with scales ``[B, M, H]`` (fp32 / fp16) in front of
+k / v (``Lk = M + Lc`` everywhere above), loaded in 8 bits and dequantised in registers by the
+``txl_kernels.quant`` contract (fp32 product rounded to the compute dtype); forward only.
 
 Invariants. No Lq x Lk tensor in global memory; fp32 accumulation; q + u and q + vb summed in
 fp32 and rounded once (the backward relies on the same rounding); rows with no allowed key give
@@ -17,6 +20,7 @@ validated by ``rel_attention``; the launcher only asserts.
 
 Derivations: docs/DESIGN.md, sections "The skew" (window chunks, ``_common.rotate_rows``),
 "Window reuse", "Masking and tile skipping" (mask-free interior tiles), "Split-K (forward)",
+"Forward: tiles, online softmax" (the 8-bit memory),
 "Precision" and "Limits and resources".
 """
 from __future__ import annotations
@@ -30,9 +34,11 @@ import triton
 import triton.language as tl
 
 from .._utils import describe
+from ..quant import QuantizedKV
 from ._common import (INTERPRET, apply_mask_band, autotune_enabled, dot_precision,
                       draw_dropout_seed, dropout_keep, dropout_keep_mask, dropout_threshold,
-                      last_dim_contiguous, load_dropout_seed, rotate_rows, round_bf16)
+                      last_dim_contiguous, load_dequant, load_dropout_seed,
+                      memory_bases, memory_launch_args, rotate_rows, round_bf16)
 
 __all__ = ["rel_attn_fwd", "choose_num_splits", "autotune_enabled", "draw_dropout_seed",
            "dropout_keep_mask"]
@@ -87,20 +93,74 @@ def _load_kv(X_bh, x_off, j0, stride_xn, n_ok, d_ok, MASKED: tl.constexpr,
 
 
 @triton.jit
+def _mem_rows(XQ_bh, xq_off, XS_bh, stride_xqn, stride_xsn, j0, offs_n, in_mem, mm,
+              OUT_TY: tl.constexpr, UPCAST: tl.constexpr):
+    return load_dequant(XQ_bh + j0.to(tl.int64) * stride_xqn + xq_off,
+                        XS_bh + offs_n.to(tl.int64) * stride_xsn, in_mem, mm, OUT_TY, UPCAST)
+
+
+@triton.jit
+def _cur_rows(X_bh, x_off, stride_xn, j0, mem_m, cm, OUT_TY: tl.constexpr):
+    return tl.load(X_bh + (j0 - mem_m).to(tl.int64) * stride_xn + x_off, mask=cm,
+                   other=0.0).to(OUT_TY)
+
+
+@triton.jit
+def _load_kv_mem(XQ_bh, xq_off, XS_bh, stride_xqn, stride_xsn, X_bh, x_off, stride_xn, j0,
+                 mem_m, offs_n, n_ok, d_ok, EVEN_D: tl.constexpr, UPCAST: tl.constexpr):
+    """QUANT_MEM: the [BN, BLOCK_D] key / value tile of rows j0.. of [memory; current]: rows
+    j < mem_m are the 8-bit memory's, dequantised in registers (``load_dequant``), rows
+    j >= mem_m the current segment's row j - mem_m (compute dtype). A tile across j = mem_m
+    takes two masked loads, merged by row. 16-bit compute: one branch per case (tile in the
+    memory / in the current rows / across), so that only the tile across holds both loads
+    (sm_90, bf16 / fp16 D 64: no spills, against 100-150 B with both loads on every tile);
+    fp32: one path for all tiles (with the branches, ptxas gave the exact-fp32 config a
+    4.4 KB stack frame, against 0.7 KB)."""
+    in_mem = offs_n < mem_m
+    cur = n_ok & (offs_n >= mem_m)
+    if EVEN_D:
+        mm = in_mem[:, None]
+        cm = cur[:, None]
+    else:
+        mm = in_mem[:, None] & d_ok[None, :]
+        cm = cur[:, None] & d_ok[None, :]
+    OUT_TY: tl.constexpr = tl.float32 if UPCAST else X_bh.dtype.element_ty
+    BN: tl.constexpr = offs_n.shape[0]
+    if X_bh.dtype.element_ty == tl.float32:
+        x = tl.where(in_mem[:, None],
+                     _mem_rows(XQ_bh, xq_off, XS_bh, stride_xqn, stride_xsn, j0, offs_n, in_mem,
+                               mm, OUT_TY, UPCAST),
+                     _cur_rows(X_bh, x_off, stride_xn, j0, mem_m, cm, OUT_TY))
+    elif j0 + BN <= mem_m:
+        x = _mem_rows(XQ_bh, xq_off, XS_bh, stride_xqn, stride_xsn, j0, offs_n, in_mem, mm,
+                      OUT_TY, UPCAST)
+    elif j0 >= mem_m:
+        x = _cur_rows(X_bh, x_off, stride_xn, j0, mem_m, cm, OUT_TY)
+    else:
+        x = tl.where(in_mem[:, None],
+                     _mem_rows(XQ_bh, xq_off, XS_bh, stride_xqn, stride_xsn, j0, offs_n, in_mem,
+                               mm, OUT_TY, UPCAST),
+                     _cur_rows(X_bh, x_off, stride_xn, j0, mem_m, cm, OUT_TY))
+    return x
+
+
+@triton.jit
 def _attend_tile(acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off, R_h,
                  r_off, stride_kn, stride_vn, stride_rp, offs_m, offs_n0, m_ok, d_ok, rot, take_first,
                  first_is_0, Lq, Lk, R_rows, mlen, window_left, window_right, qk_scale,
                  KPM, stride_kpm_n, MASK_B, stride_mm, stride_mn, band_on,
                  drop_seed, drop_off, drop_thresh, pid_bh,
+                 KQ_bh, kq_off, KS_bh, stride_kqn, stride_ksn,
+                 VQ_bh, vq_off, VS_bh, stride_vqn, stride_vsn, mem_m,
                  HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_KPM: tl.constexpr,
                  HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr, MASKED: tl.constexpr,
                  EVEN_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
                  USE_DESC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 DROPOUT: tl.constexpr = False):
+                 DROPOUT: tl.constexpr = False, QUANT_MEM: tl.constexpr = False):
     """One key tile [t * BN, t * BN + BN) of the online softmax. MASKED = False: an interior
     tile (every pair allowed, every key < Lk, no padding / dense mask): no mask work at all.
     DROPOUT: P is dropped after the normaliser l_i took it (the 1 / (1 - p) rescale is applied
-    to the output once, by the caller)."""
+    to the output once, by the caller). QUANT_MEM: keys / values from ``_load_kv_mem``."""
     j0 = t * BLOCK_N
     offs_n = j0 + offs_n0
     n_ok = offs_n < Lk
@@ -120,7 +180,11 @@ def _attend_tile(acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off,
         t0 = tn
     bd = rotate_rows(merged, rot, BLOCK_M, BLOCK_N)
     # AC accumulates onto BD in the same registers
-    k = _load_kv(K_bh, k_off, j0, stride_kn, n_ok, d_ok, MASKED, EVEN_D, USE_DESC)
+    if QUANT_MEM:
+        k = _load_kv_mem(KQ_bh, kq_off, KS_bh, stride_kqn, stride_ksn, K_bh, k_off, stride_kn,
+                         j0, mem_m, offs_n, n_ok, d_ok, EVEN_D, UPCAST)
+    else:
+        k = _load_kv(K_bh, k_off, j0, stride_kn, n_ok, d_ok, MASKED, EVEN_D, USE_DESC)
     if UPCAST:
         k = k.to(tl.float32)
     s = tl.dot(qu, tl.trans(k), bd, input_precision=DOT_PREC) * qk_scale
@@ -160,7 +224,11 @@ def _attend_tile(acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off,
     if DROPOUT:
         p = tl.where(dropout_keep(drop_seed, drop_off, pid_bh, offs_m, offs_n, Lq, drop_thresh),
                      p, 0.0)
-    v = _load_kv(V_bh, v_off, j0, stride_vn, n_ok, d_ok, MASKED, EVEN_D, USE_DESC)
+    if QUANT_MEM:
+        v = _load_kv_mem(VQ_bh, vq_off, VS_bh, stride_vqn, stride_vsn, V_bh, v_off, stride_vn,
+                         j0, mem_m, offs_n, n_ok, d_ok, EVEN_D, UPCAST)
+    else:
+        v = _load_kv(V_bh, v_off, j0, stride_vn, n_ok, d_ok, MASKED, EVEN_D, USE_DESC)
     if UPCAST:
         pv = round_bf16(p)
         v = v.to(tl.float32)
@@ -188,7 +256,7 @@ def _store_rows(Out, Lse, o, m2, den, b, h, pid_bh, offs_m, offs_d, m_ok, d_ok, 
 
 @triton.jit
 def _rel_attn_fwd_kernel(
-    Q, K, V, R, U, VB, Out, Lse, OPart, LPart, KPM, MASK, BAND, SEED,
+    Q, K, V, R, U, VB, Out, Lse, OPart, LPart, KPM, MASK, BAND, SEED, KQ, KS, VQ, VS,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -197,13 +265,16 @@ def _rel_attn_fwd_kernel(
     stride_ob, stride_om, stride_oh,
     stride_kpm_b, stride_kpm_n,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    H, Lq, Lk, R_rows, D, window_left, window_right, num_splits, qk_scale,
+    stride_kqb, stride_kqn, stride_kqh, stride_ksb, stride_ksn, stride_ksh,
+    stride_vqb, stride_vqn, stride_vqh, stride_vsb, stride_vsn, stride_vsh,
+    H, Lq, Lk, R_rows, D, window_left, window_right, num_splits, qk_scale, mem_m,
     drop_thresh, drop_scale,
     LQ_BUCKET, LK_BUCKET,  # autotune keys only
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_BAND: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     EVEN_D: tl.constexpr, USE_DESC: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DROPOUT: tl.constexpr = False,
+    QUANT_MEM: tl.constexpr = False,
 ):
     pid_bh = tl.program_id(0)
     # Heaviest query tiles (largest i0 under causal masks) first.
@@ -254,19 +325,24 @@ def _rel_attn_fwd_kernel(
     t_end = tl.minimum(t_begin + per_split, t_hi)
 
     # ---- base pointers of this (b, h), offset once; tiles add j0 * stride and int32 offsets
-    if USE_DESC:  # TMA: no pointer math, zero fill replaces the row / column masks
+    if USE_DESC and not QUANT_MEM:  # TMA: no pointer math, zero fill replaces row / col masks
         K_bh = tl.make_tensor_descriptor(K + b * stride_kb + h * stride_kh, shape=[Lk, D],
                                          strides=[stride_kn, 1],
                                          block_shape=[BLOCK_N, BLOCK_D])
         V_bh = tl.make_tensor_descriptor(V + b * stride_vb + h * stride_vh, shape=[Lk, D],
                                          strides=[stride_vn, 1],
                                          block_shape=[BLOCK_N, BLOCK_D])
+    else:  # (QUANT_MEM: the current segment's rows, by pointers, and the 8-bit memory's)
+        K_bh = K + b * stride_kb + h * stride_kh
+        V_bh = V + b * stride_vb + h * stride_vh
+    if USE_DESC:
         R_h = tl.make_tensor_descriptor(R + h * stride_rh, shape=[R_rows, D],
                                         strides=[stride_rp, 1], block_shape=[BLOCK_N, BLOCK_D])
     else:
-        K_bh = K + b * stride_kb + h * stride_kh
-        V_bh = V + b * stride_vb + h * stride_vh
         R_h = R + h * stride_rh
+    KQ_bh, KS_bh, VQ_bh, VS_bh, kq_off, vq_off = memory_bases(
+        KQ, KS, VQ, VS, b, h, stride_kqb, stride_kqn, stride_kqh, stride_ksb, stride_ksh,
+        stride_vqb, stride_vqn, stride_vqh, stride_vsb, stride_vsh, offs_n0, offs_d)
     k_off = offs_n0[:, None] * stride_kn + offs_d[None, :]
     v_off = offs_n0[:, None] * stride_vn + offs_d[None, :]
     r_off = offs_n0[:, None] * stride_rp + offs_d[None, :]
@@ -329,8 +405,10 @@ def _rel_attn_fwd_kernel(
                     take_first, first_is_0, Lq, Lk, R_rows, mlen, window_left, window_right,
                     qk_scale, kpm_b, stride_kpm_n, mask_b, stride_mm, stride_mn, band_on,
                     drop_seed, drop_off, drop_thresh, pid_bh,
+                    KQ_bh, kq_off, KS_bh, stride_kqn, stride_ksn,
+                    VQ_bh, vq_off, VS_bh, stride_vqn, stride_vsn, mem_m,
                     HAS_WL, HAS_WR, HAS_KPM, HAS_MASK, HAS_BAND, run != 1, EVEN_D, UPCAST,
-                    DOT_PREC, USE_DESC, BLOCK_M, BLOCK_N, DROPOUT)
+                    DOT_PREC, USE_DESC, BLOCK_M, BLOCK_N, DROPOUT, QUANT_MEM)
 
     has_key = l_i > 0.0
     l_safe = tl.where(has_key, l_i, 1.0)
@@ -450,7 +528,7 @@ def _default_config(block_d: int, exact_fp32: bool, wide: bool = False) -> dict:
 
 _AUTOTUNE_KEYS = ["LQ_BUCKET", "LK_BUCKET", "BLOCK_D", "num_splits", "HAS_WL", "HAS_WR",
                   "HAS_KPM", "HAS_MASK", "HAS_BAND", "SPLIT", "DOT_PREC", "EVEN_D", "USE_DESC",
-                  "DROPOUT"]
+                  "DROPOUT", "QUANT_MEM"]
 
 _rel_attn_fwd_kernel_tuned = triton.autotune(
     configs=_hopper_configs(), key=_AUTOTUNE_KEYS,
@@ -527,6 +605,7 @@ def rel_attn_fwd(
     *, attn_mask_band: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0, dropout_seed: Optional[torch.Tensor] = None,
     num_splits: Optional[int] = None, config: Optional[dict] = None,
+    memory: Optional[QuantizedKV] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Fused forward. Returns ``out [B, Lq, H, D]`` (q's dtype, contiguous) and
     ``lse [B, H, Lq]`` (fp32, natural log, ``+inf`` for rows with no allowed key).
@@ -548,22 +627,32 @@ def rel_attn_fwd(
     default: chosen from the SM count on GPU, 1 under the interpreter); ``config`` =
     ``{"BLOCK_M": .., "BLOCK_N": .., "num_warps": .., "num_stages": ..}`` bypasses the
     autotuner (BLOCK_M <= 2 * BLOCK_N, powers of two >= 16).
+
+    ``memory``: an 8-bit memory (``txl_kernels.quant.QuantizedKV``, k / v ``[B, M, H, D]``
+    int8 or float8_e4m3fn, scales ``[B, M, H]`` fp32 / fp16, any strides with a contiguous
+    last dim). The keys / values are then its ``M`` rows followed by k / v's (the current
+    segment), ``Lk = M + k.shape[1]`` everywhere above; the kernel reads the 8-bit tiles and
+    their scales and dequantises in registers (QUANT_MEM), never a full-precision copy.
     """
     B, Lq, H, D = q.shape
-    Lk = k.shape[1]
+    mem_m = 0 if memory is None else memory.k.shape[1]
+    quant = mem_m > 0
+    Lk = mem_m + k.shape[1]
     R_rows = r.shape[0]
     dtype = q.dtype
     # Invariants only: rel_attention (functional.py) validates user input with clear errors.
     assert dtype in (torch.float16, torch.bfloat16, torch.float32), f"q: {describe(q)}"
     assert all(t.dtype == dtype for t in (k, v, r, r_w_bias, r_r_bias)), \
         f"dtypes differ: q {describe(q)}, k {describe(k)}, r {describe(r)}"
-    assert tuple(k.shape) == (B, Lk, H, D) and tuple(v.shape) == (B, Lk, H, D) and Lk >= Lq, \
-        f"q {describe(q)}, k {describe(k)}, v {describe(v)}"
+    Lc = Lk - mem_m
+    assert tuple(k.shape) == (B, Lc, H, D) and tuple(v.shape) == (B, Lc, H, D) and Lk >= Lq, \
+        f"q {describe(q)}, k {describe(k)}, v {describe(v)}, memory length {mem_m}"
     assert tuple(r.shape[1:]) == (H, D) and tuple(r_w_bias.shape) == (H, D) \
         and tuple(r_r_bias.shape) == (H, D), \
         f"r {describe(r)}, r_w_bias {describe(r_w_bias)}, r_r_bias {describe(r_r_bias)}"
     assert 16 <= D <= 256, f"head dim {D}"
     q, k, v, r, u, vb = (last_dim_contiguous(t) for t in (q, k, v, r, r_w_bias, r_r_bias))
+    mem_args, mem_strides = memory_launch_args(memory, k, v)
 
     out = torch.empty((B, Lq, H, D), dtype=dtype, device=q.device)
     lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
@@ -613,7 +702,7 @@ def rel_attn_fwd(
     seed_arg = dropout_seed if dropout else lse  # unused without dropout
 
     args = (
-        q, k, v, r, u, vb, out, lse, o_part, l_part, kpm, am, band, seed_arg,
+        q, k, v, r, u, vb, out, lse, o_part, l_part, kpm, am, band, seed_arg, *mem_args,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -622,15 +711,17 @@ def rel_attn_fwd(
         out.stride(0), out.stride(1), out.stride(2),
         kpm_strides[0], kpm_strides[1],
         am_strides[0], am_strides[1], am_strides[2], am_strides[3],
+        *mem_strides,
         H, Lq, Lk, R_rows, D, wl_arg, wr_arg, num_splits,
-        float(softmax_scale) * _LOG2E,
+        float(softmax_scale) * _LOG2E, mem_m,
         dropout_threshold(dropout_p) if dropout else 0, 1.0 / (1.0 - dropout_p),
         _next_pow2(Lq), _next_pow2(Lk),
     )
     meta = dict(HAS_WL=window_left >= 0 or has_band, HAS_WR=window_right >= 0 or has_band,
                 HAS_KPM=has_kpm, HAS_MASK=has_mask, HAS_BAND=has_band, SPLIT=split, UPCAST=upcast,
-                DOT_PREC=dot_prec, EVEN_D=D == block_d, USE_DESC=_descriptors_ok(k, v, r),
-                BLOCK_D=block_d, DROPOUT=dropout)
+                DOT_PREC=dot_prec, EVEN_D=D == block_d,
+                USE_DESC=_descriptors_ok(r) if quant else _descriptors_ok(k, v, r),
+                BLOCK_D=block_d, DROPOUT=dropout, QUANT_MEM=quant)
 
     def grid(META):
         return (B * H, triton.cdiv(Lq, META["BLOCK_M"]), num_splits)
