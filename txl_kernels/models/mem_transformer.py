@@ -20,8 +20,6 @@ would read count as zero.
 """
 from __future__ import annotations
 
-import functools
-import inspect
 from typing import List, Optional, Sequence
 
 import torch
@@ -120,13 +118,11 @@ class RelPartialLearnableDecoderLayer(nn.Module):
                 return kv4(*cache._dequantized(layer, k, v))
             return kv4(keys, values)
 
-        if qlen == 1 and self._decode_kernel_ok(q) and (memory is None or
-                                                        _decode_takes_memory()):
+        if qlen == 1 and self._decode_kernel_ok(q):
             from ..ops.rel_attn_decode import rel_attn_decode  # imports triton
 
-            extra = {} if memory is None else {"memory": memory}
             attn_vec = rel_attn_decode(q4, *kv4(keys, values), *rest, att.scale,
-                                       window_size[0], **extra)
+                                       window_size[0], memory=memory)
         elif qlen == 1 and not dropout:
             scratch = cache.work(0, klen * bsz * H * D)
             attn_vec = decode_attention_torch(q4, *full_kv(), *rest, att.scale, window_size[0],
@@ -158,15 +154,6 @@ class RelPartialLearnableDecoderLayer(nn.Module):
 
 
 _TORCH_SEGMENT_DTYPES = (torch.float32, torch.float64)
-
-
-@functools.lru_cache(maxsize=None)
-def _decode_takes_memory() -> bool:
-    """Whether the split-K decode kernel reads an 8-bit memory itself (its ``memory``
-    argument); else one query row with an 8-bit cache takes the torch decode path."""
-    from ..ops.rel_attn_decode import rel_attn_decode  # imports triton
-
-    return "memory" in inspect.signature(rel_attn_decode).parameters
 
 
 def segment_attention_torch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale: float,
