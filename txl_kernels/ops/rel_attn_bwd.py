@@ -124,28 +124,28 @@ def _atomic_dr(DR_h, dt, qv_t, rows, R_rows, stride_drp, offs_d, dmask, sm_scale
 
 
 @triton.jit
-def _probs(ac, bd, lse2, offs_i, offs_j, b, h, Lq, Lk, window_left, window_right, qk_scale,
-           KPM, stride_kpm_b, stride_kpm_n, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-           band_on, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr):
+def _probs(ac, bd, lse2, offs_i, offs_j, qk_scale, pattern, HAS_KPM: tl.constexpr,
+           HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr):
     """P = exp(S - lse) on one tile, 0 on masked pairs, out-of-range rows / columns, and rows
-    whose lse is +inf (no allowed key). The window is given per row as a key range
-    (window_left / window_right are >= 0 here: the launcher turns unbounded into Lq + Lk), so a
-    pair costs two compares."""
+    whose lse is +inf (no allowed key). ``pattern`` (``_program_setup``) holds the window, given
+    per row as a key range (window_left / window_right are >= 0 here: the launcher turns
+    unbounded into Lq + Lk), so a pair costs two compares, and the padding / dense masks."""
+    b, h, Lq, Lk, window_left, window_right, band_on, KPM, stride_kpm, MASK, stride_m = pattern
     key0 = offs_i + (Lk - Lq)  # the key at distance 0 from each row
     j_min = key0 - window_left
     j_max = tl.where(offs_i < Lq, tl.minimum(key0 + window_right, Lk - 1), -1)
     valid = (offs_j[None, :] >= j_min[:, None]) & (offs_j[None, :] <= j_max[:, None])
     if HAS_KPM:
-        kp = tl.load(KPM + b * stride_kpm_b + offs_j.to(tl.int64) * stride_kpm_n,
+        kp = tl.load(KPM + b * stride_kpm[0] + offs_j.to(tl.int64) * stride_kpm[1],
                      mask=offs_j < Lk, other=1)
         valid = valid & (kp == 0)[None, :]
     if HAS_MASK:
         am_msk = valid
         if HAS_BAND:  # the mask is its band (applied as the window): nothing to load
             am_msk = am_msk & (band_on == 0)
-        am = tl.load(MASK + b * stride_mb + h * stride_mh
-                     + offs_i.to(tl.int64)[:, None] * stride_mm
-                     + offs_j.to(tl.int64)[None, :] * stride_mn, mask=am_msk, other=0)
+        am = tl.load(MASK + b * stride_m[0] + h * stride_m[1]
+                     + offs_i.to(tl.int64)[:, None] * stride_m[2]
+                     + offs_j.to(tl.int64)[None, :] * stride_m[3], mask=am_msk, other=0)
         valid = valid & (am == 0)
     s = tl.where(valid, (ac + bd) * qk_scale, float("-inf"))
     return tl.exp2(s - lse2[:, None])
@@ -154,42 +154,67 @@ def _probs(ac, bd, lse2, offs_i, offs_j, b, h, Lq, Lk, window_left, window_right
 # ----------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------
+# The three main kernels take the same inputs: the pointers A_OP, QV_OP, K, V, R, DO, LSE, DELTA,
+# their strides as one tuple ``strides`` ((wbh, wm), (kb, kn, kh), (vb, vn, vh), (rp, rh),
+# (dob, dom, doh), (lb, lh, lm)), the masks as ``masks`` (window_left, window_right, KPM,
+# (kpm_b, kpm_n), MASK, (mb, mh, mm, mn), BAND) and the dropout as ``dropout`` (SEED,
+# threshold, 1 / (1 - p)); _program_setup turns them into per-(batch, head) tuples that the tile
+# helpers unpack. LQ_BUCKET / LK_BUCKET are autotune keys only. The parameter order (pointers,
+# strides, sizes, masks, dropout) is the pre-tuple one: LLVM ranks arguments by position when it
+# reassociates index arithmetic, and with the window ahead of Lq / Lk the dk/dv kernel spilled
+# 8 B more on sm_90 (tools: sass_profile --bwd).
 
 
 @triton.jit
-def _program_setup(A_OP, QV_OP, DO, LSE, DELTA, K, V, R, BAND, H, window_left, window_right,
-                   stride_wbh, stride_dob, stride_doh, stride_lb, stride_lh, stride_kb,
-                   stride_kh, stride_vb, stride_vh, stride_rh, HAS_BAND: tl.constexpr):
+def _program_setup(A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk,
+                   R_rows, HAS_BAND: tl.constexpr):
     """Every backward program's prologue: its batch and head (grid axis 0 is batch * head),
     the window narrowed by a mask band (band_on: the band replaces the dense mask, nothing to
-    load) and the per-(batch, head) base pointers, computed once."""
+    load) and the per-(batch, head) base pointers, computed once. Returns (b, h, window_left,
+    window_right, query, keys, rel, pattern, drop): query / keys / rel are what
+    _load_query_tile / _load_kv_tile / _load_r read, pattern what _probs masks with, drop the
+    dropout's (batch * head, Lq, SEED, threshold, scale)."""
+    (stride_wbh, stride_wm), stride_k, stride_v, stride_r, stride_do, stride_l = strides
+    window_left, window_right, KPM, stride_kpm, MASK, stride_m, BAND = masks
+    SEED, drop_thresh, drop_scale = dropout
     pid_bh = tl.program_id(0).to(tl.int64)
     b = pid_bh // H
     h = pid_bh % H
     band_on = False
     if HAS_BAND:
         window_left, window_right, band_on = apply_mask_band(BAND, window_left, window_right)
-    return (b, h, window_left, window_right, band_on,
-            A_OP + pid_bh * stride_wbh, QV_OP + pid_bh * stride_wbh,
-            DO + b * stride_dob + h * stride_doh, LSE + b * stride_lb + h * stride_lh,
-            DELTA + b * stride_lb + h * stride_lh, K + b * stride_kb + h * stride_kh,
-            V + b * stride_vb + h * stride_vh, R + h * stride_rh)
+    query = (A_OP + pid_bh * stride_wbh, QV_OP + pid_bh * stride_wbh,
+             DO + b * stride_do[0] + h * stride_do[2], LSE + b * stride_l[0] + h * stride_l[1],
+             DELTA + b * stride_l[0] + h * stride_l[1], stride_wm, stride_do[1], stride_l[2])
+    keys = (K + b * stride_k[0] + h * stride_k[2], V + b * stride_v[0] + h * stride_v[2],
+            stride_k[1], stride_v[1])
+    rel = (R + h * stride_r[1], stride_r[0], R_rows)
+    pattern = (b, h, Lq, Lk, window_left, window_right, band_on, KPM, stride_kpm, MASK, stride_m)
+    drop = (pid_bh, Lq, SEED, drop_thresh, drop_scale)
+    return b, h, window_left, window_right, query, keys, rel, pattern, drop
 
 
 @triton.jit
-def _load_kv_tile(K_bh, V_bh, offs_j, Lk, offs_d, D, stride_kn, stride_vn,
-                  DOT_DTYPE: tl.constexpr):
+def _load_kv_tile(keys, offs_j, Lk, offs_d, D, DOT_DTYPE: tl.constexpr):
     """The K and V rows of one key tile (zero past Lk and past D)."""
+    K_bh, V_bh, stride_kn, stride_vn = keys
     return (_load_rows(K_bh, offs_j, Lk, stride_kn, offs_d, D, DOT_DTYPE),
             _load_rows(V_bh, offs_j, Lk, stride_vn, offs_d, D, DOT_DTYPE))
 
 
 @triton.jit
-def _load_query_tile(A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, offs_i, offs_d, Lq, D,
-                     stride_wm, stride_dom, stride_lm, DOT_DTYPE: tl.constexpr):
+def _load_r(rel, rows, offs_d, D, DOT_DTYPE: tl.constexpr):
+    """Rows ``rows`` of r (zero outside [0, R) and past D)."""
+    R_h, stride_rp, R_rows = rel
+    return _load_rows(R_h, rows, R_rows, stride_rp, offs_d, D, DOT_DTYPE)
+
+
+@triton.jit
+def _load_query_tile(query, offs_i, offs_d, Lq, D, DOT_DTYPE: tl.constexpr):
     """One query tile's operands (pointers pre-offset to the batch and head): (q + u) and
     (q + vb) as the preprocess kernel rounded them, dO, the log-sum-exp in log2 units (+inf
     past Lq) and delta."""
+    A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, stride_wm, stride_dom, stride_lm = query
     in_i = offs_i < Lq
     rows_i = offs_i.to(tl.int64)[:, None]
     q_msk = in_i[:, None] & (offs_d < D)[None, :]
@@ -204,33 +229,30 @@ def _load_query_tile(A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, offs_i, offs_d, Lq, D
 
 
 @triton.jit
-def _recompute_p_ds(a_t, qv_t, do, k_t, v_t, r_lo, r_hi, lse2, delta, offs_i, offs_j, b, h,
-                    Lq, Lk, window_left, window_right, qk_scale, KPM, stride_kpm_b,
-                    stride_kpm_n, MASK, stride_mb, stride_mh, stride_mm, stride_mn, band_on,
-                    HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
-                    DOT_PREC: tl.constexpr, SKEW_GATHER: tl.constexpr, BLOCK: tl.constexpr,
-                    IN_DTYPE: tl.constexpr, UPCAST: tl.constexpr,
-                    SEED, drop_thresh, drop_scale, H, DROPOUT: tl.constexpr):
+def _recompute_p_ds(a_t, qv_t, do, k_t, v_t, r_lo, r_hi, lse2, delta, offs_i, offs_j, qk_scale,
+                    pattern, drop, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
+                    HAS_BAND: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+                    SKEW_GATHER: tl.constexpr, BLOCK: tl.constexpr, IN_DTYPE: tl.constexpr,
+                    UPCAST: tl.constexpr):
     """P and dS = P (dP - delta), dP = dO V^T, on one tile, computed in fp32 and returned
     rounded to the operand dtype (IN_DTYPE), as the products that take them need; BD is the
     skew of the two window chunks (q + vb) @ [R_lo | R_hi]^T (both recomputed: carrying one
-    would keep another fp32 tile live). Returns (Pv, dS): Pv is P as the forward applied it to V (for
-    dV): P itself (recomputed from lse, 0 where masked), or with DROPOUT P Z / (1 - p), Z the
-    forward's keep-mask regenerated from the same Philox counters; dP then becomes
+    would keep another fp32 tile live). Returns (Pv, dS): Pv is P as the forward applied it to
+    V (for dV): P itself (recomputed from lse, 0 where masked), or with DROPOUT P Z / (1 - p), Z
+    the forward's keep-mask regenerated from the same Philox counters; dP then becomes
     dO V^T Z / (1 - p), the gradient w.r.t. the undropped P, and dS = P (dP - delta) holds as
-    without dropout (delta = rowsum(dO O) = rowsum(P dP))."""
+    without dropout (delta = rowsum(dO O) = rowsum(P dP)). ``drop``: see _program_setup."""
     t_lo = tl.dot(qv_t, tl.trans(r_lo), input_precision=DOT_PREC)
     t_hi = tl.dot(qv_t, tl.trans(r_hi), input_precision=DOT_PREC)
     bd = _skew(t_lo, t_hi, BLOCK, SKEW_GATHER)
     ac = tl.dot(a_t, tl.trans(k_t), input_precision=DOT_PREC)
-    p = _probs(ac, bd, lse2, offs_i, offs_j, b, h, Lq, Lk, window_left, window_right, qk_scale,
-               KPM, stride_kpm_b, stride_kpm_n, MASK, stride_mb, stride_mh, stride_mm,
-               stride_mn, band_on, HAS_KPM, HAS_MASK, HAS_BAND)
+    p = _probs(ac, bd, lse2, offs_i, offs_j, qk_scale, pattern, HAS_KPM, HAS_MASK, HAS_BAND)
     dp = tl.dot(do, tl.trans(v_t), input_precision=DOT_PREC)
     pv = p
     if DROPOUT:
+        bh, Lq, SEED, drop_thresh, drop_scale = drop
         drop_seed, drop_off = load_dropout_seed(SEED)
-        keep = dropout_keep(drop_seed, drop_off, b * H + h, offs_i, offs_j, Lq, drop_thresh)
+        keep = dropout_keep(drop_seed, drop_off, bh, offs_i, offs_j, Lq, drop_thresh)
         dp = tl.where(keep, dp * drop_scale, 0.0)
         pv = tl.where(keep, p * drop_scale, 0.0)
     return _operand(pv, IN_DTYPE, UPCAST), _operand(p * (dp - delta[:, None]), IN_DTYPE, UPCAST)
@@ -279,40 +301,26 @@ def _rel_attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _rel_attn_bwd_dkdv_kernel(
-    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, DK, DV, KPM, MASK, BAND, SEED,
-    stride_wbh, stride_wm,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_rp, stride_rh,
-    stride_dob, stride_dom, stride_doh,
-    stride_lb, stride_lh, stride_lm,
-    stride_dkb, stride_dkn, stride_dkh,
-    stride_kpm_b, stride_kpm_n,
-    stride_mb, stride_mh, stride_mm, stride_mn,
-    H, Lq, Lk, R_rows, D,
-    sm_scale, qk_scale, window_left, window_right, drop_thresh, drop_scale,
-    LQ_BUCKET, LK_BUCKET,  # autotune keys only
+    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, DK, DV, strides, stride_dk,
+    H, Lq, Lk, R_rows, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     SKEW_GATHER: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
     DROPOUT: tl.constexpr = False,
 ):
     """One program per (batch * head, key tile): dk and dv of the tile, looping over the query
-    tiles that the window lets see it."""
+    tiles that the window lets see it. stride_dk: (b, n, h), shared by DK and DV."""
     pid_n = tl.program_id(1)
     mlen = Lk - Lq
-    (b, h, window_left, window_right, band_on,
-     A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, K_bh, V_bh, R_h) = _program_setup(
-        A_OP, QV_OP, DO, LSE, DELTA, K, V, R, BAND, H, window_left, window_right, stride_wbh,
-        stride_dob, stride_doh, stride_lb, stride_lh, stride_kb, stride_kh, stride_vb,
-        stride_vh, stride_rh, HAS_BAND)
+    b, h, window_left, window_right, query, keys, rel, pattern, drop = _program_setup(
+        A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows, HAS_BAND)
 
     j0 = pid_n * BLOCK
     offs_j = j0 + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     kv_msk = (offs_j < Lk)[:, None] & dmask[None, :]
-    k_t, v_t = _load_kv_tile(K_bh, V_bh, offs_j, Lk, offs_d, D, stride_kn, stride_vn, DOT_DTYPE)
+    k_t, v_t = _load_kv_tile(keys, offs_j, Lk, offs_d, D, DOT_DTYPE)
 
     # Query rows that may see a key of this tile: d = i + mlen - j in [-window_right,
     # window_left] (both >= 0 here).
@@ -325,28 +333,21 @@ def _rel_attn_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     w = tl.arange(0, BLOCK)
     # R_hi of query tile m is R_lo of tile m - 1: carried.
-    r_hi = _load_rows(R_h, j0 - m_lo * BLOCK + Lq + w, R_rows, stride_rp, offs_d, D, DOT_DTYPE)
+    r_hi = _load_r(rel, j0 - m_lo * BLOCK + Lq + w, offs_d, D, DOT_DTYPE)
     for m in range(m_lo, m_hi):
         i0 = m * BLOCK
         offs_i = i0 + tl.arange(0, BLOCK)
-        a_t, qv_t, do, lse2, delta = _load_query_tile(
-            A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, offs_i, offs_d, Lq, D, stride_wm,
-            stride_dom, stride_lm, DOT_DTYPE)
-
-        r_lo = _load_rows(R_h, j0 - i0 + Lq - BLOCK + w, R_rows, stride_rp, offs_d, D,
-                          DOT_DTYPE)
+        a_t, qv_t, do, lse2, delta = _load_query_tile(query, offs_i, offs_d, Lq, D, DOT_DTYPE)
+        r_lo = _load_r(rel, j0 - i0 + Lq - BLOCK + w, offs_d, D, DOT_DTYPE)
         p, ds = _recompute_p_ds(a_t, qv_t, do, k_t, v_t, r_lo, r_hi, lse2, delta, offs_i,
-                                offs_j, b, h, Lq, Lk, window_left, window_right, qk_scale, KPM,
-                                stride_kpm_b, stride_kpm_n, MASK, stride_mb, stride_mh,
-                                stride_mm, stride_mn, band_on, HAS_KPM, HAS_MASK, HAS_BAND,
-                                DOT_PREC, SKEW_GATHER, BLOCK, K.dtype.element_ty, UPCAST,
-                                SEED, drop_thresh, drop_scale, H, DROPOUT)
+                                offs_j, qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
+                                DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, K.dtype.element_ty, UPCAST)
         dv = tl.dot(tl.trans(p), do, dv, input_precision=DOT_PREC)
         dk = tl.dot(tl.trans(ds), a_t, dk, input_precision=DOT_PREC)
         r_hi = r_lo
 
     dk = dk * sm_scale
-    out_off = (b * stride_dkb + h * stride_dkh + offs_j.to(tl.int64)[:, None] * stride_dkn
+    out_off = (b * stride_dk[0] + h * stride_dk[2] + offs_j.to(tl.int64)[:, None] * stride_dk[1]
                + offs_d[None, :])
     tl.store(DK + out_off, _output(dk, DK.dtype.element_ty, UPCAST), mask=kv_msk)
     tl.store(DV + out_off, _output(dv, DV.dtype.element_ty, UPCAST), mask=kv_msk)
@@ -354,21 +355,9 @@ def _rel_attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _rel_attn_bwd_dq_kernel(
-    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, DQ, DU_PART, DVB_PART, DR_ACC, KPM, MASK, BAND, SEED,
-    stride_wbh, stride_wm,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_rp, stride_rh,
-    stride_dob, stride_dom, stride_doh,
-    stride_lb, stride_lh, stride_lm,
-    stride_dqb, stride_dqm, stride_dqh,
-    stride_pb, stride_pm, stride_ph,
-    stride_drp, stride_drh,
-    stride_kpm_b, stride_kpm_n,
-    stride_mb, stride_mh, stride_mm, stride_mn,
-    H, Lq, Lk, R_rows, D,
-    sm_scale, qk_scale, window_left, window_right, drop_thresh, drop_scale,
-    LQ_BUCKET, LK_BUCKET,  # autotune keys only
+    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, DQ, DU_PART, DVB_PART, DR_ACC,
+    strides, stride_dq, stride_part, stride_dr,
+    H, Lq, Lk, R_rows, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
     ATOMIC_DR: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -377,15 +366,14 @@ def _rel_attn_bwd_dq_kernel(
 ):
     """One program per (batch * head, query tile): dq of the tile (dA + dQv) and the row sums of
     dA and dQv (du / dvb partials), looping over the key tiles of the window in increasing
-    order with the window chunk carried from tile to tile. With ATOMIC_DR also dr (atomics)."""
+    order with the window chunk carried from tile to tile. With ATOMIC_DR also dr (atomics).
+    Strides: stride_dq (b, m, h); stride_part (b, m, h), shared by DU_PART and DVB_PART;
+    stride_dr (p, h)."""
     num_m = tl.cdiv(Lq, BLOCK)
     m = num_m - 1 - tl.program_id(1)  # longest rows (causal) first
     mlen = Lk - Lq
-    (b, h, window_left, window_right, band_on,
-     A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, K_bh, V_bh, R_h) = _program_setup(
-        A_OP, QV_OP, DO, LSE, DELTA, K, V, R, BAND, H, window_left, window_right, stride_wbh,
-        stride_dob, stride_doh, stride_lb, stride_lh, stride_kb, stride_kh, stride_vb,
-        stride_vh, stride_rh, HAS_BAND)
+    b, h, window_left, window_right, query, keys, rel, pattern, drop = _program_setup(
+        A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows, HAS_BAND)
 
     i0 = m * BLOCK
     offs_i = i0 + tl.arange(0, BLOCK)
@@ -394,9 +382,7 @@ def _rel_attn_bwd_dq_kernel(
     dmask = offs_d < D
     rows_i = offs_i.to(tl.int64)[:, None]
     q_msk = in_i[:, None] & dmask[None, :]
-    a_t, qv_t, do, lse2, delta = _load_query_tile(
-        A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, offs_i, offs_d, Lq, D, stride_wm, stride_dom,
-        stride_lm, DOT_DTYPE)
+    a_t, qv_t, do, lse2, delta = _load_query_tile(query, offs_i, offs_d, Lq, D, DOT_DTYPE)
 
     # Keys this query tile may see: d = i + mlen - j in [-window_right, window_left].
     j_lo = tl.maximum(i0 + mlen - window_left, 0)
@@ -405,33 +391,30 @@ def _rel_attn_bwd_dq_kernel(
     n_hi = (tl.maximum(j_hi, -1) + BLOCK) // BLOCK
 
     w = tl.arange(0, BLOCK)
+    DR_h = DR_ACC + h * stride_dr[1]
     # Source columns x <= a (row a) of a dS tile feed the lo window chunk, x > a the hi chunk.
     own = tl.arange(0, BLOCK)[None, :] <= tl.arange(0, BLOCK)[:, None]
     p_lo = n_lo * BLOCK - i0 + Lq - BLOCK  # first r row of the lo chunk of the current tile
-    r_lo = _load_rows(R_h, p_lo + w, R_rows, stride_rp, offs_d, D, DOT_DTYPE)
+    r_lo = _load_r(rel, p_lo + w, offs_d, D, DOT_DTYPE)
     ds_prev = tl.zeros([BLOCK, BLOCK], dtype=DOT_DTYPE)  # its hi part is pending
     dqa = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dqv = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     for n in range(n_lo, n_hi):
         j0 = n * BLOCK
         offs_j = j0 + tl.arange(0, BLOCK)
-        k_t, v_t = _load_kv_tile(K_bh, V_bh, offs_j, Lk, offs_d, D, stride_kn, stride_vn,
-                                 DOT_DTYPE)
-        r_hi = _load_rows(R_h, p_lo + BLOCK + w, R_rows, stride_rp, offs_d, D, DOT_DTYPE)
+        k_t, v_t = _load_kv_tile(keys, offs_j, Lk, offs_d, D, DOT_DTYPE)
+        r_hi = _load_r(rel, p_lo + BLOCK + w, offs_d, D, DOT_DTYPE)
         p, ds = _recompute_p_ds(a_t, qv_t, do, k_t, v_t, r_lo, r_hi, lse2, delta, offs_i,
-                                offs_j, b, h, Lq, Lk, window_left, window_right, qk_scale, KPM,
-                                stride_kpm_b, stride_kpm_n, MASK, stride_mb, stride_mh,
-                                stride_mm, stride_mn, band_on, HAS_KPM, HAS_MASK, HAS_BAND,
-                                DOT_PREC, SKEW_GATHER, BLOCK, K.dtype.element_ty, UPCAST,
-                                SEED, drop_thresh, drop_scale, H, DROPOUT)
+                                offs_j, qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
+                                DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, K.dtype.element_ty, UPCAST)
         dqa = tl.dot(ds, k_t, dqa, input_precision=DOT_PREC)
         # rows p_lo ..: the lo part of this tile and the hi part of the previous one have
         # disjoint supports: one merge, one rotation, one product with the shared rows.
         dt = _unskew(tl.where(own, ds, ds_prev), BLOCK, SKEW_GATHER)
         dqv = tl.dot(dt, r_lo, dqv, input_precision=DOT_PREC)
         if ATOMIC_DR:
-            _atomic_dr(DR_ACC + h * stride_drh, dt, qv_t, p_lo + w, R_rows, stride_drp, offs_d,
-                       dmask, sm_scale, DOT_PREC)
+            _atomic_dr(DR_h, dt, qv_t, p_lo + w, R_rows, stride_dr[0], offs_d, dmask, sm_scale,
+                       DOT_PREC)
         ds_prev = ds
         r_lo = r_hi
         p_lo += BLOCK
@@ -439,33 +422,23 @@ def _rel_attn_bwd_dq_kernel(
     dt = _unskew(tl.where(own, 0.0, ds_prev).to(DOT_DTYPE), BLOCK, SKEW_GATHER)
     dqv = tl.dot(dt, r_lo, dqv, input_precision=DOT_PREC)
     if ATOMIC_DR:
-        _atomic_dr(DR_ACC + h * stride_drh, dt, qv_t, p_lo + w, R_rows, stride_drp, offs_d, dmask,
-                   sm_scale, DOT_PREC)
+        _atomic_dr(DR_h, dt, qv_t, p_lo + w, R_rows, stride_dr[0], offs_d, dmask, sm_scale,
+                   DOT_PREC)
 
     dqa = dqa * sm_scale
     dqv = dqv * sm_scale
-    tl.store(DQ + b * stride_dqb + h * stride_dqh + rows_i * stride_dqm + offs_d[None, :],
+    tl.store(DQ + b * stride_dq[0] + h * stride_dq[2] + rows_i * stride_dq[1] + offs_d[None, :],
              _output(dqa + dqv, DQ.dtype.element_ty, UPCAST), mask=q_msk)
-    part_off = b * stride_pb + m.to(tl.int64) * stride_pm + h * stride_ph + offs_d
+    part_off = (b * stride_part[0] + m.to(tl.int64) * stride_part[1] + h * stride_part[2]
+                + offs_d)
     tl.store(DU_PART + part_off, tl.sum(dqa, axis=0), mask=dmask)
     tl.store(DVB_PART + part_off, tl.sum(dqv, axis=0), mask=dmask)
 
 
 @triton.jit
 def _rel_attn_bwd_dr_kernel(
-    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, Z, KPM, MASK, BAND, SEED,
-    stride_wbh, stride_wm,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_rp, stride_rh,
-    stride_dob, stride_dom, stride_doh,
-    stride_lb, stride_lh, stride_lm,
-    stride_zc, stride_zb, stride_zp, stride_zh,
-    stride_kpm_b, stride_kpm_n,
-    stride_mb, stride_mh, stride_mm, stride_mn,
-    H, Lq, Lk, R_rows, D,
-    sm_scale, qk_scale, window_left, window_right, drop_thresh, drop_scale,
-    LQ_BUCKET, LK_BUCKET,  # autotune keys only
+    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, Z, strides, stride_z,
+    H, Lq, Lk, R_rows, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     SKEW_GATHER: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
@@ -473,24 +446,22 @@ def _rel_attn_bwd_dr_kernel(
 ):
     """One program per (batch * head, block diagonal t = n - m): the dr contributions of the
     tile pairs (m, m + t) of one batch and head, reduced in registers in a fixed order, written
-    to Z[0] (lo chunk rows) and Z[1] (hi chunk rows). No two programs write the same row of Z[c]."""
+    to Z[0] (lo chunk rows) and Z[1] (hi chunk rows). No two programs write the same row of Z[c].
+    stride_z: (c, b, p, h)."""
     num_m = tl.cdiv(Lq, BLOCK)
     num_n = tl.cdiv(Lk, BLOCK)
     t = num_n - 1 - tl.program_id(1)
     mlen = Lk - Lq
-    (b, h, window_left, window_right, band_on,
-     A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, K_bh, V_bh, R_h) = _program_setup(
-        A_OP, QV_OP, DO, LSE, DELTA, K, V, R, BAND, H, window_left, window_right, stride_wbh,
-        stride_dob, stride_doh, stride_lb, stride_lh, stride_kb, stride_kh, stride_vb,
-        stride_vh, stride_rh, HAS_BAND)
+    b, h, window_left, window_right, query, keys, rel, pattern, drop = _program_setup(
+        A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows, HAS_BAND)
 
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     w = tl.arange(0, BLOCK)
     p_lo = t * BLOCK + Lq - BLOCK
     p_hi = p_lo + BLOCK
-    r_lo = _load_rows(R_h, p_lo + w, R_rows, stride_rp, offs_d, D, DOT_DTYPE)
-    r_hi = _load_rows(R_h, p_hi + w, R_rows, stride_rp, offs_d, D, DOT_DTYPE)
+    r_lo = _load_r(rel, p_lo + w, offs_d, D, DOT_DTYPE)
+    r_hi = _load_r(rel, p_hi + w, offs_d, D, DOT_DTYPE)
 
     # Tile pairs (m, m + t) inside both sequences.
     m_lo = tl.maximum(-t, 0)
@@ -511,29 +482,23 @@ def _rel_attn_bwd_dr_kernel(
         j0 = i0 + t * BLOCK
         offs_i = i0 + tl.arange(0, BLOCK)
         offs_j = j0 + tl.arange(0, BLOCK)
-        a_t, qv_t, do, lse2, delta = _load_query_tile(
-            A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, offs_i, offs_d, Lq, D, stride_wm,
-            stride_dom, stride_lm, DOT_DTYPE)
-        k_t, v_t = _load_kv_tile(K_bh, V_bh, offs_j, Lk, offs_d, D, stride_kn, stride_vn,
-                                 DOT_DTYPE)
+        a_t, qv_t, do, lse2, delta = _load_query_tile(query, offs_i, offs_d, Lq, D, DOT_DTYPE)
+        k_t, v_t = _load_kv_tile(keys, offs_j, Lk, offs_d, D, DOT_DTYPE)
         p, ds = _recompute_p_ds(a_t, qv_t, do, k_t, v_t, r_lo, r_hi, lse2, delta, offs_i,
-                                offs_j, b, h, Lq, Lk, window_left, window_right, qk_scale, KPM,
-                                stride_kpm_b, stride_kpm_n, MASK, stride_mb, stride_mh,
-                                stride_mm, stride_mn, band_on, HAS_KPM, HAS_MASK, HAS_BAND,
-                                DOT_PREC, SKEW_GATHER, BLOCK, K.dtype.element_ty, UPCAST,
-                                SEED, drop_thresh, drop_scale, H, DROPOUT)
+                                offs_j, qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
+                                DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, K.dtype.element_ty, UPCAST)
         g = _unskew(ds, BLOCK, SKEW_GATHER)
         dt_lo = tl.where(lo_part, g, 0.0).to(DOT_DTYPE)
         dt_hi = tl.where(lo_part, 0.0, g).to(DOT_DTYPE)
         dr_lo = tl.dot(tl.trans(dt_lo), qv_t, dr_lo, input_precision=DOT_PREC)
         dr_hi = tl.dot(tl.trans(dt_hi), qv_t, dr_hi, input_precision=DOT_PREC)
 
-    Z_bh = Z + b * stride_zb + h * stride_zh + offs_d[None, :]
+    Z_bh = Z + b * stride_z[1] + h * stride_z[3] + offs_d[None, :]
     rows = p_lo + w
-    tl.store(Z_bh + rows.to(tl.int64)[:, None] * stride_zp, dr_lo * sm_scale,
+    tl.store(Z_bh + rows.to(tl.int64)[:, None] * stride_z[2], dr_lo * sm_scale,
              mask=((rows >= 0) & (rows < R_rows))[:, None] & dmask[None, :])
     rows = p_hi + w
-    tl.store(Z_bh + stride_zc + rows.to(tl.int64)[:, None] * stride_zp, dr_hi * sm_scale,
+    tl.store(Z_bh + stride_z[0] + rows.to(tl.int64)[:, None] * stride_z[2], dr_hi * sm_scale,
              mask=((rows >= 0) & (rows < R_rows))[:, None] & dmask[None, :])
 
 
@@ -614,6 +579,11 @@ _dq_kernel = triton.autotune(configs=_configs(), key=_KEY + ["ATOMIC_DR"],
 _dr_kernel = triton.autotune(configs=_configs(), key=_KEY,
                              prune_configs_by={"early_config_prune": _make_prune(True)},
                              reset_to_zero=["Z"])(_rel_attn_bwd_dr_kernel)
+
+
+def _bmh(t: torch.Tensor) -> Tuple[int, int, int]:
+    """The (batch, row, head) strides of a [B, L, H, D] tensor, one kernel tuple argument."""
+    return t.stride(0), t.stride(1), t.stride(2)
 
 
 def _bucket(n: int) -> int:
@@ -732,33 +702,27 @@ def rel_attn_bwd(
         a_op.stride(0), a_op.stride(1),
         H, Lq, D, UPCAST=upcast, BLOCK_M=pre_block, BLOCK_D=block_d)
 
-    common_in = (
-        a_op.stride(0), a_op.stride(1),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        r.stride(0), r.stride(1),
-        do.stride(0), do.stride(1), do.stride(2),
-        lse.stride(0), lse.stride(1), lse.stride(2),
-    )
+    # The main kernels' shared arguments (see "Kernels" above for the tuples' layouts).
+    inputs = (a_op, qv_op, k, v, r, do, lse, delta)
+    strides = (a_op.stride()[:2], _bmh(k), _bmh(v), r.stride()[:2], _bmh(do), lse.stride())
     has_band = attn_mask_band is not None and attn_mask is not None
     band = attn_mask_band if has_band else delta  # unused without a band
+    masks = (wl, wr, kpm, kpm_strides, am, am_strides, band)
     seed = dropout_seed if dropout else delta  # unused without dropout
+    drop = (seed, dropout_threshold(dropout_p) if dropout else 0, 1.0 / (1.0 - dropout_p))
     meta = dict(HAS_KPM=key_padding_mask is not None, HAS_MASK=attn_mask is not None,
                 HAS_BAND=has_band, DOT_DTYPE=dot_dtype, UPCAST=upcast, DOT_PREC=precision,
                 SKEW_GATHER=q.dtype == torch.float32, BLOCK_D=block_d, DROPOUT=dropout)
-    sizes = (H, Lq, Lk, R_rows, D, scale, scale * _LOG2E, wl, wr,
-             dropout_threshold(dropout_p) if dropout else 0, 1.0 / (1.0 - dropout_p),
-             _bucket(Lq), _bucket(Lk))
+    sizes = (H, Lq, Lk, R_rows, D, scale, scale * _LOG2E)
+    buckets = (_bucket(Lq), _bucket(Lk))  # autotune keys only
 
     # dk, dv: one program per key tile
     dk = torch.empty((B, Lk, H, D), device=dev, dtype=q.dtype)
     dv = torch.empty((B, Lk, H, D), device=dev, dtype=q.dtype)
     _launch(_dkdv_kernel, _rel_attn_bwd_dkdv_kernel,
             lambda blk: (B * H, triton.cdiv(Lk, blk)),
-            (a_op, qv_op, k, v, r, do, lse, delta, dk, dv, kpm, am, band, seed,
-             *common_in,
-             dk.stride(0), dk.stride(1), dk.stride(2),
-             *kpm_strides, *am_strides, *sizes), meta, configs[0])
+            (*inputs, dk, dv, strides, _bmh(dk), *sizes, masks, drop, *buckets), meta,
+            configs[0])
 
     # dq (+ du / dvb partials; + dr with atomics when not deterministic): one program per
     # query tile
@@ -772,14 +736,9 @@ def rel_attn_bwd(
         dr_acc = torch.zeros((R_rows, H, D), device=dev, dtype=torch.float32)
     _launch(_dq_kernel, _rel_attn_bwd_dq_kernel,
             lambda blk: (B * H, triton.cdiv(Lq, blk)),
-            (a_op, qv_op, k, v, r, do, lse, delta, dq, du_part, dvb_part, dr_acc,
-             kpm, am, band, seed,
-             *common_in,
-             dq.stride(0), dq.stride(1), dq.stride(2),
-             du_part.stride(0), du_part.stride(1), du_part.stride(2),
-             dr_acc.stride(0), dr_acc.stride(1),
-             *kpm_strides, *am_strides, *sizes), dict(meta, ATOMIC_DR=not deterministic),
-            configs[1])
+            (*inputs, dq, du_part, dvb_part, dr_acc, strides, _bmh(dq), _bmh(du_part),
+             dr_acc.stride()[:2], *sizes, masks, drop, *buckets),
+            dict(meta, ATOMIC_DR=not deterministic), configs[1])
     du = du_part.sum(dim=(0, 1)).to(q.dtype)
     dvb = dvb_part.sum(dim=(0, 1)).to(q.dtype)
 
@@ -788,10 +747,8 @@ def rel_attn_bwd(
         z = torch.zeros((2, B, R_rows, H, D), device=dev, dtype=torch.float32)
         _launch(_dr_kernel, _rel_attn_bwd_dr_kernel,
                 lambda blk: (B * H, triton.cdiv(Lq, blk) + triton.cdiv(Lk, blk) - 1),
-                (a_op, qv_op, k, v, r, do, lse, delta, z, kpm, am, band, seed,
-                 *common_in,
-                 z.stride(0), z.stride(1), z.stride(2), z.stride(3),
-                 *kpm_strides, *am_strides, *sizes), meta, configs[2])
+                (*inputs, z, strides, z.stride()[:4], *sizes, masks, drop, *buckets), meta,
+                configs[2])
         dr = z.sum(dim=(0, 1)).to(q.dtype)
     else:
         dr = dr_acc.to(q.dtype)
