@@ -145,6 +145,22 @@ def _load_kv_mem(XQ_bh, xq_off, XS_bh, stride_xqn, stride_xsn, X_bh, x_off, stri
 
 
 @triton.jit
+def _key_value_tile(X_bh, x_off, stride_xn, XQ_bh, xq_off, XS_bh, stride_xqn, stride_xsn, j0,
+                    mem_m, offs_n, n_ok, d_ok, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+                    UPCAST: tl.constexpr, USE_DESC: tl.constexpr, QUANT_MEM: tl.constexpr):
+    """The key (or value) tile of rows j0.. as a dot operand: ``_load_kv``, or with an 8-bit
+    memory ``_load_kv_mem``; fp32 under UPCAST (the interpreter's bf16)."""
+    if QUANT_MEM:
+        x = _load_kv_mem(XQ_bh, xq_off, XS_bh, stride_xqn, stride_xsn, X_bh, x_off, stride_xn,
+                         j0, mem_m, offs_n, n_ok, d_ok, EVEN_D, UPCAST)
+    else:
+        x = _load_kv(X_bh, x_off, j0, stride_xn, n_ok, d_ok, MASKED, EVEN_D, USE_DESC)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
 def _attend_tile(acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off, R_h,
                  r_off, stride_kn, stride_vn, stride_rp, offs_m, offs_n0, m_ok, d_ok, rot, take_first,
                  first_is_0, Lq, Lk, R_rows, mlen, window_left, window_right, qk_scale,
@@ -180,13 +196,9 @@ def _attend_tile(acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off,
         t0 = tn
     bd = rotate_rows(merged, rot, BLOCK_M, BLOCK_N)
     # AC accumulates onto BD in the same registers
-    if QUANT_MEM:
-        k = _load_kv_mem(KQ_bh, kq_off, KS_bh, stride_kqn, stride_ksn, K_bh, k_off, stride_kn,
-                         j0, mem_m, offs_n, n_ok, d_ok, EVEN_D, UPCAST)
-    else:
-        k = _load_kv(K_bh, k_off, j0, stride_kn, n_ok, d_ok, MASKED, EVEN_D, USE_DESC)
-    if UPCAST:
-        k = k.to(tl.float32)
+    k = _key_value_tile(K_bh, k_off, stride_kn, KQ_bh, kq_off, KS_bh, stride_kqn, stride_ksn,
+                        j0, mem_m, offs_n, n_ok, d_ok, MASKED, EVEN_D, UPCAST, USE_DESC,
+                        QUANT_MEM)
     s = tl.dot(qu, tl.trans(k), bd, input_precision=DOT_PREC) * qk_scale
 
     if MASKED:
@@ -224,14 +236,11 @@ def _attend_tile(acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off,
     if DROPOUT:
         p = tl.where(dropout_keep(drop_seed, drop_off, pid_bh, offs_m, offs_n, Lq, drop_thresh),
                      p, 0.0)
-    if QUANT_MEM:
-        v = _load_kv_mem(VQ_bh, vq_off, VS_bh, stride_vqn, stride_vsn, V_bh, v_off, stride_vn,
-                         j0, mem_m, offs_n, n_ok, d_ok, EVEN_D, UPCAST)
-    else:
-        v = _load_kv(V_bh, v_off, j0, stride_vn, n_ok, d_ok, MASKED, EVEN_D, USE_DESC)
+    v = _key_value_tile(V_bh, v_off, stride_vn, VQ_bh, vq_off, VS_bh, stride_vqn, stride_vsn,
+                        j0, mem_m, offs_n, n_ok, d_ok, MASKED, EVEN_D, UPCAST, USE_DESC,
+                        QUANT_MEM)
     if UPCAST:
         pv = round_bf16(p)
-        v = v.to(tl.float32)
     else:
         pv = p.to(v.dtype)
     acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC)
