@@ -2,8 +2,8 @@
 
 The interpreter tests never run Triton's GPU compiler (layouts, tl.gather lowering, wgmma,
 register allocation, ptxas); these tests run ``python -m tools.aot_check --quick`` (a developer tool of the source tree)
-(with TRITON_INTERPRET unset, in a subprocess) and check that it compiles every kernel of both
-kernel modules, and that the checker reports a broken kernel as FAIL.
+(with TRITON_INTERPRET unset, in a subprocess) and check that it compiles every kernel of the
+kernel modules (forward, backward, decode; 16-bit and 8-bit memory), and that the checker reports a broken kernel as FAIL.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KERNEL_FILES = {
     "txl_kernels.ops.rel_attn_fwd": ROOT / "txl_kernels" / "ops" / "rel_attn_fwd.py",
     "txl_kernels.ops.rel_attn_bwd": ROOT / "txl_kernels" / "ops" / "rel_attn_bwd.py",
+    "txl_kernels.ops.rel_attn_decode": ROOT / "txl_kernels" / "ops" / "rel_attn_decode.py",
 }
 
 
@@ -78,6 +79,7 @@ def test_kernel_sources_define_kernels():
     # guards the name scan below: both modules have kernels to look for
     assert len(_kernel_names(KERNEL_FILES["txl_kernels.ops.rel_attn_fwd"])) >= 2
     assert len(_kernel_names(KERNEL_FILES["txl_kernels.ops.rel_attn_bwd"])) >= 4
+    assert len(_kernel_names(KERNEL_FILES["txl_kernels.ops.rel_attn_decode"])) >= 2
 
 
 def test_quick_aot_check_compiles_every_kernel(tmp_path):

@@ -34,8 +34,9 @@ default config is added. The grid: dtypes fp16, bf16, fp32 with TF32 and with IE
 BLOCK_D 64, strides not divisible by 16), and the flag sets: all off (no window, no masks, one
 split, deterministic dr), all on (causal + left window, key padding mask, dense mask with its
 on-device band descriptor, split-K, both the deterministic dr and the atomic dr), and all on
-with the dense mask but no band descriptor. Identical compiles are done once.
-``--quick`` (CI): flags all on, head dims 64 and 128, for every dtype the largest offered
+with the dense mask but no band descriptor, and an int8 memory before the segment (the
+forward's and the decode kernel's 8-bit variants). Identical compiles are done once.
+``--quick`` (CI): flags all on and the int8 memory, head dims 64 and 128, for every dtype the largest offered
 config of each kernel (largest tile, then most warps and stages) and every fixed config
 (launched without an autotuner to fall back on, e.g. the forward's default config).
 
@@ -74,7 +75,8 @@ import textwrap
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-KERNEL_MODULES = ("txl_kernels.ops.rel_attn_fwd", "txl_kernels.ops.rel_attn_bwd")
+KERNEL_MODULES = ("txl_kernels.ops.rel_attn_fwd", "txl_kernels.ops.rel_attn_bwd",
+                  "txl_kernels.ops.rel_attn_decode")
 
 # sm_90 (H100 / H200) resource limits.
 SM90_MAX_SHARED_PER_BLOCK = 232448  # bytes, opt-in maximum of dynamic shared memory per block
@@ -90,8 +92,11 @@ HEAD_DIMS_QUICK = (64, 128)
 # "off": no window, no masks, one split, deterministic dr. "on": everything on (causal + left
 # window, key padding, dense mask with its on-device band descriptor, split-K, deterministic
 # and atomic dr, attention dropout). "on-noband": the same, the dense mask without a band
-# descriptor and without dropout.
-FLAG_SETS = ("off", "on", "on-noband")
+# descriptor and without dropout. "on-mem8": an int8 memory (8-bit keys / values + scales)
+# before the current segment, causal + left window, key padding, split-K: the forward's and
+# the decode's QUANT_MEM variants (the backward has none).
+FLAG_SETS = ("off", "on", "on-noband", "on-mem8")
+QUICK_FLAG_SETS = ("on", "on-mem8")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -377,6 +382,9 @@ def _shapes(sc: Scenario) -> dict:
     if sc.flags == "off":
         return dict(B=2, H=8, Lq=1024, Lk=1024, R=1024, wl=-1, wr=-1, kpm=False, mask=False,
                     band=False, splits=1, deterministic=(True,))
+    if sc.flags == "on-mem8":  # Lk = 700 memory rows (int8) + 300 current rows
+        return dict(B=2, H=8, Lq=300, Lk=1000, R=1000, wl=256, wr=0, kpm=True, mask=False,
+                    band=False, splits=4, deterministic=(), mem8=700)
     return dict(B=2, H=8, Lq=300, Lk=1000, R=1000, wl=256, wr=0, kpm=True, mask=True,
                 band=sc.flags == "on", splits=4, deterministic=(True, False),
                 dropout=0.1 if sc.flags == "on" else 0.0)
@@ -393,8 +401,19 @@ def _meta_inputs(sc: Scenario, s: dict):
     kpm = t(B, Lk, dtype=torch.bool) if s["kpm"] else None
     mask = t(B, H, Lq, Lk, dtype=torch.bool) if s["mask"] else None
     band = t(3, dtype=torch.int32) if s["band"] else None  # functional.mask_to_band's output
-    return (t(B, Lq, H, D), t(B, Lk, H, D), t(B, Lk, H, D), t(R, H, D), t(H, D), t(H, D),
+    Lc = Lk - s.get("mem8", 0)  # the keys / values passed as k / v (after the memory)
+    return (t(B, Lq, H, D), t(B, Lc, H, D), t(B, Lc, H, D), t(R, H, D), t(H, D), t(H, D),
             kpm, mask, band)
+
+
+def _memory(sc: Scenario, s: dict, rows: int):
+    """An int8 QuantizedKV of ``rows`` memory rows on the meta device."""
+    import torch
+    from txl_kernels.quant import QuantizedKV
+    B, H, D = s["B"], s["H"], sc.head_dim
+    data = torch.empty(B, rows, H, D, dtype=torch.int8, device="meta")
+    scale = torch.empty(B, rows, H, dtype=torch.float32, device="meta")
+    return QuantizedKV(data, scale, torch.empty_like(data), torch.empty_like(scale))
 
 
 def _dropout_kwargs(s: dict) -> dict:
@@ -410,6 +429,8 @@ def _drive_fwd(module, sc: Scenario) -> None:
     q, k, v, r, u, vb, kpm, mask, band = _meta_inputs(sc, s)
     extra = {} if band is None else {"attn_mask_band": band}
     extra.update(_dropout_kwargs(s))
+    if s.get("mem8"):
+        extra["memory"] = _memory(sc, s, s["mem8"])
     module.rel_attn_fwd(q, k, v, r, u, vb, sc.head_dim ** -0.5, s["wl"], s["wr"], kpm, mask,
                         num_splits=s["splits"], **extra)
 
@@ -429,11 +450,31 @@ def _drive_bwd(module, sc: Scenario) -> None:
                             **extra)
 
 
+def _drive_decode(module, sc: Scenario) -> None:
+    """One query row against Lk keys (flags "on": 16-bit keys; "on-mem8": an int8 memory of
+    Lk - 1 rows, then the current row), causal with a left window, 4 splits."""
+    import torch
+    if sc.flags not in ("on", "on-mem8"):
+        return
+    s = _shapes(sc)
+    B, H, D, Lk = s["B"], s["H"], sc.head_dim, s["Lk"]
+    dt = _torch_dtype(sc.dtype)
+
+    def t(*shape):
+        return torch.empty(*shape, dtype=dt, device="meta")
+    mem = _memory(sc, s, Lk - 1) if sc.flags == "on-mem8" else None
+    lc = 1 if mem is not None else Lk
+    module.rel_attn_decode(t(B, 1, H, D), t(B, lc, H, D), t(B, lc, H, D), t(Lk, H, D),
+                           t(H, D), t(H, D), D ** -0.5, window_left=s["wl"],
+                           num_splits=s["splits"], memory=mem)
+
+
 # Module -> how to call its launcher for a scenario (the only place that knows the launchers'
 # signatures; the kernels' own signatures are taken from the recorded calls).
 DRIVERS: Dict[str, Callable] = {
     "txl_kernels.ops.rel_attn_fwd": _drive_fwd,
     "txl_kernels.ops.rel_attn_bwd": _drive_bwd,
+    "txl_kernels.ops.rel_attn_decode": _drive_decode,
 }
 
 
@@ -629,7 +670,7 @@ def quick_subset(jobs: List[Job]) -> List[Job]:
                               []).append((job, sc))
     chosen: Dict[str, Job] = {}
     for (mod, kern, dtype, d, flags), members in groups.items():
-        if flags != "on" and (mod, kern, dtype, d, "on") in groups:
+        if flags not in QUICK_FLAG_SETS and (mod, kern, dtype, d, "on") in groups:
             continue
         by_variant: Dict[str, List[Job]] = {}
         for job, _ in members:
@@ -765,7 +806,7 @@ def run_checks(quick: bool = False, jobs: int = 2, only: Optional[str] = None,
                            "itself without it)")
     t_start = time.perf_counter()
     head_dims = HEAD_DIMS_QUICK if quick else HEAD_DIMS_FULL
-    flag_sets = ("on",) if quick else FLAG_SETS
+    flag_sets = QUICK_FLAG_SETS if quick else FLAG_SETS
     all_jobs, kernels, errors, groups = collect_jobs(head_dims=head_dims, flag_sets=flag_sets)
     selected = quick_subset(all_jobs) if quick else all_jobs
     if only:
