@@ -38,6 +38,7 @@ Transformer-XL base size without allocating (meta tensors).
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 import warnings
@@ -236,13 +237,29 @@ def footprint_table(config: dict = WT103_BASE, shapes=QUANT_SHAPES,
     return "\n".join(rows)
 
 
+@contextlib.contextmanager
+def one_cpu_thread(device: torch.device):
+    """On CPU, one intra-op thread (as Timer times; setup and warm-up calls too: on a shared
+    machine OpenMP threads that spin-wait make small ops erratic), restored afterwards."""
+    before = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def compare_quant(config: dict = WT103_BASE, shapes=QUANT_SHAPES, min_run_time_s: float = 1.0,
                   log: Callable[[str], None] = print, device=None) -> str:
     """Times of evaluation and of one decoded token with the full-precision and the 8-bit
     caches at each shape (bf16 model on CUDA, fp32 on CPU); returns a markdown table."""
     device = torch.device(device) if device is not None else _device()
-    if device.type == "cpu":
-        torch.set_num_threads(1)
+    with one_cpu_thread(device):
+        return _compare_quant(config, shapes, min_run_time_s, log, device)
+
+
+def _compare_quant(config, shapes, min_run_time_s, log, device) -> str:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = [f"| workload ({device.type}, {str(dtype)[6:]} model) | full cache (ms) | int8 (ms) "
             f"| ratio | fp8 (ms) | ratio | cache bytes 8-bit / full |",
@@ -280,8 +297,12 @@ def compare(config: dict = WT103_BASE, eval_spec: dict = EVAL, gen_spec: dict = 
     median seconds per call). Without HF the providers are ours with the K/V cache
     ("txl_kernels") and on the mems path ("txl_kernels_mems", eval only)."""
     device = torch.device(device) if device is not None else _device()
-    if device.type == "cpu":  # setup and warm-up calls too (Timer times with one thread)
-        torch.set_num_threads(1)
+    with one_cpu_thread(device):
+        return _compare(config, eval_spec, gen_spec, min_run_time_s, with_hf, log, device,
+                        kinds)
+
+
+def _compare(config, eval_spec, gen_spec, min_run_time_s, with_hf, log, device, kinds) -> dict:
     hf_ok = with_hf and hf_classes() is not None
     out = {"device": str(device), "hf": None if hf_ok else HF_MISSING, "eval": {},
            "generate": {}}
@@ -359,13 +380,9 @@ def _models(kind: str, need_hf: bool):
 
 @pytest.fixture(autouse=True)
 def _one_cpu_thread():
-    """CPU cases run with one intra-op thread, as Timer does (on a shared machine OpenMP
-    threads that spin-wait make small ops erratic); restored afterwards."""
-    before = torch.get_num_threads()
-    if not torch.cuda.is_available():
-        torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    """CPU cases run with one intra-op thread, as Timer does; restored afterwards."""
+    with one_cpu_thread(_device()):
+        yield
 
 
 def _run(benchmark, step, rounds):
