@@ -7,6 +7,8 @@
 //   kv_cache_compact(bufs, src, n): rows [src, src + n) -> [0, n) of every buffer, in place
 //   kv_cache_quantize_append(srcs, data_bufs, scale_bufs, dst_row, n_head): the 8-bit cache's
 //       append: every source's rows quantised per (token, head) into its 8-bit buffers
+//   decode_attention(q, k, v, r, u, vb, scale, lo): the LM's decoding step on CPUs
+//       (decode_attention.cpp; bound here, in the one module)
 //
 // hids: L tensors [qlen, bsz, d]; mems: empty (no memory) or L tensors, each [mlen, bsz, d] or
 // the legacy 1-D empty placeholder torch.empty(0) (no memory for that layer). Per layer:
@@ -15,6 +17,8 @@
 // Any strides are accepted. The Python wrapper (txl_kernels/memory.py) validates arguments with
 // messages naming them; the checks here guard direct callers.
 #include <torch/extension.h>
+
+#include "decode_attention.h"
 
 #include <ATen/Parallel.h>
 #include <c10/core/DeviceGuard.h>
@@ -362,6 +366,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Quantise every srcs[i] [n, bsz, n_head * d] per (row, batch, head) into rows "
         "[dst_row, dst_row + n) of data_bufs[i] (int8 / fp8) and scale_bufs[i] (fp32 / fp16); "
         "one launch for all on CUDA.");
+  m.def("decode_attention", &txl_kernels::decode_attention, pybind11::arg("q"),
+        pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("r"), pybind11::arg("u"),
+        pybind11::arg("vb"), pybind11::arg("scale"), pybind11::arg("lo"),
+        "CPU: one query row per (batch, head) against cached keys / values [Lk, B, H, D] with "
+        "position rows r [Lk, H, D]: softmax(scale ((q + u) k + (q + vb) r)) v over keys "
+        ">= lo; fp32 / fp64.");
 #ifdef TXL_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

@@ -221,9 +221,13 @@ def greedy_loop_mems(model, prompt, n_new, seg):
     return torch.cat(out, 1)
 
 
-@pytest.mark.parametrize("cfg", ["adaptive2", "proj_prelnorm"])
-def test_generate_greedy_equals_mems_loop(cfg):
-    model = make_model(cfg, tgt_len=4, mem_len=6)
+@pytest.mark.parametrize("cfg,memory_backend", [("adaptive2", "extension"),
+                                                 ("proj_prelnorm", "extension"),
+                                                 ("adaptive2", "torch")])
+def test_generate_greedy_equals_mems_loop(cfg, memory_backend):
+    """Greedy generation on the cache (CPU decoding steps by the C++ extension's
+    decode_attention, or by the torch fallback) equals the mems path's token-by-token loop."""
+    model = make_model(cfg, tgt_len=4, mem_len=6, memory_backend=memory_backend)
     prompt = tokens(11, 3, seed=7).t().contiguous()  # [bsz=3, len=11]
     got = model.generate(prompt, 9)
     assert got.shape == (3, 20) and torch.equal(got[:, :11], prompt)
@@ -486,6 +490,56 @@ def test_decode_matches_reference(lk, d, wl, splits, dtype, impl):
     want = rel_attention_reference(*(t.double() for t in (q, k, v, r, u, vb)), scale, wl, 0)
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("lk,d,wl,B,dtype", [
+    (1, 16, -1, 2, torch.float32), (37, 41, -1, 2, torch.float32), (130, 16, 20, 3, torch.float32),
+    (70, 32, 0, 1, torch.float32), (45, 41, 7, 2, torch.float64), (19, 8, -1, 1, torch.float64)])
+def test_decode_extension_matches_reference(lk, d, wl, B, dtype):
+    """The C++ extension's CPU decode step (``decode_attention_cpu`` with backend "extension":
+    raises rather than fall back) against the einsum reference at Lq = 1, with the cache's
+    seq-first strided keys / values and a strided position table; and equal to the torch
+    decode path to rounding."""
+    from txl_kernels.models.mem_transformer import decode_attention_cpu, decode_attention_torch
+    from txl_kernels.reference import rel_attention_reference
+
+    g = torch.Generator().manual_seed(lk + d)
+    H = 3
+    rnd = lambda *s: torch.randn(*s, generator=g, dtype=dtype)
+    q = rnd(B, 1, H, d)
+    k = rnd(lk + 5, B, H, d)[2:lk + 2].transpose(0, 1)  # [B, Lk, H, D] views
+    v = rnd(lk + 5, B, H, d)[:lk].transpose(0, 1)
+    r = rnd(lk + 4, H, d)[4:]
+    u, vb = rnd(H, d), rnd(H, d)
+    scale = d ** -0.5
+    got = decode_attention_cpu(q, k, v, r, u, vb, scale, wl, backend="extension")
+    assert got.shape == (B, 1, H, d) and got.dtype == dtype
+    want = rel_attention_reference(*(t.double() for t in (q, k, v, r, u, vb)), scale, wl, 0)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    torch.testing.assert_close(got, decode_attention_torch(q, k, v, r, u, vb, scale, wl))
+
+
+def test_decode_extension_rejects_bad_input():
+    """The C++ op's own checks (direct callers): shapes, dtypes, devices, layout, name the
+    argument."""
+    from txl_kernels import _build
+    ext = _build.load_extension()
+    assert ext is not None, _build.extension_status()["reason"]
+    q, k, r, u = torch.randn(1, 2, 8), torch.randn(5, 1, 2, 8), torch.randn(5, 2, 8), \
+        torch.randn(2, 8)
+    ext.decode_attention(q, k, k, r, u, u, 0.3, 0)  # fine
+    with pytest.raises(RuntimeError, match="r must be"):
+        ext.decode_attention(q, k, k, r[:4], u, u, 0.3, 0)
+    with pytest.raises(RuntimeError, match="float32 or float64"):
+        ext.decode_attention(q.half(), k.half(), k.half(), r.half(), u.half(), u.half(), 0.3, 0)
+    with pytest.raises(RuntimeError, match="every tensor"):
+        ext.decode_attention(q, k.double(), k, r, u, u, 0.3, 0)
+    with pytest.raises(RuntimeError, match="last dimension"):
+        ext.decode_attention(q, k, k.transpose(2, 3).contiguous().transpose(2, 3), r, u, u,
+                             0.3, 0)
+    with pytest.raises(RuntimeError, match="lo must be"):
+        ext.decode_attention(q, k, k, r, u, u, 0.3, 5)
 
 
 @pytest.mark.parametrize("lq,lk,d,wl,dtype", [

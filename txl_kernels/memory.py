@@ -151,7 +151,9 @@ def _warn_once(device_type: str, reason: str) -> None:
     if device_type in _WARNED:
         return
     _WARNED.add(device_type)
-    warnings.warn(f"txl_kernels.update_mems: using the pure-torch fallback for {device_type} "
+    warnings.warn(f"txl_kernels: the C++ extension's ops (update_mems, the K/V cache's "
+                  f"compaction and 8-bit append, the CPU decoding step) use their "
+                  f"pure-torch fallback for {device_type} "
                   f"tensors because {reason}", RuntimeWarning, stacklevel=3)
 
 

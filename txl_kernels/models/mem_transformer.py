@@ -29,7 +29,7 @@ import torch.utils.checkpoint
 
 from .._utils import FUSED_DTYPES, check_same, describe
 from ..functional import fused_available, rel_attention
-from ..memory import _as_len, update_mems
+from ..memory import _as_len, _extension_or_fallback, update_mems
 from ..modules.transformer_xl import FusedRelAttention
 from .adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
 from .cache import TransfoXLCache
@@ -124,9 +124,8 @@ class RelPartialLearnableDecoderLayer(nn.Module):
             attn_vec = rel_attn_decode(q4, *kv4(keys, values), *rest, att.scale,
                                        window_size[0], memory=memory)
         elif qlen == 1 and not dropout:
-            scratch = cache.work(0, klen * bsz * H * D)
-            attn_vec = decode_attention_torch(q4, *full_kv(), *rest, att.scale, window_size[0],
-                                              scratch)
+            attn_vec = decode_attention_cpu(q4, *full_kv(), *rest, att.scale, window_size[0],
+                                            cache.work, cache.memory_backend)
         elif (not dropout and q.dtype in _TORCH_SEGMENT_DTYPES
               and (att.backend == "reference" or not self._fused_ok(q))):
             attn_vec = segment_attention_torch(q4, *full_kv(), *rest, att.scale,
@@ -226,6 +225,28 @@ def decode_attention_torch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale: float,
     return torch.mul(prob[..., None], vj, out=tmp).sum(0)[:, None]
 
 
+def decode_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale: float,
+                         window_left: int = -1, work=None, backend: str = "auto"):
+    """:func:`decode_attention_torch`'s contract, for the torch paths (CPUs): the C++
+    extension's ``decode_attention`` (one pass over the cached rows per product, no key-sized
+    temporary; fp32 / fp64 CPU tensors) where it is built, else (or with ``backend="torch"``,
+    or other dtypes / devices) :func:`decode_attention_torch` with ``work(0, n)`` as its
+    scratch. ``backend`` as for :func:`txl_kernels.memory.update_mems`: "auto" falls back with
+    a one-time warning, "extension" raises when the extension is unavailable."""
+    lk = k.shape[1]
+    if (backend != "torch" and q.device.type == "cpu" and q.dtype in _TORCH_SEGMENT_DTYPES
+            and lk > 0):
+        ext = _extension_or_fallback("decode_attention", q.device, backend)
+        if ext is not None:
+            lo = 0 if window_left < 0 else max(0, lk - 1 - window_left)
+            out = ext.decode_attention(q[:, 0], k.transpose(0, 1), v.transpose(0, 1), r,
+                                       r_w_bias, r_r_bias, float(softmax_scale), lo)
+            return out[:, None]
+    scratch = None if work is None else work(0, k.numel())
+    return decode_attention_torch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left,
+                                  scratch)
+
+
 class MemTransformerLM(nn.Module):
     """Transformer-XL language model (kimiyoung/transformer-xl ``MemTransformerLM``,
     ``attn_type=0``).
@@ -237,7 +258,8 @@ class MemTransformerLM(nn.Module):
     Keyword-only extras: ``untie_r`` (per-layer ``r_w_bias`` / ``r_r_bias``, HF's layout;
     default False: one pair on the model, the original's), ``layer_norm_epsilon``,
     ``attn_backend`` (``rel_attention`` backend: "auto", "triton", "reference"),
-    ``memory_backend`` (``update_mems`` / ``kv_cache_compact`` backend), ``checkpoint``
+    ``memory_backend`` (``update_mems`` / ``kv_cache_compact`` backend, and of the CPU
+    decoding step, :func:`decode_attention_cpu`), ``checkpoint``
     (activation checkpointing per decoder layer: while gradients are recorded, each layer runs
     under ``torch.utils.checkpoint`` (non-reentrant, RNG state preserved, so dropout repeats)
     and is recomputed in the backward; same losses and gradients, state_dict unchanged).
