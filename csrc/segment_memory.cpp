@@ -369,9 +369,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &txl_kernels::decode_attention, pybind11::arg("q"),
         pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("r"), pybind11::arg("u"),
         pybind11::arg("vb"), pybind11::arg("scale"), pybind11::arg("lo"),
-        "CPU: one query row per (batch, head) against cached keys / values [Lk, B, H, D] with "
-        "position rows r [Lk, H, D]: softmax(scale ((q + u) k + (q + vb) r)) v over keys "
-        ">= lo; fp32 / fp64.");
+        pybind11::arg("k_mem") = pybind11::none(), pybind11::arg("k_scale") = pybind11::none(),
+        pybind11::arg("v_mem") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none(),
+        "CPU: one query row per (batch, head) against cached keys / values [Lc, B, H, D] "
+        "(after an optional 8-bit memory [M, B, H, D] with scales [M, B, H]) with position "
+        "rows r [M + Lc, H, D]: softmax(scale ((q + u) k + (q + vb) r)) v over keys >= lo; "
+        "fp32 / fp64.");
 #ifdef TXL_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

@@ -520,6 +520,39 @@ def test_decode_extension_matches_reference(lk, d, wl, B, dtype):
     torch.testing.assert_close(got, decode_attention_torch(q, k, v, r, u, vb, scale, wl))
 
 
+@pytest.mark.parametrize("qdtype,sdtype,dtype,m,lc,wl", [
+    (torch.int8, torch.float32, torch.float32, 37, 1, -1),
+    (torch.float8_e4m3fn, torch.float32, torch.float32, 20, 3, 9),
+    (torch.int8, torch.float16, torch.float64, 9, 1, 30),
+    (torch.float8_e4m3fn, torch.float16, torch.float32, 1, 1, -1)])
+def test_decode_extension_8bit_memory(qdtype, sdtype, dtype, m, lc, wl):
+    """The C++ decode step with an 8-bit memory (read in 8 bits, dequantised in registers)
+    against the dequantise-then-attend oracle (``QuantizedKV.dequantize`` + the einsum
+    reference): only the arithmetic order may differ; and equal to the torch fallback that
+    gets the dequantised keys / values."""
+    from txl_kernels.models.mem_transformer import decode_attention_cpu
+    from txl_kernels.quant import quantize_kv
+    from txl_kernels.reference import rel_attention_reference
+
+    g = torch.Generator().manual_seed(m + lc)
+    B, H, d = 2, 3, 41
+    rnd = lambda *s: torch.randn(*s, generator=g, dtype=dtype)
+    q = rnd(B, 1, H, d)
+    mem = quantize_kv(rnd(B, m, H, d) * 3, rnd(B, m, H, d), qdtype, sdtype)
+    k = rnd(lc + 2, B, H, d)[:lc].transpose(0, 1)  # the current rows, [B, Lc, H, D] views
+    v = rnd(lc + 2, B, H, d)[:lc].transpose(0, 1)
+    r, u, vb = rnd(m + lc, H, d), rnd(H, d), rnd(H, d)
+    mk, mv = mem.dequantize(dtype)
+    full = (torch.cat([mk, k], 1), torch.cat([mv, v], 1))
+    got = decode_attention_cpu(q, k, v, r, u, vb, 0.2, wl, backend="extension", memory=mem)
+    want = rel_attention_reference(*(t.double() for t in (q, *full, r, u, vb)), 0.2, wl, 0)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    fallback = decode_attention_cpu(q, k, v, r, u, vb, 0.2, wl, backend="torch", memory=mem,
+                                    full_kv=lambda: full)
+    torch.testing.assert_close(got, fallback)
+
+
 def test_decode_extension_rejects_bad_input():
     """The C++ op's own checks (direct callers): shapes, dtypes, devices, layout, name the
     argument."""
@@ -540,6 +573,17 @@ def test_decode_extension_rejects_bad_input():
                              0.3, 0)
     with pytest.raises(RuntimeError, match="lo must be"):
         ext.decode_attention(q, k, k, r, u, u, 0.3, 5)
+    km, ks = torch.zeros(4, 1, 2, 8, dtype=torch.int8), torch.ones(4, 1, 2)
+    r9 = torch.randn(9, 2, 8)
+    ext.decode_attention(q, k, k, r9, u, u, 0.3, 0, km, ks, km, ks)  # fine: 4 + 5 keys
+    with pytest.raises(RuntimeError, match="all of k_mem"):
+        ext.decode_attention(q, k, k, r9, u, u, 0.3, 0, km, ks)
+    with pytest.raises(RuntimeError, match="int8 or float8_e4m3fn"):
+        ext.decode_attention(q, k, k, r9, u, u, 0.3, 0, km.float(), ks, km.float(), ks)
+    with pytest.raises(RuntimeError, match="v_scale must be"):
+        ext.decode_attention(q, k, k, r9, u, u, 0.3, 0, km, ks, km, ks[:3])
+    with pytest.raises(RuntimeError, match="r must be"):
+        ext.decode_attention(q, k, k, r, u, u, 0.3, 0, km, ks, km, ks)
 
 
 @pytest.mark.parametrize("lq,lk,d,wl,dtype", [

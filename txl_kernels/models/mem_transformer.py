@@ -31,6 +31,7 @@ from .._utils import FUSED_DTYPES, check_same, describe
 from ..functional import fused_available, rel_attention
 from ..memory import _as_len, _extension_or_fallback, update_mems
 from ..modules.transformer_xl import FusedRelAttention
+from ..quant import QuantizedKV
 from .adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
 from .cache import TransfoXLCache
 
@@ -124,8 +125,9 @@ class RelPartialLearnableDecoderLayer(nn.Module):
             attn_vec = rel_attn_decode(q4, *kv4(keys, values), *rest, att.scale,
                                        window_size[0], memory=memory)
         elif qlen == 1 and not dropout:
-            attn_vec = decode_attention_cpu(q4, *full_kv(), *rest, att.scale, window_size[0],
-                                            cache.work, cache.memory_backend)
+            attn_vec = decode_attention_cpu(q4, *kv4(keys, values), *rest, att.scale,
+                                            window_size[0], cache.work, cache.memory_backend,
+                                            memory=memory, full_kv=full_kv)
         elif (not dropout and q.dtype in _TORCH_SEGMENT_DTYPES
               and (att.backend == "reference" or not self._fused_ok(q))):
             attn_vec = segment_attention_torch(q4, *full_kv(), *rest, att.scale,
@@ -226,22 +228,35 @@ def decode_attention_torch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale: float,
 
 
 def decode_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale: float,
-                         window_left: int = -1, work=None, backend: str = "auto"):
+                         window_left: int = -1, work=None, backend: str = "auto",
+                         memory: Optional[QuantizedKV] = None, full_kv=None):
     """:func:`decode_attention_torch`'s contract, for the torch paths (CPUs): the C++
     extension's ``decode_attention`` (one pass over the cached rows per product, no key-sized
     temporary; fp32 / fp64 CPU tensors) where it is built, else (or with ``backend="torch"``,
     or other dtypes / devices) :func:`decode_attention_torch` with ``work(0, n)`` as its
     scratch. ``backend`` as for :func:`txl_kernels.memory.update_mems`: "auto" falls back with
-    a one-time warning, "extension" raises when the extension is unavailable."""
-    lk = k.shape[1]
+    a one-time warning, "extension" raises when the extension is unavailable.
+
+    ``memory``: an 8-bit memory (``QuantizedKV``, ``[B, M, H, D]``) in front of ``k`` / ``v``
+    (then ``r`` has ``M + Lk`` rows): the extension reads its 8-bit rows and scales and
+    dequantises them in registers; the torch fallback takes the full keys / values
+    ``[B, M + Lk, H, D]`` from ``full_kv()`` (the cache dequantises into its work buffers)."""
+    mlen = 0 if memory is None else memory.mlen
+    lk = mlen + k.shape[1]
     if (backend != "torch" and q.device.type == "cpu" and q.dtype in _TORCH_SEGMENT_DTYPES
             and lk > 0):
         ext = _extension_or_fallback("decode_attention", q.device, backend)
         if ext is not None:
             lo = 0 if window_left < 0 else max(0, lk - 1 - window_left)
+            mem = () if memory is None else tuple(t.transpose(0, 1) for t in memory)
             out = ext.decode_attention(q[:, 0], k.transpose(0, 1), v.transpose(0, 1), r,
-                                       r_w_bias, r_r_bias, float(softmax_scale), lo)
+                                       r_w_bias, r_r_bias, float(softmax_scale), lo, *mem)
             return out[:, None]
+    if memory is not None:
+        if full_kv is None:
+            raise ValueError("decode_attention_cpu: the torch path needs full_kv with an 8-bit "
+                             "memory")
+        k, v = full_kv()
     scratch = None if work is None else work(0, k.numel())
     return decode_attention_torch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left,
                                   scratch)
