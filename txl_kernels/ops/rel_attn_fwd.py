@@ -180,26 +180,28 @@ def _attend_tile(acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off,
     j0 = t * BLOCK_N
     offs_n = j0 + offs_n0
     n_ok = offs_n < Lk
-    # BD: one new window chunk per key tile, the others carried over from the last tile
+    # BD: one new window chunk per key tile (rotated by rot once, here), the others carried
+    # over from the last tile already rotated; then one merge
     base = j0 - i0 - (BLOCK_M - 1) + Lq - 1
     if BLOCK_M > BLOCK_N:
-        t2 = _window_chunk(qv, R_h, r_off, stride_rp, base + 2 * BLOCK_N, R_rows, offs_n0, d_ok,
-                           EVEN_D, UPCAST, DOT_PREC, USE_DESC)
-        merged = tl.where(take_first, tl.where(first_is_0, t0, t1),
-                          tl.where(first_is_0, t1, t2))
+        t2 = rotate_rows(_window_chunk(qv, R_h, r_off, stride_rp, base + 2 * BLOCK_N, R_rows,
+                                       offs_n0, d_ok, EVEN_D, UPCAST, DOT_PREC, USE_DESC),
+                         rot, BLOCK_M, BLOCK_N)
+        bd = tl.where(take_first, tl.where(first_is_0, t0, t1), tl.where(first_is_0, t1, t2))
         t0 = t1
         t1 = t2
     else:
-        tn = _window_chunk(qv, R_h, r_off, stride_rp, base + BLOCK_N, R_rows, offs_n0, d_ok,
-                           EVEN_D, UPCAST, DOT_PREC, USE_DESC)
-        merged = tl.where(take_first, t0, tn)
+        tn = rotate_rows(_window_chunk(qv, R_h, r_off, stride_rp, base + BLOCK_N, R_rows,
+                                       offs_n0, d_ok, EVEN_D, UPCAST, DOT_PREC, USE_DESC),
+                         rot, BLOCK_M, BLOCK_N)
+        bd = tl.where(take_first, t0, tn)
         t0 = tn
-    bd = rotate_rows(merged, rot, BLOCK_M, BLOCK_N)
-    # AC accumulates onto BD in the same registers
     k = _key_value_tile(K_bh, k_off, stride_kn, KQ_bh, kq_off, KS_bh, stride_kqn, stride_ksn,
                         j0, mem_m, offs_n, n_ok, d_ok, MASKED, EVEN_D, UPCAST, USE_DESC,
                         QUANT_MEM)
-    s = tl.dot(qu, tl.trans(k), bd, input_precision=DOT_PREC) * qk_scale
+    # AC + BD (Triton folds the add into the wgmma's accumulator); scale * log2(e) is applied
+    # in the exponent's FMA below
+    s = tl.dot(qu, tl.trans(k), input_precision=DOT_PREC) + bd
 
     if MASKED:
         # ---- masks from indices, then the optional padding / dense masks
@@ -225,13 +227,13 @@ def _attend_tile(acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off,
         s = tl.where(allowed, s, float("-inf"))
 
     # ---- online softmax (log2 domain)
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     if MASKED:
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:  # every row has a finite score here
         m_safe = m_new
     alpha = tl.math.exp2(m_i - m_safe)
-    p = tl.math.exp2(s - m_safe[:, None])
+    p = tl.math.exp2(s * qk_scale - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:
         p = tl.where(dropout_keep(drop_seed, drop_off, pid_bh, offs_m, offs_n, Lq, drop_thresh),
@@ -243,7 +245,9 @@ def _attend_tile(acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off,
         pv = round_bf16(p)
     else:
         pv = p.to(v.dtype)
-    acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC)
+    # (P @ V in a fresh accumulator: with acc * alpha as the wgmma's accumulator input, ptxas
+    # serialises every wgmma of the kernel, C7515)
+    acc = tl.fma(acc, alpha[:, None], tl.dot(pv, v, input_precision=DOT_PREC))
     return acc, m_new, l_i, t0, t1
 
 
@@ -361,19 +365,21 @@ def _rel_attn_fwd_kernel(
     # ---- skew. Tile element (a, c) needs window column w = c + sh_a, sh_a = BM - 1 - a,
     # i.e. chunk w // BN at column w % BN. Row a reads chunk c0_a = sh_a // BN at columns
     # >= s_a = sh_a % BN and chunk c0_a + 1 at columns < s_a: the two never collide, so the
-    # chunks merge elementwise (M) and the skew is one row rotation: BD[a, c] = M[a, w % BN].
+    # skew is a merge and one row rotation by s_a. Each chunk is rotated once, when computed,
+    # and carried rotated; after the rotation, row a takes its first chunk at c < BN - s_a.
     sh = (BLOCK_M - 1) - tl.arange(0, BLOCK_M)
     rot = sh % BLOCK_N
-    take_first = offs_n0[None, :] >= rot[:, None]
+    take_first = offs_n0[None, :] < (BLOCK_N - rot)[:, None]
     first_is_0 = (sh < BLOCK_N)[:, None]
     # ---- prime the window: chunks 0 .. C-2 of the first tile
     base0 = t_begin * BLOCK_N - i0 - (BLOCK_M - 1) + Lq - 1
-    t0 = _window_chunk(qv, R_h, r_off, stride_rp, base0, R_rows, offs_n0, d_ok,
-                       EVEN_D, UPCAST, DOT_PREC, USE_DESC)
+    t0 = rotate_rows(_window_chunk(qv, R_h, r_off, stride_rp, base0, R_rows, offs_n0, d_ok,
+                                   EVEN_D, UPCAST, DOT_PREC, USE_DESC), rot, BLOCK_M, BLOCK_N)
     t1 = t0
     if BLOCK_M > BLOCK_N:  # C == 3
-        t1 = _window_chunk(qv, R_h, r_off, stride_rp, base0 + BLOCK_N, R_rows, offs_n0, d_ok,
-                           EVEN_D, UPCAST, DOT_PREC, USE_DESC)
+        t1 = rotate_rows(_window_chunk(qv, R_h, r_off, stride_rp, base0 + BLOCK_N, R_rows,
+                                       offs_n0, d_ok, EVEN_D, UPCAST, DOT_PREC, USE_DESC),
+                         rot, BLOCK_M, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
