@@ -245,9 +245,12 @@ def _attend_tile(acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off,
         pv = round_bf16(p)
     else:
         pv = p.to(v.dtype)
-    # (P @ V in a fresh accumulator: with acc * alpha as the wgmma's accumulator input, ptxas
-    # serialises every wgmma of the kernel, C7515)
-    acc = tl.fma(acc, alpha[:, None], tl.dot(pv, v, input_precision=DOT_PREC))
+    if acc.shape[1] <= 64:
+        # P @ V in a fresh accumulator: with acc * alpha as the wgmma's accumulator input,
+        # ptxas serialises every wgmma of the kernel (C7515)
+        acc = tl.fma(acc, alpha[:, None], tl.dot(pv, v, input_precision=DOT_PREC))
+    else:  # (head dims > 64: a second fp32 [BM, BLOCK_D] tile live spills more than it saves)
+        acc = tl.dot(pv, v, acc * alpha[:, None], input_precision=DOT_PREC)
     return acc, m_new, l_i, t0, t1
 
 
