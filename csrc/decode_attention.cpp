@@ -141,8 +141,13 @@ TXL_ALWAYS_INLINE inline void prefetch_row(const X* row, int64_t H, int64_t stri
   const int64_t line = 64 / static_cast<int64_t>(sizeof(X));
   for (int64_t h = 0; h < H; ++h) {
     const X* x = row + h * stride_h;
+#if defined(__GNUC__)
     for (int64_t d = 0; d < D; d += line) __builtin_prefetch(x + d);
     __builtin_prefetch(x + D - 1);
+#else
+    (void)x;
+    (void)line;
+#endif
   }
 }
 
