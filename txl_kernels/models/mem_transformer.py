@@ -103,7 +103,6 @@ class RelPartialLearnableDecoderLayer(nn.Module):
         # full precision: keys / values = memory + segment rows; 8-bit: the segment's rows,
         # the memory in `memory` (QuantizedKV views of the cache)
         keys, values, memory = cache._store(layer, k, v)
-        klen = cache.mlen + qlen
         r_w_bias = (att.r_w_bias if r_w_bias is None else r_w_bias).to(q.dtype)
         r_r_bias = (att.r_r_bias if r_r_bias is None else r_r_bias).to(q.dtype)
         dropout = self.training and att.dropatt_p > 0
