@@ -104,23 +104,23 @@ def autotune_enabled() -> bool:
 
 
 @triton.jit
-def apply_mask_band(BAND, WL, WR):
+def apply_mask_band(BAND, window_left, window_right):
     """Read ``[is_band, left, right]`` (``functional.mask_to_band``) from device memory.
 
-    ``WL`` / ``WR`` are the call's window (-1 = unbounded side); the band's ``left`` /
-    ``right`` are plain bounds (``-right <= d <= left``, either may be negative). Returns the
-    window narrowed by the band and whether the band replaces the dense mask. It does only
-    when both narrowed bounds are >= 0, i.e. representable in the window convention the
+    ``window_left`` / ``window_right`` are the call's window (-1 = unbounded side); the band's
+    ``left`` / ``right`` are plain bounds (``-right <= d <= left``, either may be negative).
+    Returns the window narrowed by the band and whether the band replaces the dense mask. It
+    does only when both narrowed bounds are >= 0, i.e. representable in the window convention the
     kernels share (a negative bound would read as "unbounded"); any other band (one that
     leaves out the diagonal side it bounds, or allows nothing) keeps the window as it was and
     returns False, so the kernels read the dense mask, which holds the same pairs."""
     on = tl.load(BAND) != 0
     bl = tl.load(BAND + 1)
     br = tl.load(BAND + 2)
-    nl = tl.where(WL < 0, bl, tl.minimum(WL, bl))
-    nr = tl.where(WR < 0, br, tl.minimum(WR, br))
+    nl = tl.where(window_left < 0, bl, tl.minimum(window_left, bl))
+    nr = tl.where(window_right < 0, br, tl.minimum(window_right, br))
     use = on & (nl >= 0) & (nr >= 0)
-    return tl.where(use, nl, WL), tl.where(use, nr, WR), use
+    return tl.where(use, nl, window_left), tl.where(use, nr, window_right), use
 
 
 # ---- per-row rotation (the relative shift's skew) without tl.gather's layout round trip
