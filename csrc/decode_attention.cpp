@@ -36,7 +36,8 @@ using acc_t = std::conditional_t<std::is_same<T, double>::value, double, float>;
 // The fp32 value of every float8_e4m3fn bit pattern (the 8-bit memory's fp8 rows).
 const std::array<float, 256> kFp8Values = [] {
   std::array<float, 256> t{};
-  for (int i = 0; i < 256; ++i) t[i] = static_cast<float>(c10::Float8_e4m3fn(i, c10::Float8_e4m3fn::from_bits()));
+  for (int i = 0; i < 256; ++i)
+    t[i] = static_cast<float>(c10::Float8_e4m3fn(i, c10::Float8_e4m3fn::from_bits()));
   return t;
 }();
 
@@ -84,7 +85,8 @@ TXL_ALWAYS_INLINE inline float hsum(v8f v) {
 #endif
 
 // a . x + c . y over n elements in A (a: a key row of element type X with its scale sa), with
-// 8 independent partial sums and one horizontal sum for both products
+// 8 independent partial sums and one horizontal sum for both products: 8-wide vectors for fp32
+// (GCC / Clang), 8 scalar sums otherwise (fp64, other compilers)
 template <typename T, typename A, typename X>
 TXL_ALWAYS_INLINE inline A dot2(const X* a, float sa, const T* x, const T* c, const T* y,
                                 int64_t n) {
@@ -307,8 +309,9 @@ void decode_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   // pass 1: scores [B, H, n] in A
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, H * D));
   at::parallel_for(0, B * n, grain, [&](int64_t i0, int64_t i1) { scores_any(J, i0, i1); });
-  // pass 2: the softmax over keys (ATen's vectorised kernel), rounded to T as the torch path
-  const at::Tensor prob = at::_softmax(scores, -1, false).to(q.scalar_type());
+  // pass 2: the softmax over keys (ATen's vectorised kernel; the scores are already in T:
+  // acc_t<T> is T for the two dtypes dispatched)
+  const at::Tensor prob = at::_softmax(scores, -1, false);
   J.P = prob.data_ptr<T>();
   // pass 3: out[b, h] = sum_j P[b, h, j] v[j, b, h]
   T* O = out.data_ptr<T>();
