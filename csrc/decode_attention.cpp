@@ -19,8 +19,16 @@
 namespace txl_kernels {
 namespace {
 
+// The fp32 loops are also compiled for AVX2 + FMA and picked at load time. The clone must be
+// chosen by the CPU's features: GCC dispatches an "arch=haswell" clone by CPU model (only on
+// Haswell parts), the ISA level "arch=x86-64-v3" (GCC >= 12) by features; older GCCs get an
+// "avx2" clone (features too, without FMA contraction).
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define TXL_CLONES __attribute__((target_clones("arch=haswell", "default")))
+#if __GNUC__ >= 12
+#define TXL_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define TXL_CLONES __attribute__((target_clones("avx2", "default")))
+#endif
 #else
 #define TXL_CLONES
 #endif
@@ -141,6 +149,13 @@ template <typename X>
 TXL_ALWAYS_INLINE inline void prefetch_row(const X* row, int64_t H, int64_t stride_h,
                                            int64_t D) {
   const int64_t line = 64 / static_cast<int64_t>(sizeof(X));
+  if (stride_h == D) {  // the heads packed in the row (the cache's layout): one span
+#if defined(__GNUC__)
+    for (int64_t d = 0; d < H * D; d += line) __builtin_prefetch(row + d);
+    __builtin_prefetch(row + H * D - 1);
+#endif
+    return;
+  }
   for (int64_t h = 0; h < H; ++h) {
     const X* x = row + h * stride_h;
 #if defined(__GNUC__)
