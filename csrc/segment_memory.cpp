@@ -7,8 +7,10 @@
 //   kv_cache_compact(bufs, src, n): rows [src, src + n) -> [0, n) of every buffer, in place
 //   kv_cache_quantize_append(srcs, data_bufs, scale_bufs, dst_row, n_head): the 8-bit cache's
 //       append: every source's rows quantised per (token, head) into its 8-bit buffers
-//   decode_attention(q, k, v, r, u, vb, scale, lo): the LM's decoding step on CPUs
+//   decode_attention(q, k, v, r, u, vb, scale, lo): the LM's decoding attention on CPUs
 //       (decode_attention.cpp; bound here, in the one module)
+//   decode_layer(x, weights..., keys, values, r, u, vb, scale, lo): a whole decoder layer of
+//       the LM's decoding step on CPUs (decode_layer.cpp; bound here too)
 //
 // hids: L tensors [qlen, bsz, d]; mems: empty (no memory) or L tensors, each [mlen, bsz, d] or
 // the legacy 1-D empty placeholder torch.empty(0) (no memory for that layer). Per layer:
@@ -19,6 +21,7 @@
 #include <torch/extension.h>
 
 #include "decode_attention.h"
+#include "decode_layer.h"
 
 #include <ATen/Parallel.h>
 #include <c10/core/DeviceGuard.h>
@@ -375,6 +378,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(after an optional 8-bit memory [M, B, H, D] with scales [M, B, H]) with position "
         "rows r [M + Lc, H, D]: softmax(scale ((q + u) k + (q + vb) r)) v over keys >= lo; "
         "fp32 / fp64.");
+  m.def("decode_layer", &txl_kernels::decode_layer, pybind11::arg("x"), pybind11::arg("qkv_w"),
+        pybind11::arg("o_w"), pybind11::arg("ln1_w"), pybind11::arg("ln1_b"),
+        pybind11::arg("eps1"), pybind11::arg("ff1_w"), pybind11::arg("ff1_b"),
+        pybind11::arg("ff2_w"), pybind11::arg("ff2_b"), pybind11::arg("ln2_w"),
+        pybind11::arg("ln2_b"), pybind11::arg("eps2"), pybind11::arg("pre_lnorm"),
+        pybind11::arg("keys"), pybind11::arg("values"), pybind11::arg("r"), pybind11::arg("u"),
+        pybind11::arg("vb"), pybind11::arg("scale"), pybind11::arg("lo"),
+        pybind11::arg("k_mem") = pybind11::none(), pybind11::arg("k_scale") = pybind11::none(),
+        pybind11::arg("v_mem") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none(),
+        "CPU, eval: one Transformer-XL decoder layer for one new token per batch entry, "
+        "x [B, d_model] -> [B, d_model]; writes the token's key / value into the last row of "
+        "keys / values [Lc, B, H * D] and attends to them as decode_attention does.");
 #ifdef TXL_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

@@ -586,6 +586,109 @@ def test_decode_extension_rejects_bad_input():
         ext.decode_attention(q, k, k, r, u, u, 0.3, 0, km, ks, km, ks)
 
 
+@pytest.mark.parametrize("cfg,dtype,cache_dtype,untie_r", [
+    ("adaptive2", torch.float32, None, False), ("proj_prelnorm", torch.float64, None, True),
+    ("adaptive2", torch.float32, torch.int8, True),
+    ("plain", torch.float64, torch.float8_e4m3fn, False)])
+def test_decode_layer_equals_op_by_op(cfg, dtype, cache_dtype, untie_r, monkeypatch):
+    """The C++ decode_layer (a whole layer per call at qlen 1 on CPUs) gives the op-by-op
+    layer's log-probabilities and cache contents bit for bit, over decoding steps that cross
+    the cache's compaction (same_length's window in "adaptive2", pre_lnorm, untied biases,
+    fp64, an 8-bit memory); and it is the route taken for every layer of every step."""
+    from txl_kernels.models import mem_transformer as mt
+
+    model = make_model(cfg, tgt_len=4, mem_len=6, memory_backend="extension",
+                       untie_r=untie_r).to(dtype)
+    data = tokens(21, 3, seed=5)
+    real = mt.RelPartialLearnableDecoderLayer._decode_layer_cpu
+    routes = []
+
+    def spy(self, *args):
+        out = real(self, *args)
+        routes.append(out is not None)
+        return out
+
+    def run(fused):
+        monkeypatch.setattr(mt.RelPartialLearnableDecoderLayer, "_decode_layer_cpu",
+                            spy if fused else (lambda self, *args: None))
+        cache = model.new_cache(3, ext_len=0, dtype=cache_dtype)
+        outs = [model.log_probs(data[s:s + 4], cache=cache)[0] for s in (0, 4)]
+        outs += [model.log_probs(data[t:t + 1], cache=cache)[0] for t in range(8, 21)]
+        return outs, cache
+
+    (want, cache_w), (got, cache_g) = run(False), run(True)
+    assert routes.count(True) == 13 * N_LAYER and routes.count(False) == 2 * N_LAYER
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert (cache_g.start, cache_g.mlen) == (cache_w.start, cache_w.mlen)
+    rows = slice(cache_g.start, cache_g.start + cache_g.mlen)
+    for a, b in zip(cache_g._buffers(), cache_w._buffers()):
+        assert torch.equal(a[rows], b[rows])
+
+
+def test_decode_layer_skipped_for_hooked_or_replaced_modules():
+    """A forward hook on a sub-module, or a sub-module of another type, sends the decoding
+    step op by op (the C++ layer would skip them), with the same tokens."""
+    model = make_model("adaptive2", tgt_len=4, mem_len=6, memory_backend="extension")
+    prompt = tokens(6, 2, seed=3).t().contiguous()
+    want = model.generate(prompt, 5)
+    seen = []
+    handle = model.layers[1].pos_ff.CoreNet[0].register_forward_hook(
+        lambda mod, inp, out: seen.append(inp[0].shape[0]))
+    try:
+        assert torch.equal(model.generate(prompt, 5), want)
+    finally:
+        handle.remove()
+    assert seen.count(1) == 4  # the four decoding steps ran this linear op by op
+
+    class Linear(torch.nn.Linear):
+        pass
+
+    old = model.layers[0].dec_attn.o_net
+    new = Linear(old.in_features, old.out_features, bias=False)
+    new.load_state_dict(old.state_dict())
+    model.layers[0].dec_attn.o_net = new
+    seen.clear()
+    new.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].shape[0]))
+    assert torch.equal(model.generate(prompt, 5), want)
+    assert seen.count(1) == 4
+
+
+def test_decode_layer_rejects_bad_input():
+    """The C++ decode_layer's own checks (direct callers) name the argument."""
+    from txl_kernels import _build
+    ext = _build.load_extension()
+    assert ext is not None, _build.extension_status()["reason"]
+    B, dm, H, D, di, lk = 2, 12, 2, 4, 20, 5
+    rnd = torch.randn
+    x, qkv, o = rnd(B, dm), rnd(3 * H * D, dm), rnd(dm, H * D)
+    ln_w, ln_b, f1, b1, f2, b2 = rnd(dm), rnd(dm), rnd(di, dm), rnd(di), rnd(dm, di), rnd(dm)
+    kv, r, u = rnd(lk, B, H * D), rnd(lk, H, D), rnd(H, D)
+
+    def call(**kw):
+        a = dict(x=x, qkv_w=qkv, o_w=o, ln1_w=ln_w, ln1_b=ln_b, eps1=1e-5, ff1_w=f1, ff1_b=b1,
+                 ff2_w=f2, ff2_b=b2, ln2_w=ln_w, ln2_b=ln_b, eps2=1e-5, pre_lnorm=False,
+                 keys=kv.clone(), values=kv.clone(), r=r, u=u, vb=u, scale=0.5, lo=0)
+        a.update(kw)
+        return ext.decode_layer(**a)
+
+    assert call().shape == (B, dm)  # fine
+    with pytest.raises(RuntimeError, match=r"qkv_w must be \[24, 12\]"):
+        call(qkv_w=qkv[1:])
+    with pytest.raises(RuntimeError, match="ff2_b must be"):
+        call(ff2_b=b2[:3])
+    with pytest.raises(RuntimeError, match="o_w must be a CPU Float"):
+        call(o_w=o.double())
+    with pytest.raises(RuntimeError, match="x must be a float32 or float64"):
+        call(x=x.half())
+    with pytest.raises(RuntimeError, match="values must be"):
+        call(values=kv[:, :1].clone())
+    with pytest.raises(RuntimeError, match="keys must be .*contiguous last dimension"):
+        call(keys=kv.transpose(1, 2).contiguous().transpose(1, 2))
+    with pytest.raises(RuntimeError, match="r must be"):
+        call(r=r[1:])
+
+
 @pytest.mark.parametrize("lq,lk,d,wl,dtype", [
     (1, 1, 16, -1, torch.float32), (5, 37, 41, -1, torch.float32), (37, 37, 41, 3, torch.float64),
     (16, 80, 8, 40, torch.float32)])

@@ -130,18 +130,26 @@ class TransfoXLCache:
 
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Take the segment's keys and values ``[qlen, bsz, width]`` of ``layer``; return
-        ``(keys, values, memory)`` for its attention. Full-precision cache: ``k`` / ``v`` are
-        written after the memory and ``keys`` / ``values`` are the buffer rows
-        ``[mlen + qlen, bsz, width]`` (views), ``memory`` None. 8-bit cache: ``k`` / ``v`` are
-        kept for :meth:`_append` and returned as they are, with the memory as a
-        :class:`QuantizedKV` of buffer views ``[bsz, mlen, H, D]`` (None while empty)."""
+        ``(keys, values, memory)`` for its attention, as :meth:`_slots` with ``k`` / ``v``
+        written into the slots."""
+        keys, values, memory = self._slots(layer, k.shape[0])
+        keys[keys.shape[0] - k.shape[0]:].copy_(k)
+        values[values.shape[0] - v.shape[0]:].copy_(v)
+        return keys, values, memory
+
+    def _slots(self, layer: int, qlen: int):
+        """``(keys, values, memory)`` for the attention of ``layer`` over a segment of ``qlen``
+        rows, whose keys / values the caller writes into the LAST ``qlen`` rows of ``keys`` /
+        ``values``. Full-precision cache: ``keys`` / ``values`` are the buffer rows
+        ``[mlen + qlen, bsz, width]`` (views: the concatenation happens in place), ``memory``
+        None. 8-bit cache: they are new ``[qlen, bsz, width]`` tensors in the compute dtype,
+        kept for :meth:`_append`, with the memory as a :class:`QuantizedKV` of buffer views
+        ``[bsz, mlen, H, D]`` (None while empty)."""
         lo, mid = self.start, self.start + self.mlen
-        qlen = k.shape[0]
         if not self.quantized:
-            keys, values = self.k[layer][lo:mid + qlen], self.v[layer][lo:mid + qlen]
-            keys[self.mlen:].copy_(k)
-            values[self.mlen:].copy_(v)
-            return keys, values, None
+            return self.k[layer][lo:mid + qlen], self.v[layer][lo:mid + qlen], None
+        k = torch.empty(qlen, self.bsz, self.width, dtype=self.compute_dtype, device=self.device)
+        v = torch.empty_like(k)
         self._pending += [k, v]
         if self.mlen == 0:
             return k, v, None

@@ -95,6 +95,10 @@ class RelPartialLearnableDecoderLayer(nn.Module):
         ``forward`` with the memory's hidden states as ``mems`` (with an 8-bit cache: with
         the memory's keys / values dequantised). The torch paths' large temporaries live in
         the cache's reused ``work`` buffers."""
+        fused = self._decode_layer_cpu(w, r_head_k, r_w_bias, r_r_bias, cache, layer,
+                                       window_size)
+        if fused is not None:
+            return fused
         att = self.dec_attn
         qlen, bsz = w.shape[0], w.shape[1]
         H, D = att.n_head, att.d_head
@@ -140,6 +144,38 @@ class RelPartialLearnableDecoderLayer(nn.Module):
         out = w + attn_out if att.pre_lnorm else att.layer_norm(w + attn_out)
         return self.pos_ff(out)
 
+    def _decode_layer_cpu(self, w, r_head_k, r_w_bias, r_r_bias, cache: TransfoXLCache,
+                          layer: int, window_size) -> Optional[torch.Tensor]:
+        """``forward_cached`` for one new token on a CPU in eval mode as ONE call of the C++
+        extension's ``decode_layer`` (the same ATen ops in the same order as the op-by-op code
+        below, so the same result bit for bit, plus the C++ decode attention): at qlen 1 the
+        dozen Python-dispatched ops of a layer cost about as much as its attention. None where
+        it does not apply (other devices / dtypes, training, the Triton decode kernel's route,
+        memory_backend "torch", the extension unavailable, a sub-module replaced or hooked);
+        then the layer runs op by op."""
+        if (w.shape[0] != 1 or self.training or w.device.type != "cpu"
+                or w.dtype not in _TORCH_SEGMENT_DTYPES or cache.memory_backend == "torch"
+                or self._decode_kernel_ok(w) or not _plain_layer(self)):
+            return None
+        ext = _extension_or_fallback("decode_layer", w.device, cache.memory_backend)
+        if ext is None:
+            return None
+        att, ff = self.dec_attn, self.pos_ff
+        keys, values, memory = cache._slots(layer, 1)
+        r_w_bias = att.r_w_bias if r_w_bias is None else r_w_bias
+        r_r_bias = att.r_r_bias if r_r_bias is None else r_r_bias
+        if r_w_bias.dtype != w.dtype or r_r_bias.dtype != w.dtype:
+            r_w_bias, r_r_bias = r_w_bias.to(w.dtype), r_r_bias.to(w.dtype)
+        lk = (0 if memory is None else memory.mlen) + keys.shape[0]
+        lo = 0 if window_size[0] < 0 else max(0, lk - 1 - window_size[0])
+        mem = () if memory is None else tuple(t.transpose(0, 1) for t in memory)
+        ln1, ln2, ff1, ff2 = att.layer_norm, ff.layer_norm, ff.CoreNet[0], ff.CoreNet[3]
+        out = ext.decode_layer(w[0], att.qkv_net.weight, att.o_net.weight, ln1.weight,
+                               ln1.bias, ln1.eps, ff1.weight, ff1.bias, ff2.weight, ff2.bias,
+                               ln2.weight, ln2.bias, ln2.eps, att.pre_lnorm, keys, values,
+                               r_head_k, r_w_bias, r_r_bias, float(att.scale), lo, *mem)
+        return out[None]
+
     def _decode_kernel_ok(self, q: torch.Tensor) -> bool:
         """One query row goes to the split-K decode kernel where the fused backend would
         run (not for backend "reference", nor with attention dropout in training)."""
@@ -154,6 +190,37 @@ class RelPartialLearnableDecoderLayer(nn.Module):
 
 
 _TORCH_SEGMENT_DTYPES = (torch.float32, torch.float64)
+
+
+def _plain_layer(layer: RelPartialLearnableDecoderLayer) -> bool:
+    """Whether ``layer`` is built as this module builds it (the C++ ``decode_layer`` reads
+    its weights and skips its modules' ``forward``): linear / ReLU / LayerNorm sub-modules of
+    exactly those types, with the expected biases, one pre_lnorm for both halves, and no
+    forward hook anywhere on them. Reads the modules' own dicts (``nn.Module.__getattr__``
+    would cost more than the layer's C++ overhead: this runs for every layer of every
+    decoding step)."""
+    hooks = nn.modules.module
+    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+        return False
+    att, ff = layer._modules.get("dec_attn"), layer._modules.get("pos_ff")
+    core = ff._modules.get("CoreNet") if ff is not None else None
+    if att is None or type(core) is not nn.Sequential or len(core._modules) != 5 \
+            or bool(att.pre_lnorm) != bool(ff.pre_lnorm):
+        return False
+    sub = att._modules
+    c = list(core._modules.values())
+    linears = (sub.get("qkv_net"), sub.get("o_net"), c[0], c[3])
+    norms = (sub.get("layer_norm"), ff._modules.get("layer_norm"))
+    if any(type(m) is not nn.Linear for m in linears) or type(c[1]) is not nn.ReLU \
+            or any(type(n) is not nn.LayerNorm for n in norms):
+        return False
+    biased = [m._parameters.get("bias") is not None for m in linears]
+    if biased != [False, False, True, True] or any(
+            n._parameters.get("weight") is None or n._parameters.get("bias") is None
+            or len(n.normalized_shape) != 1 for n in norms):
+        return False
+    return not any(m._forward_hooks or m._forward_pre_hooks
+                   for m in (layer, att, ff, core, *linears, c[1], *norms))
 
 
 def segment_attention_torch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale: float,
