@@ -345,12 +345,14 @@ def table(res: dict, config: dict, eval_spec: dict, gen_spec: dict) -> str:
     def ratio(a, b):
         return f"{a / b:.2f}x" if a is not None else "-"
 
-    rows.append(f"| {ev} (K/V cache) | {fmt(hf_e)} | {e['txl_kernels']:.4f} | "
-                f"{ratio(hf_e, e['txl_kernels'])} |")
-    rows.append(f"| {ev} (mems path) | {fmt(hf_e)} | {e['txl_kernels_mems']:.4f} | "
-                f"{ratio(hf_e, e['txl_kernels_mems'])} |")
-    rows.append(f"| {gen} | {fmt(hf_g)} | {g['txl_kernels']:.3f} | "
-                f"{ratio(hf_g, g['txl_kernels'])} |")
+    if e:
+        rows.append(f"| {ev} (K/V cache) | {fmt(hf_e)} | {e['txl_kernels']:.4f} | "
+                    f"{ratio(hf_e, e['txl_kernels'])} |")
+        rows.append(f"| {ev} (mems path) | {fmt(hf_e)} | {e['txl_kernels_mems']:.4f} | "
+                    f"{ratio(hf_e, e['txl_kernels_mems'])} |")
+    if g:
+        rows.append(f"| {gen} | {fmt(hf_g)} | {g['txl_kernels']:.3f} | "
+                    f"{ratio(hf_g, g['txl_kernels'])} |")
     return "\n".join(rows)
 
 
@@ -441,6 +443,10 @@ if __name__ == "__main__":
                         help="seconds of calls per timing (Timer.blocked_autorange)")
     parser.add_argument("--quant", action="store_true",
                         help="8-bit memory against the full-precision cache (issue 13)")
+    parser.add_argument("--gen-bsz", type=int, default=None,
+                        help="generate for this many sequences at once (default: GEN's bsz 1)")
+    parser.add_argument("--generate-only", action="store_true",
+                        help="only the generation comparison")
     a = parser.parse_args()
     if a.quant:
         print(f"device: {_device()}, torch {torch.__version__}; 8-bit memory")
@@ -449,12 +455,15 @@ if __name__ == "__main__":
                             SMALL_QUANT_SHAPES if a.small else QUANT_SHAPES, a.min_run_time))
         raise SystemExit(0)
     config, ev, gen = (SMALL, SMALL_EVAL, SMALL_GEN) if a.small else (WT103_BASE, EVAL, GEN)
+    if a.gen_bsz is not None:
+        gen = dict(gen, bsz=a.gen_bsz)
+    kinds = ("generate",) if a.generate_only else ("eval", "generate")
     print(f"device: {_device()}, torch {torch.__version__}, 1 thread on CPU (Timer's default); "
           f"model {config}; eval {ev}; generate {gen}")
     runs = []
     for i in range(a.repeat):
         t0 = time.perf_counter()
-        res = compare(config, ev, gen, a.min_run_time)
+        res = compare(config, ev, gen, a.min_run_time, kinds=kinds)
         runs.append(res)
         print(f"run {i + 1} ({time.perf_counter() - t0:.0f} s)")
         print(table(res, config, ev, gen))
@@ -463,6 +472,8 @@ if __name__ == "__main__":
             return sorted(xs)[len(xs) // 2]
         for kind, p in (("eval", "txl_kernels"), ("eval", "txl_kernels_mems"),
                         ("generate", "txl_kernels")):
+            if kind not in kinds:
+                continue
             ratios = [r[kind]["hf"] / r[kind][p] for r in runs]
             print(f"median speedup {kind} {p}: {med(ratios):.2f}x "
                   f"(runs: {', '.join(f'{x:.2f}' for x in ratios)})")
