@@ -265,6 +265,33 @@ def test_no_reads_outside_tensors():
     _check(ts, D ** -0.5, -1, 0, do=do)
 
 
+@pytest.mark.parametrize("wl,wr,R", [(-1, 0, None), (9, 3, 70)])
+def test_descriptor_and_pointer_loads_agree(wl, wr, R):
+    """The backward's tiles (q + u, q + vb, dO, K, V, r) load through TMA descriptors when
+    every base and row stride is 16-byte aligned, through pointers otherwise: the same inputs
+    at an address one element off take the pointer path and give the same gradients, bit for
+    bit (r rows outside [0, R) included: R 70 < the distances the window reaches)."""
+    from txl_kernels.ops._common import descriptors_ok
+
+    B, Lq, Lk, H, D = 2, 21, 37, 2, 16
+    q, k, v, r, u, vb = (t.detach() for t in _inputs(B, Lq, Lk, H, D, R=R, seed=21))
+    do = _rand_like_out(B, Lq, H, D, torch.float32)
+
+    def shifted(t):  # the same values at an address 1 element past a 16-byte boundary
+        buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+        view = buf[1:].view(t.shape)
+        view.copy_(t)
+        return view
+
+    k2, v2, r2, do2 = shifted(k), shifted(v), shifted(r), shifted(do)
+    assert descriptors_ok(do, k, v, r) and not descriptors_ok(do2, k2, v2, r2)
+    out, lse = _forward_outputs((q, k, v, r, u, vb), 0.25, wl, wr)
+    desc = rel_attn_bwd(do, q, k, v, r, u, vb, out, lse, 0.25, wl, wr)
+    ptrs = rel_attn_bwd(do2, q, k2, v2, r2, u, vb, out, lse, 0.25, wl, wr)
+    for name, a, b in zip(NAMES, desc, ptrs):
+        assert torch.equal(a, b), f"{name}: descriptor and pointer loads differ"
+
+
 def test_do_with_non_unit_last_stride():
     B, Lq, Lk, H, D = 1, 13, 20, 2, 16
     ts = _inputs(B, Lq, Lk, H, D, seed=14)

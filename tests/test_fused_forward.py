@@ -17,6 +17,7 @@ from helpers import (FUSED_DEVICE, FUSED_DTYPES, INTERPRET, assert_within, make_
                      requires_cuda)
 
 import txl_kernels.ops.rel_attn_fwd as fwd_mod
+from txl_kernels.ops._common import descriptors_ok
 
 rel_attn_fwd = fwd_mod.rel_attn_fwd
 DEV = FUSED_DEVICE
@@ -294,7 +295,7 @@ def test_descriptor_and_pointer_loads_agree():
         return view
 
     k2, v2, r2 = shifted(k), shifted(v), shifted(r)
-    assert fwd_mod._descriptors_ok(k, v, r) and not fwd_mod._descriptors_ok(k2, v2, r2)
+    assert descriptors_ok(k, v, r) and not descriptors_ok(k2, v2, r2)
     for wl, wr in ((-1, 0), (9, 3)):
         out, lse = _check_launcher(q, k, v, r, u, vb, wl, wr, name="descriptors")
         out2, lse2 = _check_launcher(q, k2, v2, r2, u, vb, wl, wr, name="pointers")

@@ -272,3 +272,29 @@ def dropout_keep_mask(seed: torch.Tensor, B: int, H: int, Lq: int, Lk: int,
         _dropout_mask_kernel[(B * H, triton.cdiv(Lq, bm), triton.cdiv(Lk, bn))](
             seed, keep, H, Lq, Lk, dropout_threshold(dropout_p), BLOCK_M=bm, BLOCK_N=bn)
     return keep.bool()
+
+
+def descriptors_ok(*ts: torch.Tensor) -> bool:
+    """Tiles load through TMA descriptors (made in the kernel: the forward's K / V / R, the
+    backward's K / V / R and query-side operands) when every base address and row stride is
+    16-byte aligned, as TMA requires; otherwise through pointers."""
+    return all(t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0
+                                             for st in t.stride()[:-1]) for t in ts)
+
+
+def _scratch(size: int, alignment: int, stream):
+    """Triton's global scratch (the kernel writes its TMA descriptors there)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_scratch_allocator() -> None:
+    """Kernels that make TMA descriptors need Triton's global-scratch allocator: set one that
+    allocates through torch (CUDA graph and caching-allocator aware), unless the caller has
+    set their own."""
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+        if not isinstance(_allocator.get(), NullAllocator):
+            return
+    except ImportError:  # other Triton versions: set ours
+        pass
+    triton.set_allocator(_scratch)

@@ -27,9 +27,9 @@ import triton
 import triton.language as tl
 
 from .._utils import describe
-from ._common import (INTERPRET, apply_mask_band, autotune_enabled, dot_precision,
-                      dropout_keep, dropout_threshold, last_dim_contiguous, load_dropout_seed,
-                      rotate_rows, round_bf16)
+from ._common import (INTERPRET, apply_mask_band, autotune_enabled, descriptors_ok,
+                      dot_precision, dropout_keep, dropout_threshold, ensure_scratch_allocator,
+                      last_dim_contiguous, load_dropout_seed, rotate_rows, round_bf16)
 
 __all__ = ["rel_attn_bwd"]
 
@@ -125,11 +125,15 @@ def _atomic_dr(DR_h, dt, qv_t, rows, R_rows, stride_drp, offs_d, dmask, sm_scale
 
 @triton.jit
 def _probs(ac, bd, lse2, offs_i, offs_j, qk_scale, pattern, HAS_KPM: tl.constexpr,
-           HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr):
+           HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr, MASKED: tl.constexpr = True):
     """P = exp(S - lse) on one tile, 0 on masked pairs, out-of-range rows / columns, and rows
     whose lse is +inf (no allowed key). ``pattern`` (``_program_setup``) holds the window, given
     per row as a key range (window_left / window_right are >= 0 here: the launcher turns
-    unbounded into Lq + Lk), so a pair costs two compares, and the padding / dense masks."""
+    unbounded into Lq + Lk), so a pair costs two compares, and the padding / dense masks.
+    MASKED False: an interior tile (``_interior_tiles``: every pair inside the window, every
+    key < Lk, no padding / dense mask), nothing to mask (rows past Lq have lse = +inf: P = 0)."""
+    if not MASKED:
+        return tl.exp2((ac + bd) * qk_scale - lse2[:, None])
     b, h, Lq, Lk, window_left, window_right, band_on, KPM, stride_kpm, MASK, stride_m = pattern
     key0 = offs_i + (Lk - Lq)  # the key at distance 0 from each row
     j_min = key0 - window_left
@@ -167,10 +171,13 @@ def _probs(ac, bd, lse2, offs_i, offs_j, qk_scale, pattern, HAS_KPM: tl.constexp
 
 @triton.jit
 def _program_setup(A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk,
-                   R_rows, HAS_BAND: tl.constexpr):
+                   R_rows, D, HAS_BAND: tl.constexpr, USE_DESC: tl.constexpr,
+                   BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
     """Every backward program's prologue: its batch and head (grid axis 0 is batch * head),
     the window narrowed by a mask band (band_on: the band replaces the dense mask, nothing to
-    load) and the per-(batch, head) base pointers, computed once. Returns (b, h, window_left,
+    load) and the per-(batch, head) base pointers, computed once; with USE_DESC the [BLOCK,
+    BLOCK_D] tiles of (q + u), (q + vb), dO, K, V and r come through TMA descriptors made here
+    (zero fill past the rows / D: no pointer math, no masks). Returns (b, h, window_left,
     window_right, query, keys, rel, pattern, drop): query / keys / rel are what
     _load_query_tile / _load_kv_tile / _load_r read, pattern what _probs masks with, drop the
     dropout's (batch * head, Lq, SEED, threshold, scale)."""
@@ -183,45 +190,76 @@ def _program_setup(A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout
     band_on = False
     if HAS_BAND:
         window_left, window_right, band_on = apply_mask_band(BAND, window_left, window_right)
-    query = (A_OP + pid_bh * stride_wbh, QV_OP + pid_bh * stride_wbh,
-             DO + b * stride_do[0] + h * stride_do[2], LSE + b * stride_l[0] + h * stride_l[1],
+    A_bh, QV_bh = A_OP + pid_bh * stride_wbh, QV_OP + pid_bh * stride_wbh
+    DO_bh = DO + b * stride_do[0] + h * stride_do[2]
+    K_bh, V_bh = K + b * stride_k[0] + h * stride_k[2], V + b * stride_v[0] + h * stride_v[2]
+    R_h = R + h * stride_r[1]
+    if USE_DESC:
+        A_bh = tl.make_tensor_descriptor(A_bh, shape=[Lq, D], strides=[stride_wm, 1],
+                                         block_shape=[BLOCK, BLOCK_D])
+        QV_bh = tl.make_tensor_descriptor(QV_bh, shape=[Lq, D], strides=[stride_wm, 1],
+                                          block_shape=[BLOCK, BLOCK_D])
+        DO_bh = tl.make_tensor_descriptor(DO_bh, shape=[Lq, D], strides=[stride_do[1], 1],
+                                          block_shape=[BLOCK, BLOCK_D])
+        K_bh = tl.make_tensor_descriptor(K_bh, shape=[Lk, D], strides=[stride_k[1], 1],
+                                         block_shape=[BLOCK, BLOCK_D])
+        V_bh = tl.make_tensor_descriptor(V_bh, shape=[Lk, D], strides=[stride_v[1], 1],
+                                         block_shape=[BLOCK, BLOCK_D])
+        R_h = tl.make_tensor_descriptor(R_h, shape=[R_rows, D], strides=[stride_r[0], 1],
+                                        block_shape=[BLOCK, BLOCK_D])
+    query = (A_bh, QV_bh, DO_bh, LSE + b * stride_l[0] + h * stride_l[1],
              DELTA + b * stride_l[0] + h * stride_l[1], stride_wm, stride_do[1], stride_l[2])
-    keys = (K + b * stride_k[0] + h * stride_k[2], V + b * stride_v[0] + h * stride_v[2],
-            stride_k[1], stride_v[1])
-    rel = (R + h * stride_r[1], stride_r[0], R_rows)
+    keys = (K_bh, V_bh, stride_k[1], stride_v[1])
+    rel = (R_h, stride_r[0], R_rows)
     pattern = (b, h, Lq, Lk, window_left, window_right, band_on, KPM, stride_kpm, MASK, stride_m)
     drop = (pid_bh, Lq, SEED, drop_thresh, drop_scale)
     return b, h, window_left, window_right, query, keys, rel, pattern, drop
 
 
 @triton.jit
-def _load_kv_tile(keys, offs_j, Lk, offs_d, D, DOT_DTYPE: tl.constexpr):
-    """The K and V rows of one key tile (zero past Lk and past D)."""
+def _load_kv_tile(keys, j0, offs_j, Lk, offs_d, D, DOT_DTYPE: tl.constexpr,
+                  USE_DESC: tl.constexpr):
+    """The K and V rows j0 + [0, BLOCK) of one key tile (zero past Lk and past D)."""
     K_bh, V_bh, stride_kn, stride_vn = keys
-    return (_load_rows(K_bh, offs_j, Lk, stride_kn, offs_d, D, DOT_DTYPE),
-            _load_rows(V_bh, offs_j, Lk, stride_vn, offs_d, D, DOT_DTYPE))
+    if USE_DESC:
+        k_t = K_bh.load([j0, 0]).to(DOT_DTYPE)
+        v_t = V_bh.load([j0, 0]).to(DOT_DTYPE)
+    else:
+        k_t = _load_rows(K_bh, offs_j, Lk, stride_kn, offs_d, D, DOT_DTYPE)
+        v_t = _load_rows(V_bh, offs_j, Lk, stride_vn, offs_d, D, DOT_DTYPE)
+    return k_t, v_t
 
 
 @triton.jit
-def _load_r(rel, rows, offs_d, D, DOT_DTYPE: tl.constexpr):
-    """Rows ``rows`` of r (zero outside [0, R) and past D)."""
+def _load_r(rel, row0, w, offs_d, D, DOT_DTYPE: tl.constexpr, USE_DESC: tl.constexpr):
+    """Rows row0 + w (w = [0, BLOCK)) of r (zero outside [0, R) and past D)."""
     R_h, stride_rp, R_rows = rel
-    return _load_rows(R_h, rows, R_rows, stride_rp, offs_d, D, DOT_DTYPE)
+    if USE_DESC:
+        rows = R_h.load([row0, 0]).to(DOT_DTYPE)
+    else:
+        rows = _load_rows(R_h, row0 + w, R_rows, stride_rp, offs_d, D, DOT_DTYPE)
+    return rows
 
 
 @triton.jit
-def _load_query_tile(query, offs_i, offs_d, Lq, D, DOT_DTYPE: tl.constexpr):
-    """One query tile's operands (pointers pre-offset to the batch and head): (q + u) and
-    (q + vb) as the preprocess kernel rounded them, dO, the log-sum-exp in log2 units (+inf
-    past Lq) and delta."""
+def _load_query_tile(query, i0, offs_i, offs_d, Lq, D, DOT_DTYPE: tl.constexpr,
+                     USE_DESC: tl.constexpr):
+    """One query tile's operands (rows i0 + [0, BLOCK); pointers or descriptors pre-offset to
+    the batch and head): (q + u) and (q + vb) as the preprocess kernel rounded them, dO, the
+    log-sum-exp in log2 units (+inf past Lq) and delta."""
     A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, stride_wm, stride_dom, stride_lm = query
     in_i = offs_i < Lq
-    rows_i = offs_i.to(tl.int64)[:, None]
-    q_msk = in_i[:, None] & (offs_d < D)[None, :]
-    a_t = tl.load(A_bh + rows_i * stride_wm + offs_d[None, :], mask=q_msk, other=0.0)
-    qv_t = tl.load(QV_bh + rows_i * stride_wm + offs_d[None, :], mask=q_msk, other=0.0)
-    do = tl.load(DO_bh + rows_i * stride_dom + offs_d[None, :], mask=q_msk,
-                 other=0.0).to(DOT_DTYPE)
+    if USE_DESC:
+        a_t = A_bh.load([i0, 0])
+        qv_t = QV_bh.load([i0, 0])
+        do = DO_bh.load([i0, 0]).to(DOT_DTYPE)
+    else:
+        rows_i = offs_i.to(tl.int64)[:, None]
+        q_msk = in_i[:, None] & (offs_d < D)[None, :]
+        a_t = tl.load(A_bh + rows_i * stride_wm + offs_d[None, :], mask=q_msk, other=0.0)
+        qv_t = tl.load(QV_bh + rows_i * stride_wm + offs_d[None, :], mask=q_msk, other=0.0)
+        do = tl.load(DO_bh + rows_i * stride_dom + offs_d[None, :], mask=q_msk,
+                     other=0.0).to(DOT_DTYPE)
     l_off = offs_i.to(tl.int64) * stride_lm
     lse2 = tl.load(LSE_bh + l_off, mask=in_i, other=float("inf")) * LOG2E
     delta = tl.load(DELTA_bh + l_off, mask=in_i, other=0.0)
@@ -233,8 +271,8 @@ def _recompute_p_ds(a_t, qv_t, do, k_t, v_t, r_lo, r_hi, lse2, delta, offs_i, of
                     pattern, drop, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
                     HAS_BAND: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
                     SKEW_GATHER: tl.constexpr, BLOCK: tl.constexpr, IN_DTYPE: tl.constexpr,
-                    UPCAST: tl.constexpr):
-    """P and dS = P (dP - delta), dP = dO V^T, on one tile, computed in fp32 and returned
+                    UPCAST: tl.constexpr, MASKED: tl.constexpr = True):
+    """P and dS = P (dP - delta), dP = dO V^T, on one tile (MASKED: as in _probs), computed in fp32 and returned
     rounded to the operand dtype (IN_DTYPE), as the products that take them need; BD is the
     skew of the two window chunks (q + vb) @ [R_lo | R_hi]^T (both recomputed: carrying one
     would keep another fp32 tile live). Returns (Pv, dS): Pv is P as the forward applied it to
@@ -246,7 +284,8 @@ def _recompute_p_ds(a_t, qv_t, do, k_t, v_t, r_lo, r_hi, lse2, delta, offs_i, of
     t_hi = tl.dot(qv_t, tl.trans(r_hi), input_precision=DOT_PREC)
     bd = _skew(t_lo, t_hi, BLOCK, SKEW_GATHER)
     ac = tl.dot(a_t, tl.trans(k_t), input_precision=DOT_PREC)
-    p = _probs(ac, bd, lse2, offs_i, offs_j, qk_scale, pattern, HAS_KPM, HAS_MASK, HAS_BAND)
+    p = _probs(ac, bd, lse2, offs_i, offs_j, qk_scale, pattern, HAS_KPM, HAS_MASK, HAS_BAND,
+               MASKED)
     dp = tl.dot(do, tl.trans(v_t), input_precision=DOT_PREC)
     pv = p
     if DROPOUT:
@@ -306,21 +345,22 @@ def _rel_attn_bwd_dkdv_kernel(
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     SKEW_GATHER: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
-    DROPOUT: tl.constexpr = False,
+    DROPOUT: tl.constexpr = False, USE_DESC: tl.constexpr = False,
 ):
     """One program per (batch * head, key tile): dk and dv of the tile, looping over the query
     tiles that the window lets see it. stride_dk: (b, n, h), shared by DK and DV."""
     pid_n = tl.program_id(1)
     mlen = Lk - Lq
     b, h, window_left, window_right, query, keys, rel, pattern, drop = _program_setup(
-        A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows, HAS_BAND)
+        A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows, D,
+        HAS_BAND, USE_DESC, BLOCK, BLOCK_D)
 
     j0 = pid_n * BLOCK
     offs_j = j0 + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     kv_msk = (offs_j < Lk)[:, None] & dmask[None, :]
-    k_t, v_t = _load_kv_tile(keys, offs_j, Lk, offs_d, D, DOT_DTYPE)
+    k_t, v_t = _load_kv_tile(keys, j0, offs_j, Lk, offs_d, D, DOT_DTYPE, USE_DESC)
 
     # Query rows that may see a key of this tile: d = i + mlen - j in [-window_right,
     # window_left] (both >= 0 here).
@@ -333,12 +373,13 @@ def _rel_attn_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     w = tl.arange(0, BLOCK)
     # R_hi of query tile m is R_lo of tile m - 1: carried.
-    r_hi = _load_r(rel, j0 - m_lo * BLOCK + Lq + w, offs_d, D, DOT_DTYPE)
+    r_hi = _load_r(rel, j0 - m_lo * BLOCK + Lq, w, offs_d, D, DOT_DTYPE, USE_DESC)
     for m in range(m_lo, m_hi):
         i0 = m * BLOCK
         offs_i = i0 + tl.arange(0, BLOCK)
-        a_t, qv_t, do, lse2, delta = _load_query_tile(query, offs_i, offs_d, Lq, D, DOT_DTYPE)
-        r_lo = _load_r(rel, j0 - i0 + Lq - BLOCK + w, offs_d, D, DOT_DTYPE)
+        a_t, qv_t, do, lse2, delta = _load_query_tile(query, i0, offs_i, offs_d, Lq, D,
+                                                      DOT_DTYPE, USE_DESC)
+        r_lo = _load_r(rel, j0 - i0 + Lq - BLOCK, w, offs_d, D, DOT_DTYPE, USE_DESC)
         p, ds = _recompute_p_ds(a_t, qv_t, do, k_t, v_t, r_lo, r_hi, lse2, delta, offs_i,
                                 offs_j, qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
                                 DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, K.dtype.element_ty, UPCAST)
@@ -354,6 +395,54 @@ def _rel_attn_bwd_dkdv_kernel(
 
 
 @triton.jit
+def _interior_tiles(i0, BLOCK: tl.constexpr, n_lo, n_hi, Lq, Lk, window_left, window_right,
+                    OTHER_MASKS: tl.constexpr):
+    """Key tiles [n_a, n_b) inside [n_lo, n_hi) where the query tile at i0 needs no mask: every
+    row i < Lq of it allows every key of the tile (j >= i + mlen - window_left for its last
+    row, j <= i + mlen + window_right for its first) and every key is < Lk. None (an empty
+    range at n_hi) with a padding or dense mask (OTHER_MASKS)."""
+    mlen = Lk - Lq
+    i_last = tl.minimum(i0 + BLOCK, Lq) - 1
+    first = tl.cdiv(tl.maximum(i_last + mlen - window_left, 0), BLOCK)
+    last = tl.minimum((i0 + mlen + window_right + 1) // BLOCK, Lk // BLOCK)
+    n_a = tl.minimum(tl.maximum(first, n_lo), n_hi)
+    n_b = tl.maximum(tl.minimum(last, n_hi), n_a)
+    if OTHER_MASKS:
+        n_a = n_hi
+        n_b = n_hi
+    return n_a, n_b
+
+
+@triton.jit
+def _dq_tile(carry, n, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
+             HAS_BAND: tl.constexpr, ATOMIC_DR: tl.constexpr, DOT_DTYPE: tl.constexpr,
+             UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, SKEW_GATHER: tl.constexpr,
+             BLOCK: tl.constexpr, DROPOUT: tl.constexpr, USE_DESC: tl.constexpr,
+             MASKED: tl.constexpr, IN_DTYPE: tl.constexpr):
+    """One key tile n of the dq kernel's loop: carry (dqa, dqv, ds_prev, r_lo, p_lo) -> the
+    same after it; ``tile`` the query tile's loop invariants (see the kernel)."""
+    dqa, dqv, ds_prev, r_lo, p_lo = carry
+    (a_t, qv_t, do, lse2, delta, offs_i, offs_d, dmask, own, w, keys, rel, DR_h, stride_drp,
+     pattern, drop, Lk, R_rows, D, sm_scale, qk_scale) = tile
+    j0 = n * BLOCK
+    offs_j = j0 + tl.arange(0, BLOCK)
+    k_t, v_t = _load_kv_tile(keys, j0, offs_j, Lk, offs_d, D, DOT_DTYPE, USE_DESC)
+    r_hi = _load_r(rel, p_lo + BLOCK, w, offs_d, D, DOT_DTYPE, USE_DESC)
+    p, ds = _recompute_p_ds(a_t, qv_t, do, k_t, v_t, r_lo, r_hi, lse2, delta, offs_i,
+                            offs_j, qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
+                            DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, IN_DTYPE, UPCAST, MASKED)
+    dqa = tl.dot(ds, k_t, dqa, input_precision=DOT_PREC)
+    # rows p_lo ..: the lo part of this tile and the hi part of the previous one have
+    # disjoint supports: one merge, one rotation, one product with the shared rows.
+    dt = _unskew(tl.where(own, ds, ds_prev), BLOCK, SKEW_GATHER)
+    dqv = tl.dot(dt, r_lo, dqv, input_precision=DOT_PREC)
+    if ATOMIC_DR:
+        _atomic_dr(DR_h, dt, qv_t, p_lo + w, R_rows, stride_drp, offs_d, dmask, sm_scale,
+                   DOT_PREC)
+    return dqa, dqv, ds, r_hi, p_lo + BLOCK
+
+
+@triton.jit
 def _rel_attn_bwd_dq_kernel(
     A_OP, QV_OP, K, V, R, DO, LSE, DELTA, DQ, DU_PART, DVB_PART, DR_ACC,
     strides, stride_dq, stride_part, stride_dr,
@@ -362,7 +451,7 @@ def _rel_attn_bwd_dq_kernel(
     ATOMIC_DR: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     SKEW_GATHER: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
-    DROPOUT: tl.constexpr = False,
+    DROPOUT: tl.constexpr = False, USE_DESC: tl.constexpr = False,
 ):
     """One program per (batch * head, query tile): dq of the tile (dA + dQv) and the row sums of
     dA and dQv (du / dvb partials), looping over the key tiles of the window in increasing
@@ -373,7 +462,8 @@ def _rel_attn_bwd_dq_kernel(
     m = num_m - 1 - tl.program_id(1)  # longest rows (causal) first
     mlen = Lk - Lq
     b, h, window_left, window_right, query, keys, rel, pattern, drop = _program_setup(
-        A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows, HAS_BAND)
+        A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows, D,
+        HAS_BAND, USE_DESC, BLOCK, BLOCK_D)
 
     i0 = m * BLOCK
     offs_i = i0 + tl.arange(0, BLOCK)
@@ -382,7 +472,8 @@ def _rel_attn_bwd_dq_kernel(
     dmask = offs_d < D
     rows_i = offs_i.to(tl.int64)[:, None]
     q_msk = in_i[:, None] & dmask[None, :]
-    a_t, qv_t, do, lse2, delta = _load_query_tile(query, offs_i, offs_d, Lq, D, DOT_DTYPE)
+    a_t, qv_t, do, lse2, delta = _load_query_tile(query, i0, offs_i, offs_d, Lq, D, DOT_DTYPE,
+                                                  USE_DESC)
 
     # Keys this query tile may see: d = i + mlen - j in [-window_right, window_left].
     j_lo = tl.maximum(i0 + mlen - window_left, 0)
@@ -395,29 +486,30 @@ def _rel_attn_bwd_dq_kernel(
     # Source columns x <= a (row a) of a dS tile feed the lo window chunk, x > a the hi chunk.
     own = tl.arange(0, BLOCK)[None, :] <= tl.arange(0, BLOCK)[:, None]
     p_lo = n_lo * BLOCK - i0 + Lq - BLOCK  # first r row of the lo chunk of the current tile
-    r_lo = _load_r(rel, p_lo + w, offs_d, D, DOT_DTYPE)
+    r_lo = _load_r(rel, p_lo, w, offs_d, D, DOT_DTYPE, USE_DESC)
     ds_prev = tl.zeros([BLOCK, BLOCK], dtype=DOT_DTYPE)  # its hi part is pending
     dqa = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dqv = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
-    for n in range(n_lo, n_hi):
-        j0 = n * BLOCK
-        offs_j = j0 + tl.arange(0, BLOCK)
-        k_t, v_t = _load_kv_tile(keys, offs_j, Lk, offs_d, D, DOT_DTYPE)
-        r_hi = _load_r(rel, p_lo + BLOCK + w, offs_d, D, DOT_DTYPE)
-        p, ds = _recompute_p_ds(a_t, qv_t, do, k_t, v_t, r_lo, r_hi, lse2, delta, offs_i,
-                                offs_j, qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
-                                DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, K.dtype.element_ty, UPCAST)
-        dqa = tl.dot(ds, k_t, dqa, input_precision=DOT_PREC)
-        # rows p_lo ..: the lo part of this tile and the hi part of the previous one have
-        # disjoint supports: one merge, one rotation, one product with the shared rows.
-        dt = _unskew(tl.where(own, ds, ds_prev), BLOCK, SKEW_GATHER)
-        dqv = tl.dot(dt, r_lo, dqv, input_precision=DOT_PREC)
-        if ATOMIC_DR:
-            _atomic_dr(DR_h, dt, qv_t, p_lo + w, R_rows, stride_dr[0], offs_d, dmask, sm_scale,
-                       DOT_PREC)
-        ds_prev = ds
-        r_lo = r_hi
-        p_lo += BLOCK
+    carry = (dqa, dqv, ds_prev, r_lo, p_lo)
+    tile = (a_t, qv_t, do, lse2, delta, offs_i, offs_d, dmask, own, w, keys, rel, DR_h,
+            stride_dr[0], pattern, drop, Lk, R_rows, D, sm_scale, qk_scale)
+    # the key tiles in order (the window chunk is carried): masked ones before and after the
+    # interior ones, which need no mask (``_interior_tiles``)
+    n_a, n_b = _interior_tiles(i0, BLOCK, n_lo, n_hi, Lq, Lk, window_left, window_right,
+                               HAS_KPM or HAS_MASK)
+    for n in range(n_lo, n_a):
+        carry = _dq_tile(carry, n, tile, HAS_KPM, HAS_MASK, HAS_BAND, ATOMIC_DR, DOT_DTYPE,
+                         UPCAST, DOT_PREC, SKEW_GATHER, BLOCK, DROPOUT, USE_DESC, True,
+                         K.dtype.element_ty)
+    for n in range(n_a, n_b):
+        carry = _dq_tile(carry, n, tile, HAS_KPM, HAS_MASK, HAS_BAND, ATOMIC_DR, DOT_DTYPE,
+                         UPCAST, DOT_PREC, SKEW_GATHER, BLOCK, DROPOUT, USE_DESC, False,
+                         K.dtype.element_ty)
+    for n in range(n_b, n_hi):
+        carry = _dq_tile(carry, n, tile, HAS_KPM, HAS_MASK, HAS_BAND, ATOMIC_DR, DOT_DTYPE,
+                         UPCAST, DOT_PREC, SKEW_GATHER, BLOCK, DROPOUT, USE_DESC, True,
+                         K.dtype.element_ty)
+    dqa, dqv, ds_prev, r_lo, p_lo = carry
     # flush the hi part of the last tile
     dt = _unskew(tl.where(own, 0.0, ds_prev).to(DOT_DTYPE), BLOCK, SKEW_GATHER)
     dqv = tl.dot(dt, r_lo, dqv, input_precision=DOT_PREC)
@@ -442,7 +534,7 @@ def _rel_attn_bwd_dr_kernel(
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     SKEW_GATHER: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
-    DROPOUT: tl.constexpr = False,
+    DROPOUT: tl.constexpr = False, USE_DESC: tl.constexpr = False,
 ):
     """One program per (batch * head, block diagonal t = n - m): the dr contributions of the
     tile pairs (m, m + t) of one batch and head, reduced in registers in a fixed order, written
@@ -453,15 +545,16 @@ def _rel_attn_bwd_dr_kernel(
     t = num_n - 1 - tl.program_id(1)
     mlen = Lk - Lq
     b, h, window_left, window_right, query, keys, rel, pattern, drop = _program_setup(
-        A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows, HAS_BAND)
+        A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows, D,
+        HAS_BAND, USE_DESC, BLOCK, BLOCK_D)
 
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     w = tl.arange(0, BLOCK)
     p_lo = t * BLOCK + Lq - BLOCK
     p_hi = p_lo + BLOCK
-    r_lo = _load_r(rel, p_lo + w, offs_d, D, DOT_DTYPE)
-    r_hi = _load_r(rel, p_hi + w, offs_d, D, DOT_DTYPE)
+    r_lo = _load_r(rel, p_lo, w, offs_d, D, DOT_DTYPE, USE_DESC)
+    r_hi = _load_r(rel, p_hi, w, offs_d, D, DOT_DTYPE, USE_DESC)
 
     # Tile pairs (m, m + t) inside both sequences.
     m_lo = tl.maximum(-t, 0)
@@ -482,8 +575,9 @@ def _rel_attn_bwd_dr_kernel(
         j0 = i0 + t * BLOCK
         offs_i = i0 + tl.arange(0, BLOCK)
         offs_j = j0 + tl.arange(0, BLOCK)
-        a_t, qv_t, do, lse2, delta = _load_query_tile(query, offs_i, offs_d, Lq, D, DOT_DTYPE)
-        k_t, v_t = _load_kv_tile(keys, offs_j, Lk, offs_d, D, DOT_DTYPE)
+        a_t, qv_t, do, lse2, delta = _load_query_tile(query, i0, offs_i, offs_d, Lq, D,
+                                                      DOT_DTYPE, USE_DESC)
+        k_t, v_t = _load_kv_tile(keys, j0, offs_j, Lk, offs_d, D, DOT_DTYPE, USE_DESC)
         p, ds = _recompute_p_ds(a_t, qv_t, do, k_t, v_t, r_lo, r_hi, lse2, delta, offs_i,
                                 offs_j, qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
                                 DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, K.dtype.element_ty, UPCAST)
@@ -567,7 +661,7 @@ def _default_config(block_d: int, exact_fp32: bool, wide: bool = False,
 
 
 _KEY = ["BLOCK_D", "LQ_BUCKET", "LK_BUCKET", "HAS_KPM", "HAS_MASK", "HAS_BAND", "DOT_PREC",
-        "DROPOUT"]
+        "DROPOUT", "USE_DESC"]
 
 _dkdv_kernel = triton.autotune(configs=_configs(), key=_KEY,
                                prune_configs_by={"early_config_prune": _make_prune(False)})(
@@ -689,8 +783,11 @@ def rel_attn_bwd(
     # delta = rowsum(dO * O); the operands q + u and q + vb, rounded once
     delta = torch.empty((B, H, Lq), device=dev, dtype=torch.float32)
     op_dtype = torch.float32 if upcast else q.dtype
-    a_op = torch.empty((B * H, Lq, D), device=dev, dtype=op_dtype)
-    qv_op = torch.empty((B * H, Lq, D), device=dev, dtype=op_dtype)
+    # rows padded to 16 bytes, so that these workspaces can always be TMA descriptors' bases
+    per16 = 16 // torch.empty(0, dtype=op_dtype).element_size()
+    d_pad = triton.cdiv(D, per16) * per16
+    a_op = torch.empty((B * H, Lq, d_pad), device=dev, dtype=op_dtype)[..., :D]
+    qv_op = torch.empty((B * H, Lq, d_pad), device=dev, dtype=op_dtype)[..., :D]
     pre_block = 16 if INTERPRET else 64
     _rel_attn_bwd_preprocess_kernel[(B * H, triton.cdiv(Lq, pre_block))](
         out, do, q, r_w_bias, r_r_bias, delta, a_op, qv_op,
@@ -712,7 +809,10 @@ def rel_attn_bwd(
     drop = (seed, dropout_threshold(dropout_p) if dropout else 0, 1.0 / (1.0 - dropout_p))
     meta = dict(HAS_KPM=key_padding_mask is not None, HAS_MASK=attn_mask is not None,
                 HAS_BAND=has_band, DOT_DTYPE=dot_dtype, UPCAST=upcast, DOT_PREC=precision,
-                SKEW_GATHER=q.dtype == torch.float32, BLOCK_D=block_d, DROPOUT=dropout)
+                SKEW_GATHER=q.dtype == torch.float32, BLOCK_D=block_d, DROPOUT=dropout,
+                USE_DESC=descriptors_ok(a_op, qv_op, do, k, v, r))
+    if meta["USE_DESC"] and dev.type == "cuda" and not INTERPRET:
+        ensure_scratch_allocator()
     sizes = (H, Lq, Lk, R_rows, D, scale, scale * _LOG2E)
     buckets = (_bucket(Lq), _bucket(Lk))  # autotune keys only
 

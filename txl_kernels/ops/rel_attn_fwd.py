@@ -35,10 +35,11 @@ import triton.language as tl
 
 from .._utils import describe
 from ..quant import QuantizedKV
-from ._common import (INTERPRET, apply_mask_band, autotune_enabled, dot_precision,
-                      draw_dropout_seed, dropout_keep, dropout_keep_mask, dropout_threshold,
-                      last_dim_contiguous, load_dequant, load_dropout_seed,
-                      memory_bases, memory_launch_args, rotate_rows, round_bf16)
+from ._common import (INTERPRET, apply_mask_band, autotune_enabled, descriptors_ok,
+                      dot_precision, draw_dropout_seed, dropout_keep, dropout_keep_mask,
+                      dropout_threshold, ensure_scratch_allocator, last_dim_contiguous,
+                      load_dequant, load_dropout_seed, memory_bases, memory_launch_args,
+                      rotate_rows, round_bf16)
 
 __all__ = ["rel_attn_fwd", "choose_num_splits", "autotune_enabled", "draw_dropout_seed",
            "dropout_keep_mask"]
@@ -585,31 +586,6 @@ def choose_num_splits(B: int, H: int, Lq: int, Lk: int, window_left: int, window
     return int(max(1, min(triton.cdiv(4 * num_sms, base), by_keys, 64)))
 
 
-def _descriptors_ok(*ts: torch.Tensor) -> bool:
-    """K, V and R tiles load through TMA descriptors (made in the kernel) when every base
-    address and row stride is 16-byte aligned, as TMA requires; otherwise through pointers."""
-    return all(t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0
-                                             for st in t.stride()[:-1]) for t in ts)
-
-
-def _scratch(size: int, alignment: int, stream):
-    """Triton's global scratch (the kernel writes its TMA descriptors there)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _ensure_scratch_allocator() -> None:
-    """Kernels that make TMA descriptors need Triton's global-scratch allocator: set one that
-    allocates through torch (CUDA graph and caching-allocator aware), unless the caller has
-    set their own."""
-    try:
-        from triton.runtime._allocation import NullAllocator, _allocator
-        if not isinstance(_allocator.get(), NullAllocator):
-            return
-    except ImportError:  # other Triton versions: set ours
-        pass
-    triton.set_allocator(_scratch)
-
-
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -738,14 +714,14 @@ def rel_attn_fwd(
     meta = dict(HAS_WL=window_left >= 0 or has_band, HAS_WR=window_right >= 0 or has_band,
                 HAS_KPM=has_kpm, HAS_MASK=has_mask, HAS_BAND=has_band, SPLIT=split, UPCAST=upcast,
                 DOT_PREC=dot_prec, EVEN_D=D == block_d,
-                USE_DESC=_descriptors_ok(r) if quant else _descriptors_ok(k, v, r),
+                USE_DESC=descriptors_ok(r) if quant else descriptors_ok(k, v, r),
                 BLOCK_D=block_d, DROPOUT=dropout, QUANT_MEM=quant)
 
     def grid(META):
         return (B * H, triton.cdiv(Lq, META["BLOCK_M"]), num_splits)
 
     if meta["USE_DESC"] and q.device.type == "cuda" and not INTERPRET:
-        _ensure_scratch_allocator()
+        ensure_scratch_allocator()
     with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
         if config is not None:
             cfg = dict(config)
