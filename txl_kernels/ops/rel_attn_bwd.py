@@ -528,6 +528,34 @@ def _rel_attn_bwd_dq_kernel(
 
 
 @triton.jit
+def _dr_tile(carry, m, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
+             HAS_BAND: tl.constexpr, DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr,
+             DOT_PREC: tl.constexpr, SKEW_GATHER: tl.constexpr, BLOCK: tl.constexpr,
+             DROPOUT: tl.constexpr, USE_DESC: tl.constexpr, MASKED: tl.constexpr,
+             IN_DTYPE: tl.constexpr):
+    """One tile pair (m, m + t) of the dr kernel's diagonal: carry (dr_lo, dr_hi) -> the same
+    after it; ``tile`` the diagonal's loop invariants (see the kernel)."""
+    dr_lo, dr_hi = carry
+    query, keys, r_lo, r_hi, offs_d, lo_part, pattern, drop, Lq, Lk, D, qk_scale, t = tile
+    i0 = m * BLOCK
+    j0 = i0 + t * BLOCK
+    offs_i = i0 + tl.arange(0, BLOCK)
+    offs_j = j0 + tl.arange(0, BLOCK)
+    a_t, qv_t, do, lse2, delta = _load_query_tile(query, i0, offs_i, offs_d, Lq, D, DOT_DTYPE,
+                                                  USE_DESC)
+    k_t, v_t = _load_kv_tile(keys, j0, offs_j, Lk, offs_d, D, DOT_DTYPE, USE_DESC)
+    p, ds = _recompute_p_ds(a_t, qv_t, do, k_t, v_t, r_lo, r_hi, lse2, delta, offs_i,
+                            offs_j, qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
+                            DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, IN_DTYPE, UPCAST, MASKED)
+    g = _unskew(ds, BLOCK, SKEW_GATHER)
+    dt_lo = tl.where(lo_part, g, 0.0).to(DOT_DTYPE)
+    dt_hi = tl.where(lo_part, 0.0, g).to(DOT_DTYPE)
+    dr_lo = tl.dot(tl.trans(dt_lo), qv_t, dr_lo, input_precision=DOT_PREC)
+    dr_hi = tl.dot(tl.trans(dt_hi), qv_t, dr_hi, input_precision=DOT_PREC)
+    return dr_lo, dr_hi
+
+
+@triton.jit
 def _rel_attn_bwd_dr_kernel(
     A_OP, QV_OP, K, V, R, DO, LSE, DELTA, Z, strides, stride_z,
     H, Lq, Lk, R_rows, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
@@ -570,22 +598,26 @@ def _rel_attn_bwd_dr_kernel(
     lo_part = _lo_part(BLOCK)
     dr_lo = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dr_hi = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
-    for m in range(m_lo, m_hi):
-        i0 = m * BLOCK
-        j0 = i0 + t * BLOCK
-        offs_i = i0 + tl.arange(0, BLOCK)
-        offs_j = j0 + tl.arange(0, BLOCK)
-        a_t, qv_t, do, lse2, delta = _load_query_tile(query, i0, offs_i, offs_d, Lq, D,
-                                                      DOT_DTYPE, USE_DESC)
-        k_t, v_t = _load_kv_tile(keys, j0, offs_j, Lk, offs_d, D, DOT_DTYPE, USE_DESC)
-        p, ds = _recompute_p_ds(a_t, qv_t, do, k_t, v_t, r_lo, r_hi, lse2, delta, offs_i,
-                                offs_j, qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
-                                DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, K.dtype.element_ty, UPCAST)
-        g = _unskew(ds, BLOCK, SKEW_GATHER)
-        dt_lo = tl.where(lo_part, g, 0.0).to(DOT_DTYPE)
-        dt_hi = tl.where(lo_part, 0.0, g).to(DOT_DTYPE)
-        dr_lo = tl.dot(tl.trans(dt_lo), qv_t, dr_lo, input_precision=DOT_PREC)
-        dr_hi = tl.dot(tl.trans(dt_hi), qv_t, dr_hi, input_precision=DOT_PREC)
+    # The diagonal needs no mask where every pair of a full tile is inside the window
+    # (tB >= B - 1 + mlen - window_left, tB + B - 1 <= mlen + window_right) and the key tile
+    # is whole (m + t < Lk // B); no padding / dense mask. Those tiles first (ascending m, as
+    # before), the masked rest after: the same order of accumulation.
+    inside = (t * BLOCK >= BLOCK - 1 + mlen - window_left) & \
+        (t * BLOCK + BLOCK - 1 <= mlen + window_right)
+    m_b = tl.where(inside, tl.minimum(tl.maximum(Lk // BLOCK - t, m_lo), m_hi), m_lo)
+    if HAS_KPM or HAS_MASK:
+        m_b = m_lo
+    carry = (dr_lo, dr_hi)
+    tile = (query, keys, r_lo, r_hi, offs_d, lo_part, pattern, drop, Lq, Lk, D, qk_scale, t)
+    for m in range(m_lo, m_b):
+        carry = _dr_tile(carry, m, tile, HAS_KPM, HAS_MASK, HAS_BAND, DOT_DTYPE, UPCAST,
+                         DOT_PREC, SKEW_GATHER, BLOCK, DROPOUT, USE_DESC, False,
+                         K.dtype.element_ty)
+    for m in range(m_b, m_hi):
+        carry = _dr_tile(carry, m, tile, HAS_KPM, HAS_MASK, HAS_BAND, DOT_DTYPE, UPCAST,
+                         DOT_PREC, SKEW_GATHER, BLOCK, DROPOUT, USE_DESC, True,
+                         K.dtype.element_ty)
+    dr_lo, dr_hi = carry
 
     Z_bh = Z + b * stride_z[1] + h * stride_z[3] + offs_d[None, :]
     rows = p_lo + w
