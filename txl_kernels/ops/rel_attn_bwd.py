@@ -395,21 +395,17 @@ def _rel_attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _interior_tiles(i0, BLOCK: tl.constexpr, n_lo, n_hi, Lq, Lk, window_left, window_right,
-                    OTHER_MASKS: tl.constexpr):
-    """Key tiles [n_a, n_b) inside [n_lo, n_hi) where the query tile at i0 needs no mask: every
-    row i < Lq of it allows every key of the tile (j >= i + mlen - window_left for its last
-    row, j <= i + mlen + window_right for its first) and every key is < Lk. None (an empty
-    range at n_hi) with a padding or dense mask (OTHER_MASKS)."""
+def _interior_tiles(i0, BLOCK: tl.constexpr, n_lo, n_hi, Lq, Lk, window_left, window_right):
+    """Key tiles [n_a, n_b) inside [n_lo, n_hi) where the query tile at i0 needs no window
+    mask: every row i < Lq of it allows every key of the tile (j >= i + mlen - window_left for
+    its last row, j <= i + mlen + window_right for its first) and every key is < Lk (the
+    forward's t_in / t_out for one query tile)."""
     mlen = Lk - Lq
     i_last = tl.minimum(i0 + BLOCK, Lq) - 1
     first = tl.cdiv(tl.maximum(i_last + mlen - window_left, 0), BLOCK)
     last = tl.minimum((i0 + mlen + window_right + 1) // BLOCK, Lk // BLOCK)
     n_a = tl.minimum(tl.maximum(first, n_lo), n_hi)
     n_b = tl.maximum(tl.minimum(last, n_hi), n_a)
-    if OTHER_MASKS:
-        n_a = n_hi
-        n_b = n_hi
     return n_a, n_b
 
 
@@ -493,22 +489,25 @@ def _rel_attn_bwd_dq_kernel(
     carry = (dqa, dqv, ds_prev, r_lo, p_lo)
     tile = (a_t, qv_t, do, lse2, delta, offs_i, offs_d, dmask, own, w, keys, rel, DR_h,
             stride_dr[0], pattern, drop, Lk, R_rows, D, sm_scale, qk_scale)
-    # the key tiles in order (the window chunk is carried): masked ones before and after the
-    # interior ones, which need no mask (``_interior_tiles``)
-    n_a, n_b = _interior_tiles(i0, BLOCK, n_lo, n_hi, Lq, Lk, window_left, window_right,
-                               HAS_KPM or HAS_MASK)
-    for n in range(n_lo, n_a):
-        carry = _dq_tile(carry, n, tile, HAS_KPM, HAS_MASK, HAS_BAND, ATOMIC_DR, DOT_DTYPE,
-                         UPCAST, DOT_PREC, SKEW_GATHER, BLOCK, DROPOUT, USE_DESC, True,
-                         K.dtype.element_ty)
-    for n in range(n_a, n_b):
-        carry = _dq_tile(carry, n, tile, HAS_KPM, HAS_MASK, HAS_BAND, ATOMIC_DR, DOT_DTYPE,
-                         UPCAST, DOT_PREC, SKEW_GATHER, BLOCK, DROPOUT, USE_DESC, False,
-                         K.dtype.element_ty)
-    for n in range(n_b, n_hi):
-        carry = _dq_tile(carry, n, tile, HAS_KPM, HAS_MASK, HAS_BAND, ATOMIC_DR, DOT_DTYPE,
-                         UPCAST, DOT_PREC, SKEW_GATHER, BLOCK, DROPOUT, USE_DESC, True,
-                         K.dtype.element_ty)
+    # three runs of key tiles, in order (the window chunk is carried), as in the forward:
+    # [n_lo, n_a) the left band edge (masked), [n_a, n_b) the interior (mask-free,
+    # _interior_tiles), [n_b, n_hi) the right edge and the Lk tail (masked); with a padding or
+    # dense mask only the last
+    n_a, n_b = _interior_tiles(i0, BLOCK, n_lo, n_hi, Lq, Lk, window_left, window_right)
+    for run in tl.static_range(3):
+        if run == 0:
+            n_first, n_stop = n_lo, n_a
+        elif run == 1:
+            n_first, n_stop = n_a, n_b
+        else:
+            n_first, n_stop = n_b, n_hi
+        if run == 2 or not (HAS_KPM or HAS_MASK):
+            if run == 2 and (HAS_KPM or HAS_MASK):
+                n_first = n_lo
+            for n in range(n_first, n_stop):
+                carry = _dq_tile(carry, n, tile, HAS_KPM, HAS_MASK, HAS_BAND, ATOMIC_DR,
+                                 DOT_DTYPE, UPCAST, DOT_PREC, SKEW_GATHER, BLOCK, DROPOUT,
+                                 USE_DESC, run != 1, K.dtype.element_ty)
     dqa, dqv, ds_prev, r_lo, p_lo = carry
     # flush the hi part of the last tile
     dt = _unskew(tl.where(own, 0.0, ds_prev).to(DOT_DTYPE), BLOCK, SKEW_GATHER)
@@ -605,18 +604,21 @@ def _rel_attn_bwd_dr_kernel(
     inside = (t * BLOCK >= BLOCK - 1 + mlen - window_left) & \
         (t * BLOCK + BLOCK - 1 <= mlen + window_right)
     m_b = tl.where(inside, tl.minimum(tl.maximum(Lk // BLOCK - t, m_lo), m_hi), m_lo)
-    if HAS_KPM or HAS_MASK:
-        m_b = m_lo
     carry = (dr_lo, dr_hi)
     tile = (query, keys, r_lo, r_hi, offs_d, lo_part, pattern, drop, Lq, Lk, D, qk_scale, t)
-    for m in range(m_lo, m_b):
-        carry = _dr_tile(carry, m, tile, HAS_KPM, HAS_MASK, HAS_BAND, DOT_DTYPE, UPCAST,
-                         DOT_PREC, SKEW_GATHER, BLOCK, DROPOUT, USE_DESC, False,
-                         K.dtype.element_ty)
-    for m in range(m_b, m_hi):
-        carry = _dr_tile(carry, m, tile, HAS_KPM, HAS_MASK, HAS_BAND, DOT_DTYPE, UPCAST,
-                         DOT_PREC, SKEW_GATHER, BLOCK, DROPOUT, USE_DESC, True,
-                         K.dtype.element_ty)
+    # two runs: [m_lo, m_b) mask-free, [m_b, m_hi) masked (with a padding or dense mask, all)
+    for run in tl.static_range(2):
+        if run == 0:
+            m_first, m_stop = m_lo, m_b
+        else:
+            m_first, m_stop = m_b, m_hi
+        if run == 1 or not (HAS_KPM or HAS_MASK):
+            if run == 1 and (HAS_KPM or HAS_MASK):
+                m_first = m_lo
+            for m in range(m_first, m_stop):
+                carry = _dr_tile(carry, m, tile, HAS_KPM, HAS_MASK, HAS_BAND, DOT_DTYPE,
+                                 UPCAST, DOT_PREC, SKEW_GATHER, BLOCK, DROPOUT, USE_DESC,
+                                 run == 1, K.dtype.element_ty)
     dr_lo, dr_hi = carry
 
     Z_bh = Z + b * stride_z[1] + h * stride_z[3] + offs_d[None, :]
