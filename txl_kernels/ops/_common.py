@@ -29,6 +29,21 @@ _INTERP = tl.constexpr(INTERPRET)
 
 
 @triton.jit
+def tile_run(run: tl.constexpr, first, interior, after, stop):
+    """The tile range of run ``run`` (a ``tl.static_range(3)`` index) of a loop that the
+    kernels split in three: 0 the left band edge ``[first, interior)`` (masked), 1 the
+    interior ``[interior, after)`` (mask-free), 2 the right edge and tail ``[after, stop)``
+    (masked). The callers pass ``MASKED = run != 1`` to their tile function."""
+    if run == 0:
+        lo, hi = first, interior
+    elif run == 1:
+        lo, hi = interior, after
+    else:
+        lo, hi = after, stop
+    return lo, hi
+
+
+@triton.jit
 def load_8bit(ptrs, msk):
     """fp32 values of 8-bit memory data (int8 / float8_e4m3fn) at ``ptrs``, 0 where not
     ``msk``. (int8 by I2F: in the static model of the decode loop (tools/decode_static.py)

@@ -29,7 +29,8 @@ import triton.language as tl
 from .._utils import describe
 from ._common import (INTERPRET, apply_mask_band, autotune_enabled, descriptors_ok,
                       dot_precision, dropout_keep, dropout_threshold, ensure_scratch_allocator,
-                      last_dim_contiguous, load_dropout_seed, rotate_rows, round_bf16)
+                      last_dim_contiguous, load_dropout_seed, rotate_rows, round_bf16,
+                      tile_run)
 
 __all__ = ["rel_attn_bwd"]
 
@@ -349,14 +350,12 @@ def _rel_attn_bwd_dkdv_kernel(
 ):
     """One program per (batch * head, key tile): dk and dv of the tile, looping over the query
     tiles that the window lets see it. stride_dk: (b, n, h), shared by DK and DV."""
-    pid_n = tl.program_id(1)
+    j0 = tl.program_id(1) * BLOCK
+    offs_j = j0 + tl.arange(0, BLOCK)
     mlen = Lk - Lq
     b, h, window_left, window_right, query, keys, rel, pattern, drop = _program_setup(
         A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows, D,
         HAS_BAND, USE_DESC, BLOCK, BLOCK_D)
-
-    j0 = pid_n * BLOCK
-    offs_j = j0 + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     kv_msk = (offs_j < Lk)[:, None] & dmask[None, :]
@@ -395,17 +394,21 @@ def _rel_attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _interior_tiles(i0, BLOCK: tl.constexpr, n_lo, n_hi, Lq, Lk, window_left, window_right):
-    """Key tiles [n_a, n_b) inside [n_lo, n_hi) where the query tile at i0 needs no window
-    mask: every row i < Lq of it allows every key of the tile (j >= i + mlen - window_left for
-    its last row, j <= i + mlen + window_right for its first) and every key is < Lk (the
-    forward's t_in / t_out for one query tile)."""
+def _interior_tiles(i0, BLOCK: tl.constexpr, n_lo, n_hi, Lq, Lk, window_left, window_right,
+                    OTHER_MASKS: tl.constexpr):
+    """Key tiles [n_a, n_b) inside [n_lo, n_hi) where the query tile at i0 needs no mask:
+    every row i < Lq of it allows every key of the tile (j >= i + mlen - window_left for its
+    last row, j <= i + mlen + window_right for its first) and every key is < Lk (the forward's
+    t_in / t_out for one query tile). None (n_a = n_b = n_lo) with a padding or dense mask."""
     mlen = Lk - Lq
     i_last = tl.minimum(i0 + BLOCK, Lq) - 1
     first = tl.cdiv(tl.maximum(i_last + mlen - window_left, 0), BLOCK)
     last = tl.minimum((i0 + mlen + window_right + 1) // BLOCK, Lk // BLOCK)
     n_a = tl.minimum(tl.maximum(first, n_lo), n_hi)
     n_b = tl.maximum(tl.minimum(last, n_hi), n_a)
+    if OTHER_MASKS:
+        n_a = n_lo
+        n_b = n_lo
     return n_a, n_b
 
 
@@ -493,17 +496,11 @@ def _rel_attn_bwd_dq_kernel(
     # [n_lo, n_a) the left band edge (masked), [n_a, n_b) the interior (mask-free,
     # _interior_tiles), [n_b, n_hi) the right edge and the Lk tail (masked); with a padding or
     # dense mask only the last
-    n_a, n_b = _interior_tiles(i0, BLOCK, n_lo, n_hi, Lq, Lk, window_left, window_right)
+    n_a, n_b = _interior_tiles(i0, BLOCK, n_lo, n_hi, Lq, Lk, window_left, window_right,
+                               HAS_KPM or HAS_MASK)
     for run in tl.static_range(3):
-        if run == 0:
-            n_first, n_stop = n_lo, n_a
-        elif run == 1:
-            n_first, n_stop = n_a, n_b
-        else:
-            n_first, n_stop = n_b, n_hi
+        n_first, n_stop = tile_run(run, n_lo, n_a, n_b, n_hi)
         if run == 2 or not (HAS_KPM or HAS_MASK):
-            if run == 2 and (HAS_KPM or HAS_MASK):
-                n_first = n_lo
             for n in range(n_first, n_stop):
                 carry = _dq_tile(carry, n, tile, HAS_KPM, HAS_MASK, HAS_BAND, ATOMIC_DR,
                                  DOT_DTYPE, UPCAST, DOT_PREC, SKEW_GATHER, BLOCK, DROPOUT,
@@ -570,13 +567,12 @@ def _rel_attn_bwd_dr_kernel(
     num_m = tl.cdiv(Lq, BLOCK)
     num_n = tl.cdiv(Lk, BLOCK)
     t = num_n - 1 - tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
     mlen = Lk - Lq
     b, h, window_left, window_right, query, keys, rel, pattern, drop = _program_setup(
         A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows, D,
         HAS_BAND, USE_DESC, BLOCK, BLOCK_D)
-
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < D
     w = tl.arange(0, BLOCK)
     p_lo = t * BLOCK + Lq - BLOCK
     p_hi = p_lo + BLOCK
@@ -604,21 +600,19 @@ def _rel_attn_bwd_dr_kernel(
     inside = (t * BLOCK >= BLOCK - 1 + mlen - window_left) & \
         (t * BLOCK + BLOCK - 1 <= mlen + window_right)
     m_b = tl.where(inside, tl.minimum(tl.maximum(Lk // BLOCK - t, m_lo), m_hi), m_lo)
+    if HAS_KPM or HAS_MASK:
+        m_b = m_lo
     carry = (dr_lo, dr_hi)
     tile = (query, keys, r_lo, r_hi, offs_d, lo_part, pattern, drop, Lq, Lk, D, qk_scale, t)
-    # two runs: [m_lo, m_b) mask-free, [m_b, m_hi) masked (with a padding or dense mask, all)
-    for run in tl.static_range(2):
-        if run == 0:
-            m_first, m_stop = m_lo, m_b
-        else:
-            m_first, m_stop = m_b, m_hi
-        if run == 1 or not (HAS_KPM or HAS_MASK):
-            if run == 1 and (HAS_KPM or HAS_MASK):
-                m_first = m_lo
+    # runs 1 and 2 of tile_run: [m_lo, m_b) mask-free, [m_b, m_hi) masked (no left edge: the
+    # whole diagonal has one distance range)
+    for run in tl.static_range(1, 3):
+        m_first, m_stop = tile_run(run, m_lo, m_lo, m_b, m_hi)
+        if run == 2 or not (HAS_KPM or HAS_MASK):
             for m in range(m_first, m_stop):
                 carry = _dr_tile(carry, m, tile, HAS_KPM, HAS_MASK, HAS_BAND, DOT_DTYPE,
                                  UPCAST, DOT_PREC, SKEW_GATHER, BLOCK, DROPOUT, USE_DESC,
-                                 run == 1, K.dtype.element_ty)
+                                 run != 1, K.dtype.element_ty)
     dr_lo, dr_hi = carry
 
     Z_bh = Z + b * stride_z[1] + h * stride_z[3] + offs_d[None, :]

@@ -39,7 +39,7 @@ from ._common import (INTERPRET, apply_mask_band, autotune_enabled, descriptors_
                       dot_precision, draw_dropout_seed, dropout_keep, dropout_keep_mask,
                       dropout_threshold, ensure_scratch_allocator, last_dim_contiguous,
                       load_dequant, load_dropout_seed, memory_bases, memory_launch_args,
-                      rotate_rows, round_bf16)
+                      rotate_rows, round_bf16, tile_run)
 
 __all__ = ["rel_attn_fwd", "choose_num_splits", "autotune_enabled", "draw_dropout_seed",
            "dropout_keep_mask"]
@@ -410,12 +410,7 @@ def _rel_attn_fwd_kernel(
     # interior (mask-free), [t_out, t_end) the right edge and padding (masked); only the last
     # exists with a padding or dense mask, the first only with a left window
     for run in tl.static_range(3):
-        if run == 0:
-            t_first, t_stop = t_begin, t_in
-        elif run == 1:
-            t_first, t_stop = t_in, t_out
-        else:
-            t_first, t_stop = t_out, t_end
+        t_first, t_stop = tile_run(run, t_begin, t_in, t_out, t_end)
         if run == 2 or (not (HAS_KPM or HAS_MASK) and (run == 1 or HAS_WL)):
             for t in range(t_first, t_stop):
                 acc, m_i, l_i, t0, t1 = _attend_tile(
