@@ -166,9 +166,7 @@ class RelPartialLearnableDecoderLayer(nn.Module):
         r_r_bias = att.r_r_bias if r_r_bias is None else r_r_bias
         if r_w_bias.dtype != w.dtype or r_r_bias.dtype != w.dtype:
             r_w_bias, r_r_bias = r_w_bias.to(w.dtype), r_r_bias.to(w.dtype)
-        lk = (0 if memory is None else memory.mlen) + keys.shape[0]
-        lo = 0 if window_size[0] < 0 else max(0, lk - 1 - window_size[0])
-        mem = () if memory is None else tuple(t.transpose(0, 1) for t in memory)
+        lo, mem = _decode_ext_args(memory, keys.shape[0], window_size[0])
         ln1, ln2, ff1, ff2 = att.layer_norm, ff.layer_norm, ff.CoreNet[0], ff.CoreNet[3]
         out = ext.decode_layer(w[0], att.qkv_net.weight, att.o_net.weight, ln1.weight,
                                ln1.bias, ln1.eps, ff1.weight, ff1.bias, ff2.weight, ff2.bias,
@@ -219,8 +217,8 @@ def _plain_layer(layer: RelPartialLearnableDecoderLayer) -> bool:
             n._parameters.get("weight") is None or n._parameters.get("bias") is None
             or len(n.normalized_shape) != 1 for n in norms):
         return False
-    return not any(m._forward_hooks or m._forward_pre_hooks
-                   for m in (layer, att, ff, core, *linears, c[1], *norms))
+    mods = (layer, att, ff, *att._modules.values(), *ff._modules.values(), *c)
+    return not any(m._forward_hooks or m._forward_pre_hooks for m in mods)
 
 
 def segment_attention_torch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale: float,
@@ -293,6 +291,15 @@ def decode_attention_torch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale: float,
     return torch.mul(prob[..., None], vj, out=tmp).sum(0)[:, None]
 
 
+def _decode_ext_args(memory: Optional[QuantizedKV], n_rows: int, window_left: int):
+    """(lo, 8-bit memory arguments) of the C++ decode ops for ``n_rows`` cached rows after an
+    optional 8-bit ``memory``: the first key the left window keeps (0 without a window) and
+    the memory's four tensors seq-first ``[M, B, ...]`` (none without one)."""
+    lk = (0 if memory is None else memory.mlen) + n_rows
+    lo = 0 if window_left < 0 else max(0, lk - 1 - window_left)
+    return lo, (() if memory is None else tuple(t.transpose(0, 1) for t in memory))
+
+
 def decode_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale: float,
                          window_left: int = -1, work=None, backend: str = "auto",
                          memory: Optional[QuantizedKV] = None, full_kv=None):
@@ -307,14 +314,12 @@ def decode_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale: float,
     (then ``r`` has ``M + Lk`` rows): the extension reads its 8-bit rows and scales and
     dequantises them in registers; the torch fallback takes the full keys / values
     ``[B, M + Lk, H, D]`` from ``full_kv()`` (the cache dequantises into its work buffers)."""
-    mlen = 0 if memory is None else memory.mlen
-    lk = mlen + k.shape[1]
+    lk = (0 if memory is None else memory.mlen) + k.shape[1]
     if (backend != "torch" and q.device.type == "cpu" and q.dtype in _TORCH_SEGMENT_DTYPES
             and lk > 0):
         ext = _extension_or_fallback("decode_attention", q.device, backend)
         if ext is not None:
-            lo = 0 if window_left < 0 else max(0, lk - 1 - window_left)
-            mem = () if memory is None else tuple(t.transpose(0, 1) for t in memory)
+            lo, mem = _decode_ext_args(memory, k.shape[1], window_left)
             out = ext.decode_attention(q[:, 0], k.transpose(0, 1), v.transpose(0, 1), r,
                                        r_w_bias, r_r_bias, float(softmax_scale), lo, *mem)
             return out[:, None]
