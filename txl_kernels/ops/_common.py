@@ -29,6 +29,25 @@ _INTERP = tl.constexpr(INTERPRET)
 
 
 @triton.jit
+def interior_tiles(i_first, i_last, BLOCK_N: tl.constexpr, t_begin, t_end, Lk, mlen,
+                   window_left, window_right, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr):
+    """The key tiles ``[t_in, t_out)`` of ``[t_begin, t_end)`` that query rows
+    ``[i_first, i_last]`` see with no mask: every key < Lk, ``j0 + BLOCK_N - 1 <= i_first +
+    mlen + window_right`` (HAS_WR) and ``j0 >= i_last + mlen - window_left`` (HAS_WL). The
+    forward's and the backward dq kernel's interior run (``tile_run`` 1); the caller leaves it
+    empty under a padding or dense mask."""
+    t_out = tl.minimum(t_end, Lk // BLOCK_N)
+    if HAS_WR:
+        t_out = tl.minimum(t_out, tl.maximum(i_first + mlen + window_right + 1, 0) // BLOCK_N)
+    t_in = t_begin
+    if HAS_WL:
+        t_in = tl.maximum(t_begin,
+                          (tl.maximum(i_last + mlen - window_left, 0) + BLOCK_N - 1) // BLOCK_N)
+        t_in = tl.minimum(t_in, t_end)
+    return t_in, tl.maximum(t_out, t_in)
+
+
+@triton.jit
 def tile_run(run: tl.constexpr, first, interior, after, stop):
     """The tile range of run ``run`` (a ``tl.static_range(3)`` index) of a loop that the
     kernels split in three: 0 the left band edge ``[first, interior)`` (masked), 1 the

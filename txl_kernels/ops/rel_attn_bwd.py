@@ -29,8 +29,8 @@ import triton.language as tl
 from .._utils import describe
 from ._common import (INTERPRET, apply_mask_band, autotune_enabled, descriptors_ok,
                       dot_precision, dropout_keep, dropout_threshold, ensure_scratch_allocator,
-                      last_dim_contiguous, load_dropout_seed, rotate_rows, round_bf16,
-                      tile_run)
+                      interior_tiles, last_dim_contiguous, load_dropout_seed, rotate_rows,
+                      round_bf16, tile_run)
 
 __all__ = ["rel_attn_bwd"]
 
@@ -131,7 +131,7 @@ def _probs(ac, bd, lse2, offs_i, offs_j, qk_scale, pattern, HAS_KPM: tl.constexp
     whose lse is +inf (no allowed key). ``pattern`` (``_program_setup``) holds the window, given
     per row as a key range (window_left / window_right are >= 0 here: the launcher turns
     unbounded into Lq + Lk), so a pair costs two compares, and the padding / dense masks.
-    MASKED False: an interior tile (``_interior_tiles``: every pair inside the window, every
+    MASKED False: an interior tile (``interior_tiles``: every pair inside the window, every
     key < Lk, no padding / dense mask), nothing to mask (rows past Lq have lse = +inf: P = 0)."""
     if not MASKED:
         return tl.exp2((ac + bd) * qk_scale - lse2[:, None])
@@ -394,25 +394,6 @@ def _rel_attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _interior_tiles(i0, BLOCK: tl.constexpr, n_lo, n_hi, Lq, Lk, window_left, window_right,
-                    OTHER_MASKS: tl.constexpr):
-    """Key tiles [n_a, n_b) inside [n_lo, n_hi) where the query tile at i0 needs no mask:
-    every row i < Lq of it allows every key of the tile (j >= i + mlen - window_left for its
-    last row, j <= i + mlen + window_right for its first) and every key is < Lk (the forward's
-    t_in / t_out for one query tile). None (n_a = n_b = n_lo) with a padding or dense mask."""
-    mlen = Lk - Lq
-    i_last = tl.minimum(i0 + BLOCK, Lq) - 1
-    first = tl.cdiv(tl.maximum(i_last + mlen - window_left, 0), BLOCK)
-    last = tl.minimum((i0 + mlen + window_right + 1) // BLOCK, Lk // BLOCK)
-    n_a = tl.minimum(tl.maximum(first, n_lo), n_hi)
-    n_b = tl.maximum(tl.minimum(last, n_hi), n_a)
-    if OTHER_MASKS:
-        n_a = n_lo
-        n_b = n_lo
-    return n_a, n_b
-
-
-@triton.jit
 def _dq_tile(carry, n, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
              HAS_BAND: tl.constexpr, ATOMIC_DR: tl.constexpr, DOT_DTYPE: tl.constexpr,
              UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, SKEW_GATHER: tl.constexpr,
@@ -494,10 +475,13 @@ def _rel_attn_bwd_dq_kernel(
             stride_dr[0], pattern, drop, Lk, R_rows, D, sm_scale, qk_scale)
     # three runs of key tiles, in order (the window chunk is carried), as in the forward:
     # [n_lo, n_a) the left band edge (masked), [n_a, n_b) the interior (mask-free,
-    # _interior_tiles), [n_b, n_hi) the right edge and the Lk tail (masked); with a padding or
+    # interior_tiles), [n_b, n_hi) the right edge and the Lk tail (masked); with a padding or
     # dense mask only the last
-    n_a, n_b = _interior_tiles(i0, BLOCK, n_lo, n_hi, Lq, Lk, window_left, window_right,
-                               HAS_KPM or HAS_MASK)
+    n_a = n_lo
+    n_b = n_lo
+    if not (HAS_KPM or HAS_MASK):  # rows past Lq have lse +inf: only the rows < Lq count
+        n_a, n_b = interior_tiles(i0, tl.minimum(i0 + BLOCK, Lq) - 1, BLOCK, n_lo, n_hi, Lk,
+                                  mlen, window_left, window_right, True, True)
     for run in tl.static_range(3):
         n_first, n_stop = tile_run(run, n_lo, n_a, n_b, n_hi)
         if run == 2 or not (HAS_KPM or HAS_MASK):

@@ -37,7 +37,8 @@ from .._utils import describe
 from ..quant import QuantizedKV
 from ._common import (INTERPRET, apply_mask_band, autotune_enabled, descriptors_ok,
                       dot_precision, draw_dropout_seed, dropout_keep, dropout_keep_mask,
-                      dropout_threshold, ensure_scratch_allocator, last_dim_contiguous,
+                      dropout_threshold, ensure_scratch_allocator, interior_tiles,
+                      last_dim_contiguous,
                       load_dequant, load_dropout_seed, memory_bases, memory_launch_args,
                       rotate_rows, round_bf16, tile_run)
 
@@ -398,14 +399,8 @@ def _rel_attn_fwd_kernel(
     t_in = t_begin
     t_out = t_begin
     if not (HAS_KPM or HAS_MASK):
-        t_out = tl.minimum(t_end, Lk // BLOCK_N)
-        if HAS_WR:  # j0 + BN - 1 <= i0 + mlen + window_right
-            t_out = tl.minimum(t_out, tl.maximum(i0 + mlen + window_right + 1, 0) // BLOCK_N)
-        if HAS_WL:  # j0 >= i0 + BM - 1 + mlen - window_left
-            t_in = tl.maximum(t_begin, (tl.maximum(i0 + BLOCK_M - 1 + mlen - window_left, 0)
-                                        + BLOCK_N - 1) // BLOCK_N)
-            t_in = tl.minimum(t_in, t_end)
-        t_out = tl.maximum(t_out, t_in)
+        t_in, t_out = interior_tiles(i0, i0 + BLOCK_M - 1, BLOCK_N, t_begin, t_end, Lk, mlen,
+                                     window_left, window_right, HAS_WL, HAS_WR)
     # three runs of tiles: [t_begin, t_in) the left band edge (masked), [t_in, t_out) the
     # interior (mask-free), [t_out, t_end) the right edge and padding (masked); only the last
     # exists with a padding or dense mask, the first only with a left window
