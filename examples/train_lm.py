@@ -142,6 +142,21 @@ def wrap(model: nn.Module, mode: str, device) -> nn.Module:
     return model
 
 
+def end_process(code: int = 0) -> None:
+    """Leave a process that ran gloo collectives without interpreter finalisation.
+
+    ``destroy_process_group`` does not free a ``ProcessGroupGloo`` that DDP / FSDP2 still
+    reference, so its worker threads outlive ``main``. One of them can still be destroying the
+    last collective's work, whose tensors are Python objects, when the interpreter finalises:
+    the decref then takes the GIL during finalisation, the thread is unwound and the process
+    aborts ("terminate called without an active exception", SIGABRT, after a successful run;
+    described in pytorch/pytorch#179291). So flush and ``os._exit`` instead of returning to the interpreter.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def unwrap(model: nn.Module) -> MemTransformerLM:
     return model.module if hasattr(model, "module") else model
 
@@ -413,4 +428,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if "RANK" in os.environ:  # started by torchrun: gloo's threads may still run (end_process)
+        end_process(status)
+    sys.exit(status)

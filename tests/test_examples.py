@@ -314,6 +314,7 @@ def _worker(rank, world, port, cols, result_path):
             torch.save(results, result_path)
     finally:
         dist.destroy_process_group()
+    train_lm.end_process(0)  # past here gloo's threads can abort the interpreter's exit
 
 
 def _free_port():
