@@ -371,20 +371,18 @@ def _rel_attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     w = tl.arange(0, BLOCK)
-    # R_hi of query tile m is R_lo of tile m - 1: carried.
-    r_hi = _load_r(rel, j0 - m_lo * BLOCK + Lq, w, offs_d, D, DOT_DTYPE, USE_DESC)
     for m in range(m_lo, m_hi):
         i0 = m * BLOCK
         offs_i = i0 + tl.arange(0, BLOCK)
         a_t, qv_t, do, lse2, delta = _load_query_tile(query, i0, offs_i, offs_d, Lq, D,
                                                       DOT_DTYPE, USE_DESC)
         r_lo = _load_r(rel, j0 - i0 + Lq - BLOCK, w, offs_d, D, DOT_DTYPE, USE_DESC)
+        r_hi = _load_r(rel, j0 - i0 + Lq, w, offs_d, D, DOT_DTYPE, USE_DESC)
         p, ds = _recompute_p_ds(a_t, qv_t, do, k_t, v_t, r_lo, r_hi, lse2, delta, offs_i,
                                 offs_j, qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
                                 DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, K.dtype.element_ty, UPCAST)
         dv = tl.dot(tl.trans(p), do, dv, input_precision=DOT_PREC)
         dk = tl.dot(tl.trans(ds), a_t, dk, input_precision=DOT_PREC)
-        r_hi = r_lo
 
     dk = dk * sm_scale
     out_off = (b * stride_dk[0] + h * stride_dk[2] + offs_j.to(tl.int64)[:, None] * stride_dk[1]
@@ -399,14 +397,15 @@ def _dq_tile(carry, n, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
              UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, SKEW_GATHER: tl.constexpr,
              BLOCK: tl.constexpr, DROPOUT: tl.constexpr, USE_DESC: tl.constexpr,
              MASKED: tl.constexpr, IN_DTYPE: tl.constexpr):
-    """One key tile n of the dq kernel's loop: carry (dqa, dqv, ds_prev, r_lo, p_lo) -> the
+    """One key tile n of the dq kernel's loop: carry (dqa, dqv, ds_prev, p_lo) -> the
     same after it; ``tile`` the query tile's loop invariants (see the kernel)."""
-    dqa, dqv, ds_prev, r_lo, p_lo = carry
+    dqa, dqv, ds_prev, p_lo = carry
     (a_t, qv_t, do, lse2, delta, offs_i, offs_d, dmask, own, w, keys, rel, DR_h, stride_drp,
      pattern, drop, Lk, R_rows, D, sm_scale, qk_scale) = tile
     j0 = n * BLOCK
     offs_j = j0 + tl.arange(0, BLOCK)
     k_t, v_t = _load_kv_tile(keys, j0, offs_j, Lk, offs_d, D, DOT_DTYPE, USE_DESC)
+    r_lo = _load_r(rel, p_lo, w, offs_d, D, DOT_DTYPE, USE_DESC)
     r_hi = _load_r(rel, p_lo + BLOCK, w, offs_d, D, DOT_DTYPE, USE_DESC)
     p, ds = _recompute_p_ds(a_t, qv_t, do, k_t, v_t, r_lo, r_hi, lse2, delta, offs_i,
                             offs_j, qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
@@ -419,7 +418,7 @@ def _dq_tile(carry, n, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
     if ATOMIC_DR:
         _atomic_dr(DR_h, dt, qv_t, p_lo + w, R_rows, stride_drp, offs_d, dmask, sm_scale,
                    DOT_PREC)
-    return dqa, dqv, ds, r_hi, p_lo + BLOCK
+    return dqa, dqv, ds, p_lo + BLOCK
 
 
 @triton.jit
@@ -466,11 +465,10 @@ def _rel_attn_bwd_dq_kernel(
     # Source columns x <= a (row a) of a dS tile feed the lo window chunk, x > a the hi chunk.
     own = tl.arange(0, BLOCK)[None, :] <= tl.arange(0, BLOCK)[:, None]
     p_lo = n_lo * BLOCK - i0 + Lq - BLOCK  # first r row of the lo chunk of the current tile
-    r_lo = _load_r(rel, p_lo, w, offs_d, D, DOT_DTYPE, USE_DESC)
     ds_prev = tl.zeros([BLOCK, BLOCK], dtype=DOT_DTYPE)  # its hi part is pending
     dqa = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dqv = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
-    carry = (dqa, dqv, ds_prev, r_lo, p_lo)
+    carry = (dqa, dqv, ds_prev, p_lo)
     tile = (a_t, qv_t, do, lse2, delta, offs_i, offs_d, dmask, own, w, keys, rel, DR_h,
             stride_dr[0], pattern, drop, Lk, R_rows, D, sm_scale, qk_scale)
     # three runs of key tiles, in order (the window chunk is carried), as in the forward:
@@ -489,8 +487,9 @@ def _rel_attn_bwd_dq_kernel(
                 carry = _dq_tile(carry, n, tile, HAS_KPM, HAS_MASK, HAS_BAND, ATOMIC_DR,
                                  DOT_DTYPE, UPCAST, DOT_PREC, SKEW_GATHER, BLOCK, DROPOUT,
                                  USE_DESC, run != 1, K.dtype.element_ty)
-    dqa, dqv, ds_prev, r_lo, p_lo = carry
-    # flush the hi part of the last tile
+    dqa, dqv, ds_prev, p_lo = carry
+    # flush the hi part of the last tile (rows p_lo ..)
+    r_lo = _load_r(rel, p_lo, w, offs_d, D, DOT_DTYPE, USE_DESC)
     dt = _unskew(tl.where(own, 0.0, ds_prev).to(DOT_DTYPE), BLOCK, SKEW_GATHER)
     dqv = tl.dot(dt, r_lo, dqv, input_precision=DOT_PREC)
     if ATOMIC_DR:
