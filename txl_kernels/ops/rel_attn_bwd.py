@@ -273,10 +273,12 @@ def _recompute_p_ds(a_t, qv_t, do, k_t, v_t, r_lo, r_hi, lse2, delta, offs_i, of
                     HAS_BAND: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
                     SKEW_GATHER: tl.constexpr, BLOCK: tl.constexpr, IN_DTYPE: tl.constexpr,
                     UPCAST: tl.constexpr, MASKED: tl.constexpr = True):
-    """P and dS = P (dP - delta), dP = dO V^T, on one tile (MASKED: as in _probs), computed in fp32 and returned
-    rounded to the operand dtype (IN_DTYPE), as the products that take them need; BD is the
-    skew of the two window chunks (q + vb) @ [R_lo | R_hi]^T (both recomputed: carrying one
-    would keep another fp32 tile live). Returns (Pv, dS): Pv is P as the forward applied it to
+    """P and dS = P (dP - delta), dP = dO V^T, on one tile (MASKED: as in _probs), computed in
+    fp32; BD is the skew of the two window chunks (q + vb) @ [R_lo | R_hi]^T (both recomputed:
+    carrying one would keep another fp32 tile live). Returns (Pv, dS): Pv rounded to the operand
+    dtype (IN_DTYPE) for the dV product, dS in fp32 (the callers round it, and its unskewed
+    copy: rotating fp32 values is plain selects, where 16-bit ones packed two to a register
+    need byte permutes). Pv is P as the forward applied it to
     V (for dV): P itself (recomputed from lse, 0 where masked), or with DROPOUT P Z / (1 - p), Z
     the forward's keep-mask regenerated from the same Philox counters; dP then becomes
     dO V^T Z / (1 - p), the gradient w.r.t. the undropped P, and dS = P (dP - delta) holds as
@@ -295,7 +297,7 @@ def _recompute_p_ds(a_t, qv_t, do, k_t, v_t, r_lo, r_hi, lse2, delta, offs_i, of
         keep = dropout_keep(drop_seed, drop_off, bh, offs_i, offs_j, Lq, drop_thresh)
         dp = tl.where(keep, dp * drop_scale, 0.0)
         pv = tl.where(keep, p * drop_scale, 0.0)
-    return _operand(pv, IN_DTYPE, UPCAST), _operand(p * (dp - delta[:, None]), IN_DTYPE, UPCAST)
+    return _operand(pv, IN_DTYPE, UPCAST), p * (dp - delta[:, None])
 
 
 @triton.jit
@@ -382,7 +384,8 @@ def _rel_attn_bwd_dkdv_kernel(
                                 offs_j, qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
                                 DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, K.dtype.element_ty, UPCAST)
         dv = tl.dot(tl.trans(p), do, dv, input_precision=DOT_PREC)
-        dk = tl.dot(tl.trans(ds), a_t, dk, input_precision=DOT_PREC)
+        dk = tl.dot(tl.trans(_operand(ds, K.dtype.element_ty, UPCAST)), a_t, dk,
+                    input_precision=DOT_PREC)
 
     dk = dk * sm_scale
     out_off = (b * stride_dk[0] + h * stride_dk[2] + offs_j.to(tl.int64)[:, None] * stride_dk[1]
@@ -397,11 +400,11 @@ def _dq_tile(carry, n, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
              UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, SKEW_GATHER: tl.constexpr,
              BLOCK: tl.constexpr, DROPOUT: tl.constexpr, USE_DESC: tl.constexpr,
              MASKED: tl.constexpr, IN_DTYPE: tl.constexpr):
-    """One key tile n of the dq kernel's loop: carry (dqa, dqv, ds_prev, p_lo) -> the
+    """One key tile n of the dq kernel's loop: carry (dqa, dqv, g_prev, p_lo) -> the
     same after it; ``tile`` the query tile's loop invariants (see the kernel)."""
-    dqa, dqv, ds_prev, p_lo = carry
-    (a_t, qv_t, do, lse2, delta, offs_i, offs_d, dmask, own, w, keys, rel, DR_h, stride_drp,
-     pattern, drop, Lk, R_rows, D, sm_scale, qk_scale) = tile
+    dqa, dqv, g_prev, p_lo = carry
+    (a_t, qv_t, do, lse2, delta, offs_i, offs_d, dmask, lo_part, w, keys, rel, DR_h,
+     stride_drp, pattern, drop, Lk, R_rows, D, sm_scale, qk_scale) = tile
     j0 = n * BLOCK
     offs_j = j0 + tl.arange(0, BLOCK)
     k_t, v_t = _load_kv_tile(keys, j0, offs_j, Lk, offs_d, D, DOT_DTYPE, USE_DESC)
@@ -410,15 +413,16 @@ def _dq_tile(carry, n, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
     p, ds = _recompute_p_ds(a_t, qv_t, do, k_t, v_t, r_lo, r_hi, lse2, delta, offs_i,
                             offs_j, qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
                             DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, IN_DTYPE, UPCAST, MASKED)
-    dqa = tl.dot(ds, k_t, dqa, input_precision=DOT_PREC)
-    # rows p_lo ..: the lo part of this tile and the hi part of the previous one have
-    # disjoint supports: one merge, one rotation, one product with the shared rows.
-    dt = _unskew(tl.where(own, ds, ds_prev), BLOCK, SKEW_GATHER)
+    dqa = tl.dot(_operand(ds, IN_DTYPE, UPCAST), k_t, dqa, input_precision=DOT_PREC)
+    # rows p_lo ..: the lo part of this tile's unskewed dS and the hi part of the previous
+    # tile's have disjoint supports: one merge, one product with the shared rows.
+    g = _operand(_unskew(ds, BLOCK, SKEW_GATHER), IN_DTYPE, UPCAST)
+    dt = tl.where(lo_part, g, g_prev)
     dqv = tl.dot(dt, r_lo, dqv, input_precision=DOT_PREC)
     if ATOMIC_DR:
         _atomic_dr(DR_h, dt, qv_t, p_lo + w, R_rows, stride_drp, offs_d, dmask, sm_scale,
                    DOT_PREC)
-    return dqa, dqv, ds, p_lo + BLOCK
+    return dqa, dqv, g, p_lo + BLOCK
 
 
 @triton.jit
@@ -462,14 +466,15 @@ def _rel_attn_bwd_dq_kernel(
 
     w = tl.arange(0, BLOCK)
     DR_h = DR_ACC + h * stride_dr[1]
-    # Source columns x <= a (row a) of a dS tile feed the lo window chunk, x > a the hi chunk.
-    own = tl.arange(0, BLOCK)[None, :] <= tl.arange(0, BLOCK)[:, None]
+    # Columns w of an unskewed dS tile with w + a >= BLOCK - 1 (row a) are its lo window chunk,
+    # the others its hi chunk.
+    lo_part = _lo_part(BLOCK)
     p_lo = n_lo * BLOCK - i0 + Lq - BLOCK  # first r row of the lo chunk of the current tile
-    ds_prev = tl.zeros([BLOCK, BLOCK], dtype=DOT_DTYPE)  # its hi part is pending
+    g_prev = tl.zeros([BLOCK, BLOCK], dtype=DOT_DTYPE)  # its hi part is pending
     dqa = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dqv = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
-    carry = (dqa, dqv, ds_prev, p_lo)
-    tile = (a_t, qv_t, do, lse2, delta, offs_i, offs_d, dmask, own, w, keys, rel, DR_h,
+    carry = (dqa, dqv, g_prev, p_lo)
+    tile = (a_t, qv_t, do, lse2, delta, offs_i, offs_d, dmask, lo_part, w, keys, rel, DR_h,
             stride_dr[0], pattern, drop, Lk, R_rows, D, sm_scale, qk_scale)
     # three runs of key tiles, in order (the window chunk is carried), as in the forward:
     # [n_lo, n_a) the left band edge (masked), [n_a, n_b) the interior (mask-free,
@@ -487,10 +492,10 @@ def _rel_attn_bwd_dq_kernel(
                 carry = _dq_tile(carry, n, tile, HAS_KPM, HAS_MASK, HAS_BAND, ATOMIC_DR,
                                  DOT_DTYPE, UPCAST, DOT_PREC, SKEW_GATHER, BLOCK, DROPOUT,
                                  USE_DESC, run != 1, K.dtype.element_ty)
-    dqa, dqv, ds_prev, p_lo = carry
+    dqa, dqv, g_prev, p_lo = carry
     # flush the hi part of the last tile (rows p_lo ..)
     r_lo = _load_r(rel, p_lo, w, offs_d, D, DOT_DTYPE, USE_DESC)
-    dt = _unskew(tl.where(own, 0.0, ds_prev).to(DOT_DTYPE), BLOCK, SKEW_GATHER)
+    dt = tl.where(lo_part, 0.0, g_prev).to(DOT_DTYPE)
     dqv = tl.dot(dt, r_lo, dqv, input_precision=DOT_PREC)
     if ATOMIC_DR:
         _atomic_dr(DR_h, dt, qv_t, p_lo + w, R_rows, stride_dr[0], offs_d, dmask, sm_scale,
@@ -526,7 +531,7 @@ def _dr_tile(carry, m, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
     p, ds = _recompute_p_ds(a_t, qv_t, do, k_t, v_t, r_lo, r_hi, lse2, delta, offs_i,
                             offs_j, qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
                             DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, IN_DTYPE, UPCAST, MASKED)
-    g = _unskew(ds, BLOCK, SKEW_GATHER)
+    g = _operand(_unskew(ds, BLOCK, SKEW_GATHER), IN_DTYPE, UPCAST)
     dt_lo = tl.where(lo_part, g, 0.0).to(DOT_DTYPE)
     dt_hi = tl.where(lo_part, 0.0, g).to(DOT_DTYPE)
     dr_lo = tl.dot(tl.trans(dt_lo), qv_t, dr_lo, input_precision=DOT_PREC)
