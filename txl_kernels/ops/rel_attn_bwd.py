@@ -416,8 +416,8 @@ def _dq_tile(carry, n, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
     dqa = tl.dot(_operand(ds, IN_DTYPE, UPCAST), k_t, dqa, input_precision=DOT_PREC)
     # rows p_lo ..: the lo part of this tile's unskewed dS and the hi part of the previous
     # tile's have disjoint supports: one merge, one product with the shared rows.
-    g = _operand(_unskew(ds, BLOCK, SKEW_GATHER), IN_DTYPE, UPCAST)
-    dt = tl.where(lo_part, g, g_prev)
+    g = _unskew(ds, BLOCK, SKEW_GATHER)
+    dt = _operand(tl.where(lo_part, g, g_prev), IN_DTYPE, UPCAST)
     dqv = tl.dot(dt, r_lo, dqv, input_precision=DOT_PREC)
     if ATOMIC_DR:
         _atomic_dr(DR_h, dt, qv_t, p_lo + w, R_rows, stride_drp, offs_d, dmask, sm_scale,
@@ -470,7 +470,7 @@ def _rel_attn_bwd_dq_kernel(
     # the others its hi chunk.
     lo_part = _lo_part(BLOCK)
     p_lo = n_lo * BLOCK - i0 + Lq - BLOCK  # first r row of the lo chunk of the current tile
-    g_prev = tl.zeros([BLOCK, BLOCK], dtype=DOT_DTYPE)  # its hi part is pending
+    g_prev = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)  # its hi part is pending
     dqa = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dqv = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     carry = (dqa, dqv, g_prev, p_lo)
@@ -495,7 +495,7 @@ def _rel_attn_bwd_dq_kernel(
     dqa, dqv, g_prev, p_lo = carry
     # flush the hi part of the last tile (rows p_lo ..)
     r_lo = _load_r(rel, p_lo, w, offs_d, D, DOT_DTYPE, USE_DESC)
-    dt = tl.where(lo_part, 0.0, g_prev).to(DOT_DTYPE)
+    dt = _operand(tl.where(lo_part, 0.0, g_prev), K.dtype.element_ty, UPCAST).to(DOT_DTYPE)
     dqv = tl.dot(dt, r_lo, dqv, input_precision=DOT_PREC)
     if ATOMIC_DR:
         _atomic_dr(DR_h, dt, qv_t, p_lo + w, R_rows, stride_dr[0], offs_d, dmask, sm_scale,
