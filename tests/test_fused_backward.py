@@ -521,6 +521,39 @@ def test_autotune_switch_is_honoured(monkeypatch, autotune):
         assert all("BLOCK" not in kw for _, kw in launched[1:])
 
 
+def test_atomic_dr_only_where_its_int32_offsets_fit(monkeypatch):
+    """The atomic dr indexes its [R, H, D] buffer with int32 offsets: where they could
+    overflow, deterministic=False runs the deterministic dr kernel instead (launches recorded
+    on meta tensors; nothing runs)."""
+    import txl_kernels.ops.rel_attn_bwd as rb
+
+    launched = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.append(kw.get("ATOMIC_DR"))
+
+    for name in ("_rel_attn_bwd_preprocess_kernel", "_rel_attn_bwd_dkdv_kernel",
+                 "_rel_attn_bwd_dq_kernel", "_rel_attn_bwd_dr_kernel"):
+        monkeypatch.setattr(rb, name, Recorder())
+    monkeypatch.setattr(rb, "INTERPRET", False)
+    monkeypatch.setenv("TXL_KERNELS_AUTOTUNE", "0")
+    B, L, H, D = 1, 64, 16, 64
+
+    def t(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    for R, atomic in ((L, True), (2 ** 31 // (H * D) - 200, False), (2 ** 21, False)):
+        assert rb._atomic_dr_fits(R, L, L, H, D) is atomic
+        launched.clear()
+        rb.rel_attn_bwd(t(B, L, H, D), t(B, L, H, D), t(B, L, H, D), t(B, L, H, D), t(R, H, D),
+                        t(H, D), t(H, D), t(B, L, H, D), t(B, H, L, dtype=torch.float32),
+                        D ** -0.5, -1, 0, deterministic=False)
+        # preprocess, dkdv, dq (ATOMIC_DR), then the dr kernel only in the deterministic mode
+        assert launched[2] is atomic and len(launched) == (3 if atomic else 4), (R, launched)
+    assert rb._atomic_dr_fits(2 ** 31 // (H * D) - 300, L, L, H, D)
+
+
 def test_public_deterministic_flag():
     """rel_attention(deterministic=False) reaches the atomic dR path; gradients still match."""
     grads = {}

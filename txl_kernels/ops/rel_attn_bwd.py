@@ -118,9 +118,11 @@ def _load_rows(PTR, rows, n_rows, stride_row, offs_d, D, DOT_DTYPE: tl.constexpr
 def _atomic_dr(DR_h, dt, qv_t, rows, R_rows, stride_drp, offs_d, dmask, sm_scale,
                DOT_PREC: tl.constexpr):
     """dr[rows] += scale * dT^T Qv with fp32 atomics, computed as (Qv^T dT)^T: dT is the B
-    operand as it is, no transpose of a register tile."""
+    operand as it is, no transpose of a register tile. The offsets within the head are int32
+    (64-bit ones cost the loop ~60 integer instructions per tile): the launcher takes this
+    path only while every row's offset fits (_atomic_dr_fits)."""
     drw_t = tl.dot(tl.trans(qv_t), dt, input_precision=DOT_PREC) * sm_scale
-    tl.atomic_add(DR_h + rows.to(tl.int64)[None, :] * stride_drp + offs_d[:, None], drw_t,
+    tl.atomic_add(DR_h + (rows[None, :] * stride_drp + offs_d[:, None]), drw_t,
                   mask=((rows >= 0) & (rows < R_rows))[None, :] & dmask[:, None])
 
 
@@ -691,6 +693,13 @@ _dr_kernel = triton.autotune(configs=_configs(), key=_KEY,
                              reset_to_zero=["Z"])(_rel_attn_bwd_dr_kernel)
 
 
+def _atomic_dr_fits(R_rows: int, Lq: int, Lk: int, H: int, D: int) -> bool:
+    """Whether _atomic_dr's int32 offsets reach every row it computes in a [R, H, D] buffer:
+    a tile's window rows lie within a few BLOCKs of the pair rows j - i + Lq - 1, which are in
+    (-BLOCK, Lq + Lk); otherwise the deterministic dr kernel runs instead."""
+    return (max(R_rows, Lq + Lk) + 4 * 64) * H * D < 2 ** 31
+
+
 def _bmh(t: torch.Tensor) -> Tuple[int, int, int]:
     """The (batch, row, head) strides of a [B, L, H, D] tensor, one kernel tuple argument."""
     return t.stride(0), t.stride(1), t.stride(2)
@@ -732,7 +741,8 @@ def rel_attn_bwd(
     for rows with no allowed key). Masks as in ``rel_attn_fwd``: causal folded into
     ``window_right = 0``, ``key_padding_mask`` bool [B, Lk] or None, ``attn_mask`` bool
     [B, H, Lq, Lk] (any strides) or None, True = masked. ``deterministic=False`` reduces dr
-    with fp32 atomics in the dq kernel (faster; not bitwise reproducible). ``dropout_p`` > 0:
+    with fp32 atomics in the dq kernel (faster; not bitwise reproducible), unless its int32 row
+    offsets could overflow (dr near 2**31 elements: _atomic_dr_fits). ``dropout_p`` > 0:
     the forward's dropout, with the same (seed, offset) tensor ``dropout_seed`` (the keep-mask
     is regenerated, never stored). The arguments are validated by ``rel_attention``; here they
     are only asserted.
@@ -753,6 +763,7 @@ def rel_attn_bwd(
             tuple(t.shape) == shape and t.dtype == dtype and t.device == dev), \
             f"rel_attn_bwd: {name} must be {list(shape)} {dtype} on {dev}, got {describe(t)}"
     assert R_rows >= 1, f"rel_attn_bwd: r {describe(r)}"
+    deterministic = deterministic or not _atomic_dr_fits(R_rows, Lq, Lk, H, D)
     dropout = dropout_p > 0.0
     assert not dropout or (dropout_seed is not None and dropout_seed.dtype == torch.int64
                            and dropout_seed.numel() == 2 and dropout_seed.device == dev), \
