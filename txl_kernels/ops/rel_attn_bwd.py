@@ -345,7 +345,7 @@ def _rel_attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _rel_attn_bwd_dkdv_kernel(
-    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, DK, DV, strides, stride_dk,
+    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, DK, DV, DU_PART, strides, stride_dk, stride_part,
     H, Lq, Lk, R_rows, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -374,6 +374,7 @@ def _rel_attn_bwd_dkdv_kernel(
 
     dk = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    ds_sum = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
     w = tl.arange(0, BLOCK)
     for m in range(m_lo, m_hi):
         i0 = m * BLOCK
@@ -386,9 +387,16 @@ def _rel_attn_bwd_dkdv_kernel(
                                 offs_j, qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
                                 DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, K.dtype.element_ty, UPCAST)
         dv = tl.dot(tl.trans(p), do, dv, input_precision=DOT_PREC)
+        ds_sum += ds
         dk = tl.dot(tl.trans(_operand(ds, K.dtype.element_ty, UPCAST)), a_t, dk,
                     input_precision=DOT_PREC)
 
+    # du: sum over the rows of dA = scale dS K, i.e. scale (column sums of dS) . K
+    part_off = (b * stride_part[0] + tl.program_id(1).to(tl.int64) * stride_part[1]
+                + h * stride_part[2] + offs_d)
+    tl.store(DU_PART + part_off,
+             tl.sum(tl.sum(ds_sum, axis=0)[:, None] * k_t.to(tl.float32), axis=0) * sm_scale,
+             mask=dmask)
     dk = dk * sm_scale
     out_off = (b * stride_dk[0] + h * stride_dk[2] + offs_j.to(tl.int64)[:, None] * stride_dk[1]
                + offs_d[None, :])
@@ -402,9 +410,9 @@ def _dq_tile(carry, n, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
              UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, SKEW_GATHER: tl.constexpr,
              BLOCK: tl.constexpr, DROPOUT: tl.constexpr, USE_DESC: tl.constexpr,
              MASKED: tl.constexpr, IN_DTYPE: tl.constexpr):
-    """One key tile n of the dq kernel's loop: carry (dqa, dqv, g_prev, p_lo) -> the
+    """One key tile n of the dq kernel's loop: carry (dq, g_prev, p_lo) -> the
     same after it; ``tile`` the query tile's loop invariants (see the kernel)."""
-    dqa, dqv, g_prev, p_lo = carry
+    dq, g_prev, p_lo = carry
     (a_t, qv_t, do, lse2, delta, offs_i, offs_d, dmask, lo_part, w, keys, rel, DR_h,
      stride_drp, pattern, drop, Lk, R_rows, D, sm_scale, qk_scale) = tile
     j0 = n * BLOCK
@@ -415,21 +423,21 @@ def _dq_tile(carry, n, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
     p, ds = _recompute_p_ds(a_t, qv_t, do, k_t, v_t, r_lo, r_hi, lse2, delta, offs_i,
                             offs_j, qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
                             DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, IN_DTYPE, UPCAST, MASKED)
-    dqa = tl.dot(_operand(ds, IN_DTYPE, UPCAST), k_t, dqa, input_precision=DOT_PREC)
+    dq = tl.dot(_operand(ds, IN_DTYPE, UPCAST), k_t, dq, input_precision=DOT_PREC)  # dA
     # rows p_lo ..: the lo part of this tile's unskewed dS and the hi part of the previous
     # tile's have disjoint supports: one merge, one product with the shared rows.
     g = _unskew(ds, BLOCK, SKEW_GATHER)
     dt = _operand(tl.where(lo_part, g, g_prev), IN_DTYPE, UPCAST)
-    dqv = tl.dot(dt, r_lo, dqv, input_precision=DOT_PREC)
+    dq = tl.dot(dt, r_lo, dq, input_precision=DOT_PREC)  # dQv
     if ATOMIC_DR:
         _atomic_dr(DR_h, dt, qv_t, p_lo + w, R_rows, stride_drp, offs_d, dmask, sm_scale,
                    DOT_PREC)
-    return dqa, dqv, g, p_lo + BLOCK
+    return dq, g, p_lo + BLOCK
 
 
 @triton.jit
 def _rel_attn_bwd_dq_kernel(
-    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, DQ, DU_PART, DVB_PART, DR_ACC,
+    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, DQ, DQ_PART, DR_ACC,
     strides, stride_dq, stride_part, stride_dr,
     H, Lq, Lk, R_rows, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
@@ -438,11 +446,11 @@ def _rel_attn_bwd_dq_kernel(
     SKEW_GATHER: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
     DROPOUT: tl.constexpr = False, USE_DESC: tl.constexpr = False,
 ):
-    """One program per (batch * head, query tile): dq of the tile (dA + dQv) and the row sums of
-    dA and dQv (du / dvb partials), looping over the key tiles of the window in increasing
-    order with the window chunk carried from tile to tile. With ATOMIC_DR also dr (atomics).
-    Strides: stride_dq (b, m, h); stride_part (b, m, h), shared by DU_PART and DVB_PART;
-    stride_dr (p, h)."""
+    """One program per (batch * head, query tile): dq of the tile (dA + dQv, in one
+    accumulator) and its row sum (DQ_PART: dvb = sum(dq) - du, du from the dk/dv kernel),
+    looping over the key tiles of the window in increasing order with the window chunk carried
+    from tile to tile. With ATOMIC_DR also dr (atomics). Strides: stride_dq (b, m, h);
+    stride_part (b, m, h) of DQ_PART; stride_dr (p, h)."""
     num_m = tl.cdiv(Lq, BLOCK)
     m = num_m - 1 - tl.program_id(1)  # longest rows (causal) first
     mlen = Lk - Lq
@@ -473,9 +481,8 @@ def _rel_attn_bwd_dq_kernel(
     lo_part = _lo_part(BLOCK)
     p_lo = n_lo * BLOCK - i0 + Lq - BLOCK  # first r row of the lo chunk of the current tile
     g_prev = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)  # its hi part is pending
-    dqa = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
-    dqv = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
-    carry = (dqa, dqv, g_prev, p_lo)
+    dq = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    carry = (dq, g_prev, p_lo)
     tile = (a_t, qv_t, do, lse2, delta, offs_i, offs_d, dmask, lo_part, w, keys, rel, DR_h,
             stride_dr[0], pattern, drop, Lk, R_rows, D, sm_scale, qk_scale)
     # three runs of key tiles, in order (the window chunk is carried), as in the forward:
@@ -494,23 +501,21 @@ def _rel_attn_bwd_dq_kernel(
                 carry = _dq_tile(carry, n, tile, HAS_KPM, HAS_MASK, HAS_BAND, ATOMIC_DR,
                                  DOT_DTYPE, UPCAST, DOT_PREC, SKEW_GATHER, BLOCK, DROPOUT,
                                  USE_DESC, run != 1, K.dtype.element_ty)
-    dqa, dqv, g_prev, p_lo = carry
+    dq, g_prev, p_lo = carry
     # flush the hi part of the last tile (rows p_lo ..)
     r_lo = _load_r(rel, p_lo, w, offs_d, D, DOT_DTYPE, USE_DESC)
     dt = _operand(tl.where(lo_part, 0.0, g_prev), K.dtype.element_ty, UPCAST).to(DOT_DTYPE)
-    dqv = tl.dot(dt, r_lo, dqv, input_precision=DOT_PREC)
+    dq = tl.dot(dt, r_lo, dq, input_precision=DOT_PREC)
     if ATOMIC_DR:
         _atomic_dr(DR_h, dt, qv_t, p_lo + w, R_rows, stride_dr[0], offs_d, dmask, sm_scale,
                    DOT_PREC)
 
-    dqa = dqa * sm_scale
-    dqv = dqv * sm_scale
+    dq = dq * sm_scale
     tl.store(DQ + b * stride_dq[0] + h * stride_dq[2] + rows_i * stride_dq[1] + offs_d[None, :],
-             _output(dqa + dqv, DQ.dtype.element_ty, UPCAST), mask=q_msk)
+             _output(dq, DQ.dtype.element_ty, UPCAST), mask=q_msk)
     part_off = (b * stride_part[0] + m.to(tl.int64) * stride_part[1] + h * stride_part[2]
                 + offs_d)
-    tl.store(DU_PART + part_off, tl.sum(dqa, axis=0), mask=dmask)
-    tl.store(DVB_PART + part_off, tl.sum(dqv, axis=0), mask=dmask)
+    tl.store(DQ_PART + part_off, tl.sum(dq, axis=0), mask=dmask)
 
 
 @triton.jit
@@ -686,7 +691,7 @@ _dkdv_kernel = triton.autotune(configs=_configs(), key=_KEY,
     _rel_attn_bwd_dkdv_kernel)
 _dq_kernel = triton.autotune(configs=_configs(), key=_KEY + ["ATOMIC_DR"],
                              prune_configs_by={"early_config_prune": _make_prune(False)},
-                             reset_to_zero=["DU_PART", "DVB_PART", "DR_ACC"])(
+                             reset_to_zero=["DQ_PART", "DR_ACC"])(
     _rel_attn_bwd_dq_kernel)
 _dr_kernel = triton.autotune(configs=_configs(), key=_KEY,
                              prune_configs_by={"early_config_prune": _make_prune(True)},
@@ -843,31 +848,37 @@ def rel_attn_bwd(
     sizes = (H, Lq, Lk, R_rows, D, scale, scale * _LOG2E)
     buckets = (_bucket(Lq), _bucket(Lk))  # autotune keys only
 
-    # dk, dv: one program per key tile
+    # du and dvb: the dk/dv kernel writes scale (column sums of dS) . K of each key tile (its
+    # part of du = sum of dA over the rows), the dq kernel the row sums of each dq tile; then
+    # dvb = sum(dq) - du, all in fp32, summed in a fixed order
+    du_part = torch.zeros((B, triton.cdiv(Lk, _MIN_BLOCK), H, D), device=dev,
+                          dtype=torch.float32)
+    dq_part = torch.zeros((B, triton.cdiv(Lq, _MIN_BLOCK), H, D), device=dev,
+                          dtype=torch.float32)
+
+    # dk, dv (+ du partials): one program per key tile
     dk = torch.empty((B, Lk, H, D), device=dev, dtype=q.dtype)
     dv = torch.empty((B, Lk, H, D), device=dev, dtype=q.dtype)
     _launch(_dkdv_kernel, _rel_attn_bwd_dkdv_kernel,
             lambda blk: (B * H, triton.cdiv(Lk, blk)),
-            (*inputs, dk, dv, strides, _bmh(dk), *sizes, masks, drop, *buckets), meta,
+            (*inputs, dk, dv, du_part, strides, _bmh(dk), _bmh(du_part), *sizes, masks, drop,
+             *buckets), meta,
             configs[0])
 
-    # dq (+ du / dvb partials; + dr with atomics when not deterministic): one program per
-    # query tile
+    # dq (+ its row sums; + dr with atomics when not deterministic): one program per query tile
     dq = torch.empty((B, Lq, H, D), device=dev, dtype=q.dtype)
-    n_part = triton.cdiv(Lq, _MIN_BLOCK)
-    du_part = torch.zeros((B, n_part, H, D), device=dev, dtype=torch.float32)
-    dvb_part = torch.zeros((B, n_part, H, D), device=dev, dtype=torch.float32)
     if deterministic:
-        dr_acc = du_part  # unused (ATOMIC_DR=False)
+        dr_acc = dq_part  # unused (ATOMIC_DR=False)
     else:
         dr_acc = torch.zeros((R_rows, H, D), device=dev, dtype=torch.float32)
     _launch(_dq_kernel, _rel_attn_bwd_dq_kernel,
             lambda blk: (B * H, triton.cdiv(Lq, blk)),
-            (*inputs, dq, du_part, dvb_part, dr_acc, strides, _bmh(dq), _bmh(du_part),
+            (*inputs, dq, dq_part, dr_acc, strides, _bmh(dq), _bmh(dq_part),
              dr_acc.stride()[:2], *sizes, masks, drop, *buckets),
             dict(meta, ATOMIC_DR=not deterministic), configs[1])
-    du = du_part.sum(dim=(0, 1)).to(q.dtype)
-    dvb = dvb_part.sum(dim=(0, 1)).to(q.dtype)
+    du32 = du_part.sum(dim=(0, 1))
+    du = du32.to(q.dtype)
+    dvb = (dq_part.sum(dim=(0, 1)) - du32).to(q.dtype)
 
     if deterministic:
         # dr: one program per block diagonal; Z[0] holds the lo chunks, Z[1] the hi chunks.
