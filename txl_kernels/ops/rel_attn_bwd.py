@@ -87,7 +87,7 @@ def _skew(t_lo, t_hi, BLOCK: tl.constexpr, SKEW_GATHER: tl.constexpr):
     columns (b > a), so the two chunks merge elementwise and one rotation per row by
     BLOCK - 1 - a aligns them."""
     a = tl.arange(0, BLOCK)
-    merged = tl.where(tl.arange(0, BLOCK)[None, :] + a[:, None] >= BLOCK - 1, t_lo, t_hi)
+    merged = tl.where(_lo_part(BLOCK), t_lo, t_hi)
     return _rotate_rows(merged, BLOCK - 1 - a, BLOCK, SKEW_GATHER)
 
 
