@@ -5,8 +5,9 @@ Contract. Given the forward's inputs (layouts as in rel_attn_fwd.py: q / do / ou
 fp16 / bf16 / fp32, head dim 16..256, Lk >= Lq), its out and lse (``[B, H, Lq]`` fp32, natural
 log, +inf for empty rows) and the same masks, returns dq, dk, dv, dr, du, dvb, each with its
 input's shape and dtype, contiguous. Any strides with ``stride(-1) == 1`` (others copied);
-int64 offsets. Kernels: preprocess (delta = dO . O, and q + u / q + vb rounded once per row into
-workspaces), dk/dv, dq (+ du / dvb partials, + atomic dr), dr (deterministic mode only).
+int64 batch / head offsets (the atomic dr's offsets within a head are int32, where they fit).
+Kernels: preprocess (delta = dO . O, and q + u / q + vb rounded once per row into workspaces),
+dk/dv (+ du partials), dq (+ its row sums for dvb, + atomic dr), dr (deterministic mode only).
 
 Invariants. P is recomputed from lse, never stored; the recomputed S uses exactly the
 forward's rounded operands; skew and unskew are one per-row rotation each (the forward's
