@@ -354,7 +354,9 @@ def _rel_attn_bwd_dkdv_kernel(
     DROPOUT: tl.constexpr = False, USE_DESC: tl.constexpr = False,
 ):
     """One program per (batch * head, key tile): dk and dv of the tile, looping over the query
-    tiles that the window lets see it. stride_dk: (b, n, h), shared by DK and DV."""
+    tiles that the window lets see it, and the tile's part of du (scale * column sums of dS .
+    K: the row sums of dA = scale dS K) in DU_PART[b, key tile, h]. stride_dk: (b, n, h),
+    shared by DK and DV; stride_part: (b, n, h)."""
     j0 = tl.program_id(1) * BLOCK
     offs_j = j0 + tl.arange(0, BLOCK)
     mlen = Lk - Lq
@@ -392,7 +394,7 @@ def _rel_attn_bwd_dkdv_kernel(
         dk = tl.dot(tl.trans(_operand(ds, K.dtype.element_ty, UPCAST)), a_t, dk,
                     input_precision=DOT_PREC)
 
-    # du: sum over the rows of dA = scale dS K, i.e. scale (column sums of dS) . K
+    # du's part: the fp32 dS tiles were summed over the query tiles; reduce their rows once
     part_off = (b * stride_part[0] + tl.program_id(1).to(tl.int64) * stride_part[1]
                 + h * stride_part[2] + offs_d)
     tl.store(DU_PART + part_off,
