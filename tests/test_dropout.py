@@ -146,8 +146,10 @@ def test_mean_over_masks_approaches_undropped_output():
     assert (std > 0).any()
     err = (mean - want).abs()
     assert torch.all(err <= 5 * std / math.sqrt(n) + 1e-5), (err / (std / math.sqrt(n))).max()
-    # and it is not the dropped output of one mask
-    assert (samples[0] - want).abs().max() > 10 * (std.max() / math.sqrt(n))
+    # and the bound has teeth: the dropped output of one mask alone is outside it (for many
+    # elements, not just one)
+    outside = (samples[0] - want).abs() > 5 * std / math.sqrt(n) + 1e-5
+    assert outside.float().mean() > 0.1, outside.float().mean()
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
