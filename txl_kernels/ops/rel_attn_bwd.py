@@ -180,8 +180,9 @@ def _program_setup(A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout
     """Every backward program's prologue: its batch and head (grid axis 0 is batch * head),
     the window narrowed by a mask band (band_on: the band replaces the dense mask, nothing to
     load) and the per-(batch, head) base pointers, computed once; with USE_DESC the [BLOCK,
-    BLOCK_D] tiles of (q + u), (q + vb), dO, K, V and r come through TMA descriptors made here
-    (zero fill past the rows / D: no pointer math, no masks). Returns (b, h, window_left,
+    BLOCK_D] tiles of (q + u), (q + vb), dO, K, V and r, and the [2 BLOCK, BLOCK_D] windows of
+    r, come through TMA descriptors made here (zero fill past the rows / D: no pointer math, no
+    masks). Returns (b, h, window_left,
     window_right, query, keys, rel, pattern, drop): query / keys / rel are what
     _load_query_tile / _load_kv_tile / _load_r read, pattern what _probs masks with, drop the
     dropout's (batch * head, Lq, SEED, threshold, scale)."""
@@ -209,12 +210,16 @@ def _program_setup(A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout
                                          block_shape=[BLOCK, BLOCK_D])
         V_bh = tl.make_tensor_descriptor(V_bh, shape=[Lk, D], strides=[stride_v[1], 1],
                                          block_shape=[BLOCK, BLOCK_D])
+        R2_h = tl.make_tensor_descriptor(R_h, shape=[R_rows, D], strides=[stride_r[0], 1],
+                                         block_shape=[2 * BLOCK, BLOCK_D])
         R_h = tl.make_tensor_descriptor(R_h, shape=[R_rows, D], strides=[stride_r[0], 1],
                                         block_shape=[BLOCK, BLOCK_D])
+    else:
+        R2_h = R_h
     query = (A_bh, QV_bh, DO_bh, LSE + b * stride_l[0] + h * stride_l[1],
              DELTA + b * stride_l[0] + h * stride_l[1], stride_wm, stride_do[1], stride_l[2])
     keys = (K_bh, V_bh, stride_k[1], stride_v[1])
-    rel = (R_h, stride_r[0], R_rows)
+    rel = (R_h, stride_r[0], R_rows, R2_h)
     pattern = (b, h, Lq, Lk, window_left, window_right, band_on, KPM, stride_kpm, MASK, stride_m)
     drop = (pid_bh, Lq, SEED, drop_thresh, drop_scale)
     return b, h, window_left, window_right, query, keys, rel, pattern, drop
@@ -237,12 +242,45 @@ def _load_kv_tile(keys, j0, offs_j, Lk, offs_d, D, DOT_DTYPE: tl.constexpr,
 @triton.jit
 def _load_r(rel, row0, w, offs_d, D, DOT_DTYPE: tl.constexpr, USE_DESC: tl.constexpr):
     """Rows row0 + w (w = [0, BLOCK)) of r (zero outside [0, R) and past D)."""
-    R_h, stride_rp, R_rows = rel
+    R_h, stride_rp, R_rows, R2_h = rel
     if USE_DESC:
         rows = R_h.load([row0, 0]).to(DOT_DTYPE)
     else:
         rows = _load_rows(R_h, row0 + w, R_rows, stride_rp, offs_d, D, DOT_DTYPE)
     return rows
+
+
+@triton.jit
+def _load_window(rel, row0, offs_d, D, BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                 USE_DESC: tl.constexpr):
+    """Rows row0 .. row0 + 2 BLOCK of r, a tile pair's window (zero outside [0, R), past D)."""
+    R_h, stride_rp, R_rows, R2_h = rel
+    if USE_DESC:
+        rows = R2_h.load([row0, 0]).to(DOT_DTYPE)
+    else:
+        rows = _load_rows(R_h, row0 + tl.arange(0, 2 * BLOCK), R_rows, stride_rp, offs_d, D,
+                          DOT_DTYPE)
+    return rows
+
+
+@triton.jit
+def _window_t(qv_t, r_win, BLOCK: tl.constexpr, DOT_PREC: tl.constexpr):
+    """(T_lo, T_hi): T = (q + vb) @ r_win^T ([BLOCK, 2 BLOCK]) as one product, split into its
+    two chunks (along a register bit of the accumulator layout: no data movement). One product
+    instead of two reads the (q + vb) operand from shared memory once: the dk/dv kernel's form
+    (static model: its loop 924 -> 864 cycles). The dq kernel needs r_lo as an operand of its
+    own (dQv), and a third r buffer beside it exceeds shared memory at fp32 D 64; in the dr
+    kernel the rows are loop invariants and two products measured faster (1210 against 1222):
+    both take _chunks_t."""
+    t = tl.dot(qv_t, tl.trans(r_win), input_precision=DOT_PREC)
+    return tl.split(tl.permute(tl.reshape(t, [BLOCK, 2, BLOCK]), (0, 2, 1)))
+
+
+@triton.jit
+def _chunks_t(qv_t, r_lo, r_hi, DOT_PREC: tl.constexpr):
+    """(T_lo, T_hi) = (q + vb) @ r_lo^T, (q + vb) @ r_hi^T: the window as two [BLOCK] tiles."""
+    return (tl.dot(qv_t, tl.trans(r_lo), input_precision=DOT_PREC),
+            tl.dot(qv_t, tl.trans(r_hi), input_precision=DOT_PREC))
 
 
 @triton.jit
@@ -271,14 +309,14 @@ def _load_query_tile(query, i0, offs_i, offs_d, Lq, D, DOT_DTYPE: tl.constexpr,
 
 
 @triton.jit
-def _recompute_p_ds(a_t, qv_t, do, k_t, v_t, r_lo, r_hi, lse2, delta, offs_i, offs_j, qk_scale,
+def _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, offs_i, offs_j, qk_scale,
                     pattern, drop, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
                     HAS_BAND: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
                     SKEW_GATHER: tl.constexpr, BLOCK: tl.constexpr, IN_DTYPE: tl.constexpr,
                     UPCAST: tl.constexpr, MASKED: tl.constexpr = True):
     """P and dS = P (dP - delta), dP = dO V^T, on one tile (MASKED: as in _probs), computed in
-    fp32; BD is the skew of the two window chunks (q + vb) @ [R_lo | R_hi]^T (both recomputed:
-    carrying one would keep another fp32 tile live). Returns (Pv, dS): Pv rounded to the operand
+    fp32; BD is the skew of the two window chunks [T_lo | T_hi] = (q + vb) @ [R_lo | R_hi]^T
+    (``_window_t``; both recomputed per tile: carrying one would keep another fp32 tile live). Returns (Pv, dS): Pv rounded to the operand
     dtype (IN_DTYPE) for the dV product, dS in fp32 (the callers round it, and its unskewed
     copy: rotating fp32 values is plain selects, where 16-bit ones packed two to a register
     need byte permutes). Pv is P as the forward applied it to
@@ -286,8 +324,6 @@ def _recompute_p_ds(a_t, qv_t, do, k_t, v_t, r_lo, r_hi, lse2, delta, offs_i, of
     the forward's keep-mask regenerated from the same Philox counters; dP then becomes
     dO V^T Z / (1 - p), the gradient w.r.t. the undropped P, and dS = P (dP - delta) holds as
     without dropout (delta = rowsum(dO O) = rowsum(P dP)). ``drop``: see _program_setup."""
-    t_lo = tl.dot(qv_t, tl.trans(r_lo), input_precision=DOT_PREC)
-    t_hi = tl.dot(qv_t, tl.trans(r_hi), input_precision=DOT_PREC)
     bd = _skew(t_lo, t_hi, BLOCK, SKEW_GATHER)
     ac = tl.dot(a_t, tl.trans(k_t), input_precision=DOT_PREC)
     p = _probs(ac, bd, lse2, offs_i, offs_j, qk_scale, pattern, HAS_KPM, HAS_MASK, HAS_BAND,
@@ -384,9 +420,9 @@ def _rel_attn_bwd_dkdv_kernel(
         offs_i = i0 + tl.arange(0, BLOCK)
         a_t, qv_t, do, lse2, delta = _load_query_tile(query, i0, offs_i, offs_d, Lq, D,
                                                       DOT_DTYPE, USE_DESC)
-        r_lo = _load_r(rel, j0 - i0 + Lq - BLOCK, w, offs_d, D, DOT_DTYPE, USE_DESC)
-        r_hi = _load_r(rel, j0 - i0 + Lq, w, offs_d, D, DOT_DTYPE, USE_DESC)
-        p, ds = _recompute_p_ds(a_t, qv_t, do, k_t, v_t, r_lo, r_hi, lse2, delta, offs_i,
+        t_lo, t_hi = _window_t(qv_t, _load_window(rel, j0 - i0 + Lq - BLOCK, offs_d, D, BLOCK,
+                                                  DOT_DTYPE, USE_DESC), BLOCK, DOT_PREC)
+        p, ds = _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, offs_i,
                                 offs_j, qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
                                 DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, K.dtype.element_ty, UPCAST)
         dv = tl.dot(tl.trans(p), do, dv, input_precision=DOT_PREC)
@@ -423,7 +459,8 @@ def _dq_tile(carry, n, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
     k_t, v_t = _load_kv_tile(keys, j0, offs_j, Lk, offs_d, D, DOT_DTYPE, USE_DESC)
     r_lo = _load_r(rel, p_lo, w, offs_d, D, DOT_DTYPE, USE_DESC)
     r_hi = _load_r(rel, p_lo + BLOCK, w, offs_d, D, DOT_DTYPE, USE_DESC)
-    p, ds = _recompute_p_ds(a_t, qv_t, do, k_t, v_t, r_lo, r_hi, lse2, delta, offs_i,
+    t_lo, t_hi = _chunks_t(qv_t, r_lo, r_hi, DOT_PREC)
+    p, ds = _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, offs_i,
                             offs_j, qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
                             DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, IN_DTYPE, UPCAST, MASKED)
     dq = tl.dot(_operand(ds, IN_DTYPE, UPCAST), k_t, dq, input_precision=DOT_PREC)  # dA
@@ -538,7 +575,8 @@ def _dr_tile(carry, m, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
     a_t, qv_t, do, lse2, delta = _load_query_tile(query, i0, offs_i, offs_d, Lq, D, DOT_DTYPE,
                                                   USE_DESC)
     k_t, v_t = _load_kv_tile(keys, j0, offs_j, Lk, offs_d, D, DOT_DTYPE, USE_DESC)
-    p, ds = _recompute_p_ds(a_t, qv_t, do, k_t, v_t, r_lo, r_hi, lse2, delta, offs_i,
+    t_lo, t_hi = _chunks_t(qv_t, r_lo, r_hi, DOT_PREC)
+    p, ds = _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, offs_i,
                             offs_j, qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
                             DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, IN_DTYPE, UPCAST, MASKED)
     g = _operand(_unskew(ds, BLOCK, SKEW_GATHER), IN_DTYPE, UPCAST)
