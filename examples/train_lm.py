@@ -150,7 +150,8 @@ def end_process(code: int = 0) -> None:
     last collective's work, whose tensors are Python objects, when the interpreter finalises:
     the decref then takes the GIL during finalisation, the thread is unwound and the process
     aborts ("terminate called without an active exception", SIGABRT, after a successful run;
-    described in pytorch/pytorch#179291). So flush and ``os._exit`` instead of returning to the interpreter.
+    described in pytorch/pytorch#179291). So flush and ``os._exit`` instead of returning to the
+    interpreter.
     """
     sys.stdout.flush()
     sys.stderr.flush()

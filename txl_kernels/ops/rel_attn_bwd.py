@@ -37,7 +37,7 @@ __all__ = ["rel_attn_bwd"]
 
 _LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E); qk_scale = softmax_scale * LOG2E
 LOG2E: tl.constexpr = tl.constexpr(_LOG2E)
-_MIN_BLOCK = 16  # smallest BLOCK of any config; sizes the du / dvb partial buffers
+_MIN_BLOCK = 16  # smallest BLOCK of any config; sizes the du / dq row-sum partial buffers
 
 
 # ----------------------------------------------------------------------------------------------
@@ -182,10 +182,10 @@ def _program_setup(A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout
     load) and the per-(batch, head) base pointers, computed once; with USE_DESC the [BLOCK,
     BLOCK_D] tiles of (q + u), (q + vb), dO, K, V and r, and the [2 BLOCK, BLOCK_D] windows of
     r, come through TMA descriptors made here (zero fill past the rows / D: no pointer math, no
-    masks). Returns (b, h, window_left,
-    window_right, query, keys, rel, pattern, drop): query / keys / rel are what
-    _load_query_tile / _load_kv_tile / _load_r read, pattern what _probs masks with, drop the
-    dropout's (batch * head, Lq, SEED, threshold, scale)."""
+    masks). Returns (b, h, window_left, window_right, query, keys, rel, pattern, drop):
+    query / keys / rel are what _load_query_tile / _load_kv_tile / _load_r and _load_window
+    read, pattern what _probs masks with, drop the dropout's (batch * head, Lq, SEED,
+    threshold, scale)."""
     (stride_wbh, stride_wm), stride_k, stride_v, stride_r, stride_do, stride_l = strides
     window_left, window_right, KPM, stride_kpm, MASK, stride_m, BAND = masks
     SEED, drop_thresh, drop_scale = dropout
@@ -316,14 +316,15 @@ def _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, offs_i, offs_j, 
                     UPCAST: tl.constexpr, MASKED: tl.constexpr = True):
     """P and dS = P (dP - delta), dP = dO V^T, on one tile (MASKED: as in _probs), computed in
     fp32; BD is the skew of the two window chunks [T_lo | T_hi] = (q + vb) @ [R_lo | R_hi]^T
-    (``_window_t``; both recomputed per tile: carrying one would keep another fp32 tile live). Returns (Pv, dS): Pv rounded to the operand
-    dtype (IN_DTYPE) for the dV product, dS in fp32 (the callers round it, and its unskewed
-    copy: rotating fp32 values is plain selects, where 16-bit ones packed two to a register
-    need byte permutes). Pv is P as the forward applied it to
-    V (for dV): P itself (recomputed from lse, 0 where masked), or with DROPOUT P Z / (1 - p), Z
-    the forward's keep-mask regenerated from the same Philox counters; dP then becomes
-    dO V^T Z / (1 - p), the gradient w.r.t. the undropped P, and dS = P (dP - delta) holds as
-    without dropout (delta = rowsum(dO O) = rowsum(P dP)). ``drop``: see _program_setup."""
+    (``_window_t`` / ``_chunks_t``; both recomputed per tile: carrying one would keep another
+    fp32 tile live). Returns (Pv, dS): Pv rounded to the operand dtype (IN_DTYPE) for the dV
+    product, dS in fp32 (the callers round it, and its unskewed copy: rotating fp32 values is
+    plain selects, where 16-bit ones packed two to a register need byte permutes). Pv is P as
+    the forward applied it to V (for dV): P itself (recomputed from lse, 0 where masked), or
+    with DROPOUT P Z / (1 - p), Z the forward's keep-mask regenerated from the same Philox
+    counters; dP then becomes dO V^T Z / (1 - p), the gradient w.r.t. the undropped P, and
+    dS = P (dP - delta) holds as without dropout (delta = rowsum(dO O) = rowsum(P dP)).
+    ``drop``: see _program_setup."""
     bd = _skew(t_lo, t_hi, BLOCK, SKEW_GATHER)
     ac = tl.dot(a_t, tl.trans(k_t), input_precision=DOT_PREC)
     p = _probs(ac, bd, lse2, offs_i, offs_j, qk_scale, pattern, HAS_KPM, HAS_MASK, HAS_BAND,
@@ -414,7 +415,6 @@ def _rel_attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     ds_sum = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
-    w = tl.arange(0, BLOCK)
     for m in range(m_lo, m_hi):
         i0 = m * BLOCK
         offs_i = i0 + tl.arange(0, BLOCK)
@@ -544,7 +544,7 @@ def _rel_attn_bwd_dq_kernel(
     dq, g_prev, p_lo = carry
     # flush the hi part of the last tile (rows p_lo ..)
     r_lo = _load_r(rel, p_lo, w, offs_d, D, DOT_DTYPE, USE_DESC)
-    dt = _operand(tl.where(lo_part, 0.0, g_prev), K.dtype.element_ty, UPCAST).to(DOT_DTYPE)
+    dt = _operand(tl.where(lo_part, 0.0, g_prev), K.dtype.element_ty, UPCAST)
     dq = tl.dot(dt, r_lo, dq, input_precision=DOT_PREC)
     if ATOMIC_DR:
         _atomic_dr(DR_h, dt, qv_t, p_lo + w, R_rows, stride_dr[0], offs_d, dmask, sm_scale,
