@@ -168,25 +168,65 @@ def test_cache_equals_mems_path_half(dtype):
         torch.testing.assert_close(loss.float(), out[0].float(), rtol=3e-2, atol=3e-2)
 
 
-def test_position_table_reused_until_weights_change():
+def test_position_table_built_once_per_cache():
+    """The cache builds the projected position table at its first segment and reuses it;
+    reset() drops it with the memory."""
     model = make_model("adaptive2")
     cache = model.new_cache(2)
     data = tokens(15, 2)
     model(data[:5], data[1:6], cache=cache)
-    table = model._pos_tables[0][1]
+    table = cache._pos_tables[0]
     model(data[5:10], data[6:11], cache=cache)
-    assert model._pos_tables[0][1] is table  # same tensor: computed once
-    with torch.no_grad():  # the weights change in place: the table is rebuilt
-        model.layers[0].dec_attn.r_net.weight.mul_(1.5)
-    mems_model = make_model("adaptive2")
-    mems_model.load_state_dict(model.state_dict())
-    out = mems_model(data[:5], data[1:6])
-    out = mems_model(data[5:10], data[6:11], *out[1:])
-    cache2 = model.new_cache(2)
-    model(data[:5], data[1:6], cache=cache2)
-    (loss,) = model(data[5:10], data[6:11], cache=cache2)
-    assert model._pos_tables[0][1] is not table
-    close(loss, out[0])
+    assert cache._pos_tables[0] is table  # same tensor: computed once
+    cache.reset()
+    model(data[:5], data[1:6], cache=cache)
+    assert cache._pos_tables[0] is not table
+
+
+def _write_through_data(model, what):
+    """Change weights the way an EMA swap or a manual copy does: through ``.data``, which
+    torch's version counters do not see."""
+    g = torch.Generator().manual_seed(21)
+    if what == "r_net":
+        for layer in model.layers:
+            w = layer.dec_attn.r_net.weight
+            w.data.copy_(torch.randn(w.shape, generator=g) * 0.5)
+    elif what == "inv_freq":
+        model.pos_emb.inv_freq.data.mul_(1.7)
+    else:  # the adaptive softmax head: shortlist rows and cluster logits
+        model.crit.out_layers[0].weight.data.copy_(
+            torch.randn(model.crit.out_layers[0].weight.shape, generator=g))
+        model.crit.cluster_weight.data.copy_(
+            torch.randn(model.crit.cluster_weight.shape, generator=g))
+
+
+@pytest.mark.parametrize("what", ["r_net", "inv_freq", "crit_head"])
+def test_weights_written_through_data_are_seen(what):
+    """After weights change through ``.data``, a new cache (or a reset one) and the no-grad
+    paths (log_probs, generate) use the new weights: the same losses, log-probabilities and
+    tokens as a fresh model built with them."""
+    model = make_model("adaptive2", tgt_len=5, mem_len=7)
+    data = tokens(16, 2, seed=20)
+    prompt = data[:6].t().contiguous()
+    cache = model.new_cache(2)
+    with torch.no_grad():  # fill every cached derivative of the old weights
+        for inp, tgt in segments(data[:11], 5):
+            model(inp, tgt, cache=cache)
+        model.log_probs(data[:5])
+        model.generate(prompt, 3)
+    _write_through_data(model, what)
+    fresh = make_model("adaptive2", tgt_len=5, mem_len=7, seed=9)
+    fresh.load_state_dict(model.state_dict())  # inv_freq included (a persistent buffer)
+    with torch.no_grad():
+        new = model.new_cache(2)
+        cache.reset()
+        mems = []
+        for inp, tgt in segments(data, 5):
+            want, *mems = fresh(inp, tgt, *mems)
+            close(model(inp, tgt, cache=new)[0], want)
+            close(model(inp, tgt, cache=cache)[0], want)
+        close(model.log_probs(data[:5])[0], fresh.log_probs(data[:5])[0])
+        assert torch.equal(model.generate(prompt, 5), fresh.generate(prompt, 5))
 
 
 def test_kv_cache_compact_extension_and_fallback():
@@ -326,7 +366,7 @@ def test_bad_inputs():
     with pytest.raises(TypeError, match="new_cache"):
         model(data, tgt, cache=object())
     model.reset_length(5, 0, 4)
-    with pytest.raises(ValueError, match="mem_len=7, the model mem_len=4"):
+    with pytest.raises(ValueError, match="made for mem_len=7; the model now has mem_len=4"):
         model(data, tgt, cache=cache)
     model.reset_length(5, 0, 7)
     # generate
@@ -351,6 +391,128 @@ def test_bad_inputs():
         MemTransformerLM(10, 1, 1, 8, 8, 8, 0.0, 0.0, tgt_len=2, mem_len=2, attn_type=2)
     with pytest.raises(ValueError, match="cutoffs must be increasing"):
         MemTransformerLM(10, 1, 1, 8, 8, 8, 0.0, 0.0, tgt_len=2, mem_len=2, cutoffs=[12])
+
+
+def test_cache_belongs_to_its_model_and_configuration():
+    """A cache raises, naming both sides, when used with another model (even one with the
+    same configuration and weights) or after reset_length / attribute changes it depends on."""
+    model = make_model("adaptive2", tgt_len=5, mem_len=7)
+    twin = make_model("adaptive2", tgt_len=5, mem_len=7)
+    twin.load_state_dict(model.state_dict())
+    data, tgt = tokens(5, 2), tokens(5, 2, seed=2)
+    cache = model.new_cache(2)
+    model(data, tgt, cache=cache)
+    with pytest.raises(ValueError, match=r"made for another model, MemTransformerLM at 0x"
+                                         r"[0-9a-f]+; this is MemTransformerLM at 0x"):
+        twin(data, tgt, cache=cache)
+    with pytest.raises(ValueError, match="another model"):
+        twin.generate(data.t().contiguous(), 2, cache=model.new_cache(2, ext_len=0))
+    for change, msg in [
+            (lambda: model.reset_length(5, 2, 7), "made for ext_len=0; the model now has "
+                                                  "ext_len=2"),
+            (lambda: model.reset_length(5, 0, 3), "made for mem_len=7; the model now has "
+                                                  "mem_len=3"),
+            (lambda: setattr(model, "same_length", False), "same_length=True; the model now "
+                                                           "has same_length=False"),
+            (lambda: setattr(model, "clamp_len", 2), "clamp_len=5; the model now has "
+                                                     "clamp_len=2")]:
+        change()
+        with pytest.raises(ValueError, match=msg):
+            model(data, tgt, cache=cache)
+        model.reset_length(5, 0, 7)
+        model.same_length, model.clamp_len = True, 5
+        model(data, tgt, cache=cache)  # the configuration it was made for: accepted again
+    direct = TransfoXLCache(N_LAYER, 2, 7, 0, 5, N_HEAD * D_HEAD, torch.float32, "cpu",
+                            n_head=N_HEAD)
+    with pytest.raises(ValueError, match=r"made for no model \(not made by new_cache\)"):
+        model(data, tgt, cache=direct)
+
+
+def test_same_length_without_memory_raises_on_both_paths():
+    """same_length=True with mem_len=0: kimiyoung's mask leaves a query no key (the original
+    returns NaN); the mems path, the cache path and generate raise alike. With mem_len >= 1
+    both paths follow the original's mask (the last mem_len keys)."""
+    model = make_model("plain", tgt_len=4, mem_len=0, same_length=True)
+    data, tgt = tokens(4, 2), tokens(4, 2, seed=2)
+
+    def original(mem_len):
+        ref = orig.MemTransformerLM(N_TOKEN, N_LAYER, N_HEAD, D_MODEL, D_HEAD, D_INNER, 0.0,
+                                    0.0, tgt_len=4, ext_len=0, mem_len=mem_len,
+                                    same_length=True, **CONFIGS["plain"]).eval()
+        ref.load_state_dict(model.state_dict())
+        ref.crit.keep_order = True
+        return ref
+
+    ref = original(0)
+    with torch.no_grad():
+        assert torch.isnan(ref(data, tgt)[0]).all()
+    msg = "same_length=True with mem_len=0"
+    with pytest.raises(ValueError, match=msg):
+        model(data, tgt)
+    with pytest.raises(ValueError, match=msg):
+        model(data, tgt, cache=model.new_cache(2))
+    with pytest.raises(ValueError, match=msg):
+        model.log_probs(data)
+    with pytest.raises(ValueError, match=msg):
+        model.generate(data.t().contiguous(), 2)
+    for mem_len in (1, 2):
+        model.reset_length(4, 0, mem_len)
+        ref = original(mem_len)
+        cache = model.new_cache(2)
+        mems, mems_ref = [], []
+        for inp, t in segments(tokens(13, 2, seed=3), 4):
+            want, *mems_ref = ref(inp, t, *mems_ref)
+            got, *mems = model(inp, t, *mems)
+            close(got, want)
+            close(model(inp, t, cache=cache)[0], want)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.int8, torch.uint8,
+                                   torch.uint16, torch.uint32])
+def test_narrow_integer_token_ids(dtype):
+    """Token ids of any integer dtype up to 32 bits give the int64 results."""
+    model = make_model("adaptive2")
+    data, tgt = tokens(5, 2), tokens(5, 2, seed=2)
+    want, *_ = model(data, tgt)
+    close(model(data.to(dtype), tgt.to(dtype))[0], want)
+    close(model.log_probs(data.to(dtype))[0], model.log_probs(data)[0])
+    prompt = data.t().contiguous()
+    assert torch.equal(model.generate(prompt.to(dtype), 3), model.generate(prompt, 3))
+    (c,) = model(data.to(dtype), tgt, cache=model.new_cache(2))
+    close(c, want)
+
+
+def test_unsupported_token_id_dtype_is_named():
+    model = make_model("adaptive2")
+    data, tgt = tokens(5, 2), tokens(5, 2, seed=2)
+    with pytest.raises(TypeError, match="data must hold integer token ids.*uint64"):
+        model(data.to(torch.uint64), tgt)
+    with pytest.raises(TypeError, match="target must hold integer token ids.*bool"):
+        model(data, tgt.bool())
+    with pytest.raises(TypeError, match="input_ids must hold integer token ids.*float32"):
+        model.generate(data.t().float(), 2)
+
+
+def test_oversized_cache_is_refused_before_allocating(monkeypatch):
+    """A cache larger than the device's available memory raises MemoryError naming mem_len
+    and the bytes it needs, from new_cache and from generate (which makes one)."""
+    model = make_model("adaptive2", tgt_len=5, mem_len=7)
+    model.reset_length(5, 0, 10 ** 9)
+    need = 2 * N_LAYER * (2 * 10 ** 9 + 5) * 2 * N_HEAD * D_HEAD * 4
+    msg = f"mem_len=1000000000 needs a cache of {need} bytes on cpu"
+    with pytest.raises(MemoryError, match=msg):
+        model.new_cache(2)
+    with pytest.raises(MemoryError, match=msg):
+        model.generate(tokens(3, 2).t().contiguous(), 2)
+    # the check runs before the allocation: a small cache against a tiny budget
+    import txl_kernels.models.cache as cache_mod
+
+    model.reset_length(5, 0, 7)
+    monkeypatch.setattr(cache_mod, "_available_bytes", lambda device: 1000)
+    need = 2 * N_LAYER * 19 * 2 * N_HEAD * D_HEAD * 1 + 2 * N_LAYER * 19 * 2 * N_HEAD * 2
+    with pytest.raises(MemoryError, match=rf"mem_len=7 needs a cache of {need} bytes.*"
+                                          rf"torch.float16 scales.*1000 bytes available"):
+        model.new_cache(2, dtype=torch.int8, scale_dtype=torch.float16)
 
 
 # ----------------------------------------------------------------------------- HF TransfoXL

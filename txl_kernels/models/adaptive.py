@@ -118,37 +118,18 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
     # -- per-cluster weights ------------------------------------------------------------------
     def _cluster(self, i: int):
         """(weight, bias, proj) of cluster i (0 = head, including the cluster logits)."""
-        if self.div_val == 1:
-            lo, hi = self.cutoff_ends[i], self.cutoff_ends[i + 1]
-            weight = self.out_layers[0].weight[lo:hi]
-            bias = self.out_layers[0].bias[lo:hi]
-        else:
-            weight, bias = self.out_layers[i].weight, self.out_layers[i].bias
+        weight, bias = self._own_rows(i)
         if i == 0 and self.n_clusters > 0:
-            weight, bias = self._head_weight(weight, bias)
+            weight = torch.cat([weight, self.cluster_weight], 0)
+            bias = torch.cat([bias, self.cluster_bias], 0)
         return weight, bias, self.out_projs[i]
 
-    def _head_weight(self, weight, bias):
-        """The head's ``[shortlist + n_clusters, d]`` weight and bias (the shortlist rows
-        followed by the cluster rows). Without gradients the concatenation is kept until one
-        of the four tensors changes (storage or version counter), so evaluation and decoding
-        do not copy the shortlist rows (20000 x d for WikiText-103) on every call."""
-        parts = (weight, bias, self.cluster_weight, self.cluster_bias)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in parts):
-            return (torch.cat([weight, self.cluster_weight], 0),
-                    torch.cat([bias, self.cluster_bias], 0))
-        key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in parts)
-        hit = getattr(self, "_head_cache", None)
-        if hit is None or hit[0] != key:
-            with torch.no_grad():
-                hit = (key, torch.cat([weight, self.cluster_weight], 0),
-                       torch.cat([bias, self.cluster_bias], 0))
-            self._head_cache = hit
-        return hit[1], hit[2]
-
-    def _apply(self, fn, *args, **kwargs):
-        self._head_cache = None
-        return super()._apply(fn, *args, **kwargs)
+    def _own_rows(self, i: int):
+        """(weight, bias) of cluster i's own tokens (the head's without the cluster rows)."""
+        if self.div_val == 1:
+            lo, hi = self.cutoff_ends[i], self.cutoff_ends[i + 1]
+            return self.out_layers[0].weight[lo:hi], self.out_layers[0].bias[lo:hi]
+        return self.out_layers[i].weight, self.out_layers[i].bias
 
     @staticmethod
     def _logit(hidden, weight, bias, proj: Optional[torch.Tensor]):
@@ -156,8 +137,27 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
             hidden = F.linear(hidden, proj.t())
         return F.linear(hidden, weight, bias)
 
+    def _head_logit(self, hidden):
+        """The head's logits ``[N, shortlist + n_clusters]`` from the weights as they are at
+        this call (nothing derived from them is kept, so writes through ``.data`` are seen).
+        With tail clusters, the smaller of two concatenations: for at most ``d`` rows (decoding,
+        small batches) the shortlist's and the clusters' logits ``[N, S + C]``, which copies no
+        weight (the shortlist is 20000 x d for WikiText-103); otherwise the weights
+        ``[S + C, d]``, then one product."""
+        if self.n_clusters == 0:
+            return self._logit(hidden, *self._cluster(0))
+        proj = self.out_projs[0]
+        if proj is not None:
+            hidden = F.linear(hidden, proj.t())
+        if hidden.shape[0] > hidden.shape[-1]:
+            weight, bias, _ = self._cluster(0)
+            return F.linear(hidden, weight, bias)
+        weight, bias = self._own_rows(0)
+        return torch.cat([F.linear(hidden, weight, bias),
+                          F.linear(hidden, self.cluster_weight, self.cluster_bias)], -1)
+
     def _head_logprob(self, hidden):
-        return F.log_softmax(self._logit(hidden, *self._cluster(0)), dim=-1)
+        return F.log_softmax(self._head_logit(hidden), dim=-1)
 
     def forward(self, hidden: torch.Tensor, target: torch.Tensor,
                 keep_order: bool = True) -> torch.Tensor:
@@ -167,7 +167,7 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         # Only the targets' log-probabilities: logit - logsumexp per row, no [N, cluster]
         # log-softmax tensor (a pass and an allocation less per cluster; the clusters' logits
         # are still all computed, as the normaliser needs them).
-        head_logit = self._logit(hidden, *self._cluster(0))
+        head_logit = self._head_logit(hidden)
         head_lse = torch.logsumexp(head_logit, dim=-1)
         if self.n_clusters == 0:
             return head_lse - head_logit.gather(1, target[:, None]).squeeze(1)

@@ -28,6 +28,8 @@ scales with the data (the same single launch).
 from __future__ import annotations
 
 import functools
+import os
+import weakref
 from typing import List, Optional
 
 import torch
@@ -36,6 +38,28 @@ from ..memory import kv_cache_compact, kv_cache_quantize_append
 from ..quant import QUANT_DTYPES, SCALE_DTYPES, QuantizedKV, dequantize_per_token
 
 __all__ = ["TransfoXLCache"]
+
+
+def _available_bytes(device: torch.device) -> Optional[int]:
+    """Bytes a new allocation can take on ``device`` now: CUDA, the driver's free memory plus
+    what torch's allocator holds unused; CPU, the kernel's ``MemAvailable`` (Linux) or the
+    free physical pages; None where unknown (other devices and systems)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,14 +78,26 @@ class TransfoXLCache:
     ``mem_len``, ``ext_len``, ``max_qlen`` (the longest segment it accepts), ``mlen`` (rows of
     memory held now), ``dtype`` (of the stored keys / values: the model's, or int8 /
     float8_e4m3fn), ``compute_dtype`` (the model's), ``quantized``, ``nbytes`` (bytes of its
-    buffers, scales included).
+    buffers, scales included), ``fingerprint`` (the model configuration it was made for).
+
+    A cache belongs to the model that made it, in the configuration it had then (lengths,
+    ``same_length``, ``clamp_len``, dtype, device): the model raises when it is handed another
+    model's cache or after ``reset_length`` changed ``mem_len`` / ``ext_len``. Its contents
+    (the memory's keys and values and the projected position table, built at the first segment)
+    come from the weights of the time they were computed: after changing the weights (a
+    ``load_state_dict``, an EMA swap, writes through ``.data``), call :meth:`reset` or make a
+    new cache.
+
+    The buffers' size is checked before they are allocated: a cache larger than the memory
+    the device has available raises ``MemoryError``, naming ``mem_len`` and the bytes needed.
     """
 
     def __init__(self, n_layer: int, bsz: int, mem_len: int, ext_len: int, max_qlen: int,
                  width: int, dtype: torch.dtype, device: torch.device,
                  memory_backend: str = "auto", *, n_head: int = 1,
                  quant_dtype: Optional[torch.dtype] = None,
-                 scale_dtype: torch.dtype = torch.float32):
+                 scale_dtype: torch.dtype = torch.float32, model=None,
+                 fingerprint: Optional[dict] = None):
         for name, value, low in (("bsz", bsz, 1), ("max_qlen", max_qlen, 1),
                                  ("mem_len", mem_len, 0), ("ext_len", ext_len, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -83,21 +119,58 @@ class TransfoXLCache:
         self.dtype = quant_dtype if self.quantized else dtype
         self.memory_backend = memory_backend
         self.capacity = 2 * mem_len + max_qlen
+        self._model = None if model is None else weakref.ref(model)
+        self.fingerprint = dict(fingerprint or {})
         shape = (self.capacity, bsz, width)
-        self.k = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(n_layer)]
-        self.v = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(n_layer)]
+        sshape = (self.capacity, bsz, n_head)
+        self._check_size(shape, sshape, scale_dtype)
         self.k_scale: List[torch.Tensor] = []
         self.v_scale: List[torch.Tensor] = []
-        if self.quantized:
-            sshape = (self.capacity, bsz, n_head)
-            self.k_scale = [torch.zeros(sshape, dtype=scale_dtype, device=device)
-                            for _ in range(n_layer)]
-            self.v_scale = [torch.zeros(sshape, dtype=scale_dtype, device=device)
-                            for _ in range(n_layer)]
+        try:
+            self.k = [torch.zeros(shape, dtype=self.dtype, device=device)
+                      for _ in range(n_layer)]
+            self.v = [torch.zeros(shape, dtype=self.dtype, device=device)
+                      for _ in range(n_layer)]
+            if self.quantized:
+                self.k_scale = [torch.zeros(sshape, dtype=scale_dtype, device=device)
+                                for _ in range(n_layer)]
+                self.v_scale = [torch.zeros(sshape, dtype=scale_dtype, device=device)
+                                for _ in range(n_layer)]
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if isinstance(e, torch.OutOfMemoryError) or "memory" in str(e):
+                self.k = self.v = self.k_scale = self.v_scale = []
+                raise MemoryError(self._size_message(shape, sshape, scale_dtype, None)) from e
+            raise
+        self._pos_tables: dict = {}  # per layer: the projected position table
         self._pending: List[torch.Tensor] = []  # 8-bit: this segment's keys, values per layer
         self._work = {}
         self.start = 0
         self.mlen = 0
+
+    def _needed_bytes(self, shape, sshape, scale_dtype) -> int:
+        n = 2 * self.n_layer * shape[0] * shape[1] * shape[2] * self.dtype.itemsize
+        if self.quantized:
+            n += 2 * self.n_layer * sshape[0] * sshape[1] * sshape[2] * scale_dtype.itemsize
+        return n
+
+    def _size_message(self, shape, sshape, scale_dtype, available: Optional[int]) -> str:
+        scales = (f" plus {scale_dtype} scales [{sshape[0]}, {sshape[1]}, {sshape[2]}]"
+                  if self.quantized else "")
+        have = ("more than the device allows" if available is None
+                else f"more than the {available} bytes available")
+        return (f"new_cache: mem_len={self.mem_len} needs a cache of "
+                f"{self._needed_bytes(shape, sshape, scale_dtype)} bytes on {self.device} "
+                f"(keys and values of n_layer={self.n_layer} layers, [2 * mem_len + max_qlen = "
+                f"{shape[0]}, bsz={shape[1]}, {shape[2]}] {self.dtype} each{scales}), {have}; "
+                f"lower mem_len (model.reset_length), max_qlen or bsz")
+
+    def _check_size(self, shape, sshape, scale_dtype) -> None:
+        """Raise MemoryError before allocating buffers larger than the device's available
+        memory (an allocator's own failure would not say which length asked for it)."""
+        available = _available_bytes(self.device)
+        if available is not None and \
+                self._needed_bytes(shape, sshape, scale_dtype) > available:
+            raise MemoryError(self._size_message(shape, sshape, scale_dtype, available))
 
     def _buffers(self) -> List[torch.Tensor]:
         return self.k + self.v + self.k_scale + self.v_scale
@@ -107,9 +180,11 @@ class TransfoXLCache:
         return sum(t.numel() * t.element_size() for t in self._buffers())
 
     def reset(self) -> None:
-        """Forget the memory (the buffers are kept)."""
+        """Forget the memory and the projected position table (the buffers are kept): the
+        next segment starts with no memory, with the model's current weights."""
         self.start = 0
         self.mlen = 0
+        self._pos_tables = {}
 
     def __repr__(self) -> str:
         scales = f", scale_dtype={self.k_scale[0].dtype}" if self.k_scale else ""

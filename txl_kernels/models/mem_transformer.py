@@ -2,12 +2,14 @@
 ``attn_type=0``) on txl_kernels' attention, memory update and K/V cache.
 
 Same constructor, state_dict keys and ``forward(data, target, *mems) -> [loss, *new_mems]``
-as the original PyTorch code, so its checkpoints (and NVIDIA's) load with ``strict=True``;
-``MemTransformerLM.from_hf`` takes the weights of an HF ``TransfoXLLMHeadModel``. On top:
+as the original PyTorch code, so its checkpoints load with ``strict=True``.
+``MemTransformerLM.from_nvidia`` takes NVIDIA DeepLearningExamples' checkpoints (whose adaptive
+softmax names its parameters differently; :mod:`txl_kernels.models.nvidia`),
+``MemTransformerLM.from_hf`` the weights of an HF ``TransfoXLLMHeadModel``. On top:
 
 - ``new_cache(bsz)`` / ``forward(data, target, cache=cache)``: evaluation that keeps the
   projected keys and values of the memory (``TransfoXLCache``) instead of re-projecting the
-  memory in every layer of every segment, and the projected position table once per weights;
+  memory in every layer of every segment, and the projected position table once per cache;
 - ``generate(input_ids, max_new_tokens, ...)``: the prompt in segments of ``tgt_len``, then one
   token at a time on the cache (one query row against the cached keys: the relative shift
   vanishes).
@@ -16,7 +18,8 @@ Differences from the original, all deliberate: the memory update uses the right
 ``(mlen, qlen)`` order when ``ext_len > 0`` (see :mod:`txl_kernels.memory`); the per-token loss
 is returned in token order (the original's default groups tokens by vocabulary cluster,
 which only changes the order, not the mean); rows of the position table that only masked pairs
-would read count as zero.
+would read count as zero; ``same_length=True`` with ``mem_len=0`` raises (the original's mask
+leaves a query no key there and its attention returns NaN).
 """
 from __future__ import annotations
 
@@ -188,6 +191,9 @@ class RelPartialLearnableDecoderLayer(nn.Module):
 
 
 _TORCH_SEGMENT_DTYPES = (torch.float32, torch.float64)
+_ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16,
+              torch.uint32)
+_SAME_LENGTH_STYLES = ("kimiyoung", "nvidia")
 
 
 def _plain_layer(layer: RelPartialLearnableDecoderLayer) -> bool:
@@ -333,6 +339,10 @@ def decode_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale: float,
                                   scratch)
 
 
+def _model_name(model: nn.Module) -> str:
+    return f"{type(model).__name__} at {id(model):#x}"
+
+
 class MemTransformerLM(nn.Module):
     """Transformer-XL language model (kimiyoung/transformer-xl ``MemTransformerLM``,
     ``attn_type=0``).
@@ -348,7 +358,14 @@ class MemTransformerLM(nn.Module):
     decoding step, :func:`decode_attention_cpu`), ``checkpoint``
     (activation checkpointing per decoder layer: while gradients are recorded, each layer runs
     under ``torch.utils.checkpoint`` (non-reentrant, RNG state preserved, so dropout repeats)
-    and is recomputed in the backward; same losses and gradients, state_dict unchanged).
+    and is recomputed in the backward; same losses and gradients, state_dict unchanged),
+    ``same_length_style``: with ``same_length=True`` every query sees at most the last
+    ``mem_len`` keys, its own included (``"kimiyoung"``, the original's and HF's mask; needs
+    ``mem_len >= 1``), or ``mem_len + 1`` (``"nvidia"``, NVIDIA DeepLearningExamples' mask,
+    the default of ``from_nvidia``), on both the mems and the cache path.
+
+    Token ids (``data``, ``target``, ``input_ids``) are int64 or int32; narrower integer
+    dtypes are widened to int64.
 
     ``forward(data, target, *mems, cache=None)``: data ``[qlen, bsz]`` token ids (seq-first),
     target ``[tgt_len, bsz]`` (``tgt_len <= qlen``, the last positions). Without ``cache``:
@@ -364,7 +381,7 @@ class MemTransformerLM(nn.Module):
                  same_length=False, attn_type=0, clamp_len=-1, sample_softmax=-1, *,
                  untie_r: bool = False, layer_norm_epsilon: float = 1e-5,
                  attn_backend: str = "auto", memory_backend: str = "auto",
-                 checkpoint: bool = False):
+                 checkpoint: bool = False, same_length_style: str = "kimiyoung"):
         super().__init__()
         if attn_type != 0:
             raise ValueError(f"MemTransformerLM: only attn_type=0 (relative partially learnable "
@@ -407,6 +424,10 @@ class MemTransformerLM(nn.Module):
             elif tie_proj and div_val != 1:
                 self.crit.out_projs[i] = self.word_emb.emb_projs[i]
         self.same_length = same_length
+        if same_length_style not in _SAME_LENGTH_STYLES:
+            raise ValueError(f"MemTransformerLM: same_length_style must be one of "
+                             f"{_SAME_LENGTH_STYLES}, got {same_length_style!r}")
+        self.same_length_style = same_length_style
         self.clamp_len = clamp_len
         self.pos_emb = PositionalEmbedding(d_model)
         if not untie_r:
@@ -415,7 +436,6 @@ class MemTransformerLM(nn.Module):
         else:
             self.r_w_bias = None
             self.r_r_bias = None
-        self._pos_tables: dict = {}
         self._init_weights()
 
     # -- construction helpers ---------------------------------------------------------------
@@ -468,7 +488,16 @@ class MemTransformerLM(nn.Module):
         return TransfoXLCache(self.n_layer, bsz, self.mem_len, ext_len, max_qlen,
                               self.n_head * self.d_head, p.dtype, p.device,
                               memory_backend=self.memory_backend, n_head=self.n_head,
-                              quant_dtype=dtype, scale_dtype=scale_dtype)
+                              quant_dtype=dtype, scale_dtype=scale_dtype, model=self,
+                              fingerprint=self._cache_fingerprint())
+
+    def _cache_fingerprint(self) -> dict:
+        """What a K/V cache's contents depend on besides the weights: the configuration the
+        model has when it makes the cache (``reset_length`` and these attributes change it)."""
+        return dict(n_layer=self.n_layer, n_head=self.n_head, d_head=self.d_head,
+                    d_model=self.d_model, mem_len=self.mem_len, ext_len=self.ext_len,
+                    same_length=bool(self.same_length),
+                    same_length_style=self.same_length_style, clamp_len=self.clamp_len)
 
     @classmethod
     def from_hf(cls, model, **kwargs) -> "MemTransformerLM":
@@ -478,18 +507,33 @@ class MemTransformerLM(nn.Module):
 
         return from_hf(model, cls=cls, **kwargs)
 
+    @classmethod
+    def from_nvidia(cls, source, config=None, **kwargs) -> "MemTransformerLM":
+        """The configuration and weights of NVIDIA DeepLearningExamples' Transformer-XL (its
+        model, a training checkpoint or a state_dict with ``config``), renamed and loaded with
+        ``strict=True``, with NVIDIA's ``same_length`` mask; see
+        :func:`txl_kernels.models.nvidia.from_nvidia`."""
+        from .nvidia import from_nvidia
+
+        return from_nvidia(source, config, cls=cls, **kwargs)
+
     # -- input checks -----------------------------------------------------------------------
     def _param(self) -> torch.Tensor:
         return self.r_w_bias if self.r_w_bias is not None else next(self.parameters())
 
-    def _check_ids(self, name: str, ids, shape_doc: str) -> None:
+    def _check_ids(self, name: str, ids, shape_doc: str) -> torch.Tensor:
+        """Validate token ids; returns them as int64 / int32 (narrower integer dtypes are
+        widened to int64: F.embedding and gather take only those two)."""
         p = self._param()
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
             raise ValueError(f"MemTransformerLM: {name} must be a 2-D tensor of token ids "
                              f"{shape_doc}, got {describe(ids)}")
-        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-            raise TypeError(f"MemTransformerLM: {name} must hold integer token ids (int64), "
-                            f"got dtype {ids.dtype}")
+        if ids.dtype not in _ID_DTYPES:
+            raise TypeError(f"MemTransformerLM: {name} must hold integer token ids (int64, "
+                            f"int32, or int16 / int8 / uint8 / uint16 / uint32, widened to "
+                            f"int64), got dtype {ids.dtype}")
+        if ids.dtype not in (torch.int64, torch.int32):
+            ids = ids.long()
         if ids.device != p.device:
             raise ValueError(f"MemTransformerLM: {name} is on {ids.device}, the model is on "
                              f"{p.device}")
@@ -500,6 +544,7 @@ class MemTransformerLM(nn.Module):
         if lo < 0 or hi >= self.n_token:
             raise ValueError(f"MemTransformerLM: {name} holds token ids in [{lo}, {hi}], "
                              f"outside the vocabulary [0, n_token={self.n_token})")
+        return ids
 
     def _check_mems(self, mems: Sequence[torch.Tensor], bsz: int) -> int:
         """Validate ``mems`` (the original's layout: n_layer + 1 tensors); returns mlen."""
@@ -532,17 +577,24 @@ class MemTransformerLM(nn.Module):
         if not isinstance(cache, TransfoXLCache):
             raise TypeError(f"MemTransformerLM: cache must come from model.new_cache(bsz), "
                             f"got {type(cache).__name__}")
-        if cache.n_layer != self.n_layer or cache.width != self.n_head * self.d_head:
-            raise ValueError(f"MemTransformerLM: the cache was made for another model "
-                             f"({cache.n_layer} layers of width {cache.width}, this model has "
-                             f"{self.n_layer} of width {self.n_head * self.d_head})")
+        owner = None if cache._model is None else cache._model()
+        if owner is not self:
+            made = ("no model (not made by new_cache)" if cache._model is None
+                    else "a model that no longer exists" if owner is None
+                    else f"another model, {_model_name(owner)}")
+            raise ValueError(f"MemTransformerLM: the cache was made for {made}; this is "
+                             f"{_model_name(self)}: make one with model.new_cache(bsz)")
+        now = self._cache_fingerprint()
+        diff = [k for k in now if cache.fingerprint.get(k) != now[k]]
+        if diff:
+            then = ", ".join(f"{k}={cache.fingerprint.get(k)!r}" for k in diff)
+            have = ", ".join(f"{k}={now[k]!r}" for k in diff)
+            raise ValueError(f"MemTransformerLM: the cache was made for {then}; the model now "
+                             f"has {have} (reset_length or attributes changed since): make a "
+                             f"new cache with model.new_cache(bsz)")
         if cache.bsz != bsz:
             raise ValueError(f"MemTransformerLM: the cache holds batch size {cache.bsz}, "
                              f"data has bsz={bsz}")
-        if cache.mem_len != self.mem_len:
-            raise ValueError(f"MemTransformerLM: the cache has mem_len={cache.mem_len}, the "
-                             f"model mem_len={self.mem_len} (reset_length since?); make a new "
-                             f"cache")
         if cache.compute_dtype != p.dtype or cache.device != p.device:
             raise ValueError(f"MemTransformerLM: the cache is for {cache.compute_dtype} on "
                              f"{cache.device}, the model is {p.dtype} on {p.device}")
@@ -558,38 +610,45 @@ class MemTransformerLM(nn.Module):
             pos_seq.clamp_(max=self.clamp_len)
         return self.pos_emb(pos_seq)
 
-    def _projected_pos(self, klen: int, reserve: int) -> List[torch.Tensor]:
+    def _projected_pos(self, klen: int, cache: TransfoXLCache) -> List[torch.Tensor]:
         """Per layer ``r_net(pos_emb)`` for distances ``klen - 1 .. 0`` as ``[klen, H, D]``
-        views of a table built once for ``max(klen, reserve)`` rows and kept until the
-        weights (their version counters or storage), clamp_len, dtype or device change."""
+        views of a table of ``mem_len + max_qlen`` rows (the longest key range the cache
+        serves) that ``cache`` keeps: built at its first segment after ``new_cache`` or
+        ``cache.reset()``, with the weights of that time, like the keys and values it holds.
+        Rebuilding it per decoded token would cost several decoding steps (``docs/lm.md``)."""
         p = self._param()
-        tables = []
+        tables = cache._pos_tables
         for i, layer in enumerate(self.layers):
-            w = layer.dec_attn.r_net.weight
-            key = (w.data_ptr(), w._version, self.pos_emb.inv_freq._version, self.clamp_len,
-                   w.dtype, w.device)
-            hit = self._pos_tables.get(i)
-            if hit is None or hit[0] != key or hit[1].shape[0] < klen:
-                rows = max(klen, reserve)
+            table = tables.get(i)
+            if table is None or table.shape[0] < klen:
+                rows = max(klen, cache.mem_len + cache.max_qlen)
                 with torch.no_grad():
                     table = layer.dec_attn.r_net(self._pos_emb(rows, p.dtype, p.device))
-                hit = (key, table.view(rows, self.n_head, self.d_head))
-                self._pos_tables[i] = hit
-            table = hit[1]
-            tables.append(table[table.shape[0] - klen:])
-        return tables
-
-    def _apply(self, fn, *args, **kwargs):
-        self._pos_tables = {}
-        return super()._apply(fn, *args, **kwargs)
+                tables[i] = table.view(rows, self.n_head, self.d_head)
+        return [tables[i][tables[i].shape[0] - klen:] for i in range(self.n_layer)]
 
     # -- the two forward paths --------------------------------------------------------------
+    def _same_length_keys(self) -> int:
+        """Keys a query sees at most under ``same_length``: kimiyoung's mask keeps the last
+        ``mem_len`` (the query's own included), NVIDIA's ``mem_len + 1``."""
+        return self.mem_len + (self.same_length_style == "nvidia")
+
+    def _check_same_length(self) -> None:
+        if self.same_length and self._same_length_keys() == 0:
+            raise ValueError("MemTransformerLM: same_length=True with mem_len=0 leaves every "
+                             "query no key to attend (the same_length mask keeps the last "
+                             "mem_len keys; kimiyoung's original returns NaN there): use "
+                             "mem_len >= 1 (reset_length), same_length=False, or "
+                             "same_length_style='nvidia' (mem_len + 1 keys)")
+
     def _attn_mask(self, qlen: int, mlen: int, device) -> torch.Tensor:
+        """The original's mask ``[qlen, klen, 1]`` (True = masked): causal; with
+        ``same_length`` also the keys older than the last ``_same_length_keys()``."""
         klen = mlen + qlen
         ones = torch.ones(qlen, klen, dtype=torch.bool, device=device)
         mask = torch.triu(ones, 1 + mlen)
         if self.same_length:
-            mask_len = klen - self.mem_len
+            mask_len = klen - self._same_length_keys()
             shift = qlen - mask_len if mask_len > 0 else qlen
             mask = mask | torch.tril(ones, -shift)
         return mask[:, :, None]
@@ -634,8 +693,8 @@ class MemTransformerLM(nn.Module):
             tables = [l.dec_attn.r_net(pos).view(klen, self.n_head, self.d_head)
                       for l in self.layers]
         else:
-            tables = self._projected_pos(klen, cache.mem_len + cache.max_qlen)
-        window = (self.mem_len - 1, 0) if self.same_length and self.mem_len > 0 else (-1, 0)
+            tables = self._projected_pos(klen, cache)
+        window = (self._same_length_keys() - 1, 0) if self.same_length else (-1, 0)
         for i, layer in enumerate(self.layers):
             core_out = layer.forward_cached(core_out, tables[i], self.r_w_bias, self.r_r_bias,
                                             cache, i, window)
@@ -647,6 +706,7 @@ class MemTransformerLM(nn.Module):
     def _hidden(self, data, mems, cache):
         """(hidden [qlen, bsz, d_model], new mems or None) by the cache or the mems path."""
         qlen, bsz = data.shape
+        self._check_same_length()
         if cache is not None:
             if mems:
                 raise ValueError("MemTransformerLM: pass either mems or cache, not both")
@@ -660,8 +720,8 @@ class MemTransformerLM(nn.Module):
 
     def forward(self, data: torch.Tensor, target: torch.Tensor, *mems,
                 cache: Optional[TransfoXLCache] = None):
-        self._check_ids("data", data, "[qlen, bsz] (seq-first)")
-        self._check_ids("target", target, "[tgt_len, bsz] (seq-first)")
+        data = self._check_ids("data", data, "[qlen, bsz] (seq-first)")
+        target = self._check_ids("target", target, "[tgt_len, bsz] (seq-first)")
         qlen, bsz = data.shape
         if target.shape[1] != bsz or target.shape[0] > qlen:
             raise ValueError(f"MemTransformerLM: target must be [tgt_len <= qlen={qlen}, "
@@ -678,7 +738,7 @@ class MemTransformerLM(nn.Module):
     def log_probs(self, data: torch.Tensor, *mems, cache: Optional[TransfoXLCache] = None):
         """Log-probabilities of the next token at every position: ``[qlen, bsz, n_token]``,
         followed by the new memories (mems path) as in ``forward``."""
-        self._check_ids("data", data, "[qlen, bsz] (seq-first)")
+        data = self._check_ids("data", data, "[qlen, bsz] (seq-first)")
         qlen, bsz = data.shape
         hidden, new_mems = self._hidden(data, mems, cache)
         logp = self.crit.log_prob(hidden.reshape(-1, hidden.size(-1))).view(qlen, bsz, -1)
@@ -704,7 +764,7 @@ class MemTransformerLM(nn.Module):
         if self.training:
             raise RuntimeError("MemTransformerLM.generate: the model is in training mode "
                                "(dropout active); call model.eval() first")
-        self._check_ids("input_ids", input_ids, "[bsz, len] (batch-first)")
+        input_ids = self._check_ids("input_ids", input_ids, "[bsz, len] (batch-first)")
         max_new_tokens = _as_len("max_new_tokens", max_new_tokens, "generate", 0)
         top_k = _as_len("top_k", top_k, "generate", 0)
         if not isinstance(do_sample, bool):
@@ -713,6 +773,7 @@ class MemTransformerLM(nn.Module):
             raise ValueError(f"generate: temperature must be > 0, got {temperature!r}")
         if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
             raise ValueError(f"generate: top_p must be in (0, 1], got {top_p!r}")
+        self._check_same_length()
         bsz, plen = input_ids.shape
         seg = self.tgt_len or plen
         if cache is None:
