@@ -8,61 +8,30 @@ adaptive softmax's parameter names (out_layers_weights / out_layers_biases, the 
 projections registered a second time as shared_out_projs, tied weights not registered), the
 same_length mask (a query sees mem_len + 1 keys), the memories as one stacked tensor
 [n_layer, mlen, bsz, d_model] of the layers' inputs, forward returning (loss, new_mems), the
-loss grouped by cluster unless keep_order. Left out: attn_type 1-3, the sampled softmax, the
-TorchScript decorator on add_and_scale (plain function here).
+loss grouped by cluster unless keep_order, the attention scores laid out [bsz, n_head, qlen,
+klen] with its own _rel_shift. PositionalEmbedding, PositionwiseFF, AdaptiveEmbedding and the
+attention's parameters are kimiyoung's code in NVIDIA's file too (NVIDIA only zero-fills the
+embedding projections and casts them to the output dtype): they come from the kimiyoung
+transcriptions (tests/txl_original.py, tests/txl_original_lm.py). Left out: attn_type 1-3, the
+sampled softmax, the TorchScript decorator on add_and_scale (plain function here).
 """
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+import txl_original
+import txl_original_lm
+from txl_original import PositionalEmbedding
+from txl_original_lm import AdaptiveEmbedding
 
 
 def add_and_scale(tensor1, tensor2, alpha: float):
     return alpha * (tensor1 + tensor2)
 
 
-class PositionalEmbedding(nn.Module):
-    def __init__(self, demb):
-        super().__init__()
-        self.demb = demb
-        self.register_buffer('inv_freq', 1 / (10000 ** (torch.arange(0.0, demb, 2.0) / demb)))
-
-    def forward(self, pos_seq):
-        sinusoid_inp = torch.outer(pos_seq, self.inv_freq)
-        return torch.cat([sinusoid_inp.sin(), sinusoid_inp.cos()], dim=-1)[:, None, :]
-
-
-class PositionwiseFF(nn.Module):
-    def __init__(self, d_model, d_inner, dropout, pre_lnorm=False):
-        super().__init__()
-        self.d_model, self.d_inner, self.dropout = d_model, d_inner, dropout
-        self.CoreNet = nn.Sequential(
-            nn.Linear(d_model, d_inner), nn.ReLU(inplace=True), nn.Dropout(dropout),
-            nn.Linear(d_inner, d_model), nn.Dropout(dropout))
-        self.layer_norm = nn.LayerNorm(d_model)
-        self.pre_lnorm = pre_lnorm
-
-    def forward(self, inp):
-        if self.pre_lnorm:
-            return self.CoreNet(self.layer_norm(inp)) + inp
-        return self.layer_norm(inp + self.CoreNet(inp))
-
-
-class RelPartialLearnableMultiHeadAttn(nn.Module):
-    """RelMultiHeadAttn's parameters and _rel_shift with RelPartialLearnableMultiHeadAttn's
-    r_net and forward (scores laid out [bsz, n_head, qlen, klen])."""
-
-    def __init__(self, n_head, d_model, d_head, dropout, dropatt=0, tgt_len=None, ext_len=None,
-                 mem_len=None, pre_lnorm=False):
-        super().__init__()
-        self.n_head, self.d_model, self.d_head, self.dropout = n_head, d_model, d_head, dropout
-        self.qkv_net = nn.Linear(d_model, 3 * n_head * d_head, bias=False)
-        self.drop = nn.Dropout(dropout)
-        self.dropatt = nn.Dropout(dropatt)
-        self.o_net = nn.Linear(n_head * d_head, d_model, bias=False)
-        self.layer_norm = nn.LayerNorm(d_model)
-        self.scale = 1 / (d_head ** 0.5)
-        self.pre_lnorm = pre_lnorm
-        self.r_net = nn.Linear(self.d_model, self.n_head * self.d_head, bias=False)
+class RelPartialLearnableMultiHeadAttn(txl_original.RelPartialLearnableMultiHeadAttn):
+    """kimiyoung's parameters (qkv_net, r_net, o_net, layer_norm) with NVIDIA's _rel_shift
+    and forward (scores laid out [bsz, n_head, qlen, klen])."""
 
     def _rel_shift(self, x):
         zero_pad = torch.zeros((x.size(0), x.size(1), x.size(2), 1), device=x.device,
@@ -101,62 +70,11 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         return self.layer_norm(w + attn_out)
 
 
-class RelPartialLearnableDecoderLayer(nn.Module):
+class RelPartialLearnableDecoderLayer(txl_original_lm.RelPartialLearnableDecoderLayer):
     def __init__(self, n_head, d_model, d_head, d_inner, dropout, **kwargs):
-        super().__init__()
+        super().__init__(n_head, d_model, d_head, d_inner, dropout, **kwargs)
         self.dec_attn = RelPartialLearnableMultiHeadAttn(n_head, d_model, d_head, dropout,
                                                          **kwargs)
-        self.pos_ff = PositionwiseFF(d_model, d_inner, dropout,
-                                     pre_lnorm=kwargs.get('pre_lnorm'))
-
-    def forward(self, dec_inp, r, r_w_bias, r_r_bias, dec_attn_mask=None, mems=None):
-        out = self.dec_attn(dec_inp, r, r_w_bias, r_r_bias, attn_mask=dec_attn_mask, mems=mems)
-        return self.pos_ff(out)
-
-
-class AdaptiveEmbedding(nn.Module):
-    def __init__(self, n_token, d_embed, d_proj, cutoffs, div_val=1, sample_softmax=False):
-        super().__init__()
-        self.n_token, self.d_embed = n_token, d_embed
-        self.cutoffs = cutoffs + [n_token]
-        self.div_val, self.d_proj = div_val, d_proj
-        self.emb_scale = d_proj ** 0.5
-        self.cutoff_ends = [0] + self.cutoffs
-        self.emb_layers = nn.ModuleList()
-        self.emb_projs = nn.ParameterList()
-        if div_val == 1:
-            self.emb_layers.append(nn.Embedding(n_token, d_embed, sparse=(sample_softmax > 0)))
-            if d_proj != d_embed:
-                self.emb_projs.append(nn.Parameter(torch.zeros(d_proj, d_embed)))
-        else:
-            for i in range(len(self.cutoffs)):
-                l_idx, r_idx = self.cutoff_ends[i], self.cutoff_ends[i + 1]
-                d_emb_i = d_embed // (div_val ** i)
-                self.emb_layers.append(nn.Embedding(r_idx - l_idx, d_emb_i))
-                self.emb_projs.append(nn.Parameter(torch.zeros(d_proj, d_emb_i)))
-
-    def forward(self, inp):
-        if self.div_val == 1:
-            embed = self.emb_layers[0](inp)
-            if self.d_proj != self.d_embed:
-                embed = F.linear(embed, self.emb_projs[0])
-        else:
-            param = next(self.parameters())
-            inp_flat = inp.view(-1)
-            emb_flat = torch.zeros([inp_flat.size(0), self.d_proj], dtype=param.dtype,
-                                   device=param.device)
-            for i in range(len(self.cutoffs)):
-                l_idx, r_idx = self.cutoff_ends[i], self.cutoff_ends[i + 1]
-                indices_i = ((inp_flat >= l_idx) & (inp_flat < r_idx)).nonzero(
-                    as_tuple=False).squeeze()
-                if indices_i.numel() == 0:
-                    continue
-                emb_i = self.emb_layers[i](inp_flat.index_select(0, indices_i) - l_idx)
-                emb_i = F.linear(emb_i, self.emb_projs[i]).to(emb_flat.dtype)
-                emb_flat.index_copy_(0, indices_i, emb_i)
-            embed = emb_flat.view(*inp.size(), self.d_proj)
-        embed.mul_(self.emb_scale)
-        return embed
 
 
 class OptionalParameterList(nn.ParameterList):

@@ -14,14 +14,6 @@ import originals_nvidia_txl as nv
 from txl_kernels.models import MemTransformerLM
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def random_config(seed):
     """NVIDIA's model_config for a tiny random model. NVIDIA's adaptive softmax cannot run
     div_val=1 with d_embed == d_model and an untied tail projection (it indexes a projection

@@ -71,7 +71,8 @@ def _config_of_model(model) -> dict:
         raise ValueError("from_nvidia: the NVIDIA model has no layers")
     return dict(
         n_token=model.n_token, n_layer=model.n_layer, n_head=model.n_head,
-        d_model=model.d_model, d_head=model.d_head, d_inner=layer.pos_ff.d_inner,
+        d_model=model.d_model, d_head=model.d_head,
+        d_inner=layer.pos_ff.CoreNet[0].out_features,
         dropout=model.drop.p, dropatt=layer.dec_attn.dropatt.p, tie_weight=model.tie_weight,
         d_embed=model.d_embed, div_val=model.div_val, tie_projs=list(model.tie_projs),
         pre_lnorm=layer.dec_attn.pre_lnorm, tgt_len=model.tgt_len, ext_len=model.ext_len,
