@@ -16,7 +16,7 @@ repeats are predicted nearly perfectly. Then, over many segments of a held-out s
   memory=QuantizedKV)``) against the full-precision memory, on the trained model's own
   queries, keys and values, over the held-out segments.
 
-    python -m benchmarks.lm_quant_accuracy          # prints a table (README / BENCHMARKS.md)
+    python -m benchmarks.lm_quant_accuracy          # prints a table (docs/transformer-xl.md, BENCHMARKS.md)
 """
 from __future__ import annotations
 

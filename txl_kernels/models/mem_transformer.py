@@ -478,7 +478,7 @@ class MemTransformerLM(nn.Module):
         (token, head) (``scale_dtype`` float32 or float16), quantised once when a segment
         enters the memory: about half the bytes of a 16-bit cache (``(D + 4) / (2 D)`` with
         fp32 scales) and of the bytes the attention reads; the segment being evaluated is
-        attended in full precision. Accuracy: see the README ("8-bit memory")."""
+        attended in full precision. Accuracy: docs/transformer-xl.md, "8-bit memory"."""
         p = next(self.parameters())
         ext_len = self.ext_len if ext_len is None else ext_len
         if max_qlen is None:
