@@ -181,7 +181,7 @@ def mask_to_band(attn_mask: torch.Tensor) -> torch.Tensor:
     return torch.stack([is_band.to(torch.int32), left.to(torch.int32), right.to(torch.int32)])
 
 
-def _check_position_rows(lq: int, lk: int, rlen: int, wl: int, wr: int) -> None:
+def check_position_rows(lq: int, lk: int, rlen: int, wl: int, wr: int) -> None:
     """Raise if an allowed pair (by causal / window structure) needs an r row outside [0, R)."""
     # Over all pairs, d = (i + Lk - Lq) - j spans [-(Lq - 1), Lk - 1]; the window clips it, and
     # p = j - i + Lq - 1 = Lk - 1 - d.
@@ -353,7 +353,7 @@ def rel_attention(
                             f"mask_to_band(attn_mask), got {attn_mask_band!r:.80}")
         check_same("rel_attention", "attn_mask_band", attn_mask_band, "q", q, dtype=False)
     else:
-        _check_position_rows(Lq, Lk, r.shape[0], wl, wr)
+        check_position_rows(Lq, Lk, r.shape[0], wl, wr)
 
     use_fused = False
     if backend != "reference":

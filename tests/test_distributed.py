@@ -1,0 +1,197 @@
+"""Context parallelism (txl_kernels.distributed): the sharded ring computation against
+rel_attention on the whole sequence, on 2 and 4 gloo processes on CPU.
+
+One spawn per world size runs every case (starting the ranks costs more than the tiny
+problems); every rank saves its output shard, its input gradients and its ring schedule, and
+the test process compares them with one process's reference result."""
+import os
+import socket
+import sys
+import zlib
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from txl_kernels import rel_attention
+from txl_kernels.distributed import (context_parallel_rel_attention, layout_chunks,
+                                     shard_sequence, unshard_sequence)
+
+# (name, layout, causal, window_size, B, H, D, Lq, M, R (None: enough rows), padding, dtype)
+CASES = [
+    ("txl_memory_causal", "contiguous", True, (-1, -1), 2, 2, 8, 13, 7, None, False,
+     torch.float64),
+    ("txl_memory_causal_zigzag", "zigzag", True, (-1, -1), 1, 2, 8, 17, 9, None, False,
+     torch.float64),
+    ("conformer_bidirectional_padded", "zigzag", False, (-1, -1), 2, 2, 8, 19, 0, None, True,
+     torch.float64),
+    ("local_window", "zigzag", False, (3, 2), 1, 2, 8, 24, 0, None, False, torch.float64),
+    ("conformer_fp32", "contiguous", False, (-1, -1), 2, 2, 16, 21, 0, None, True,
+     torch.float32),
+]
+
+
+def _inputs(case):
+    name, layout, causal, window, B, H, D, Lq, M, R, padding, dtype = case
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    Lk = M + Lq
+    R = R or (Lk if causal else Lk + Lq - 1)
+    t = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
+    q, k, v = t(B, Lq, H, D), t(B, Lk, H, D), t(B, Lk, H, D)
+    r, u, vb = t(R, H, D), t(H, D) * 0.5, t(H, D) * 0.5
+    kpm = None
+    if padding:  # uneven: each sequence padded at a different place, some ranks all padded
+        kpm = torch.zeros(B, Lk, dtype=torch.bool)
+        kpm[0, Lk - Lk // 3:] = True
+        if B > 1:
+            kpm[1, : Lk // 4] = True
+    dout = t(B, Lq, H, D)
+    return q, k, v, r, u, vb, kpm, dout
+
+
+def _shard_keys(x, M, rank, world, layout):
+    """A rank's keys: its memory shard, then its segment shard."""
+    mem = shard_sequence(x[:, :M], 1, rank, world, layout)
+    return torch.cat([mem, shard_sequence(x[:, M:], 1, rank, world, layout)], 1)
+
+
+def _worker(rank, world, port, path):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        results = {}
+        for case in CASES:
+            name, layout, causal, window, B, H, D, Lq, M = case[:9]
+            q, k, v, r, u, vb, kpm, dout = _inputs(case)
+            ql = shard_sequence(q, 1, rank, world, layout).requires_grad_()
+            kl = _shard_keys(k, M, rank, world, layout).requires_grad_()
+            vl = _shard_keys(v, M, rank, world, layout).requires_grad_()
+            kpml = None if kpm is None else _shard_keys(kpm, M, rank, world, layout)
+            rr, uu, vv = (t.clone().requires_grad_() for t in (r, u, vb))
+            schedule = []
+            out = context_parallel_rel_attention(
+                ql, kl, vl, rr, uu, vv, memory_len=kl.shape[1] - ql.shape[1], layout=layout,
+                causal=causal, window_size=window, key_padding_mask=kpml, schedule=schedule)
+            fwd_schedule = list(schedule)
+            out.backward(shard_sequence(dout, 1, rank, world, layout))
+            results[name] = dict(out=out.detach(), dq=ql.grad, dk=kl.grad, dv=vl.grad,
+                                 dr=rr.grad, du=uu.grad, dvb=vv.grad, fwd=fwd_schedule,
+                                 bwd=schedule[len(fwd_schedule):])
+        torch.save(results, f"{path}.{rank}")
+    finally:
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # gloo's threads can abort the interpreter's exit (examples/train_lm.end_process)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def ring_results(request, tmp_path_factory):
+    world = request.param
+    path = str(tmp_path_factory.mktemp(f"cp{world}") / "res")
+    mp.spawn(_worker, args=(world, _free_port(), path), nprocs=world, join=True)
+    return world, [torch.load(f"{path}.{i}", weights_only=False) for i in range(world)]
+
+
+def _unshard_keys(shards, M, world, layout):
+    """Inverse of _shard_keys over every rank's tensor."""
+    mem_lens = [sum(n for _, n, _ in layout_chunks(M, i, world, layout)) for i in range(world)]
+    mem = unshard_sequence([s[:, :m] for s, m in zip(shards, mem_lens)], 1, layout)
+    seg = unshard_sequence([s[:, m:] for s, m in zip(shards, mem_lens)], 1, layout)
+    return torch.cat([mem, seg], 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_sharded_ring_equals_one_process(ring_results, case):
+    world, results = ring_results
+    name, layout, causal, window, B, H, D, Lq, M = case[:9]
+    dtype = case[-1]
+    q, k, v, r, u, vb, kpm, dout = _inputs(case)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, r, u, vb)]
+    ref = rel_attention(*leaves, causal=causal, window_size=window, key_padding_mask=kpm,
+                        backend="reference")
+    ref.backward(dout)
+    per_rank = [res[name] for res in results]
+    got = {
+        "out": unshard_sequence([p["out"] for p in per_rank], 1, layout),
+        "dq": unshard_sequence([p["dq"] for p in per_rank], 1, layout),
+        "dk": _unshard_keys([p["dk"] for p in per_rank], M, world, layout),
+        "dv": _unshard_keys([p["dv"] for p in per_rank], M, world, layout),
+        # shared tensors: each rank's partial gradient, summed over the group
+        "dr": sum(p["dr"] for p in per_rank),
+        "du": sum(p["du"] for p in per_rank),
+        "dvb": sum(p["dvb"] for p in per_rank),
+    }
+    want = dict(out=ref, dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad,
+                dr=leaves[3].grad, du=leaves[4].grad, dvb=leaves[5].grad)
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    for key in want:
+        err = (got[key].double() - want[key].double()).abs().max().item()
+        scale = want[key].double().abs().max().item() + 1e-30
+        assert err <= tol * max(1.0, scale), f"{name} {key}: max error {err:.3g} (world {world})"
+
+
+@pytest.mark.slow
+def test_receive_is_posted_before_the_block_it_overlaps(ring_results):
+    world, results = ring_results
+    for res in results:
+        for name, r in res.items():
+            for events in (r["fwd"], r["bwd"]):
+                for step in range(world - 1):
+                    posted = events.index(("recv_posted", step + 1))
+                    begin = events.index(("compute_begin", step))
+                    assert posted < begin, f"{name}: step {step + 1}'s receive posted late"
+
+
+@pytest.mark.slow
+def test_local_window_skips_chunk_pairs_outside_it(ring_results):
+    world, results = ring_results
+    case = next(c for c in CASES if c[0] == "local_window")
+    _, layout, causal, (wl, wr), _, _, _, Lq, M = case[:9]
+    skipped = computed = 0
+    for res in results:
+        ev = res["local_window"]["fwd"]
+        skipped += sum(e[0] == "skip" for e in ev)
+        computed += sum(e[0] == "block" for e in ev)
+    # every chunk pair of the global problem is visited once, and only those within the
+    # window are computed
+    chunks = [c for i in range(world) for c in layout_chunks(Lq, i, world, layout)]
+    may = sum(1 for a0, A, _ in chunks for b0, B, _ in chunks
+              if not ((a0 - (b0 + B - 1)) > wl or (a0 + A - 1 - b0) < -wr))
+    assert computed == may and skipped == len(chunks) ** 2 - may and skipped > 0
+
+
+def test_shard_and_unshard_are_inverse():
+    x = torch.arange(2 * 23).view(2, 23)
+    for world in (1, 2, 3, 4):
+        for layout in ("contiguous", "zigzag"):
+            shards = [shard_sequence(x, 1, i, world, layout) for i in range(world)]
+            assert sum(s.shape[1] for s in shards) == 23
+            assert torch.equal(unshard_sequence(shards, 1, layout), x)
+
+
+def test_zigzag_balances_causal_work():
+    """Rank i holds chunks i and 2P - 1 - i: every rank gets the same causal pair count
+    (up to the rounding of the chunk sizes)."""
+    L, world = 64, 4
+    pairs = []
+    for i in range(world):
+        pairs.append(sum(sum(range(a0 + 1, a0 + n + 1))  # query a0 + t sees a0 + t + 1 keys
+                         for a0, n, _ in layout_chunks(L, i, world, "zigzag")))
+    assert max(pairs) == min(pairs)
+
+
+def test_requires_an_initialised_process_group():
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        context_parallel_rel_attention(q, q, q, torch.randn(4, 2, 8), torch.zeros(2, 8),
+                                       torch.zeros(2, 8))

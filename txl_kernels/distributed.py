@@ -1,0 +1,424 @@
+"""Context parallelism: relative attention over a sequence split across ranks.
+
+Each rank of a process group holds a shard of the sequence (its queries, their keys and values,
+and its shard of a Transformer-XL memory) and gets its shard of the output, equal to
+:func:`txl_kernels.rel_attention` on the whole sequence. Keys and values travel around the ring
+of ranks (``torch.distributed`` point-to-point ops, posted before the current block is computed
+so that the transfer overlaps it); partial outputs merge through the row log-sum-exp, as
+split-K does. The backward sends the keys and values around the ring once more, together with
+their gradient accumulators, which arrive back at their owner after the last step
+(ring-flash-attn's scheme).
+
+The position term needs no global table per block pair: for a query chunk starting at global
+query ``a0`` and a key chunk starting at global key ``b0`` (memory first), the rows of ``r``
+the pair reads are the contiguous window ``[b0 - (a0 + A - 1) + Lq - 1, ... + A + B - 1)``,
+a function of the two offsets only; the masks use the global distance
+``d = (a0 + i + M) - (b0 + j)`` (``M`` the global memory length).
+
+Layouts (:func:`shard_sequence`): ``"contiguous"`` (rank ``i`` holds one contiguous slice; the
+ranks' lengths may differ) and ``"zigzag"`` (the sequence in ``2P`` chunks, rank ``i`` holding
+chunks ``i`` and ``2P - 1 - i``), which balances causal work across ranks.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .functional import check_position_rows
+from .reference import in_window, rel_shift
+
+__all__ = ["context_parallel_rel_attention", "shard_sequence", "unshard_sequence",
+           "layout_chunks", "LAYOUTS"]
+
+LAYOUTS = ("contiguous", "zigzag")
+Chunk = Tuple[int, int, int]  # (global start, length, offset in the rank's local tensor)
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def layout_chunks(total: int, rank: int, world_size: int, layout: str,
+                  lengths: Optional[Sequence[int]] = None) -> List[Chunk]:
+    """The chunks of a sequence of ``total`` rows that ``rank`` holds, as ``(global start,
+    length, local offset)``. ``"zigzag"``: ``torch.tensor_split`` into ``2 * world_size``
+    chunks (sizes differ by at most one), rank ``i`` holding chunks ``i`` and
+    ``2 world_size - 1 - i``. ``"contiguous"``: ``lengths`` gives every rank's row count
+    (default: ``torch.tensor_split`` into ``world_size`` slices)."""
+    _check_layout(layout)
+    if layout == "zigzag":
+        n = 2 * world_size
+        sizes = [total // n + (1 if c < total % n else 0) for c in range(n)]
+        starts = [sum(sizes[:c]) for c in range(n)]
+        picked = (rank, n - 1 - rank)
+    else:
+        if lengths is None:
+            lengths = [total // world_size + (1 if c < total % world_size else 0)
+                       for c in range(world_size)]
+        sizes, starts, picked = list(lengths), [sum(lengths[:c]) for c in range(world_size)], (rank,)
+    out, off = [], 0
+    for c in picked:
+        if sizes[c]:
+            out.append((starts[c], sizes[c], off))
+        off += sizes[c]
+    return out
+
+
+def shard_sequence(x: Tensor, dim: int, rank: int, world_size: int,
+                   layout: str = "contiguous") -> Tensor:
+    """The shard of ``x`` (the whole sequence along ``dim``) that ``rank`` holds in ``layout``."""
+    parts = [x.narrow(dim, s, n) for s, n, _ in layout_chunks(x.shape[dim], rank, world_size,
+                                                               layout)]
+    if not parts:
+        return x.narrow(dim, 0, 0)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def unshard_sequence(shards: Sequence[Tensor], dim: int, layout: str = "contiguous") -> Tensor:
+    """The whole sequence from every rank's shard (in rank order), inverse of
+    :func:`shard_sequence`."""
+    _check_layout(layout)
+    if layout == "contiguous":
+        return torch.cat(list(shards), dim)
+    world = len(shards)
+    total = sum(s.shape[dim] for s in shards)
+    pieces = {}
+    for rank, s in enumerate(shards):
+        for start, n, off in layout_chunks(total, rank, world, layout):
+            pieces[start] = s.narrow(dim, off, n)
+    if not pieces:
+        return shards[0].narrow(dim, 0, 0)
+    return torch.cat([pieces[k] for k in sorted(pieces)], dim)
+
+
+class _Problem:
+    """The global geometry every rank agrees on: query and key chunks per rank."""
+
+    def __init__(self, q_lens: List[int], m_lens: List[int], layout: str, rank: int):
+        world = len(q_lens)
+        self.world, self.rank = world, rank
+        self.lq, self.mem = sum(q_lens), sum(m_lens)
+        self.q_chunks = [layout_chunks(self.lq, i, world, layout, q_lens) for i in range(world)]
+        # A rank's keys: its memory chunks (global key = memory row), then its segment chunks
+        # (global key = M + query row), in the order its k / v hold them.
+        self.k_chunks = []
+        for i in range(world):
+            mc = layout_chunks(self.mem, i, world, layout, m_lens)
+            sc = [(self.mem + s, n, m_lens[i] + off) for s, n, off in self.q_chunks[i]]
+            self.k_chunks.append(mc + sc)
+        self.k_lens = [q + m for q, m in zip(q_lens, m_lens)]
+
+
+def _pair_may_attend(a0: int, A: int, b0: int, Bk: int, mem: int, wl: int, wr: int) -> bool:
+    """Whether any pair of the query chunk [a0, a0 + A) and the key chunk [b0, b0 + Bk) lies
+    inside the window (causal: wr == 0); skipped pairs cost no compute."""
+    d_min, d_max = a0 + mem - (b0 + Bk - 1), a0 + A - 1 + mem - b0
+    return not ((wl >= 0 and d_min > wl) or (wr >= 0 and d_max < -wr))
+
+
+def _window(a0: int, A: int, b0: int, Bk: int, prob: _Problem, R: int):
+    """The rows of ``r`` a chunk pair reads: window start ``p0`` (``A + Bk - 1`` rows), the
+    part ``[lo, hi)`` that exists, and the zero rows to pad above and below it."""
+    W = A + Bk - 1
+    p0 = b0 - (a0 + A - 1) + prob.lq - 1
+    lo = min(max(p0, 0), R)
+    hi = max(min(p0 + W, R), lo)
+    top = min(max(lo - p0, 0), W)
+    return lo, hi, top, W - top - (hi - lo)
+
+
+def _block_scores(qc, kc, r_rows, pad, u, vb, scale, a0, b0, prob: _Problem, wl, wr, kpm_c):
+    """Scaled scores ``[B, H, A, Bk]`` of one chunk pair (masked pairs at -inf), in the
+    accumulation dtype, from the rows of ``r`` its window reads (zero rows padded around)."""
+    A, Bk = qc.shape[1], kc.shape[1]
+    acc = torch.float64 if qc.dtype == torch.float64 else torch.float32
+    r_win = torch.nn.functional.pad(r_rows, (0, 0, 0, 0) + pad)
+    ac = torch.einsum("bihd,bjhd->bhij", (qc + u).to(acc), kc.to(acc))
+    bdt = torch.einsum("bihd,phd->bhip", (qc + vb).to(acc), r_win.to(acc))
+    s = (ac + rel_shift(bdt, Bk)) * scale
+    i = torch.arange(A, device=qc.device)[:, None] + (a0 + prob.mem)
+    j = torch.arange(Bk, device=qc.device)[None, :] + b0
+    allowed = in_window(i - j, wl, wr)[None, None] & ~kpm_c[:, None, None, :]
+    return s.masked_fill(~allowed, float("-inf"))
+
+
+def _finite_or_zero(x: Tensor) -> Tensor:
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+
+class _Ring:
+    """Point-to-point exchange with the ring neighbours, recording the schedule if asked."""
+
+    def __init__(self, group, schedule: Optional[list]):
+        group = group if group is not None else dist.group.WORLD
+        self.group, self.schedule = group, schedule
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.world)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world)
+
+    def log(self, *event) -> None:
+        if self.schedule is not None:
+            self.schedule.append(event)
+
+    def post(self, step: int, send: List[Tensor], recv_like: List[Tensor]):
+        """Send ``send`` to the next rank and receive tensors shaped like ``recv_like`` from
+        the previous one, asynchronously; ``wait`` on the result returns the received ones."""
+        recv = [torch.empty_like(t) for t in recv_like]
+        send = [t.contiguous() for t in send]  # kept alive until the sends complete
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in recv]
+        works = dist.batch_isend_irecv(ops)
+        self.log("recv_posted", step)
+        return works, recv, send
+
+    def wait(self, step: int, pending) -> List[Tensor]:
+        works, recv, _ = pending
+        for w in works:
+            w.wait()
+        self.log("recv_done", step)
+        return recv
+
+
+def _like(t: Tensor, rows: int) -> Tensor:
+    return t.new_empty((t.shape[0], rows) + tuple(t.shape[2:]))
+
+
+def _ring_forward(q, k, v, kpm, r, u, vb, scale, wl, wr, prob: _Problem, ring: _Ring):
+    B, Lq, H, D = q.shape
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = q.new_zeros((B, Lq, H, D), dtype=acc)
+    lse = q.new_full((B, H, Lq), float("-inf"), dtype=acc)
+    cur = [k, v, kpm]
+    for step in range(ring.world):
+        src = (ring.rank - step) % ring.world
+        pending = None
+        if step + 1 < ring.world:
+            rows = prob.k_lens[(src - 1) % ring.world]
+            pending = ring.post(step + 1, cur, [_like(k, rows), _like(v, rows),
+                                                kpm.new_empty((B, rows))])
+        ring.log("compute_begin", step)
+        kb, vb_, kpmb = cur
+        for a0, A, qoff in prob.q_chunks[ring.rank]:
+            qc = q[:, qoff:qoff + A]
+            for b0, Bk, koff in prob.k_chunks[src]:
+                if not _pair_may_attend(a0, A, b0, Bk, prob.mem, wl, wr):
+                    ring.log("skip", step)
+                    continue
+                ring.log("block", step)
+                lo, hi, top, bottom = _window(a0, A, b0, Bk, prob, r.shape[0])
+                s = _block_scores(qc, kb[:, koff:koff + Bk], r[lo:hi], (top, bottom), u, vb,
+                                  scale, a0, b0, prob, wl, wr, kpmb[:, koff:koff + Bk])
+                blk_lse = torch.logsumexp(s, dim=-1)
+                p = torch.exp(s - _finite_or_zero(blk_lse)[..., None])
+                blk = torch.einsum("bhij,bjhd->bihd", p, vb_[:, koff:koff + Bk].to(acc))
+                old = lse[:, :, qoff:qoff + A]
+                new = torch.logaddexp(old, blk_lse)
+                safe = _finite_or_zero(new)
+                w_old = torch.exp(old - safe).transpose(1, 2)[..., None]
+                w_blk = torch.exp(blk_lse - safe).transpose(1, 2)[..., None]
+                out[:, qoff:qoff + A] = out[:, qoff:qoff + A] * w_old + blk * w_blk
+                lse[:, :, qoff:qoff + A] = new
+        ring.log("compute_end", step)
+        if pending is not None:
+            cur = ring.wait(step + 1, pending)
+    return out.to(q.dtype), lse
+
+
+def _ring_backward(dout, q, k, v, kpm, r, u, vb, out, lse, scale, wl, wr, prob: _Problem,
+                   ring: _Ring):
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dout_a = dout.to(acc)
+    delta = (dout_a * out.to(acc)).sum(-1).transpose(1, 2)  # [B, H, Lq]
+    lse_safe = _finite_or_zero(lse)
+    dq = torch.zeros_like(q, dtype=acc)
+    dr = torch.zeros_like(r, dtype=acc)
+    du = torch.zeros_like(u, dtype=acc)
+    dvb = torch.zeros_like(vb, dtype=acc)
+    keys = [k, v, kpm]
+    # The keys' gradient accumulators travel with them and reach their owner after the last
+    # step: at step s this rank holds the block of rank (rank - s).
+    grads = [torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)]
+    for step in range(ring.world):
+        src = (ring.rank - step) % ring.world
+        rows = prob.k_lens[(src - 1) % ring.world]
+        pending = None
+        if step + 1 < ring.world:
+            pending = ring.post(step + 1, keys, [_like(k, rows), _like(v, rows),
+                                                 kpm.new_empty((k.shape[0], rows))])
+        ring.log("compute_begin", step)
+        kb, vblk, kpmb = keys
+        dkb, dvblk = grads
+        for a0, A, qoff in prob.q_chunks[ring.rank]:
+            for b0, Bk, koff in prob.k_chunks[src]:
+                if not _pair_may_attend(a0, A, b0, Bk, prob.mem, wl, wr):
+                    ring.log("skip", step)
+                    continue
+                ring.log("block", step)
+                gq, gk, gv, gr, lo, hi, gu, gvb = _block_grads(
+                    q[:, qoff:qoff + A], kb[:, koff:koff + Bk], vblk[:, koff:koff + Bk], r, u,
+                    vb, scale, a0, b0, prob, wl, wr, kpmb[:, koff:koff + Bk],
+                    lse_safe[:, :, qoff:qoff + A], delta[:, :, qoff:qoff + A],
+                    dout_a[:, qoff:qoff + A])
+                dq[:, qoff:qoff + A] += gq
+                dkb[:, koff:koff + Bk] += gk
+                dvblk[:, koff:koff + Bk] += gv
+                dr[lo:hi] += gr
+                du += gu
+                dvb += gvb
+        ring.log("compute_end", step)
+        if ring.world > 1:
+            grads = ring.wait(step + 1, ring.post(step + 1, grads, [_like(dkb, rows),
+                                                                    _like(dvblk, rows)]))
+        if pending is not None:
+            keys = ring.wait(step + 1, pending)
+    dk, dv = grads
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dr.to(r.dtype), du.to(u.dtype),
+            dvb.to(vb.dtype))
+
+
+def _block_grads(qc, kc, vc, r, u, vb, scale, a0, b0, prob, wl, wr, kpm_c, lse_c, delta_c,
+                 dout_c):
+    """Gradients of one chunk pair's share of the output, given the final row log-sum-exp:
+    ``dS = P * (dO V^T - rowsum(dO * O))``, as autograd of the surrogate
+    ``sum(dO * (P V)) - sum(delta * rowsum(P))`` with ``P = exp(S - lse)`` (lse, delta fixed).
+    The gradient of ``r`` is returned for its rows ``[lo, hi)``."""
+    lo, hi, top, bottom = _window(a0, qc.shape[1], b0, kc.shape[1], prob, r.shape[0])
+    acc = torch.float64 if qc.dtype == torch.float64 else torch.float32
+    with torch.enable_grad():
+        leaves = [t.detach().to(acc).requires_grad_() for t in (qc, kc, vc, r[lo:hi], u, vb)]
+        q_, k_, v_, rw_, u_, vb_ = leaves
+        s = _block_scores(q_, k_, rw_, (top, bottom), u_, vb_, scale, a0, b0, prob, wl, wr,
+                          kpm_c)
+        p = torch.exp(s - lse_c[..., None])
+        o = torch.einsum("bhij,bjhd->bihd", p, v_.to(p.dtype))
+        loss = (dout_c * o).sum() - (delta_c * p.sum(-1)).sum()
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    gq, gk, gv, gr, gu, gvb = (torch.zeros_like(t) if g is None else g
+                               for g, t in zip(grads, leaves))
+    return gq, gk, gv, gr, lo, hi, gu, gvb
+
+
+class _ContextParallelRelAttn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, r, u, vb, kpm, scale, wl, wr, prob, ring):
+        out, lse = _ring_forward(q, k, v, kpm, r, u, vb, scale, wl, wr, prob, ring)
+        ctx.save_for_backward(q, k, v, kpm, r, u, vb, out, lse)
+        ctx.args = (scale, wl, wr, prob, ring)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, kpm, r, u, vb, out, lse = ctx.saved_tensors
+        grads = _ring_backward(dout, q, k, v, kpm, r, u, vb, out, lse, *ctx.args)
+        return grads + (None,) * 6
+
+
+def context_parallel_rel_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    r: Tensor,
+    r_w_bias: Tensor,
+    r_r_bias: Tensor,
+    *,
+    group=None,
+    memory_len: int = 0,
+    layout: str = "contiguous",
+    causal: bool = True,
+    window_size: Tuple[int, int] = (-1, -1),
+    key_padding_mask: Optional[Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    schedule: Optional[list] = None,
+) -> Tensor:
+    """Relative attention over a sequence sharded across the ranks of ``group``.
+
+    Every rank calls it with its shard; the result is its shard of
+    ``rel_attention(q_all, k_all, v_all, r, r_w_bias, r_r_bias, ...)`` on the whole sequence.
+
+    Arguments:
+        q: ``[B, Lq_rank, H, D]``: this rank's queries (its chunks of the current segment in
+            ``layout``, see :func:`shard_sequence`).
+        k, v: ``[B, memory_len + Lq_rank, H, D]``: this rank's memory shard (its chunks of the
+            global memory in ``layout``), then the keys / values of its queries.
+        r: ``[R, H, D]``, the whole projected position table (every rank the same); row ``p``
+            serves global query ``i`` and global key ``j`` at ``p = j - i + Lq - 1``, ``Lq``
+            the global segment length, keys memory first, as in ``rel_attention``.
+        r_w_bias, r_r_bias: ``[H, D]``.
+        group: the process group (default: the world).
+        memory_len: the rows of ``k`` / ``v`` that are this rank's memory shard.
+        layout: ``"contiguous"`` (rank order; lengths may differ between ranks) or
+            ``"zigzag"`` (rank ``i`` holds chunks ``i`` and ``2P - 1 - i`` of ``2P``: causal
+            work balanced); the segment and the memory are both sharded in it.
+        causal, window_size, softmax_scale: as in ``rel_attention``, on global positions.
+        key_padding_mask: ``[B, memory_len + Lq_rank]`` bool, True = padded, this rank's keys.
+        dropout_p: must be 0 (attention dropout under context parallelism is not supported).
+        schedule: optional list; each rank appends its ring events (``("recv_posted", step)``,
+            ``("compute_begin", step)``, ``("block", step)``, ``("skip", step)``, ...) to it.
+
+    Gradients flow to every input. Those of ``r`` and the two biases are this rank's partial
+    sums: like the gradients of any parameter shared across the ranks' shards, they add up
+    over the group (the all-reduce of the data-parallel wrapper, or ``dist.all_reduce``).
+    Memory per rank: the local shard plus one received key / value block and, per chunk pair,
+    its ``[B, H, A, Bk]`` scores (the einsum path).
+    """
+    name = "context_parallel_rel_attention"
+    _check_layout(layout)
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{name}: torch.distributed is not initialised "
+                           "(call dist.init_process_group first)")
+    if dropout_p != 0.0:
+        raise ValueError(f"{name}: dropout_p must be 0.0 (attention dropout is not supported "
+                         f"under context parallelism), got {dropout_p!r}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"{name}: q, k, v must be [B, L, H, D], got {list(q.shape)}, "
+                         f"{list(k.shape)}, {list(v.shape)}")
+    B, Lq, H, D = q.shape
+    if not isinstance(memory_len, int) or memory_len < 0:
+        raise ValueError(f"{name}: memory_len must be an int >= 0, got {memory_len!r}")
+    want = (B, memory_len + Lq, H, D)
+    for nm, t in (("k", k), ("v", v)):
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name}: {nm} must be [B, memory_len + Lq_rank, H, D] = "
+                             f"{list(want)}, got {list(t.shape)}")
+    if r.dim() != 3 or tuple(r.shape[1:]) != (H, D):
+        raise ValueError(f"{name}: r must be [R, {H}, {D}], got {list(r.shape)}")
+    for nm, t in (("r_w_bias", r_w_bias), ("r_r_bias", r_r_bias)):
+        if tuple(t.shape) != (H, D):
+            raise ValueError(f"{name}: {nm} must be [{H}, {D}], got {list(t.shape)}")
+    if key_padding_mask is not None:
+        if key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != want[:2]:
+            raise ValueError(f"{name}: key_padding_mask must be bool [B, memory_len + Lq_rank]"
+                             f" = {list(want[:2])}, got {key_padding_mask.dtype} "
+                             f"{list(key_padding_mask.shape)}")
+        kpm = key_padding_mask
+    else:
+        kpm = torch.zeros(want[:2], dtype=torch.bool, device=q.device)
+    wl, wr = window_size
+    if causal:
+        wr = 0
+    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+
+    ring = _Ring(group, schedule)
+    lens = torch.tensor([Lq, memory_len], dtype=torch.int64)
+    gathered = [torch.empty_like(lens) for _ in range(ring.world)]
+    dist.all_gather(gathered, lens, group=group)
+    q_lens = [int(t[0]) for t in gathered]
+    m_lens = [int(t[1]) for t in gathered]
+    if layout == "zigzag":
+        for i in range(ring.world):
+            for total, mine, what in ((sum(q_lens), q_lens[i], "segment"),
+                                      (sum(m_lens), m_lens[i], "memory")):
+                exp = sum(n for _, n, _ in layout_chunks(total, i, ring.world, layout))
+                if exp != mine:
+                    raise ValueError(f"{name}: rank {i} holds {mine} {what} rows, but the "
+                                     f"zigzag layout of {total} rows gives it {exp} "
+                                     "(shard with shard_sequence)")
+    prob = _Problem(q_lens, m_lens, layout, ring.rank)
+    check_position_rows(prob.lq, prob.mem + prob.lq, r.shape[0], wl, wr)
+    return _ContextParallelRelAttn.apply(q, k, v, r, r_w_bias, r_r_bias, kpm, scale, wl, wr,
+                                         prob, ring)
