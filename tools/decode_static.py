@@ -41,7 +41,10 @@ sys.path.insert(0, os.path.dirname(HERE))  # the checkout's txl_kernels and tool
 
 
 def _sass_profile(path):
-    if not path or not os.path.exists(path):
+    if not path:
+        raise SystemExit("decode_static: pass --sass-profile PATH (or set SASS_PROFILE): the "
+                         "static sm_90 model sass_profile.py")
+    if not os.path.exists(path):
         raise SystemExit(f"decode_static: sass_profile.py not found at {path} (pass "
                          f"--sass-profile PATH or set SASS_PROFILE)")
     spec = importlib.util.spec_from_file_location("sass_profile", path)
