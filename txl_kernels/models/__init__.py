@@ -1,11 +1,10 @@
 """Models built on txl_kernels: the Transformer-XL language model with a K/V cache and
-generation (``MemTransformerLM``)."""
+generation (``MemTransformerLM``; ``MemTransformerLM.from_hf`` loads an HF checkpoint)."""
 from .adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
 from .cache import TransfoXLCache
-from .hf import from_hf
 from .mem_transformer import (MemTransformerLM, PositionalEmbedding, PositionwiseFF,
                               RelPartialLearnableDecoderLayer)
 
 __all__ = ["MemTransformerLM", "TransfoXLCache", "AdaptiveEmbedding",
            "ProjectedAdaptiveLogSoftmax", "PositionalEmbedding", "PositionwiseFF",
-           "RelPartialLearnableDecoderLayer", "from_hf"]
+           "RelPartialLearnableDecoderLayer"]
