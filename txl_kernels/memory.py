@@ -40,13 +40,19 @@ def _is_placeholder(m: torch.Tensor) -> bool:
     return m.dim() == 1 and m.numel() == 0
 
 
+def _as_list(who: str, name: str, value, what: str) -> list:
+    """``value`` (a list or tuple) as a list; a TypeError naming ``who`` and ``name``
+    otherwise (a tensor included: it iterates, but as rows, not as a list of tensors)."""
+    if isinstance(value, torch.Tensor) or not isinstance(value, (list, tuple)):
+        raise TypeError(f"{who}: {name} must be {what}, got {type(value).__name__}")
+    return list(value)
+
+
 def _check(hids, mems, mem_len, ext_len):
     mem_len = as_len("mem_len", mem_len, "update_mems")
     ext_len = as_len("ext_len", ext_len, "update_mems")
-    if isinstance(hids, torch.Tensor) or not isinstance(hids, (list, tuple)):
-        raise TypeError(f"update_mems: hids must be a list or tuple of per-layer tensors "
-                        f"[qlen, bsz, d], got {type(hids).__name__}")
-    hids = list(hids)
+    hids = _as_list("update_mems", "hids", hids, "a list or tuple of per-layer tensors "
+                    "[qlen, bsz, d]")
     for l, h in enumerate(hids):
         if not isinstance(h, torch.Tensor):
             raise TypeError(f"update_mems: hids[{l}] must be a torch.Tensor [qlen, bsz, d], "
@@ -63,12 +69,9 @@ def _check(hids, mems, mem_len, ext_len):
         if h.device != hids[0].device:
             raise ValueError(f"update_mems: all hids must be on one device; hids[0] is on "
                              f"{hids[0].device}, hids[{l}] is on {h.device}")
-    if mems is None:
-        mems = []
-    elif isinstance(mems, torch.Tensor) or not isinstance(mems, (list, tuple)):
-        raise TypeError(f"update_mems: mems must be None or a list or tuple with one tensor "
-                        f"[mlen, bsz, d] per layer, got {type(mems).__name__}")
-    mems = list(mems)
+    mems = [] if mems is None else _as_list(
+        "update_mems", "mems", mems, "None or a list or tuple with one tensor [mlen, bsz, d] per "
+        "layer")
     if mems and len(mems) != len(hids):
         raise ValueError(f"update_mems: mems has {len(mems)} layers but hids has {len(hids)}; "
                          f"pass one memory per layer (or None / [] for no memory)")
@@ -176,10 +179,7 @@ def kv_cache_compact(bufs: Sequence[torch.Tensor], src: int, n: int, *,
                          f"got {backend!r}")
     src = as_len("src", src, "kv_cache_compact")
     n = as_len("n", n, "kv_cache_compact")
-    if isinstance(bufs, torch.Tensor) or not isinstance(bufs, (list, tuple)):
-        raise TypeError(f"kv_cache_compact: bufs must be a list of tensors [cap, bsz, d], "
-                        f"got {type(bufs).__name__}")
-    bufs = list(bufs)
+    bufs = _as_list("kv_cache_compact", "bufs", bufs, "a list of tensors [cap, bsz, d]")
     for l, b in enumerate(bufs):
         if not isinstance(b, torch.Tensor) or b.dim() != 3 or not b.is_contiguous():
             raise ValueError(f"kv_cache_compact: bufs[{l}] must be a contiguous 3-D tensor "
@@ -239,12 +239,10 @@ def kv_cache_quantize_append(srcs: Sequence[torch.Tensor], data_bufs: Sequence[t
     n_head = as_len("n_head", n_head, who, 1)
     lists = []
     for name, value in (("srcs", srcs), ("data_bufs", data_bufs), ("scale_bufs", scale_bufs)):
-        if isinstance(value, torch.Tensor) or not isinstance(value, (list, tuple)):
-            raise TypeError(f"{who}: {name} must be a list of tensors, got "
-                            f"{type(value).__name__}")
+        value = _as_list(who, name, value, "a list of tensors")
         if not all(isinstance(t, torch.Tensor) for t in value):
             raise TypeError(f"{who}: {name} must hold only tensors")
-        lists.append(list(value))
+        lists.append(value)
     srcs, data_bufs, scale_bufs = lists
     if not len(srcs) == len(data_bufs) == len(scale_bufs):
         raise ValueError(f"{who}: srcs, data_bufs and scale_bufs must have one length, got "

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from .._utils import describe
 from ..functional import BACKENDS, rel_attention
-from ._dropin import adopt
+from ._dropin import adopt, check_key_padding_mask
 
 __all__ = ["NeMoRelPositionMultiHeadAttention", "ESPnetRelPositionMultiHeadedAttention"]
 
@@ -88,11 +88,7 @@ class RelPosAttentionBase(nn.Module):
         if key_padding_mask is not None and lengths is not None:
             raise ValueError(f"{self._NAME}: pass key_padding_mask or lengths, not both")
         if key_padding_mask is not None:
-            if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool \
-                    or tuple(key_padding_mask.shape) != (batch, klen):
-                raise ValueError(f"{self._NAME}: key_padding_mask must be a bool tensor "
-                                 f"(B, K) = ({batch}, {klen}), True = padded key; got "
-                                 f"{describe(key_padding_mask)}")
+            check_key_padding_mask(self._NAME, key_padding_mask, "(B, K)", (batch, klen))
             return key_padding_mask
         if lengths is not None:
             if not isinstance(lengths, Tensor) or lengths.dim() != 1 \

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .._utils import describe
 from ..functional import BACKENDS, rel_attention
-from ._dropin import adopt
+from ._dropin import adopt, check_key_padding_mask
 
 __all__ = ["IcefallRelPositionMultiheadAttention", "ScaledLinear"]
 
@@ -119,11 +119,8 @@ class IcefallRelPositionMultiheadAttention(nn.Module):
     def _masks(self, key_padding_mask, attn_mask, bsz: int, tgt: int, src: int):
         kpm = None
         if key_padding_mask is not None:
-            if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype not in (
-                    torch.bool, torch.uint8) or tuple(key_padding_mask.shape) != (bsz, src):
-                raise ValueError(f"{self._NAME}: key_padding_mask must be a bool or uint8 tensor "
-                                 f"(N, S) = ({bsz}, {src}), True = padded; got "
-                                 f"{describe(key_padding_mask)}")
+            check_key_padding_mask(self._NAME, key_padding_mask, "(N, S)", (bsz, src),
+                                   (torch.bool, torch.uint8))
             kpm = key_padding_mask.to(torch.bool)
         am = None
         if attn_mask is not None:

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from .._utils import describe
 from ..functional import BACKENDS, mask_to_band, rel_attention
-from ._dropin import adopt
+from ._dropin import adopt, check_key_padding_mask
 
 __all__ = ["SpeechBrainRelPosMHAXL"]
 
@@ -153,11 +153,7 @@ class SpeechBrainRelPosMHAXL(nn.Module):
                                       f"by SpeechBrain's RelPosMHAXL.forward)")
         kpm = None
         if key_padding_mask is not None:
-            if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool \
-                    or tuple(key_padding_mask.shape) != (bsz, klen):
-                raise ValueError(f"{self._NAME}: key_padding_mask must be a bool tensor (B, S) "
-                                 f"= ({bsz}, {klen}), True = padded; got "
-                                 f"{describe(key_padding_mask)}")
+            check_key_padding_mask(self._NAME, key_padding_mask, "(B, S)", (bsz, klen))
             kpm = key_padding_mask
         am, band = self._attn_mask(attn_mask, bsz, qlen, klen)
         H, D = self.num_heads, self.head_dim
