@@ -1,4 +1,4 @@
-"""Accuracy of the LM's 8-bit memory (issue 13): a Transformer-XL LM trained on a task that
+"""Accuracy of the LM's 8-bit memory: a Transformer-XL LM trained on a task that
 needs its memory, evaluated with a full-precision, an int8 and an fp8 K/V cache.
 
 The task: a stream of blocks, each ``PERIOD`` random tokens written ``REPEAT`` times in a row,

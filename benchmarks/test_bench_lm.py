@@ -1,6 +1,6 @@
 """Transformer-XL LM (txl_kernels.models.MemTransformerLM) against HF TransfoXL, same weights.
 
-Two workloads (issue 12), on the model size those settings come from: Transformer-XL base on
+Two workloads, on the model size those settings come from: Transformer-XL base on
 WikiText-103 (kimiyoung's ``run_wt103_base.sh``: 16 layers, 10 heads of 41, d_model 410,
 d_inner 2100, vocabulary 267,735 with adaptive softmax cutoffs 20000 / 40000 / 200000,
 div_val 1, same_length, clamp_len 400; evaluated with tgt_len 64 / mem_len 640), random
@@ -26,7 +26,7 @@ extra, e.g. ``PYTHONPATH=/tmp/hf4``); without it the HF cases skip with the reas
     python -m benchmarks.test_bench_lm --small    # the same at the small size (seconds)
     python -m pytest benchmarks/test_bench_lm.py --benchmark-only   # small size on CPU
 
-8-bit memory (issue 13): ``new_cache(bsz, dtype=torch.int8 / torch.float8_e4m3fn)`` against
+8-bit memory: ``new_cache(bsz, dtype=torch.int8 / torch.float8_e4m3fn)`` against
 the full-precision cache (the model's dtype: bf16 on CUDA, fp32 on CPU, where the torch paths
 run), at the Transformer-XL evaluation shapes tgt_len 64 / mem_len 640, 128 / 1,600 and
 128 / 3,800 (bsz 10; on CPU the small model at a quarter of each length, bsz 2), for the
@@ -442,7 +442,7 @@ if __name__ == "__main__":
     parser.add_argument("--min-run-time", type=float, default=1.0,
                         help="seconds of calls per timing (Timer.blocked_autorange)")
     parser.add_argument("--quant", action="store_true",
-                        help="8-bit memory against the full-precision cache (issue 13)")
+                        help="8-bit memory against the full-precision cache")
     parser.add_argument("--gen-bsz", type=int, default=None,
                         help="generate for this many sequences at once (default: GEN's bsz 1)")
     parser.add_argument("--generate-only", action="store_true",

@@ -5,6 +5,8 @@
 // fallback (txl_kernels.models.mem_transformer.decode_attention_torch) writes one per product.
 #include "decode_attention.h"
 
+#include <torch/library.h>
+
 #include "segment_memory.h"
 
 #include <ATen/Parallel.h>
@@ -421,3 +423,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 }
 
 }  // namespace txl_kernels
+
+TORCH_LIBRARY_FRAGMENT(txl_kernels, m) {
+  m.set_python_module("txl_kernels._cpp_ops");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor r, Tensor u, Tensor vb, "
+        "float scale, int lo, Tensor? k_mem=None, Tensor? k_scale=None, Tensor? v_mem=None, "
+        "Tensor? v_scale=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(txl_kernels, CPU, m) {
+  m.impl("decode_attention", &txl_kernels::decode_attention);
+}

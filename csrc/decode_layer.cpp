@@ -3,6 +3,8 @@
 
 #include "decode_attention.h"
 
+#include <torch/library.h>
+
 #include <initializer_list>
 #include <utility>
 
@@ -88,3 +90,17 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& qkv_w, const at::
 }
 
 }  // namespace txl_kernels
+
+// keys / values are written (their last row): declared mutable.
+TORCH_LIBRARY_FRAGMENT(txl_kernels, m) {
+  m.set_python_module("txl_kernels._cpp_ops");
+  m.def("decode_layer(Tensor x, Tensor qkv_w, Tensor o_w, Tensor ln1_w, Tensor ln1_b, "
+        "float eps1, Tensor ff1_w, Tensor ff1_b, Tensor ff2_w, Tensor ff2_b, Tensor ln2_w, "
+        "Tensor ln2_b, float eps2, bool pre_lnorm, Tensor(a!) keys, Tensor(b!) values, "
+        "Tensor r, Tensor u, Tensor vb, float scale, int lo, Tensor? k_mem=None, "
+        "Tensor? k_scale=None, Tensor? v_mem=None, Tensor? v_scale=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(txl_kernels, CPU, m) {
+  m.impl("decode_layer", &txl_kernels::decode_layer);
+}

@@ -1,16 +1,16 @@
-// Segment-memory update for Transformer-XL: checks, the CPU implementation, the CUDA dispatch
-// and the pybind11 binding. Built just-in-time by txl_kernels/_build.py; the CUDA part
-// (segment_memory_cuda.cu) is compiled in, with -DTXL_WITH_CUDA, only where a CUDA toolkit is
-// found.
+// Segment-memory update for Transformer-XL: checks, the CPU implementation, the CUDA dispatch,
+// their torch.library registration (torch.ops.txl_kernels.*) and the extension's Python module.
+// Built just-in-time by txl_kernels/_build.py; the CUDA part (segment_memory_cuda.cu) is
+// compiled in, with -DTXL_WITH_CUDA, only where a CUDA toolkit is found.
 //
 //   update_mems(hids, mems, mem_len, ext_len) -> list of new memories
 //   kv_cache_compact(bufs, src, n): rows [src, src + n) -> [0, n) of every buffer, in place
 //   kv_cache_quantize_append(srcs, data_bufs, scale_bufs, dst_row, n_head): the 8-bit cache's
 //       append: every source's rows quantised per (token, head) into its 8-bit buffers
-//   decode_attention(q, k, v, r, u, vb, scale, lo): the LM's decoding attention on CPUs
-//       (decode_attention.cpp; bound here, in the one module)
-//   decode_layer(x, weights..., keys, values, r, u, vb, scale, lo): a whole decoder layer of
-//       the LM's decoding step on CPUs (decode_layer.cpp; bound here too)
+//
+// The LM's CPU decoding ops (decode_attention.cpp, decode_layer.cpp) register themselves in
+// the same `txl_kernels` namespace; their fake (meta) implementations, like these ops', are in
+// txl_kernels/_cpp_ops.py.
 //
 // hids: L tensors [qlen, bsz, d]; mems: empty (no memory) or L tensors, each [mlen, bsz, d] or
 // the legacy 1-D empty placeholder torch.empty(0) (no memory for that layer). Per layer:
@@ -19,9 +19,6 @@
 // Any strides are accepted. The Python wrapper (txl_kernels/memory.py) validates arguments with
 // messages naming them; the checks here guard direct callers.
 #include <torch/extension.h>
-
-#include "decode_attention.h"
-#include "decode_layer.h"
 
 #include <ATen/Parallel.h>
 #include <c10/core/DeviceGuard.h>
@@ -120,8 +117,7 @@ void run_copies(std::vector<LayerDesc>& descs, at::ScalarType dtype, const at::D
 
 }  // namespace
 
-std::vector<at::Tensor> update_mems(const std::vector<at::Tensor>& hids,
-                                    const std::vector<at::Tensor>& mems, int64_t mem_len,
+std::vector<at::Tensor> update_mems(at::TensorList hids, at::TensorList mems, int64_t mem_len,
                                     int64_t ext_len) {
   TORCH_CHECK(mem_len >= 0, "update_mems: mem_len must be >= 0, got ", mem_len);
   TORCH_CHECK(ext_len >= 0, "update_mems: ext_len must be >= 0, got ", ext_len);
@@ -194,7 +190,7 @@ std::vector<at::Tensor> update_mems(const std::vector<at::Tensor>& hids,
 // (src >= n, or n == 0). A pure copy, done on bytes, so the buffers may differ in dtype (an
 // 8-bit cache moves its int8 / fp8 data and its scales together): ONE copy job per buffer,
 // one launch on CUDA for all of them.
-void kv_cache_compact(const std::vector<at::Tensor>& bufs, int64_t src, int64_t n) {
+void kv_cache_compact(at::TensorList bufs, int64_t src, int64_t n) {
   TORCH_CHECK(src >= 0 && n >= 0, "kv_cache_compact: src and n must be >= 0, got src=", src,
               ", n=", n);
   TORCH_CHECK(n == 0 || src >= n, "kv_cache_compact: rows [", src, ", ", src + n,
@@ -270,10 +266,8 @@ void quantize_append_cpu(const QuantDesc& Q) {
 // dtype) quantised per (row, batch, head) into rows [dst_row, dst_row + n) of data_bufs[i]
 // (contiguous [cap, bsz, n_head * d], int8 or float8_e4m3fn) and scale_bufs[i] (contiguous
 // [cap, bsz, n_head], float32 or float16). One job per buffer; ONE launch for all on CUDA.
-void kv_cache_quantize_append(const std::vector<at::Tensor>& srcs,
-                              const std::vector<at::Tensor>& data_bufs,
-                              const std::vector<at::Tensor>& scale_bufs, int64_t dst_row,
-                              int64_t n_head) {
+void kv_cache_quantize_append(at::TensorList srcs, at::TensorList data_bufs,
+                              at::TensorList scale_bufs, int64_t dst_row, int64_t n_head) {
   const char* who = "kv_cache_quantize_append";
   TORCH_CHECK(srcs.size() == data_bufs.size() && srcs.size() == scale_bufs.size(), who,
               ": srcs, data_bufs and scale_bufs must have one length, got ", srcs.size(), ", ",
@@ -353,43 +347,36 @@ void kv_cache_quantize_append(const std::vector<at::Tensor>& srcs,
 
 }  // namespace txl_kernels
 
+// Schemas: the buffers the cache ops write are declared mutable (Tensor(a!)[]), so
+// functionalization and torch.compile keep their writes.
+TORCH_LIBRARY_FRAGMENT(txl_kernels, m) {
+  m.set_python_module("txl_kernels._cpp_ops");
+  m.def("update_mems(Tensor[] hids, Tensor[] mems, int mem_len, int ext_len=0) -> Tensor[]");
+  m.def("kv_cache_compact(Tensor(a!)[] bufs, int src, int n) -> ()");
+  m.def("kv_cache_quantize_append(Tensor[] srcs, Tensor(a!)[] data_bufs, "
+        "Tensor(b!)[] scale_bufs, int dst_row, int n_head) -> ()");
+}
+
+// One implementation per op: it dispatches on the tensors' device itself (CPU loop or the one
+// CUDA launch), so the same function serves both keys.
+TORCH_LIBRARY_IMPL(txl_kernels, CPU, m) {
+  m.impl("update_mems", &txl_kernels::update_mems);
+  m.impl("kv_cache_compact", &txl_kernels::kv_cache_compact);
+  m.impl("kv_cache_quantize_append", &txl_kernels::kv_cache_quantize_append);
+}
+
+#ifdef TXL_WITH_CUDA
+TORCH_LIBRARY_IMPL(txl_kernels, CUDA, m) {
+  m.impl("update_mems", &txl_kernels::update_mems);
+  m.impl("kv_cache_compact", &txl_kernels::kv_cache_compact);
+  m.impl("kv_cache_quantize_append", &txl_kernels::kv_cache_quantize_append);
+}
+#endif
+
+// The Python module that txl_kernels._build imports: importing it registers the ops above;
+// it only says whether the CUDA kernels are compiled in.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "txl_kernels C++/CUDA extension: Transformer-XL segment-memory update";
-  m.def("update_mems", &txl_kernels::update_mems, pybind11::arg("hids"), pybind11::arg("mems"),
-        pybind11::arg("mem_len"), pybind11::arg("ext_len") = 0,
-        "New memories per layer: cat([mems[l], hids[l]], 0)[beg:end] as fresh contiguous "
-        "tensors, end = mlen + max(0, qlen - ext_len), beg = max(0, end - mem_len).");
-  m.def("kv_cache_compact", &txl_kernels::kv_cache_compact, pybind11::arg("bufs"),
-        pybind11::arg("src"), pybind11::arg("n"),
-        "In every contiguous [cap, bsz, d] buffer, move rows [src, src + n) to [0, n) "
-        "(non-overlapping); one launch for all buffers on CUDA.");
-  m.def("kv_cache_quantize_append", &txl_kernels::kv_cache_quantize_append,
-        pybind11::arg("srcs"), pybind11::arg("data_bufs"), pybind11::arg("scale_bufs"),
-        pybind11::arg("dst_row"), pybind11::arg("n_head"),
-        "Quantise every srcs[i] [n, bsz, n_head * d] per (row, batch, head) into rows "
-        "[dst_row, dst_row + n) of data_bufs[i] (int8 / fp8) and scale_bufs[i] (fp32 / fp16); "
-        "one launch for all on CUDA.");
-  m.def("decode_attention", &txl_kernels::decode_attention, pybind11::arg("q"),
-        pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("r"), pybind11::arg("u"),
-        pybind11::arg("vb"), pybind11::arg("scale"), pybind11::arg("lo"),
-        pybind11::arg("k_mem") = pybind11::none(), pybind11::arg("k_scale") = pybind11::none(),
-        pybind11::arg("v_mem") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none(),
-        "CPU: one query row per (batch, head) against cached keys / values [Lc, B, H, D] "
-        "(after an optional 8-bit memory [M, B, H, D] with scales [M, B, H]) with position "
-        "rows r [M + Lc, H, D]: softmax(scale ((q + u) k + (q + vb) r)) v over keys >= lo; "
-        "fp32 / fp64.");
-  m.def("decode_layer", &txl_kernels::decode_layer, pybind11::arg("x"), pybind11::arg("qkv_w"),
-        pybind11::arg("o_w"), pybind11::arg("ln1_w"), pybind11::arg("ln1_b"),
-        pybind11::arg("eps1"), pybind11::arg("ff1_w"), pybind11::arg("ff1_b"),
-        pybind11::arg("ff2_w"), pybind11::arg("ff2_b"), pybind11::arg("ln2_w"),
-        pybind11::arg("ln2_b"), pybind11::arg("eps2"), pybind11::arg("pre_lnorm"),
-        pybind11::arg("keys"), pybind11::arg("values"), pybind11::arg("r"), pybind11::arg("u"),
-        pybind11::arg("vb"), pybind11::arg("scale"), pybind11::arg("lo"),
-        pybind11::arg("k_mem") = pybind11::none(), pybind11::arg("k_scale") = pybind11::none(),
-        pybind11::arg("v_mem") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none(),
-        "CPU, eval: one Transformer-XL decoder layer for one new token per batch entry, "
-        "x [B, d_model] -> [B, d_model]; writes the token's key / value into the last row of "
-        "keys / values [Lc, B, H * D] and attends to them as decode_attention does.");
+  m.doc() = "txl_kernels C++/CUDA extension: its ops are torch.ops.txl_kernels.*";
 #ifdef TXL_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

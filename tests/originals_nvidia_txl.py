@@ -3,7 +3,7 @@ PyTorch/LanguageModeling/Transformer-XL/pytorch/mem_transformer.py (MemTransform
 attn_type=0 and its layers) and utils/proj_adaptive_softmax.py (ProjectedAdaptiveLogSoftmax),
 release 24.03 (commit 729963dd), Copyright (c) 2019-2020 NVIDIA CORPORATION, Apache License 2.0.
 
-Kept as NVIDIA has them, the points txl_kernels.models.from_nvidia maps or reproduces: the
+Kept as NVIDIA has them, the points MemTransformerLM.from_nvidia maps or reproduces: the
 adaptive softmax's parameter names (out_layers_weights / out_layers_biases, the shared
 projections registered a second time as shared_out_projs, tied weights not registered), the
 same_length mask (a query sees mem_len + 1 keys), the memories as one stacked tensor

@@ -120,7 +120,7 @@ def test_flop_convention():
     assert m.flops(shapes.FWD) == 6 * 256 * 256 * 64 * 2 * 8 + 8 * 2 * 256 * nf * nf + 2 * 511 * nf * nf
 
 
-def test_matrix_has_the_issue_shapes():
+def test_matrix_has_the_txl_conformer_and_long_sequence_shapes():
     gpu = shapes.attention_shapes("cuda")
     by = {(s.group, s.B, s.H, s.D, s.Lq, s.mem): s for s in gpu}
     assert by[("txl_train", 16, 8, 64, 512, 512)].causal

@@ -2,7 +2,7 @@
 tools/build_check.py (the build report and CI's ``--check-cuda``).
 
 Clear reasons when the extension cannot be built (no ninja, no compiler), CUDA_HOME through an
-nvcc wrapper script, a corrupted cached library rebuilt once (issue 10 item 11), and
+nvcc wrapper script, a corrupted cached library rebuilt once, and
 ``python -m tools.build_check --check-cuda``: compiles and links the CUDA sources without a GPU,
 and fails, showing the compiler output, when a source is broken.
 """
@@ -21,7 +21,7 @@ import torch
 import torch.utils.cpp_extension as cpp_extension
 
 from tools import build_check
-from txl_kernels import _build, memory
+from txl_kernels import _build, _cpp_ops, memory
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT_KEYS = ["torch", "torch CUDA runtime", "CUDA device", "triton", "nvcc", "CUDA_HOME",
@@ -39,7 +39,7 @@ def fresh_state(monkeypatch):
     """A build state as in a new process (restored afterwards)."""
     st = _build._State()
     monkeypatch.setattr(_build, "_STATE", st)
-    monkeypatch.setattr(memory, "_WARNED", set())
+    monkeypatch.setattr(_cpp_ops, "_WARNED", set())
     return st
 
 
@@ -121,7 +121,7 @@ def test_cuda_home_found_through_an_nvcc_wrapper(monkeypatch, tmp_path):
         assert not ok and "no CUDA toolkit" in why
 
 
-# ---------------------------------------------------------------- corrupted cache (issue 10.11)
+# ---------------------------------------------------------------- corrupted cache
 
 _TINY = textwrap.dedent("""
     // A module with the extension's name and no torch headers: builds in about a second.

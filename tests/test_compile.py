@@ -133,7 +133,7 @@ def test_forward_op_does_not_take_deterministic(monkeypatch):
 
 def test_double_backward_raises_clearly():
     """create_graph=True through the fused op fails at that first backward, naming double
-    backward (it used to succeed and leave PyTorch's generic error for the second one)."""
+    backward (rather than leaving PyTorch's generic error for the second one)."""
     ts = make_inputs(1, 5, 9, 2, 16, device=FUSED_DEVICE, requires_grad=True, seed=5)
     out = rel_attention(*ts, backend="triton")
     with pytest.raises(RuntimeError, match="double backward.*backend='reference'"):
@@ -153,8 +153,8 @@ def test_double_backward_raises_clearly():
 
 @pytest.mark.parametrize("R", [3, 9, 13, 20])
 def test_rel_shift_compiles_fullgraph(R):
-    """The reference path's rel_shift traces with fullgraph (it used storage_offset()) and
-    equals the original pad/reshape shift on the pairs that one covers."""
+    """The reference path's rel_shift traces with fullgraph (no storage_offset() or other
+    untraceable call) and equals the original pad/reshape shift on the pairs that one covers."""
     from txl_kernels.reference import rel_shift, rel_shift_pad_reshape
 
     bdt = torch.randn(2, 3, 5, R)
@@ -187,9 +187,8 @@ def test_compile_fullgraph_module_with_dropout():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_autocast_same_dtype_on_both_backends(dtype):
-    """Regression: under autocast the fused path returned the autocast dtype and the
-    reference fp32. Both now return the autocast dtype (as SDPA does), with fp32 gradients
-    for fp32 leaves, and agree."""
+    """Under autocast both backends return the autocast dtype (as SDPA does), with fp32
+    gradients for fp32 leaves, and agree."""
     outs = []
     for backend in ("reference", "triton"):
         ts = make_inputs(1, 5, 9, 2, 16, device=FUSED_DEVICE, requires_grad=True, seed=7)
@@ -200,3 +199,151 @@ def test_autocast_same_dtype_on_both_backends(dtype):
         assert all(t.grad.dtype == torch.float32 for t in ts)
         outs.append(out.float())
     torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)
+
+
+# ------------------------------------------------------------------ the C++ extension's ops
+# csrc/ registers them with torch.library (schemas, CPU / CUDA kernels); their fake
+# implementations are in txl_kernels/_cpp_ops.py.
+
+def _decode_case(B=2, H=2, D=8, lc=5, m=0, qdtype=torch.int8, seed=0):
+    """decode_attention's arguments: q [B, H, D], seq-first k / v [Lc, B, H, D] (strided views
+    of the cache's [Lc, B, H * D] rows), r [M + Lc, H, D], u / vb [H, D], an optional 8-bit
+    memory of M rows."""
+    from txl_kernels import quantize_kv
+
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    kv = rnd(lc, B, 2 * H * D)
+    k, v = kv[..., :H * D].view(lc, B, H, D), kv[..., H * D:].view(lc, B, H, D)
+    args = [rnd(B, H, D), k, v, rnd(m + lc, H, D), rnd(H, D), rnd(H, D), D ** -0.5, 1]
+    if m:
+        mem = quantize_kv(rnd(B, m, H, D), rnd(B, m, H, D), qdtype, torch.float16)
+        args += [t.transpose(0, 1) for t in mem]  # seq-first [M, B, ...] views
+    return tuple(args)
+
+
+def _decode_layer_case(pre_lnorm=False, m=0, seed=0):
+    from txl_kernels import quantize_kv
+
+    B, dm, H, D, di, lc = 2, 12, 2, 4, 20, 5
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    args = [rnd(B, dm), rnd(3 * H * D, dm), rnd(dm, H * D), rnd(dm), rnd(dm), 1e-5, rnd(di, dm),
+            rnd(di), rnd(dm, di), rnd(dm), rnd(dm), rnd(dm), 1e-5, pre_lnorm,
+            rnd(lc, B, H * D), rnd(lc, B, H * D), rnd(m + lc, H, D), rnd(H, D), rnd(H, D),
+            0.5, 0]
+    if m:
+        mem = quantize_kv(rnd(B, m, H, D), rnd(B, m, H, D), torch.float8_e4m3fn)
+        args += [t.transpose(0, 1) for t in mem]
+    return tuple(args)
+
+
+def _cpp_op_cases():
+    g = torch.Generator().manual_seed(0)
+    hids = [torch.randn(5, 3, 7, generator=g), torch.randn(5, 3, 6, generator=g)[..., ::2],
+            torch.randn(3, 5, 9, generator=g).transpose(0, 1)]  # any strides
+    mems = [torch.randn(4, 3, 7, generator=g), torch.empty(0), torch.randn(1, 3, 9, generator=g)]
+    bufs = [torch.randn(9, 2, 6, generator=g), torch.randint(-9, 9, (9, 2, 3), generator=g,
+                                                             dtype=torch.int8)]
+    srcs = [torch.randn(3, 2, 16, generator=g), torch.randn(2, 3, 16, generator=g).transpose(0, 1)]
+    return {
+        "update_mems": ("update_mems", (hids, mems, 6, 1)),
+        "update_mems_no_memory": ("update_mems", (hids, [], 4, 0)),
+        "kv_cache_compact": ("kv_cache_compact", (bufs, 5, 3)),
+        "kv_cache_quantize_append_int8": ("kv_cache_quantize_append", (
+            srcs, [torch.zeros(6, 2, 16, dtype=torch.int8) for _ in srcs],
+            [torch.zeros(6, 2, 4) for _ in srcs], 2, 4)),
+        "kv_cache_quantize_append_fp8": ("kv_cache_quantize_append", (
+            srcs[:1], [torch.zeros(4, 2, 16, dtype=torch.float8_e4m3fn)],
+            [torch.zeros(4, 2, 2, dtype=torch.float16)], 1, 2)),
+        "decode_attention": ("decode_attention", _decode_case()),
+        "decode_attention_8bit_memory": ("decode_attention", _decode_case(m=4)),
+        "decode_attention_fp64": ("decode_attention",
+                                  tuple(a.double() if isinstance(a, torch.Tensor) else a
+                                        for a in _decode_case(D=5))),
+        "decode_layer": ("decode_layer", _decode_layer_case()),
+        "decode_layer_pre_lnorm_8bit_memory": ("decode_layer",
+                                               _decode_layer_case(pre_lnorm=True, m=3)),
+    }
+
+
+@pytest.mark.parametrize("case", list(_cpp_op_cases()))
+def test_opcheck_cpp_ops(extension, case):
+    """Every C++ op through torch.library.opcheck: its schema (mutated buffers declared), the
+    fake implementation against the real output (shapes, dtypes, strides) under static and
+    dynamic shapes, and functionalization (aot_dispatch)."""
+    name, args = _cpp_op_cases()[case]
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor",
+             "test_aot_dispatch_dynamic")
+    if any(isinstance(t, torch.Tensor) and t.dtype == torch.float8_e4m3fn
+           for a in args for t in (a if isinstance(a, (list, tuple)) else [a])):
+        # torch's SchemaCheckMode compares inputs with ops that have no float8 kernel on CPUs;
+        # the int8 cases check these ops' schemas
+        utils = tuple(u for u in utils if u != "test_schema")
+    torch.library.opcheck(getattr(torch.ops.txl_kernels, name).default, args, test_utils=utils)
+
+
+def test_cpp_ops_are_registered_with_their_schemas(extension):
+    """The five ops are in the txl_kernels namespace, with a CPU kernel and a Meta (fake)
+    kernel each; the buffers the cache ops and the decode layer write are marked mutable."""
+    for name in ("update_mems", "kv_cache_compact", "kv_cache_quantize_append",
+                 "decode_attention", "decode_layer"):
+        op = getattr(torch.ops.txl_kernels, name).default
+        for key in ("CPU", "Meta"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key), (name, key)
+    schema = lambda n: str(getattr(torch.ops.txl_kernels, n).default._schema)  # noqa: E731
+    assert "Tensor(a!)[] bufs" in schema("kv_cache_compact")
+    assert "Tensor(a!)[] data_bufs" in schema("kv_cache_quantize_append")
+    assert "Tensor(a!) keys" in schema("decode_layer")
+    assert "!" not in schema("update_mems") and "!" not in schema("decode_attention")
+
+
+@pytest.mark.parametrize("cache_dtype", [None, torch.int8])
+def test_compile_fullgraph_lm_cpu_decode_step(extension, cache_dtype):
+    """The LM's decoding step on a CPU (one token, every layer through the C++ decode_layer op,
+    the cache's K/V rows written by it) under torch.compile(fullgraph=True): no graph break,
+    the op in the graph, and the same hidden states and cache contents as eager, step after
+    step (the window moving through the cache)."""
+    import copy
+
+    from torch._dynamo.backends.registry import lookup_backend
+
+    from txl_kernels.models import MemTransformerLM
+
+    torch.manual_seed(0)
+    model = MemTransformerLM(40, 2, 2, 16, 8, 32, 0.0, 0.0, tgt_len=4, mem_len=6,
+                             attn_backend="reference").eval()
+    prompt = torch.randint(0, 40, (4, 2))
+    cache = model.new_cache(2, ext_len=0, dtype=cache_dtype)
+    model._forward_cached(prompt, cache)
+
+    def decode_step(model, x, tables, cache):
+        for i, layer in enumerate(model.layers):
+            x = layer.forward_cached(x, tables[i], model.r_w_bias, model.r_r_bias, cache, i,
+                                     (-1, 0))
+        return x
+
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    compiled = torch.compile(decode_step, fullgraph=True, backend=backend)
+    eager_cache = copy.deepcopy(cache)
+    tok = torch.randint(0, 40, (1, 2))
+    with torch.no_grad():
+        for _ in range(3):  # the cache's bookkeeping (room, window) stays outside, eagerly
+            outs = []
+            for fn, c in ((decode_step, eager_cache), (compiled, cache)):
+                c._make_room(1)
+                tables = model._projected_pos(c.mlen + 1, c.mem_len + c.max_qlen)
+                outs.append(fn(model, model.word_emb(tok), tables, c))
+                if c.quantized:
+                    c._append(1)
+                c._advance(1)
+            torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+            for a, b in zip(eager_cache._buffers(), cache._buffers()):
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+            tok = model.crit.greedy(outs[0][-1])[None]
+    assert any("txl_kernels.decode_layer" in str(t) for t in targets), targets

@@ -14,8 +14,8 @@ import torch.nn as nn
 
 import txl_kernels.modules.conformer as conf_mod
 from txl_kernels.modules.conformer import (ESPnetRelPositionMultiHeadedAttention,
-                                           NeMoRelPositionMultiHeadAttention,
-                                           swap_rel_pos_attention)
+                                           NeMoRelPositionMultiHeadAttention)
+from txl_kernels.modules.swap import swap_rel_pos_attention
 
 from helpers import FUSED_DEVICE, assert_within, requires_cuda
 
@@ -743,7 +743,7 @@ def test_nemo_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="not both"):
         ours(query=x, key=x, value=x, mask=None, pos_emb=pe, lengths=torch.ones(B).long(),
              key_padding_mask=torch.zeros(B, T, dtype=torch.bool))
-    with pytest.raises(ValueError, match=r"query must be \(B, time, n_feat=64\), got \[2, 8, 32\]"):
+    with pytest.raises(ValueError, match=r"query must be \(B, time, n_feat=64\), got shape \[2, 8, 32\]"):
         ours(query=rnd(B, T, 32), key=x, value=x, mask=None, pos_emb=pe)
     with pytest.raises(ValueError, match=r"cache must be \(B=2, time, n_feat=64\)"):
         ours(query=x, key=x, value=x, mask=None, pos_emb=pe, cache=rnd(B + 1, C, N_FEAT))

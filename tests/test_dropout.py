@@ -1,4 +1,4 @@
-"""Attention dropout inside the fused kernels (issue 11).
+"""Attention dropout inside the fused kernels.
 
 The keep-mask is a Philox function of (b, h, i, j) and the (seed, offset) tensor the call drew
 from PyTorch's default generator; ``ops.rel_attn_fwd.dropout_keep_mask`` returns it (computed

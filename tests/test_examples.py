@@ -1,4 +1,4 @@
-"""The end-to-end examples (issue 15), in shortened quick modes: the long-range dependency
+"""The end-to-end examples, in shortened quick modes: the long-range dependency
 test's verdict, the byte-level LM's bits per character falling, activation checkpointing's
 gradients, and DDP / FSDP2 on 2 gloo ranks equal to one process with the whole batch."""
 import importlib.util

@@ -1,7 +1,7 @@
 """python -m txl_kernels: the report runs, a backend that disagrees with the reference makes it
 exit non-zero, a bad --device is one line and exit status 2, and the Triton interpreter is
-switched on explicitly (never by importing the module). Also issue 10 item 10: TRITON_INTERPRET
-set after the kernels were created is detected (fused_available does not claim the fused
+switched on explicitly (never by importing the module). Also: TRITON_INTERPRET set
+after the kernels were created is detected (fused_available does not claim the fused
 path)."""
 import importlib
 import os
@@ -89,7 +89,7 @@ def test_main_switches_the_interpreter_on_explicitly_for_cpu():
 
 
 def test_interpreter_set_after_the_kernels_exist_is_detected():
-    """Issue 10 item 10: the kernels were created compiled; setting TRITON_INTERPRET later does
+    """The kernels were created compiled; setting TRITON_INTERPRET later does
     not make them interpreted, and fused_available says so instead of claiming the CPU path."""
     r = _run("import os, torch\n"
              "from txl_kernels import __main__ as m, _utils, fused_available\n"

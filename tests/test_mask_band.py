@@ -96,7 +96,7 @@ def test_band_of_any_sign_equals_dense_mask(backend, name):
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_strictly_causal_band_row_zero_attends_nothing(backend):
-    """The issue's example: no self-attention, no memory: row 0 has no key, output 0."""
+    """No self-attention and no memory: row 0 has no key, so its output is 0."""
     m = torch.triu(torch.ones(4, 4, dtype=torch.bool)).to(FUSED_DEVICE)
     ts = make_inputs(1, 4, 4, 2, 16, R=7, device=FUSED_DEVICE, seed=1)
     out = rel_attention(*ts, causal=False, attn_mask=m, attn_mask_band=mask_to_band(m),

@@ -1,4 +1,4 @@
-"""txl_kernels.update_mems (issue 2, point 5): the segment-memory update.
+"""txl_kernels.update_mems: the segment-memory update.
 
 Every result is compared bit for bit (as integer bit patterns, so NaN, inf and -0.0 count too)
 with the Transformer-XL formula ``cat([mems[l], hids[l]], 0)[beg:end]`` (with mlen and qlen in
@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from txl_kernels import _build, memory
+from txl_kernels import _build, _cpp_ops
 from txl_kernels.memory import update_mems
 
 from helpers import requires_cuda
@@ -270,11 +270,11 @@ def test_extension_checks_direct_calls(ext):
     """The C++ entry point guards its own inputs too (for callers that bypass memory.py)."""
     h = [torch.randn(4, 2, 6)]
     with pytest.raises(RuntimeError, match="mem_len must be >= 0"):
-        ext.update_mems(h, [], -1, 0)
+        torch.ops.txl_kernels.update_mems(h, [], -1, 0)
     with pytest.raises(RuntimeError, match=r"mems\[0\] must be \[mlen, 2, 6\]"):
-        ext.update_mems(h, [torch.randn(3, 2, 5)], 4, 0)
+        torch.ops.txl_kernels.update_mems(h, [torch.randn(3, 2, 5)], 4, 0)
     with pytest.raises(RuntimeError, match="one tensor per layer"):
-        ext.update_mems(h, [torch.randn(3, 2, 6)] * 2, 4, 0)
+        torch.ops.txl_kernels.update_mems(h, [torch.randn(3, 2, 6)] * 2, 4, 0)
 
 
 # ----------------------------------------------------------------------------- fallback
@@ -284,7 +284,7 @@ def _no_ninja(monkeypatch, tmp_path):
     ninja anywhere."""
     monkeypatch.setattr(_build, "_STATE", _build._State())
     monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setattr(memory, "_WARNED", set())
+    monkeypatch.setattr(_cpp_ops, "_WARNED", set())
 
 
 def test_fallback_warns_once_with_the_reason(monkeypatch, tmp_path):
@@ -306,25 +306,16 @@ def test_fallback_warns_once_with_the_reason(monkeypatch, tmp_path):
 
 
 def test_extension_is_used_when_built(ext, monkeypatch):
-    """backend='auto' takes the extension (no warning) once it is built."""
-    monkeypatch.setattr(memory, "_WARNED", set())
-    calls = []
-    real = ext.update_mems
+    """backend='auto' takes the extension's op, torch.ops.txl_kernels.update_mems (no
+    warning), once it is built."""
+    from torch.profiler import ProfilerActivity, profile
 
-    class Spy:
-        with_cuda = getattr(ext, "with_cuda", False)
-
-        @staticmethod
-        def update_mems(*a):
-            calls.append(a)
-            return real(*a)
-
-    monkeypatch.setattr(_build, "load_extension", lambda verbose=False: Spy)
+    monkeypatch.setattr(_cpp_ops, "_WARNED", set())
     hids, mems = make_layers(2, 5, 3, 2, 9, torch.bfloat16)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), profile(activities=[ProfilerActivity.CPU]) as prof:
         warnings.simplefilter("error")
         got = update_mems(hids, mems, 6, 1)
-    assert len(calls) == 1
+    assert [e.name for e in prof.events()].count("txl_kernels::update_mems") == 1
     assert_same_bits(got, txl_formula(hids, mems, 6, 1), "auto")
     assert _build.extension_status()["loaded"]
 
@@ -403,7 +394,7 @@ def test_cuda_without_cuda_build_falls_back_with_warning(monkeypatch):
     monkeypatch.setattr(_build, "_STATE", _build._State())
     monkeypatch.setattr(_build, "cuda_build_plan",
                         lambda require_device=True: (False, "no CUDA toolkit (simulated)"))
-    monkeypatch.setattr(memory, "_WARNED", set())
+    monkeypatch.setattr(_cpp_ops, "_WARNED", set())
     hids, mems = _cuda_case(torch.float32, 41, "contiguous")
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")

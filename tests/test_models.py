@@ -1,4 +1,4 @@
-"""txl_kernels.models.MemTransformerLM (issue 12): the Transformer-XL LM.
+"""txl_kernels.models.MemTransformerLM: the Transformer-XL LM.
 
 - strict loading both ways with the original's layout (tests/txl_original_lm.py, a
   transcription of kimiyoung's code) and equal losses / memories over several segments;
@@ -721,31 +721,31 @@ def test_decode_extension_rejects_bad_input():
     from txl_kernels import _build
     ext = _build.load_extension()
     assert ext is not None, _build.extension_status()["reason"]
+    attend = torch.ops.txl_kernels.decode_attention
     q, k, r, u = torch.randn(1, 2, 8), torch.randn(5, 1, 2, 8), torch.randn(5, 2, 8), \
         torch.randn(2, 8)
-    ext.decode_attention(q, k, k, r, u, u, 0.3, 0)  # fine
+    attend(q, k, k, r, u, u, 0.3, 0)  # fine
     with pytest.raises(RuntimeError, match="r must be"):
-        ext.decode_attention(q, k, k, r[:4], u, u, 0.3, 0)
+        attend(q, k, k, r[:4], u, u, 0.3, 0)
     with pytest.raises(RuntimeError, match="float32 or float64"):
-        ext.decode_attention(q.half(), k.half(), k.half(), r.half(), u.half(), u.half(), 0.3, 0)
+        attend(q.half(), k.half(), k.half(), r.half(), u.half(), u.half(), 0.3, 0)
     with pytest.raises(RuntimeError, match="every tensor"):
-        ext.decode_attention(q, k.double(), k, r, u, u, 0.3, 0)
+        attend(q, k.double(), k, r, u, u, 0.3, 0)
     with pytest.raises(RuntimeError, match="last dimension"):
-        ext.decode_attention(q, k, k.transpose(2, 3).contiguous().transpose(2, 3), r, u, u,
-                             0.3, 0)
+        attend(q, k, k.transpose(2, 3).contiguous().transpose(2, 3), r, u, u, 0.3, 0)
     with pytest.raises(RuntimeError, match="lo must be"):
-        ext.decode_attention(q, k, k, r, u, u, 0.3, 5)
+        attend(q, k, k, r, u, u, 0.3, 5)
     km, ks = torch.zeros(4, 1, 2, 8, dtype=torch.int8), torch.ones(4, 1, 2)
     r9 = torch.randn(9, 2, 8)
-    ext.decode_attention(q, k, k, r9, u, u, 0.3, 0, km, ks, km, ks)  # fine: 4 + 5 keys
+    attend(q, k, k, r9, u, u, 0.3, 0, km, ks, km, ks)  # fine: 4 + 5 keys
     with pytest.raises(RuntimeError, match="all of k_mem"):
-        ext.decode_attention(q, k, k, r9, u, u, 0.3, 0, km, ks)
+        attend(q, k, k, r9, u, u, 0.3, 0, km, ks)
     with pytest.raises(RuntimeError, match="int8 or float8_e4m3fn"):
-        ext.decode_attention(q, k, k, r9, u, u, 0.3, 0, km.float(), ks, km.float(), ks)
+        attend(q, k, k, r9, u, u, 0.3, 0, km.float(), ks, km.float(), ks)
     with pytest.raises(RuntimeError, match="v_scale must be"):
-        ext.decode_attention(q, k, k, r9, u, u, 0.3, 0, km, ks, km, ks[:3])
+        attend(q, k, k, r9, u, u, 0.3, 0, km, ks, km, ks[:3])
     with pytest.raises(RuntimeError, match="r must be"):
-        ext.decode_attention(q, k, k, r, u, u, 0.3, 0, km, ks, km, ks)
+        attend(q, k, k, r, u, u, 0.3, 0, km, ks, km, ks)
 
 
 @pytest.mark.parametrize("cfg,dtype,cache_dtype,untie_r", [
@@ -832,7 +832,7 @@ def test_decode_layer_rejects_bad_input():
                  ff2_w=f2, ff2_b=b2, ln2_w=ln_w, ln2_b=ln_b, eps2=1e-5, pre_lnorm=False,
                  keys=kv.clone(), values=kv.clone(), r=r, u=u, vb=u, scale=0.5, lo=0)
         a.update(kw)
-        return ext.decode_layer(**a)
+        return torch.ops.txl_kernels.decode_layer(**a)
 
     assert call().shape == (B, dm)  # fine
     with pytest.raises(RuntimeError, match=r"qkv_w must be \[24, 12\]"):

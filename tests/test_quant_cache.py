@@ -1,4 +1,4 @@
-"""The LM's 8-bit K/V cache (issue 13, cache half): ``new_cache(bsz, dtype=torch.int8 /
+"""The LM's 8-bit K/V cache: ``new_cache(bsz, dtype=torch.int8 /
 torch.float8_e4m3fn)``.
 
 - ``kv_cache_quantize_append`` (C++ extension and torch fallback) gives
@@ -119,10 +119,10 @@ def test_quantize_append_bad_arguments(backend):
 def test_quantize_append_without_extension(monkeypatch):
     """No extension: "auto" warns once and quantises with the torch fallback (same values),
     "extension" raises naming the op and the reason."""
-    from txl_kernels import memory
+    from txl_kernels import _cpp_ops
 
-    monkeypatch.setattr(memory, "_extension_for", lambda device: (None, "no compiler here"))
-    monkeypatch.setattr(memory, "_WARNED", set())
+    monkeypatch.setattr(_cpp_ops, "unavailable", lambda op, device_type: "no compiler here")
+    monkeypatch.setattr(_cpp_ops, "_WARNED", set())
     x = _source(3, 2, 2, 8, torch.float32, torch.int8, 0)
     q, s = torch.zeros(4, 2, 16, dtype=torch.int8), torch.zeros(4, 2, 2)
     with pytest.warns(RuntimeWarning, match="pure-torch fallback.*no compiler here"):

@@ -1,4 +1,4 @@
-"""The fused kernels' 8-bit memory paths (issue 13): the forward (QUANT_MEM variant of
+"""The fused kernels' 8-bit memory paths: the forward (QUANT_MEM variant of
 ops/rel_attn_fwd.py, split-K included) and the decode kernel (ops/rel_attn_decode.py) read
 int8 / float8_e4m3fn keys and values plus one scale per (token, head) and dequantise in
 registers. Oracle: ``rel_attention(..., backend="reference", memory=mem)`` (dequantise, then

@@ -82,12 +82,13 @@ def print_report() -> None:
 
 
 def smoke_test(mod, device: str) -> Optional[str]:
-    """The extension against the pure-torch update_mems on a small random case."""
+    """The extension's update_mems op (registered when ``mod`` was imported) against the
+    pure-torch update_mems on a small random case."""
     g = torch.Generator().manual_seed(0)
     hids = [torch.randn(5, 3, 7, generator=g), torch.randn(2, 6, 9, generator=g).transpose(0, 1)]
     mems = [torch.randn(4, 3, 7, generator=g), torch.empty(0)]
     hids, mems = [h.to(device) for h in hids], [m.to(device) for m in mems]
-    for layer, (a, b) in enumerate(zip(mod.update_mems(hids, mems, 6, 1),
+    for layer, (a, b) in enumerate(zip(torch.ops.txl_kernels.update_mems(hids, mems, 6, 1),
                                        _update_mems_torch(hids, mems, 6, 1))):
         if not torch.equal(a, b):
             return f"layer {layer} on {device}: the extension differs from update_mems"

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Static sm_90 model of the decode kernel (ops/rel_attn_decode.py) with 16-bit keys / values
-against an 8-bit memory (issue 13), no GPU needed. A developer script (not packaged):
+against an 8-bit memory, no GPU needed. A developer script (not packaged):
 
-    python tools/decode_static.py [--sass-profile PATH] [--B 8] [--H 16] [--D 64]
+    python tools/decode_static.py --sass-profile PATH [--B 8] [--H 16] [--D 64]
                                   [--lk 1600 3800] [--hbm-tbps 4.8] [--out DIR]
 
 Run from the repository root. It
@@ -14,9 +14,10 @@ Run from the repository root. It
    one current token);
 2. disassembles them and counts, per iteration of the key loop (BLOCK_N keys; for the 8-bit
    variant the memory's loop, where all but one key are read), the SASS instructions per warp
-   and the pipe demands, with the machine model of ``sass_profile.py`` (the project's static
-   model, imported by path: ``--sass-profile``, default
-   ``/work/shared/tools/sass_profile.py`` or ``$SASS_PROFILE``);
+   and the pipe demands, with the machine model of a static sm_90 model (``sass_profile.py``,
+   kept outside this repository: per-pipe issue costs of each SASS instruction, ``count_insns``,
+   ``DEFAULT_SMS``, ``DEFAULT_CLOCK_GHZ``), imported from the file that ``--sass-profile`` or
+   ``$SASS_PROFILE`` names;
 3. prints, per key and for the whole decode step at ``B x H`` heads and each ``Lk``, the
    global bytes (unique bytes from HBM: k / v per (b, h), r rows once per head (the B
    programs of a head share them in L2), scales; and the bytes the load instructions request,
@@ -39,7 +40,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the checkout's txl_kernels and tools
 
 
-def _sass_profile(path: str):
+def _sass_profile(path):
+    if not path:
+        raise SystemExit("decode_static: pass --sass-profile PATH (or set SASS_PROFILE): the "
+                         "static sm_90 model sass_profile.py")
     if not os.path.exists(path):
         raise SystemExit(f"decode_static: sass_profile.py not found at {path} (pass "
                          f"--sass-profile PATH or set SASS_PROFILE)")
@@ -122,8 +126,9 @@ def key_loop(sp, kern, workdir: str, stem: str, num_warps: int, first_of: int):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sass-profile", default=os.environ.get(
-        "SASS_PROFILE", "/work/shared/tools/sass_profile.py"))
+    ap.add_argument("--sass-profile", default=os.environ.get("SASS_PROFILE"),
+                    help="path of the static sm_90 model sass_profile.py (default: "
+                         "$SASS_PROFILE)")
     ap.add_argument("--B", type=int, default=8)
     ap.add_argument("--H", type=int, default=16)
     ap.add_argument("--D", type=int, default=64)

@@ -10,6 +10,11 @@ Public API:
     swap_rel_pos_attention, SWAP_TABLE: replace the originals inside a model
     update_mems        segment-memory update (JIT-built C++/CUDA extension, torch fallback)
     QuantizedKV, quantize_kv: 8-bit (int8 / float8_e4m3fn) attention memory
+    rel_attention_reference, mask_to_band, fused_available, BACKENDS: the einsum reference,
+    the band form of a mask, whether the fused kernels run on a device, the backend names
+
+The test oracles' internals (``rel_shift``, ``rel_shift_pad_reshape``, ``allowed_pairs``) stay
+in :mod:`txl_kernels.reference`; the language model is in :mod:`txl_kernels.models`.
 """
 from .functional import BACKENDS, fused_available, mask_to_band, rel_attention
 from .modules import (SWAP_TABLE, DIEngineAttentionXL, ESPnetRelPositionMultiHeadedAttention,
@@ -20,7 +25,7 @@ from .modules import (SWAP_TABLE, DIEngineAttentionXL, ESPnetRelPositionMultiHea
                       swap_rel_pos_attention)
 from .memory import update_mems
 from .quant import QuantizedKV, quantize_kv
-from .reference import rel_attention_reference, rel_shift, rel_shift_pad_reshape
+from .reference import rel_attention_reference
 
 __version__ = "0.1.0"
 
@@ -30,5 +35,5 @@ __all__ = ["rel_attention", "FusedRelAttention", "NeMoRelPositionMultiHeadAttent
            "RLlibRelativeMultiHeadAttention", "DIEngineAttentionXL",
            "Wav2Vec2ConformerSelfAttention", "FastSpeech2ConformerAttention",
            "swap_rel_pos_attention", "SWAP_TABLE", "update_mems", "mask_to_band",
-           "fused_available", "BACKENDS", "rel_attention_reference", "rel_shift",
-           "rel_shift_pad_reshape", "QuantizedKV", "quantize_kv", "__version__"]
+           "fused_available", "BACKENDS", "rel_attention_reference", "QuantizedKV",
+           "quantize_kv", "__version__"]

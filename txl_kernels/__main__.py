@@ -156,7 +156,7 @@ def _lm_report(device: torch.device) -> bool:
                                 f"{e['txl_kernels_mems'] / e['txl_kernels']:.2f}x the mems path")
         _row("eval, mems path", f"{e['txl_kernels_mems'] * 1e3:8.1f} ms")
         _row("generate (greedy)", f"{g['txl_kernels'] * 1e3:8.1f} ms")
-    print("  (small sizes, where per-call overhead weighs most; the issue's sizes and ratios: "
+    print("  (small sizes, where per-call overhead weighs most; the full sizes and ratios: "
           "BENCHMARKS.md)")
     return True
 

@@ -1,17 +1,19 @@
 """Small helpers shared by every layer of the package (no triton import here).
 
-One place for: describing a tensor in error messages, whether Triton runs interpreted, and the
-dtypes / head dims the fused kernels support.
+One place for: describing a tensor in error messages, checking int arguments, whether Triton
+runs interpreted, and the dtypes / head dims the fused kernels support.
 """
 from __future__ import annotations
 
+import operator
 import os
 import sys
 
 import torch
 
-__all__ = ["describe", "check_same", "interpreting", "interpret_requested", "no_interpreter_reason",
-           "FUSED_DTYPES", "REF_DTYPES", "FUSED_MIN_HEADDIM", "FUSED_MAX_HEADDIM"]
+__all__ = ["describe", "check_same", "as_len", "interpreting", "interpret_requested",
+           "no_interpreter_reason", "FUSED_DTYPES", "REF_DTYPES", "FUSED_MIN_HEADDIM",
+           "FUSED_MAX_HEADDIM"]
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REF_DTYPES = FUSED_DTYPES + (torch.float64,)
@@ -78,3 +80,21 @@ def check_same(who: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.T
         raise TypeError(f"{who}: {name} has dtype {t.dtype}, {ref_name} has {ref.dtype}")
     if device and t.device != ref.device:
         raise ValueError(f"{who}: {name} is on {t.device}, {ref_name} is on {ref.device}")
+
+
+def as_len(name: str, value, who: str, low: int = 0) -> int:
+    """``value`` (an int, or anything with ``__index__``) as an int in ``[low, 2**63)``; errors
+    name ``who`` and ``name``."""
+    what = "a non-negative int" if low == 0 else f"an int >= {low}"
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dim() != 0):
+        raise TypeError(f"{who}: {name} must be {what}, got {value!r}")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{who}: {name} must be {what}, got "
+                        f"{type(value).__name__} {value!r}") from None
+    if n < low:
+        raise ValueError(f"{who}: {name} must be >= {low}, got {n}")
+    if n >= 2 ** 63:
+        raise ValueError(f"{who}: {name} must fit in int64 (< 2**63), got {n}")
+    return n

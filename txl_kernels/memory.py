@@ -21,38 +21,18 @@ original's are views into the concatenation, which keeps the whole ``cat`` alive
 """
 from __future__ import annotations
 
-import operator
-import warnings
-from typing import List, Optional, Sequence, Set
+from typing import List, Optional, Sequence
 
 import torch
 
-from . import _build
-from ._utils import check_same, describe
+from ._cpp_ops import use_extension
+from ._utils import as_len, check_same, describe
 from .quant import SCALE_DTYPES, check_quant_dtype, quantize_per_token
 
 __all__ = ["update_mems", "kv_cache_compact", "kv_cache_quantize_append", "MEMORY_BACKENDS"]
 
 MEMORY_BACKENDS = ("auto", "extension", "torch")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_WARNED: Set[str] = set()
-
-
-def _as_len(name: str, value, who: str = "update_mems", low: int = 0) -> int:
-    """``value`` as an int >= ``low``; errors name ``who`` and ``name``."""
-    what = "a non-negative int" if low == 0 else f"an int >= {low}"
-    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dim() != 0):
-        raise TypeError(f"{who}: {name} must be {what}, got {value!r}")
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{who}: {name} must be {what}, got "
-                        f"{type(value).__name__} {value!r}") from None
-    if n < low:
-        raise ValueError(f"{who}: {name} must be >= {low}, got {n}")
-    if n >= 2 ** 63:
-        raise ValueError(f"{who}: {name} must fit in int64 (< 2**63), got {n}")
-    return n
 
 
 def _is_placeholder(m: torch.Tensor) -> bool:
@@ -60,13 +40,19 @@ def _is_placeholder(m: torch.Tensor) -> bool:
     return m.dim() == 1 and m.numel() == 0
 
 
+def _as_list(who: str, name: str, value, what: str) -> list:
+    """``value`` (a list or tuple) as a list; a TypeError naming ``who`` and ``name``
+    otherwise (a tensor included: it iterates, but as rows, not as a list of tensors)."""
+    if isinstance(value, torch.Tensor) or not isinstance(value, (list, tuple)):
+        raise TypeError(f"{who}: {name} must be {what}, got {type(value).__name__}")
+    return list(value)
+
+
 def _check(hids, mems, mem_len, ext_len):
-    mem_len = _as_len("mem_len", mem_len)
-    ext_len = _as_len("ext_len", ext_len)
-    if isinstance(hids, torch.Tensor) or not isinstance(hids, (list, tuple)):
-        raise TypeError(f"update_mems: hids must be a list or tuple of per-layer tensors "
-                        f"[qlen, bsz, d], got {type(hids).__name__}")
-    hids = list(hids)
+    mem_len = as_len("mem_len", mem_len, "update_mems")
+    ext_len = as_len("ext_len", ext_len, "update_mems")
+    hids = _as_list("update_mems", "hids", hids, "a list or tuple of per-layer tensors "
+                    "[qlen, bsz, d]")
     for l, h in enumerate(hids):
         if not isinstance(h, torch.Tensor):
             raise TypeError(f"update_mems: hids[{l}] must be a torch.Tensor [qlen, bsz, d], "
@@ -83,12 +69,9 @@ def _check(hids, mems, mem_len, ext_len):
         if h.device != hids[0].device:
             raise ValueError(f"update_mems: all hids must be on one device; hids[0] is on "
                              f"{hids[0].device}, hids[{l}] is on {h.device}")
-    if mems is None:
-        mems = []
-    elif isinstance(mems, torch.Tensor) or not isinstance(mems, (list, tuple)):
-        raise TypeError(f"update_mems: mems must be None or a list or tuple with one tensor "
-                        f"[mlen, bsz, d] per layer, got {type(mems).__name__}")
-    mems = list(mems)
+    mems = [] if mems is None else _as_list(
+        "update_mems", "mems", mems, "None or a list or tuple with one tensor [mlen, bsz, d] per "
+        "layer")
     if mems and len(mems) != len(hids):
         raise ValueError(f"update_mems: mems has {len(mems)} layers but hids has {len(hids)}; "
                          f"pass one memory per layer (or None / [] for no memory)")
@@ -134,29 +117,6 @@ def _update_mems_torch(hids: List[torch.Tensor], mems: List[torch.Tensor], mem_l
     return out
 
 
-def _extension_for(device: torch.device):
-    """(extension module, "") when it can handle tensors on ``device``, else (None, why)."""
-    if device.type not in ("cpu", "cuda"):
-        return None, f"the C++ extension has no kernel for {device.type} tensors"
-    ext = _build.load_extension()
-    if ext is None:
-        return None, str(_build.extension_status()["reason"])
-    if device.type == "cuda" and not getattr(ext, "with_cuda", False):
-        return None, ("the C++ extension was built without its CUDA kernel: "
-                      + str(_build.extension_status()["cuda_reason"]))
-    return ext, ""
-
-
-def _warn_once(device_type: str, reason: str) -> None:
-    if device_type in _WARNED:
-        return
-    _WARNED.add(device_type)
-    warnings.warn(f"txl_kernels: the C++ extension's ops (update_mems, the K/V cache's "
-                  f"compaction and 8-bit append, the CPU decoding step) use their "
-                  f"pure-torch fallback for {device_type} "
-                  f"tensors because {reason}", RuntimeWarning, stacklevel=3)
-
-
 def update_mems(hids: Sequence[torch.Tensor], mems: Optional[Sequence[torch.Tensor]],
                 mem_len: int, ext_len: int = 0, *, backend: str = "auto") -> List[torch.Tensor]:
     """New Transformer-XL memories: per layer ``cat([mems[l], hids[l]], 0)[beg:end].detach()``.
@@ -185,16 +145,10 @@ def update_mems(hids: Sequence[torch.Tensor], mems: Optional[Sequence[torch.Tens
         return []
     if backend == "torch":
         return _update_mems_torch(hids, mems, mem_len, ext_len)
-    device = hids[0].device
-    ext, reason = _extension_for(device)
-    if ext is None:
-        if backend == "extension":
-            raise RuntimeError(f"update_mems: backend='extension' is not available for "
-                               f"{device.type} tensors: {reason}")
-        _warn_once(device.type, reason)
+    if not use_extension("update_mems", hids[0].device, backend):
         return _update_mems_torch(hids, mems, mem_len, ext_len)
-    return list(ext.update_mems([h.detach() for h in hids], [m.detach() for m in mems],
-                                mem_len, ext_len))
+    return list(torch.ops.txl_kernels.update_mems([h.detach() for h in hids],
+                                                  [m.detach() for m in mems], mem_len, ext_len))
 
 
 def _kv_cache_compact_torch(bufs: List[torch.Tensor], src: int, n: int) -> None:
@@ -223,12 +177,9 @@ def kv_cache_compact(bufs: Sequence[torch.Tensor], src: int, n: int, *,
     if backend not in MEMORY_BACKENDS:
         raise ValueError(f"kv_cache_compact: backend must be one of {MEMORY_BACKENDS}, "
                          f"got {backend!r}")
-    src = _as_len("src", src, "kv_cache_compact")
-    n = _as_len("n", n, "kv_cache_compact")
-    if isinstance(bufs, torch.Tensor) or not isinstance(bufs, (list, tuple)):
-        raise TypeError(f"kv_cache_compact: bufs must be a list of tensors [cap, bsz, d], "
-                        f"got {type(bufs).__name__}")
-    bufs = list(bufs)
+    src = as_len("src", src, "kv_cache_compact")
+    n = as_len("n", n, "kv_cache_compact")
+    bufs = _as_list("kv_cache_compact", "bufs", bufs, "a list of tensors [cap, bsz, d]")
     for l, b in enumerate(bufs):
         if not isinstance(b, torch.Tensor) or b.dim() != 3 or not b.is_contiguous():
             raise ValueError(f"kv_cache_compact: bufs[{l}] must be a contiguous 3-D tensor "
@@ -244,26 +195,9 @@ def kv_cache_compact(bufs: Sequence[torch.Tensor], src: int, n: int, *,
                          f"destination [0, {n}); need src >= n")
     if not bufs or n == 0 or src == 0:
         return
-    if backend == "torch":
+    if not use_extension("kv_cache_compact", bufs[0].device, backend):
         return _kv_cache_compact_torch(bufs, src, n)
-    ext = _extension_or_fallback("kv_cache_compact", bufs[0].device, backend)
-    if ext is None:
-        return _kv_cache_compact_torch(bufs, src, n)
-    ext.kv_cache_compact(bufs, src, n)
-
-
-def _extension_or_fallback(op: str, device: torch.device, backend: str):
-    """The extension module when it has ``op`` for ``device`` tensors; else None after the
-    one-time warning (backend "auto") or a RuntimeError (backend "extension")."""
-    ext, reason = _extension_for(device)
-    if ext is None or not hasattr(ext, op):
-        reason = reason or f"the loaded extension predates {op}"
-        if backend == "extension":
-            raise RuntimeError(f"{op}: backend='extension' is not available for "
-                               f"{device.type} tensors: {reason}")
-        _warn_once(device.type, reason)
-        return None
-    return ext
+    torch.ops.txl_kernels.kv_cache_compact(bufs, src, n)
 
 
 def _quantize_append_torch(srcs, data_bufs, scale_bufs, dst_row: int, n_head: int) -> None:
@@ -301,16 +235,14 @@ def kv_cache_quantize_append(srcs: Sequence[torch.Tensor], data_bufs: Sequence[t
     who = "kv_cache_quantize_append"
     if backend not in MEMORY_BACKENDS:
         raise ValueError(f"{who}: backend must be one of {MEMORY_BACKENDS}, got {backend!r}")
-    dst_row = _as_len("dst_row", dst_row, who)
-    n_head = _as_len("n_head", n_head, who, 1)
+    dst_row = as_len("dst_row", dst_row, who)
+    n_head = as_len("n_head", n_head, who, 1)
     lists = []
     for name, value in (("srcs", srcs), ("data_bufs", data_bufs), ("scale_bufs", scale_bufs)):
-        if isinstance(value, torch.Tensor) or not isinstance(value, (list, tuple)):
-            raise TypeError(f"{who}: {name} must be a list of tensors, got "
-                            f"{type(value).__name__}")
+        value = _as_list(who, name, value, "a list of tensors")
         if not all(isinstance(t, torch.Tensor) for t in value):
             raise TypeError(f"{who}: {name} must hold only tensors")
-        lists.append(list(value))
+        lists.append(value)
     srcs, data_bufs, scale_bufs = lists
     if not len(srcs) == len(data_bufs) == len(scale_bufs):
         raise ValueError(f"{who}: srcs, data_bufs and scale_bufs must have one length, got "
@@ -343,10 +275,7 @@ def kv_cache_quantize_append(srcs: Sequence[torch.Tensor], data_bufs: Sequence[t
                              f"with {q.shape[0]} rows")
         for name, t in ((f"data_bufs[{i}]", q), (f"scale_bufs[{i}]", s), (f"srcs[{i}]", x)):
             check_same(who, name, t, "srcs[0]", srcs[0], dtype=False)
-    if backend == "torch":
+    if not use_extension(who, srcs[0].device, backend):
         return _quantize_append_torch(srcs, data_bufs, scale_bufs, dst_row, n_head)
-    ext = _extension_or_fallback(who, srcs[0].device, backend)
-    if ext is None:
-        return _quantize_append_torch(srcs, data_bufs, scale_bufs, dst_row, n_head)
-    ext.kv_cache_quantize_append([x.detach() for x in srcs], data_bufs, scale_bufs, dst_row,
-                                 n_head)
+    torch.ops.txl_kernels.kv_cache_quantize_append([x.detach() for x in srcs], data_bufs,
+                                                   scale_bufs, dst_row, n_head)

@@ -1,5 +1,7 @@
-"""``from_hf``: a :class:`MemTransformerLM` with the weights of an HF ``TransfoXLLMHeadModel``
-(transformers 4.x; the model is deprecated there and 4.34.x is the last release where it runs).
+"""The weights and configuration of an HF ``TransfoXLLMHeadModel`` (transformers 4.x; the model
+is deprecated there and 4.34.x is the last release where it runs) for ``MemTransformerLM``:
+the one entry point is ``MemTransformerLM.from_hf(hf_model)``, which calls
+:func:`build_from_hf`.
 
 The parameter names match once the ``transformer.`` prefix is dropped. One layout differs: HF
 orders the tail-cluster logits of the adaptive softmax head the other way round from
@@ -13,7 +15,7 @@ HF builds the memory of the first segment from ``mem_len`` zero vectors when ``m
 """
 from __future__ import annotations
 
-__all__ = ["from_hf", "hf_state_dict"]
+__all__ = ["build_from_hf", "hf_state_dict"]
 
 
 def hf_state_dict(hf_model) -> dict:
@@ -35,14 +37,12 @@ def hf_state_dict(hf_model) -> dict:
     return sd
 
 
-def from_hf(hf_model, cls=None, tgt_len=None, **kwargs):
-    """A ``MemTransformerLM`` (``cls``) with the configuration and weights of ``hf_model``, an
-    HF ``TransfoXLLMHeadModel``, loaded with ``strict=True``, on its device and dtype, in its
-    train / eval mode. ``tgt_len`` (HF's config has none; default 128, the published
+def build_from_hf(cls, hf_model, tgt_len=None, **kwargs):
+    """A ``cls`` (``MemTransformerLM`` or a subclass) with the configuration and weights of
+    ``hf_model``, an HF ``TransfoXLLMHeadModel``, loaded with ``strict=True``, on its device and
+    dtype, in its train / eval mode. ``tgt_len`` (HF's config has none; default 128, the published
     checkpoints' segment length) sets the segment length that ``generate`` and ``new_cache``
     use; other keyword arguments go to the constructor (e.g. ``attn_backend``)."""
-    if cls is None:
-        from .mem_transformer import MemTransformerLM as cls
     cfg = getattr(hf_model, "config", None)
     if cfg is None or getattr(cfg, "model_type", None) != "transfo-xl" \
             or not hasattr(hf_model, "crit"):

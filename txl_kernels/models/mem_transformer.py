@@ -30,13 +30,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from .._utils import FUSED_DTYPES, check_same, describe
+from .._cpp_ops import use_extension
+from .._utils import FUSED_DTYPES, as_len, check_same, describe
 from ..functional import fused_available, rel_attention
-from ..memory import _as_len, _extension_or_fallback, update_mems
+from ..memory import update_mems
 from ..modules.transformer_xl import FusedRelAttention
 from ..quant import QuantizedKV
 from .adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
 from .cache import TransfoXLCache
+from .hf import build_from_hf
+from .nvidia import build_from_nvidia
 
 __all__ = ["MemTransformerLM", "PositionalEmbedding", "PositionwiseFF",
            "RelPartialLearnableDecoderLayer"]
@@ -160,8 +163,7 @@ class RelPartialLearnableDecoderLayer(nn.Module):
                 or w.dtype not in _TORCH_SEGMENT_DTYPES or cache.memory_backend == "torch"
                 or self._decode_kernel_ok(w) or not _plain_layer(self)):
             return None
-        ext = _extension_or_fallback("decode_layer", w.device, cache.memory_backend)
-        if ext is None:
+        if not use_extension("decode_layer", w.device, cache.memory_backend):
             return None
         att, ff = self.dec_attn, self.pos_ff
         keys, values, memory = cache._slots(layer, 1)
@@ -171,10 +173,10 @@ class RelPartialLearnableDecoderLayer(nn.Module):
             r_w_bias, r_r_bias = r_w_bias.to(w.dtype), r_r_bias.to(w.dtype)
         lo, mem = _decode_ext_args(memory, keys.shape[0], window_size[0])
         ln1, ln2, ff1, ff2 = att.layer_norm, ff.layer_norm, ff.CoreNet[0], ff.CoreNet[3]
-        out = ext.decode_layer(w[0], att.qkv_net.weight, att.o_net.weight, ln1.weight,
-                               ln1.bias, ln1.eps, ff1.weight, ff1.bias, ff2.weight, ff2.bias,
-                               ln2.weight, ln2.bias, ln2.eps, att.pre_lnorm, keys, values,
-                               r_head_k, r_w_bias, r_r_bias, float(att.scale), lo, *mem)
+        out = torch.ops.txl_kernels.decode_layer(
+            w[0], att.qkv_net.weight, att.o_net.weight, ln1.weight, ln1.bias, ln1.eps,
+            ff1.weight, ff1.bias, ff2.weight, ff2.bias, ln2.weight, ln2.bias, ln2.eps,
+            att.pre_lnorm, keys, values, r_head_k, r_w_bias, r_r_bias, float(att.scale), lo, *mem)
         return out[None]
 
     def _decode_kernel_ok(self, q: torch.Tensor) -> bool:
@@ -323,11 +325,11 @@ def decode_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale: float,
     lk = (0 if memory is None else memory.mlen) + k.shape[1]
     if (backend != "torch" and q.device.type == "cpu" and q.dtype in _TORCH_SEGMENT_DTYPES
             and lk > 0):
-        ext = _extension_or_fallback("decode_attention", q.device, backend)
-        if ext is not None:
+        if use_extension("decode_attention", q.device, backend):
             lo, mem = _decode_ext_args(memory, k.shape[1], window_left)
-            out = ext.decode_attention(q[:, 0], k.transpose(0, 1), v.transpose(0, 1), r,
-                                       r_w_bias, r_r_bias, float(softmax_scale), lo, *mem)
+            out = torch.ops.txl_kernels.decode_attention(
+                q[:, 0], k.transpose(0, 1), v.transpose(0, 1), r, r_w_bias, r_r_bias,
+                float(softmax_scale), lo, *mem)
             return out[:, None]
     if memory is not None:
         if full_kv is None:
@@ -389,7 +391,7 @@ class MemTransformerLM(nn.Module):
         if sample_softmax is not None and sample_softmax > 0:
             raise ValueError(f"MemTransformerLM: sampled softmax is not implemented "
                              f"(sample_softmax must be <= 0), got {sample_softmax!r}")
-        self.n_token = _as_len("n_token", n_token, "MemTransformerLM", 1)
+        self.n_token = as_len("n_token", n_token, "MemTransformerLM", 1)
         d_embed = d_model if d_embed is None else d_embed
         self.d_embed, self.d_model, self.n_head, self.d_head = d_embed, d_model, n_head, d_head
         self.n_layer = n_layer
@@ -455,9 +457,9 @@ class MemTransformerLM(nn.Module):
     def reset_length(self, tgt_len, ext_len, mem_len) -> None:
         """Change the segment, extended-context and memory lengths (as the original)."""
         self.tgt_len = (None if tgt_len is None
-                        else _as_len("tgt_len", tgt_len, "reset_length", 1))
-        self.ext_len = _as_len("ext_len", ext_len, "reset_length", 0)
-        self.mem_len = _as_len("mem_len", mem_len, "reset_length", 0)
+                        else as_len("tgt_len", tgt_len, "reset_length", 1))
+        self.ext_len = as_len("ext_len", ext_len, "reset_length", 0)
+        self.mem_len = as_len("mem_len", mem_len, "reset_length", 0)
 
     def init_mems(self) -> Optional[List[torch.Tensor]]:
         """The original's 'no memory yet': ``n_layer + 1`` empty tensors (None if mem_len 0)."""
@@ -502,20 +504,16 @@ class MemTransformerLM(nn.Module):
     @classmethod
     def from_hf(cls, model, **kwargs) -> "MemTransformerLM":
         """The same weights from an HF ``TransfoXLLMHeadModel`` (transformers 4.x); see
-        :func:`txl_kernels.models.hf.from_hf`."""
-        from .hf import from_hf
-
-        return from_hf(model, cls=cls, **kwargs)
+        :func:`txl_kernels.models.hf.build_from_hf`."""
+        return build_from_hf(cls, model, **kwargs)
 
     @classmethod
     def from_nvidia(cls, source, config=None, **kwargs) -> "MemTransformerLM":
         """The configuration and weights of NVIDIA DeepLearningExamples' Transformer-XL (its
         model, a training checkpoint or a state_dict with ``config``), renamed and loaded with
         ``strict=True``, with NVIDIA's ``same_length`` mask; see
-        :func:`txl_kernels.models.nvidia.from_nvidia`."""
-        from .nvidia import from_nvidia
-
-        return from_nvidia(source, config, cls=cls, **kwargs)
+        :func:`txl_kernels.models.nvidia.build_from_nvidia`."""
+        return build_from_nvidia(cls, source, config, **kwargs)
 
     # -- input checks -----------------------------------------------------------------------
     def _param(self) -> torch.Tensor:
@@ -765,8 +763,8 @@ class MemTransformerLM(nn.Module):
             raise RuntimeError("MemTransformerLM.generate: the model is in training mode "
                                "(dropout active); call model.eval() first")
         input_ids = self._check_ids("input_ids", input_ids, "[bsz, len] (batch-first)")
-        max_new_tokens = _as_len("max_new_tokens", max_new_tokens, "generate", 0)
-        top_k = _as_len("top_k", top_k, "generate", 0)
+        max_new_tokens = as_len("max_new_tokens", max_new_tokens, "generate", 0)
+        top_k = as_len("top_k", top_k, "generate", 0)
         if not isinstance(do_sample, bool):
             raise TypeError(f"generate: do_sample must be a bool, got {do_sample!r}")
         if not isinstance(temperature, (int, float)) or not temperature > 0:

@@ -1,5 +1,5 @@
-"""``from_nvidia``: a :class:`MemTransformerLM` with the configuration and weights of NVIDIA
-DeepLearningExamples' Transformer-XL (``PyTorch/LanguageModeling/Transformer-XL/pytorch``,
+"""``MemTransformerLM.from_nvidia``: a :class:`MemTransformerLM` with the configuration and
+weights of NVIDIA DeepLearningExamples' Transformer-XL (``PyTorch/LanguageModeling/Transformer-XL/pytorch``,
 ``attn_type=0``), from its model, its training checkpoints (``{"model_config": ...,
 "model_state": ...}``, as ``train.py`` saves them) or a bare state_dict with its config.
 
@@ -43,7 +43,7 @@ from typing import Mapping, Optional
 
 import torch
 
-__all__ = ["from_nvidia", "nvidia_state_dict"]
+__all__ = ["build_from_nvidia", "nvidia_state_dict"]
 
 _CRIT_OUT = re.compile(r"crit\.out_layers_(weights|biases)\.(\d+)")
 
@@ -52,7 +52,7 @@ def nvidia_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict:
     """NVIDIA's state_dict under this model's names (see the module's table): the
     ``crit.out_layers_weights`` / ``crit.out_layers_biases`` entries renamed, the
     ``crit.shared_out_projs`` entries dropped. The keys NVIDIA does not store for tied
-    parameters are filled by :func:`from_nvidia` from the model's ties."""
+    parameters are filled by :func:`build_from_nvidia` from the model's ties."""
     sd = {}
     for key, value in state_dict.items():
         if key.startswith("crit.shared_out_projs."):
@@ -81,8 +81,9 @@ def _config_of_model(model) -> dict:
         sample_softmax=model.sample_softmax)
 
 
-def from_nvidia(source, config: Optional[Mapping] = None, cls=None, **kwargs):
-    """A ``MemTransformerLM`` (``cls``) from NVIDIA DeepLearningExamples' Transformer-XL.
+def build_from_nvidia(cls, source, config: Optional[Mapping] = None, **kwargs):
+    """A ``cls`` (``MemTransformerLM`` or a subclass) from NVIDIA DeepLearningExamples'
+    Transformer-XL.
 
     ``source``: NVIDIA's ``MemTransformerLM`` (then the result is on its device and dtype, in
     its train / eval mode; otherwise on the weights' device and dtype, in training mode as a
@@ -93,8 +94,6 @@ def from_nvidia(source, config: Optional[Mapping] = None, cls=None, **kwargs):
     clamp_len=400`` as NVIDIA's ``eval.py`` does) or go to the constructor (e.g.
     ``attn_backend``); ``same_length_style`` defaults to ``"nvidia"`` (see the module). The
     weights are renamed (:func:`nvidia_state_dict`) and loaded with ``strict=True``."""
-    if cls is None:
-        from .mem_transformer import MemTransformerLM as cls
     module = source if isinstance(source, torch.nn.Module) else None
     if module is not None:
         if not hasattr(getattr(module, "crit", None), "out_layers_biases"):

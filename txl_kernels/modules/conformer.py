@@ -30,20 +30,17 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from .._utils import describe
 from ..functional import BACKENDS, rel_attention
+from ._dropin import adopt, check_key_padding_mask
 
-__all__ = ["NeMoRelPositionMultiHeadAttention", "ESPnetRelPositionMultiHeadedAttention",
-           "swap_rel_pos_attention"]
-
-
-def _shape(t) -> str:
-    return f"{list(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+__all__ = ["NeMoRelPositionMultiHeadAttention", "ESPnetRelPositionMultiHeadedAttention"]
 
 
-class _RelPosAttention(nn.Module):
+class RelPosAttentionBase(nn.Module):
     """Shared plumbing: projections, position table, mask checks, the rel_attention call."""
 
-    _NAME = "_RelPosAttention"
+    _NAME = "RelPosAttentionBase"
 
     def _init_common(self, n_head: int, n_feat: int, dropout_rate: float, use_bias: bool,
                      backend: str) -> None:
@@ -71,12 +68,12 @@ class _RelPosAttention(nn.Module):
                 or (batch is not None and t.shape[0] != batch):
             b = "B" if batch is None else f"B={batch}"
             raise ValueError(f"{self._NAME}: {name} must be ({b}, time, n_feat={self.n_feat}), "
-                             f"got {_shape(t)}")
+                             f"got {describe(t)}")
 
     def _check_pos_emb(self, pos_emb, batch: int, klen: int, hint: str) -> None:
         if not isinstance(pos_emb, Tensor) or pos_emb.dim() != 3:
             raise ValueError(f"{self._NAME}: pos_emb must be (1 or B, 2K - 1, n_feat), "
-                             f"got {_shape(pos_emb)}")
+                             f"got {describe(pos_emb)}")
         want = (2 * klen - 1, self.n_feat)
         if pos_emb.shape[0] not in (1, batch) or tuple(pos_emb.shape[1:]) != want:
             raise ValueError(
@@ -91,21 +88,14 @@ class _RelPosAttention(nn.Module):
         if key_padding_mask is not None and lengths is not None:
             raise ValueError(f"{self._NAME}: pass key_padding_mask or lengths, not both")
         if key_padding_mask is not None:
-            if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool \
-                    or tuple(key_padding_mask.shape) != (batch, klen):
-                got = (f"{_shape(key_padding_mask)} {key_padding_mask.dtype}"
-                       if isinstance(key_padding_mask, Tensor) else _shape(key_padding_mask))
-                raise ValueError(f"{self._NAME}: key_padding_mask must be a bool tensor "
-                                 f"(B, K) = ({batch}, {klen}), True = padded key; got {got}")
+            check_key_padding_mask(self._NAME, key_padding_mask, "(B, K)", (batch, klen))
             return key_padding_mask
         if lengths is not None:
             if not isinstance(lengths, Tensor) or lengths.dim() != 1 \
                     or lengths.shape[0] != batch or lengths.is_floating_point() \
                     or lengths.dtype == torch.bool:
-                got = (f"{_shape(lengths)} {lengths.dtype}" if isinstance(lengths, Tensor)
-                       else _shape(lengths))
                 raise ValueError(f"{self._NAME}: lengths must be an integer tensor (B={batch},) "
-                                 f"of valid frames per sequence; got {got}")
+                                 f"of valid frames per sequence; got {describe(lengths)}")
             lengths = lengths.to(device=device)
             # Checked on the device (no host sync): on CPU this raises here, on CUDA as a
             # device-side assertion at the next synchronisation.
@@ -174,7 +164,7 @@ class _RelPosAttention(nn.Module):
         return f"n_head={self.h}, n_feat={self.n_feat}, backend={self.backend!r}"
 
 
-class NeMoRelPositionMultiHeadAttention(_RelPosAttention):
+class NeMoRelPositionMultiHeadAttention(RelPosAttentionBase):
     """Drop-in for NeMo's ``RelPositionMultiHeadAttention`` (Conformer / FastConformer
     ``self_attention_model="rel_pos"``), computed by ``txl_kernels.rel_attention``.
 
@@ -339,14 +329,12 @@ class NeMoRelPositionMultiHeadAttention(_RelPosAttention):
             new = cls(module.h, n_feat, module.dropout.p, module.pos_bias_u, module.pos_bias_v,
                       max_cache_len=getattr(module, "_max_cache_len", 0),
                       use_bias=module.linear_q.bias is not None, **kwargs)
-        for name in ("linear_q", "linear_k", "linear_v", "linear_out", "linear_pos"):
-            setattr(new, name, getattr(module, name))
         new.cache_drop_size = getattr(module, "cache_drop_size", None) or 0
-        new.train(module.training)
-        return new
+        return adopt(new, module, ("linear_q", "linear_k", "linear_v", "linear_out",
+                                   "linear_pos"))
 
 
-class ESPnetRelPositionMultiHeadedAttention(_RelPosAttention):
+class ESPnetRelPositionMultiHeadedAttention(RelPosAttentionBase):
     """Drop-in for ESPnet's current ``RelPositionMultiHeadedAttention`` (``rel_pos_type=
     "latest"``; not ``LegacyRelPositionMultiHeadedAttention``), computed by
     ``txl_kernels.rel_attention``.
@@ -434,12 +422,6 @@ class ESPnetRelPositionMultiHeadedAttention(_RelPosAttention):
         with torch.device("meta"):
             new = cls(module.h, n_feat, module.dropout.p,
                       zero_triu=getattr(module, "zero_triu", False), **kwargs)
-        for name in ("linear_q", "linear_k", "linear_v", "linear_out", "linear_pos",
-                     "pos_bias_u", "pos_bias_v"):
-            setattr(new, name, getattr(module, name))
-        new.train(module.training)
-        return new
+        return adopt(new, module, ("linear_q", "linear_k", "linear_v", "linear_out",
+                                   "linear_pos", "pos_bias_u", "pos_bias_v"))
 
-
-# Moved to swap.py (one table for every drop-in); re-exported here for existing imports.
-from .swap import swap_rel_pos_attention  # noqa: E402  (after the classes swap.py imports)

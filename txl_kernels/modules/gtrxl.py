@@ -24,9 +24,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._utils import describe
 from ..functional import BACKENDS, mask_to_band, rel_attention
 from ._dropin import adopt
-from .conformer import _shape
 
 __all__ = ["RLlibRelativeMultiHeadAttention", "DIEngineAttentionXL"]
 
@@ -122,13 +122,13 @@ class RLlibRelativeMultiHeadAttention(nn.Module):
     def forward(self, inputs: Tensor, memory: Optional[Tensor] = None) -> Tensor:
         if not isinstance(inputs, Tensor) or inputs.dim() != 3 or inputs.shape[-1] != self.in_dim:
             raise ValueError(f"{self._NAME}: inputs must be [B, T, in_dim={self.in_dim}], got "
-                             f"{_shape(inputs)}")
+                             f"{describe(inputs)}")
         B, T = inputs.shape[0], inputs.shape[1]
         if memory is not None:
             if not isinstance(memory, Tensor) or memory.dim() != 3 or memory.shape[0] != B \
                     or memory.shape[-1] != self.in_dim:
                 raise ValueError(f"{self._NAME}: memory must be [B={B}, Tau, in_dim="
-                                 f"{self.in_dim}], got {_shape(memory)}")
+                                 f"{self.in_dim}], got {describe(memory)}")
             inputs = torch.cat((memory.detach(), inputs), dim=1)
         K = inputs.shape[1]
         if self._input_layernorm is not None:
@@ -198,7 +198,7 @@ class DIEngineAttentionXL(nn.Module):
         if not isinstance(t, Tensor) or t.dim() != 3 or t.shape[-1] != self.input_dim \
                 or (batch is not None and t.shape[1] != batch):
             raise ValueError(f"{self._NAME}: {name} must be (seq, bs, input_dim="
-                             f"{self.input_dim}) seq-first, got {_shape(t)}")
+                             f"{self.input_dim}) seq-first, got {describe(t)}")
 
     def forward(self, inputs: Tensor, pos_embedding: Tensor, full_input: Tensor, u: Tensor,
                 v: Tensor, mask: Optional[Tensor] = None) -> Tensor:
@@ -212,12 +212,12 @@ class DIEngineAttentionXL(nn.Module):
         if not isinstance(pos_embedding, Tensor) or tuple(pos_embedding.shape) != (
                 full, 1, self.input_dim):
             raise ValueError(f"{self._NAME}: pos_embedding must be (full_seq={full}, 1, "
-                             f"{self.input_dim}), got {_shape(pos_embedding)}")
+                             f"{self.input_dim}), got {describe(pos_embedding)}")
         H, D = self.head_num, self.head_dim
         for name, t in (("u", u), ("v", v)):
             if not isinstance(t, Tensor) or tuple(t.shape) != (H, D):
                 raise ValueError(f"{self._NAME}: {name} must be [head_num, head_dim] = "
-                                 f"[{H}, {D}], got {_shape(t)}")
+                                 f"[{H}, {D}], got {describe(t)}")
         prev = full - cur
         am = band = None
         if mask is not None:
@@ -225,7 +225,7 @@ class DIEngineAttentionXL(nn.Module):
                     or tuple(mask.shape) != (cur, full, 1):
                 raise ValueError(f"{self._NAME}: mask must be a bool tensor (cur_seq, full_seq,"
                                  f" 1) = ({cur}, {full}, 1), True = masked; got "
-                                 f"{_shape(mask)} {getattr(mask, 'dtype', '')}")
+                                 f"{describe(mask)}")
             am = mask[..., 0]
         future = torch.ones(cur, full, dtype=torch.bool, device=inputs.device).triu(1 + prev)
         if bool((future if am is None else future & ~am).any()):

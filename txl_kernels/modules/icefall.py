@@ -21,9 +21,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._utils import describe
 from ..functional import BACKENDS, rel_attention
-from ._dropin import adopt
-from .conformer import _shape
+from ._dropin import adopt, check_key_padding_mask
 
 __all__ = ["IcefallRelPositionMultiheadAttention", "ScaledLinear"]
 
@@ -114,23 +114,19 @@ class IcefallRelPositionMultiheadAttention(nn.Module):
                 or (length is not None and t.shape[0] != length) \
                 or (batch is not None and t.shape[1] != batch):
             raise ValueError(f"{self._NAME}: {name} must be (time, batch, embed_dim="
-                             f"{self.embed_dim}) seq-first, got {_shape(t)}")
+                             f"{self.embed_dim}) seq-first, got {describe(t)}")
 
     def _masks(self, key_padding_mask, attn_mask, bsz: int, tgt: int, src: int):
         kpm = None
         if key_padding_mask is not None:
-            if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype not in (
-                    torch.bool, torch.uint8) or tuple(key_padding_mask.shape) != (bsz, src):
-                raise ValueError(f"{self._NAME}: key_padding_mask must be a bool or uint8 tensor "
-                                 f"(N, S) = ({bsz}, {src}), True = padded; got "
-                                 f"{_shape(key_padding_mask)} "
-                                 f"{getattr(key_padding_mask, 'dtype', '')}")
+            check_key_padding_mask(self._NAME, key_padding_mask, "(N, S)", (bsz, src),
+                                   (torch.bool, torch.uint8))
             kpm = key_padding_mask.to(torch.bool)
         am = None
         if attn_mask is not None:
             if not isinstance(attn_mask, Tensor) or attn_mask.dtype not in (torch.bool,
                                                                             torch.uint8):
-                got = getattr(attn_mask, "dtype", _shape(attn_mask))
+                got = getattr(attn_mask, "dtype", describe(attn_mask))
                 raise TypeError(f"{self._NAME}: attn_mask must be a bool or uint8 tensor "
                                 f"(True = masked); got {got} (additive float masks are not "
                                 f"supported)")
@@ -164,7 +160,7 @@ class IcefallRelPositionMultiheadAttention(nn.Module):
                 or tuple(pos_emb.shape[1:]) != (rows, self.embed_dim):
             raise ValueError(f"{self._NAME}: pos_emb must be (1 or N={bsz}, left_context + 2L - 1"
                              f" = {rows}, {self.embed_dim}) for L={tgt}, left_context="
-                             f"{left_context}; got {_shape(pos_emb)}")
+                             f"{left_context}; got {describe(pos_emb)}")
         kpm, am = self._masks(key_padding_mask, attn_mask, bsz, tgt, src)
         E = self.embed_dim
         w, b = self.in_proj.get_weight(), self.in_proj.get_bias()

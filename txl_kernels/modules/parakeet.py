@@ -32,13 +32,13 @@ from torch import Tensor
 
 from ..functional import BACKENDS, mask_to_band
 from ._dropin import adopt
-from .conformer import ESPnetRelPositionMultiHeadedAttention, _RelPosAttention, _shape
+from .conformer import ESPnetRelPositionMultiHeadedAttention, RelPosAttentionBase
 
 __all__ = ["ParakeetEncoderAttention", "Wav2Vec2ConformerSelfAttention",
            "FastSpeech2ConformerAttention"]
 
 
-class _HFRelPosAttention(_RelPosAttention):
+class _HFRelPosAttention(RelPosAttentionBase):
     """What the transformers drop-ins share: the boolean / additive mask split on the device
     (key padding, query padding, a rest with its band descriptor) and the original's fully
     masked rows (module docstring)."""

@@ -24,9 +24,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._utils import describe
 from ..functional import BACKENDS, mask_to_band, rel_attention
-from ._dropin import adopt
-from .conformer import _shape
+from ._dropin import adopt, check_key_padding_mask
 
 __all__ = ["SpeechBrainRelPosMHAXL"]
 
@@ -100,7 +100,7 @@ class SpeechBrainRelPosMHAXL(nn.Module):
         if not isinstance(t, Tensor) or t.dim() != 3 or t.shape[-1] != self.embed_dim \
                 or (batch is not None and t.shape[0] != batch):
             raise ValueError(f"{self._NAME}: {name} must be (batch, time, embed_dim="
-                             f"{self.embed_dim}), got {_shape(t)}")
+                             f"{self.embed_dim}), got {describe(t)}")
 
     def _attn_mask(self, attn_mask, bsz: int, qlen: int, klen: int):
         """-> (bool mask [1|B, 1|H, L, S] True = masked, band descriptor or None)."""
@@ -147,18 +147,13 @@ class SpeechBrainRelPosMHAXL(nn.Module):
                                                                           self.embed_dim):
             raise ValueError(f"{self._NAME}: pos_embs must be (1, 2S - 1 = {2 * klen - 1}, "
                              f"{self.embed_dim}) (RelPosEncXL of the keys), got "
-                             f"{_shape(pos_embs)}")
+                             f"{describe(pos_embs)}")
         if not self._qkv_same_embed_dim:
             raise NotImplementedError(f"{self._NAME}: vdim != embed_dim is not supported (nor "
                                       f"by SpeechBrain's RelPosMHAXL.forward)")
         kpm = None
         if key_padding_mask is not None:
-            if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool \
-                    or tuple(key_padding_mask.shape) != (bsz, klen):
-                raise ValueError(f"{self._NAME}: key_padding_mask must be a bool tensor (B, S) "
-                                 f"= ({bsz}, {klen}), True = padded; got "
-                                 f"{_shape(key_padding_mask)} "
-                                 f"{getattr(key_padding_mask, 'dtype', '')}")
+            check_key_padding_mask(self._NAME, key_padding_mask, "(B, S)", (bsz, klen))
             kpm = key_padding_mask
         am, band = self._attn_mask(attn_mask, bsz, qlen, klen)
         H, D = self.num_heads, self.head_dim

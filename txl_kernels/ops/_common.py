@@ -236,8 +236,8 @@ def rotate_rows(m, sh, BM: tl.constexpr, BN: tl.constexpr):
 # Philox call serves keys 16 h' + 2 q + {0, 1, 8, 9}, the four elements of the call's row that
 # one thread holds in the sm_90 wgmma accumulator layout (column bits 1-2 are lane bits, bits 0
 # and 3 register bits), so the words reach their scores without a layout conversion through
-# shared memory (with the call's keys 4 c + {0, 1, 2, 3}, the old mapping, they did: static
-# model, dropout forward 4.49 -> 3.89 of the tutorial). For one (seed, offset) every element
+# shared memory (four consecutive keys 4 c + {0, 1, 2, 3} per call would sit in other lanes'
+# accumulator registers and need that conversion in every tile). For one (seed, offset) every element
 # has its own (counter, word), whatever the tiling (split-K, block sizes: key tiles start at
 # multiples of 16), so the forward and every backward kernel regenerate the same mask. The
 # word is compared with an integer threshold: P(keep) = 1 - floor(p * 2^32) / 2^32.

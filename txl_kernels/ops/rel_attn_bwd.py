@@ -168,9 +168,9 @@ def _probs(ac, bd, lse2, offs_i, offs_j, qk_scale, pattern, HAS_KPM: tl.constexp
 # (kpm_b, kpm_n), MASK, (mb, mh, mm, mn), BAND) and the dropout as ``dropout`` (SEED,
 # threshold, 1 / (1 - p)); _program_setup turns them into per-(batch, head) tuples that the tile
 # helpers unpack. LQ_BUCKET / LK_BUCKET are autotune keys only. The parameter order (pointers,
-# strides, sizes, masks, dropout) is the pre-tuple one: LLVM ranks arguments by position when it
-# reassociates index arithmetic, and with the window ahead of Lq / Lk the dk/dv kernel spilled
-# 8 B more on sm_90 (tools: sass_profile --bwd).
+# strides, sizes, masks, dropout) matters: LLVM ranks arguments by position when it
+# reassociates index arithmetic, and with the window ahead of Lq / Lk the dk/dv kernel spills
+# 8 B more on sm_90 (the static sm_90 model's --bwd report, sass_profile.py).
 
 
 @triton.jit
@@ -268,10 +268,10 @@ def _window_t(qv_t, r_win, BLOCK: tl.constexpr, DOT_PREC: tl.constexpr):
     """(T_lo, T_hi): T = (q + vb) @ r_win^T ([BLOCK, 2 BLOCK]) as one product, split into its
     two chunks (along a register bit of the accumulator layout: no data movement). One product
     instead of two reads the (q + vb) operand from shared memory once: the dk/dv kernel's form
-    (static model: its loop 924 -> 864 cycles). The dq kernel needs r_lo as an operand of its
-    own (dQv), and a third r buffer beside it exceeds shared memory at fp32 D 64; in the dr
-    kernel the rows are loop invariants and two products measured faster (1210 against 1222):
-    both take _chunks_t."""
+    (fewer issue cycles per loop iteration in the static sm_90 model). The dq kernel needs r_lo
+    as an operand of its own (dQv), and a third r buffer beside it exceeds shared memory at
+    fp32 D 64; in the dr kernel the rows are loop invariants and two products model slightly
+    faster than one: both take _chunks_t."""
     t = tl.dot(qv_t, tl.trans(r_win), input_precision=DOT_PREC)
     return tl.split(tl.permute(tl.reshape(t, [BLOCK, 2, BLOCK]), (0, 2, 1)))
 
