@@ -271,8 +271,11 @@ class FastSpeech2ConformerAttention(ESPnetRelPositionMultiHeadedAttention):
     ``RelPositionMultiHeadedAttention`` under transformers' names (same parameters).
 
     ``forward(hidden_states, attention_mask=None, pos_emb=None, output_attentions=False)``
-    returns ``(attn_output, None)``; attention_mask ``(B, 1, T)`` True / 1 = keep (reaches the
-    kernel as key padding). ``output_attentions=True`` raises: the probabilities are never
+    returns ``(attn_output, None)``; attention_mask ``(B, 1, T)`` (reaches the kernel as key
+    padding) of any real dtype, read as the original reads it (``mask.eq(0)`` = masked): 0 =
+    masked, any other value = keep. ``FastSpeech2ConformerModel`` hands its layers a float
+    mask of ones and zeros (``torch.ones(input_ids.shape)`` when no mask is given), its
+    decoder an integer one. ``output_attentions=True`` raises: the probabilities are never
     materialised.
     """
 
@@ -289,6 +292,8 @@ class FastSpeech2ConformerAttention(ESPnetRelPositionMultiHeadedAttention):
         if output_attentions:
             raise NotImplementedError(f"{self._NAME}: output_attentions=True needs the attention "
                                       f"probabilities, which the fused kernel never builds")
+        if isinstance(attention_mask, Tensor) and attention_mask.is_floating_point():
+            attention_mask = attention_mask != 0  # the original's mask.eq(0) = masked
         out = super().forward(hidden_states, hidden_states, hidden_states, pos_emb,
                               attention_mask)
         return out, None
