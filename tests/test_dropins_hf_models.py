@@ -116,8 +116,9 @@ def _assert_close_tree(a, b, rtol, atol):
 def test_fastspeech2_model_forward_with_its_own_masks():
     """Regression: FastSpeech2ConformerModel hands its attention layers a float mask
     (torch.ones(input_ids.shape) when none is given), which the drop-in refused with a
-    TypeError. Inference (float mask, integer mask with padding) and training with labels
-    (the decoder's integer mask), outputs and gradients, against the unswapped model."""
+    TypeError. Inference (the default float mask; integer, float and bool masks with
+    padding) and training with labels (the decoder's integer mask), outputs and gradients,
+    against the unswapped model."""
     torch.manual_seed(0)
     model = FastSpeech2ConformerModel(fs2_config()).eval()
     _randomize_biases(model, ("pos_bias_u", "pos_bias_v"))
@@ -125,7 +126,7 @@ def test_fastspeech2_model_forward_with_its_own_masks():
     ids = torch.randint(1, 20, (2, 7), generator=torch.Generator().manual_seed(1))
     padded = torch.ones(2, 7, dtype=torch.long)
     padded[1, 5:] = 0
-    for mask in (None, padded, padded.float()):
+    for mask in (None, padded, padded.float(), padded.bool()):
         want = model(ids, attention_mask=mask, return_dict=True)
         got = swapped(ids, attention_mask=mask, return_dict=True)
         assert got.spectrogram.shape == want.spectrogram.shape

@@ -256,7 +256,7 @@ def rel_attention(
         softmax_scale: defaults to ``D ** -0.5``. Any finite float, on every backend: 0
             gives uniform weights over the allowed keys, a negative scale favours the
             lowest scores (the fused kernels get ``|scale|`` with q and both biases negated,
-            which is the same scores). NaN / inf raise ValueError.
+            which gives the same scores). NaN / inf raise ValueError.
         dropout_p: dropout on the attention probabilities, after the softmax normaliser (kept
             ones scaled by ``1 / (1 - p)``), on both backends. Pass 0.0 at evaluation. The
             fused kernels draw their keep-mask from a counter-based RNG (Philox) keyed by a
