@@ -96,11 +96,29 @@ struct QuantMax<c10::Float8_e4m3fn> {
 // max that propagates NaN (as torch.amax does).
 TXL_HOST_DEVICE inline float nan_max(float a, float b) { return a > b || a != a ? a : b; }
 
-// The scale of a head whose largest |value| (in fp32) is absmax: absmax / qmax rounded to
-// scale_t, returned as stored and (via *s) as the fp32 value the data is divided by.
+// The scale of a head whose largest |value| (in fp32) is absmax: absmax / qmax as scale_t,
+// returned as stored and (via *s) as the fp32 value the data is divided by. float16: a finite
+// positive absmax / qmax is clamped into [2^-24, 65504] (the smallest positive and largest
+// finite float16) and rounded up, so the scale neither underflows to 0 nor overflows to inf
+// and no value exceeds qmax through the scale's rounding (txl_kernels.quant's _fp16_scale).
 template <typename quant_t, typename scale_t>
 TXL_HOST_DEVICE inline scale_t head_scale(float absmax, float* s) {
-  const scale_t stored = static_cast<scale_t>(absmax / QuantMax<quant_t>::value);
+  float want = absmax / QuantMax<quant_t>::value;
+  scale_t stored;
+  if constexpr (std::is_same<scale_t, c10::Half>::value) {
+    constexpr float kTiny = 5.9604644775390625e-08f;  // 2^-24
+    constexpr float kMax = 65504.0f;
+    if (want > 0.0f && want <= 3.4028234663852886e+38f) {  // finite positive
+      want = want < kTiny ? kTiny : (want > kMax ? kMax : want);
+      stored = c10::Half(want);
+      if (static_cast<float>(stored) < want)  // the next float16 up (below 65504 here)
+        stored = c10::Half(static_cast<unsigned short>(stored.x + 1), c10::Half::from_bits());
+    } else {
+      stored = c10::Half(want);
+    }
+  } else {
+    stored = static_cast<scale_t>(want);
+  }
   *s = static_cast<float>(stored);
   return stored;
 }

@@ -125,6 +125,27 @@ def test_separate_query_key_value():
     compare(orig, ours, run, run, torch.float64, grads=True)
 
 
+@pytest.mark.parametrize("equal", ["query_key_value", "key_value"])
+def test_distinct_tensors_with_equal_values_get_icefalls_gradients(equal):
+    """icefall picks its projections with torch.equal (values): distinct tensors holding equal
+    values share one projection, so only query (or key, for key = value) gets a gradient.
+    Regression: the drop-in decided by identity and split the gradient over the inputs."""
+    B, T = 2, 7
+    orig, ours = pair()
+    x, other = rnd(T, B, E, seed=1), rnd(T, B, E, seed=4)
+    pe = pos_emb(T)
+
+    def run(mod, dtype, device):
+        first = x if equal == "query_key_value" else other
+        ins = [t.to(dtype).clone().requires_grad_() for t in (first, x, x)]  # distinct objects
+        return (mod(*ins, pe.to(dtype))[0],), ins
+
+    compare(orig, ours, run, run, torch.float64, grads=True)
+    (out,), ins = run(ours.double(), torch.float64, "cpu")
+    out.sum().backward()
+    assert ins[2].grad is None and (ins[1].grad is None) == (equal == "query_key_value")
+
+
 def test_padding_reaches_kernel_as_key_padding_and_views(spy):
     B, T = 3, 11
     _, ours = pair()

@@ -175,3 +175,87 @@ def test_causal_accepts_numpy_bools_and_names_other_types():
         _call(*ts, causal=np.int64(1))
     with pytest.raises(TypeError, match=r"causal must be a bool .*got torch\.Tensor"):
         _call(*ts, causal=torch.tensor(True))
+
+
+def _dense_attention(q, k, v, r, u, vb, scale, allowed):
+    """The contract's formula written out in float64 with a dense [B, H, Lq, Lk] allowed mask
+    (no shared code with the backends)."""
+    Lq, Lk = q.shape[1], k.shape[1]
+    p = torch.arange(Lk)[None, :] - torch.arange(Lq)[:, None] + Lq - 1  # row of r per pair
+    ac = torch.einsum("bihd,bjhd->bhij", q + u, k)
+    rr = r[p.clamp(0, r.shape[0] - 1)]  # [Lq, Lk, H, D]
+    bd = torch.einsum("bihd,ijhd->bhij", q + vb, rr)
+    s = ((ac + bd) * scale).masked_fill(~allowed, float("-inf"))
+    w = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhij,bjhd->bihd", w, v)
+
+
+@pytest.mark.parametrize("scale", [-0.37, 0.0])
+@pytest.mark.parametrize("mask", ["causal", "padding"])
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_any_finite_softmax_scale(scale, mask, backend):
+    """Regression: the fused forward gave NaN for softmax_scale <= 0 on every row with a masked
+    pair in its tile (its running maximum assumed a positive scale). Forward and every gradient
+    against the written-out formula, with Lk not a multiple of the tile."""
+    from helpers import FUSED_DEVICE
+    B, Lq, Lk, H, D = 2, 5, 9, 2, 16
+    ts = make_inputs(B, Lq, Lk, H, D, R=Lk + Lq - 1, device=FUSED_DEVICE, seed=4,
+                     requires_grad=True)
+    i = torch.arange(Lq)[:, None] + Lk - Lq
+    j = torch.arange(Lk)[None, :]
+    if mask == "causal":
+        kw = {"causal": True}
+        allowed = (j <= i).expand(B, H, Lq, Lk)
+    else:
+        kpm = torch.zeros(B, Lk, dtype=torch.bool)
+        kpm[0, -3:] = True
+        kw = {"causal": False, "key_padding_mask": kpm.to(FUSED_DEVICE)}
+        allowed = (~kpm)[:, None, None, :].expand(B, H, Lq, Lk)
+    out = rel_attention(*ts, softmax_scale=scale, backend=backend, **kw)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
+    grads = torch.autograd.grad((out * w).sum(), ts)
+    ts64 = [t.detach().cpu().double().requires_grad_() for t in ts]
+    want = _dense_attention(*ts64, scale, allowed)
+    want_grads = torch.autograd.grad((want * w.cpu().double()).sum(), ts64)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.cpu().double(), want, rtol=1e-4, atol=1e-5)
+    for name, g, gw in zip(("q", "k", "v", "r", "u", "vb"), grads, want_grads):
+        torch.testing.assert_close(g.cpu().double(), gw, rtol=1e-4, atol=1e-5, msg=name)
+    if scale == 0.0:  # uniform weights over the allowed keys
+        mean = (v_ := ts64[2].detach()).new_zeros(B, Lq, H, D)
+        for b in range(B):
+            mean[b] = v_[b][allowed[b, 0, -1]].mean(0)
+        torch.testing.assert_close(out[:, -1].cpu().double(), mean[:, -1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_non_finite_softmax_scale_raises(scale, backend):
+    with pytest.raises(ValueError, match=r"softmax_scale must be a finite float, got (nan|-?inf)"):
+        _call(*_inputs(), softmax_scale=scale, backend=backend)
+
+
+def test_fused_forward_launcher_refuses_non_positive_scale():
+    """The launcher behind rel_attention (and the registered op) is only right for scale > 0:
+    a direct call with another scale raises instead of returning NaN rows."""
+    from txl_kernels.ops.rel_attn_fwd import rel_attn_fwd
+    q, k, v, r, u, vb = _inputs()
+    for bad in (0.0, -0.5, float("nan")):
+        with pytest.raises(ValueError, match="softmax_scale must be finite and > 0"):
+            rel_attn_fwd(q, k, v, r, u, vb, bad, -1, 0)
+
+
+@pytest.mark.parametrize("scale", [-0.4, 0.0])
+@pytest.mark.parametrize("window_left", [-1, 3])
+def test_decode_kernel_any_finite_scale(scale, window_left):
+    """The split-K decode kernel (one query row) scales before it masks: right for any finite
+    scale, zero and negative included."""
+    from helpers import FUSED_DEVICE
+    from txl_kernels.ops.rel_attn_decode import rel_attn_decode
+    B, Lk, H, D = 2, 11, 2, 16
+    q, k, v, r, u, vb = make_inputs(B, 1, Lk, H, D, device=FUSED_DEVICE, seed=6)
+    got = rel_attn_decode(q, k, v, r, u, vb, scale, window_left, num_splits=2)
+    j = torch.arange(Lk)
+    allowed = (j >= (Lk - 1 - window_left if window_left >= 0 else 0)).expand(B, H, 1, Lk)
+    want = _dense_attention(*(t.cpu().double() for t in (q, k, v, r, u, vb)), scale, allowed)
+    torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-6)

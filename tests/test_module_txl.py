@@ -234,3 +234,17 @@ def test_detect_strictly_causal_mask_equals_dense(backend, qlen, mlen):
         outs.append([out.detach(), ww.grad] + [p.grad for p in mod.parameters()])
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [5, 12, 1])
+def test_position_table_of_another_length_raises(rows):
+    """Regression: r with 5 or 12 rows for klen 9 silently shifted or zeroed distances (the
+    original's AC + BD shapes disagree and raise). The error names r, the rows given and
+    the rows needed."""
+    _, ours = _pair()
+    w, r, rwb, rrb, mems = _data(5, 4)  # klen = 9
+    bad = PositionalEmbedding(D_MODEL)(torch.arange(rows - 1, -1, -1.0)).double()
+    with pytest.raises(ValueError, match=rf"r must have klen = mlen \+ qlen = 9 rows.*got "
+                                         rf"{rows} rows"):
+        ours(w, bad, rwb, rrb, attn_mask=dec_attn_mask(5, 4, w.device), mems=mems)
+    ours(w, r, rwb, rrb, attn_mask=dec_attn_mask(5, 4, w.device), mems=mems)  # 9 rows: fine

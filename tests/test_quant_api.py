@@ -111,3 +111,55 @@ def test_memory_argument_checks():
     # r must cover the memory's rows too (Lk = M + Lc)
     with pytest.raises(ValueError, match="r has 5 rows"):
         rel_attention(q, k, v, r[:5], u, vb, memory=mem, backend="reference")
+
+
+def _extreme_rows(qdtype):
+    """Rows [6, 32] whose largest |value| spans float16's scale range: far below it, at its
+    subnormal end (1.4 ulp of 2**-24 per qmax: round-to-nearest would clip), inside, above."""
+    qmax = 127.0 if qdtype == torch.int8 else 448.0
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 32, generator=g)
+    x = x / x.abs().amax(-1, keepdim=True)  # each row's largest |value| is 1
+    amax = torch.tensor([1e-7, 1e-6, 1.4 * 2.0 ** -24 * qmax, 1.0, 1e7, 1e8])
+    return x * amax[:, None], amax, qmax
+
+
+@pytest.mark.parametrize("qdtype", QDTYPES)
+def test_fp16_scales_never_underflow_or_overflow(qdtype):
+    """Regression: with scale_dtype=float16, rows whose largest value is below ~7.6e-6 (int8)
+    quantised to all zeros (scale 0) and values near 1e7 gave inf scales. The scale is clamped
+    into [2**-24, 65504] and rounded up: small rows keep their values on the step 2**-24,
+    large ones saturate at 65504 * qmax, no scale is 0 or inf."""
+    x, amax, qmax = _extreme_rows(qdtype)
+    data, scale = quantize_per_token(x, qdtype, torch.float16)
+    assert torch.isfinite(scale).all() and (scale > 0).all(), scale
+    s = scale.double()
+    # the scale is the smallest float16 >= amax / qmax within the clamp
+    want = (amax.double() / qmax).clamp(2.0 ** -24, 65504.0)
+    assert (s >= want).all() and (s.half().double() == s).all()
+    y = dequantize_per_token(data, scale, torch.float64)
+    err = (y - x.double()).abs().amax(-1)
+    inside = amax <= 65504.0 * qmax
+    if qdtype == torch.int8:  # half a step
+        bound = 0.5 * s * (1 + 1e-6)
+    else:  # e4m3: half an ulp relative to the value (2**-4 of amax) or half its subnormal step
+        bound = torch.maximum(2.0 ** -4 * amax.double(), 2.0 ** -10 * s) * (1 + 1e-6)
+    assert (err[inside] <= bound[inside]).all(), (err, bound)
+    assert (data[:2].float() != 0).any(-1).all()  # rows below 7.6e-6 are not all zeros
+    # beyond 65504 * qmax: saturated at that value, finite, sign kept
+    top = 65504.0 * qmax
+    sat = y[~inside]
+    assert torch.isfinite(sat).all() and sat.abs().max() == top
+    big = x[~inside].abs() >= top
+    assert torch.equal(sat[big], top * x[~inside][big].sign().double())
+    # float32 scales are unchanged: absmax / qmax
+    _, s32 = quantize_per_token(x, qdtype, torch.float32)
+    torch.testing.assert_close(s32, amax / qmax, rtol=1e-6, atol=0)
+
+
+def test_fp16_scale_keeps_non_finite_rows_non_finite():
+    x = torch.ones(2, 8)
+    x[0, 3] = float("inf")
+    x[1, 2] = float("nan")
+    _, scale = quantize_per_token(x, torch.int8, torch.float16)
+    assert torch.isinf(scale[0]) and torch.isnan(scale[1])

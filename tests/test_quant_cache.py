@@ -310,3 +310,22 @@ def test_8bit_nll_within_002_nats_and_controls_exceed_it():
     # controls: the same measurement sees a coarse (3-bit) or missing memory
     assert (_nll(model, data, coarse=3) - full).abs().mean().item() > 0.05
     assert (_nll(model, data, coarse=0) - full).abs().mean().item() > 0.2
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qdtype", QDTYPES)
+def test_quantize_append_fp16_scales_at_both_ends(backend, src_dtype, qdtype):
+    """The append op (C++ and torch) clamps and rounds float16 scales as quantize_per_token
+    does (bit for bit): rows far below float16's scale range are not all zeros, rows above it
+    give finite scales."""
+    from test_quant_api import _extreme_rows
+    x, _, _ = _extreme_rows(qdtype)
+    H, D = 2, 16
+    src = x[:, None].to(src_dtype)  # [n, bsz, H * D]: each row's halves are two heads
+    data = [torch.zeros(8, 1, H * D, dtype=qdtype)]
+    scales = [torch.full((8, 1, H), -1.0, dtype=torch.float16)]
+    kv_cache_quantize_append([src], data, scales, 1, H, backend=backend)
+    want_q, want_s = quantize_per_token(src.unflatten(-1, (H, D)), qdtype, torch.float16)
+    assert torch.equal(scales[0][1:7], want_s)
+    assert torch.equal(data[0][1:7].view(torch.int8), want_q.flatten(-2).view(torch.int8))
+    assert torch.isfinite(want_s).all() and (want_s > 0).all()

@@ -5,6 +5,7 @@ Data flows one way: modules -> ``rel_attention`` (checks, mask normalisation, ba
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -252,7 +253,10 @@ def rel_attention(
             that only pairs outside causal / window_size could need are then not checked on
             the host: rows outside ``[0, R)`` count as zero (the band, when it is one, excludes
             them).
-        softmax_scale: defaults to ``D ** -0.5``.
+        softmax_scale: defaults to ``D ** -0.5``. Any finite float, on every backend: 0
+            gives uniform weights over the allowed keys, a negative scale favours the
+            lowest scores (the fused kernels get ``|scale|`` with q and both biases negated,
+            which gives the same scores). NaN / inf raise ValueError.
         dropout_p: dropout on the attention probabilities, after the softmax normaliser (kept
             ones scaled by ``1 / (1 - p)``), on both backends. Pass 0.0 at evaluation. The
             fused kernels draw their keep-mask from a counter-based RNG (Philox) keyed by a
@@ -334,6 +338,9 @@ def rel_attention(
         raise TypeError(f"rel_attention: softmax_scale must be a float or None, "
                         f"got {type(softmax_scale).__name__}")
     softmax_scale = float(softmax_scale)
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"rel_attention: softmax_scale must be a finite float, "
+                         f"got {softmax_scale!r}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) \
             or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"rel_attention: dropout_p must be a float in [0, 1), got {dropout_p!r}")
@@ -380,6 +387,15 @@ def rel_attention(
 
     if use_fused:
         from .ops import rel_attn_func  # imports triton lazily
+
+        if softmax_scale <= 0.0:
+            # The fused forward's online softmax scales the running maximum of the raw scores,
+            # which needs scale > 0. The scores are linear in (q, r_w_bias, r_r_bias), so
+            # scale * S(q, u, vb) = |scale| * S(-q, -u, -vb), and 0 * S = 1 * S(0, 0, 0); the
+            # sign goes into those three inputs (autograd carries it to their gradients).
+            sign = -1.0 if softmax_scale < 0.0 else 0.0
+            q, r_w_bias, r_r_bias = (t * sign for t in (q, r_w_bias, r_r_bias))
+            softmax_scale = -softmax_scale if softmax_scale < 0.0 else 1.0
 
         return rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
                              attn_mask_band, deterministic, float(dropout_p), memory=memory)

@@ -33,6 +33,8 @@ __all__ = ["QuantizedKV", "QUANT_DTYPES", "SCALE_DTYPES", "quantize_per_token",
 QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 SCALE_DTYPES = (torch.float32, torch.float16)
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+_F16_TINY = 2.0 ** -24  # float16's smallest positive (subnormal) value
+_F16_MAX = 65504.0      # float16's largest finite value
 
 
 def check_quant_dtype(who: str, name: str, dtype) -> None:
@@ -49,9 +51,20 @@ def quantize_per_token(x: torch.Tensor, dtype: torch.dtype,
     row of ``D`` values (the last dim; for ``[B, M, H, D]`` keys: one per token and head).
 
     Returns ``(data [..., D] dtype, scale [...] scale_dtype)``. ``scale = absmax / qmax``
-    rounded to ``scale_dtype``; ``data = round(x / scale)`` (int8: to nearest even, clamped to
-    +-127; fp8: the nearest e4m3 value, clamped to +-448). A row of zeros gets scale 0 and data
-    0. Computed in fp32."""
+    (fp32); ``data = round(x / scale)`` (int8: to nearest even, clamped to +-127; fp8: the
+    nearest e4m3 value, clamped to +-448). A row of zeros gets scale 0 and data 0. Computed in
+    fp32.
+
+    float16 scales: ``absmax / qmax`` is clamped into ``[2**-24, 65504]`` (float16's smallest
+    positive and largest finite values) and rounded *up* to float16, so a stored scale is
+    never 0 or inf for a finite nonzero row and no value exceeds ``qmax`` through the scale's
+    rounding (in the subnormal range round-to-nearest could lose up to a third of the row's
+    largest value). Hence: rows whose largest value is below ``qmax * 2**-24`` (7.6e-6 for
+    int8, 2.7e-5 for fp8) are quantised on the step ``2**-24`` (int8 values below ``2**-25``,
+    half float16's own smallest step, become 0); rows whose largest value exceeds
+    ``65504 * qmax`` (8.3e6 for int8, 2.9e7 for fp8) saturate at that value. Rows holding inf /
+    NaN keep a non-finite scale, as with float32 scales. Use float32 scales for data outside
+    that range."""
     check_quant_dtype("quantize_per_token", "dtype", dtype)
     if scale_dtype not in SCALE_DTYPES:
         raise TypeError(f"quantize_per_token: scale_dtype must be torch.float32 or "
@@ -61,12 +74,25 @@ def quantize_per_token(x: torch.Tensor, dtype: torch.dtype,
                         f"got {describe(x)}")
     qmax = _QMAX[dtype]
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1) / qmax).to(scale_dtype)
+    scale = xf.abs().amax(dim=-1) / qmax
+    if scale_dtype == torch.float16:
+        scale = _fp16_scale(scale)
     s = scale.float()[..., None]
     y = torch.where(s > 0, xf / torch.where(s > 0, s, 1.0), 0.0).clamp(-qmax, qmax)
     if dtype == torch.int8:
         y = torch.round(y)
     return y.to(dtype), scale
+
+
+def _fp16_scale(scale: torch.Tensor) -> torch.Tensor:
+    """fp32 scales -> float16 as :func:`quantize_per_token` documents: finite positive ones
+    clamped into ``[2**-24, 65504]`` and rounded up (the C++ extension's ``head_scale``)."""
+    ok = torch.isfinite(scale) & (scale > 0)
+    want = torch.where(ok, scale.clamp(_F16_TINY, _F16_MAX), scale)
+    half = want.to(torch.float16)
+    # rounded down: the next float16 up (its bit pattern + 1; positive and below 65504 here)
+    up = (half.view(torch.int16) + 1).view(torch.float16)
+    return torch.where(half.float() < want, up, half)
 
 
 def dequantize_per_token(data: torch.Tensor, scale: torch.Tensor,

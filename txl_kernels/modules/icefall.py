@@ -61,6 +61,12 @@ class ScaledLinear(nn.Linear):
         return F.linear(x, self.get_weight(), self.get_bias())
 
 
+def _same(a: Tensor, b: Tensor) -> bool:
+    """icefall's ``torch.equal(a, b)`` test, without the comparison (and its host sync) when
+    both are one tensor object or their shapes differ."""
+    return a is b or (a.shape == b.shape and torch.equal(a, b))
+
+
 class IcefallRelPositionMultiheadAttention(nn.Module):
     """Drop-in for icefall's ``RelPositionMultiheadAttention(embed_dim, num_heads, dropout)``.
 
@@ -77,6 +83,11 @@ class IcefallRelPositionMultiheadAttention(nn.Module):
         padding. attn_mask bool / uint8 ``(L, S)`` or ``(N * num_heads, L, S)``, True = masked.
         Float (additive) attn_mask is not supported. The averaged attention weights are not
         computed: the second value is always None (icefall's encoder discards it).
+        As in icefall, inputs with equal values share one projection (``torch.equal``: the
+        input projected is ``query``, or ``key`` for key / value), so distinct tensors with
+        equal values get icefall's per-input gradients. Comparing distinct tensors of one
+        shape costs a pass over them and a host sync (none when one object is passed, as
+        icefall's encoder does).
 
     Fully masked query rows give 0 (icefall gives 0 when both masks are given, NaN otherwise).
     """
@@ -164,11 +175,13 @@ class IcefallRelPositionMultiheadAttention(nn.Module):
         kpm, am = self._masks(key_padding_mask, attn_mask, bsz, tgt, src)
         E = self.embed_dim
         w, b = self.in_proj.get_weight(), self.in_proj.get_bias()
-        if query is key and key is value:  # self-attention: one projection, three views
+        # icefall dispatches on values (torch.equal), not identity: equal inputs share one
+        # projection, so the gradients reach query (self-attention) or key (key = value) only
+        if _same(query, key) and _same(key, value):  # self-attention: one projection
             q, k, v = (self._heads(t) for t in F.linear(query, w, b).chunk(3, dim=-1))
         else:
             q = self._heads(F.linear(query, w[:E], b[:E]))
-            if key is value:
+            if _same(key, value):
                 k, v = (self._heads(t) for t in F.linear(key, w[E:], b[E:]).chunk(2, dim=-1))
             else:
                 k = self._heads(F.linear(key, w[E:2 * E], b[E:2 * E]))

@@ -20,11 +20,21 @@ row, which absorbs the content term in fp32 / fp64, so its softmax is uniform ov
 the row is the mean of the values, and its gradient (the softmax's at the uniform point) still
 reaches q, k and ``bias_u``; the drop-in reproduces both without a [T, T] tensor. In fp16 / bf16
 the original's padded rows are not exactly uniform; they never reach a valid frame.
+
+Weight initialisation. transformers initialises parameters by ``isinstance`` dispatch in each
+model's ``_init_weights`` (``bias_u`` / ``bias_v``, ``pos_bias_u`` / ``pos_bias_v`` here), on
+the meta-device path of ``from_pretrained`` (missing keys), ``initialize_weights()`` and
+re-initialisation. So ``from_module`` (and so ``swap_rel_pos_attention``) gives the drop-in a
+class derived from both the drop-in and the original transformers class (``<drop-in>`` first,
+so every method is the drop-in's): the models' own init, output recorders and other
+``isinstance`` checks see it as the original. That class lives in this module under the name
+``<drop-in name>AsOriginal`` (built on first use, so pickles of swapped models load).
 """
 from __future__ import annotations
 
+import importlib
 from types import SimpleNamespace
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import torch.nn as nn
@@ -36,6 +46,62 @@ from .conformer import ESPnetRelPositionMultiHeadedAttention, RelPosAttentionBas
 
 __all__ = ["ParakeetEncoderAttention", "Wav2Vec2ConformerSelfAttention",
            "FastSpeech2ConformerAttention"]
+
+# drop-in class name -> (module, name) of the transformers class it replaces
+_ORIGINALS = {
+    "ParakeetEncoderAttention": ("transformers.models.parakeet.modeling_parakeet",
+                                 "ParakeetEncoderAttention"),
+    "Wav2Vec2ConformerSelfAttention": (
+        "transformers.models.wav2vec2_conformer.modeling_wav2vec2_conformer",
+        "Wav2Vec2ConformerSelfAttention"),
+    "FastSpeech2ConformerAttention": (
+        "transformers.models.fastspeech2_conformer.modeling_fastspeech2_conformer",
+        "FastSpeech2ConformerAttention"),
+}
+_SUFFIX = "AsOriginal"
+_AS_ORIGINAL: Dict[str, type] = {}
+
+
+def _as_original_class(name: str) -> type:
+    """The class ``<name>AsOriginal``: (drop-in ``name``, the transformers original), built
+    once; importing the original needs transformers."""
+    cls = _AS_ORIGINAL.get(name)
+    if cls is None:
+        dropin = globals()[name]
+        module, attr = _ORIGINALS[name]
+        original = getattr(importlib.import_module(module), attr)
+        cls = type(name, (dropin, original), {
+            "__module__": __name__, "__qualname__": name + _SUFFIX,
+            "__doc__": f"{name} (the drop-in) that is also an instance of transformers' "
+                       f"{attr}, for the models' isinstance checks (module docstring)."})
+        _AS_ORIGINAL[name] = cls
+    return cls
+
+
+def _as_original(new: nn.Module, original: nn.Module) -> nn.Module:
+    """Make ``new`` (a drop-in) an instance of ``<drop-in>AsOriginal`` when ``original``'s
+    class is the transformers class the drop-in replaces (look-alikes, subclasses of the
+    original and subclasses of the drop-in keep their classes)."""
+    name = type(new).__name__
+    if name not in _ORIGINALS or type(new) is not globals()[name]:
+        return new  # a subclass of the drop-in keeps its class
+    module, attr = _ORIGINALS[name]
+    if type(original).__module__ == module and type(original).__qualname__ == attr:
+        new.__class__ = _as_original_class(name)
+    return new
+
+
+def __getattr__(attr: str):
+    """``<drop-in>AsOriginal`` on first use (how pickle finds the class of a swapped module)."""
+    name = attr[:-len(_SUFFIX)] if attr.endswith(_SUFFIX) else None
+    if name in _ORIGINALS:
+        return _as_original_class(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
+
+
+# the submodules and parameters an ESPnet-style original shares with its drop-in
+_ESPNET_NAMES = ("linear_q", "linear_k", "linear_v", "linear_out", "dropout", "linear_pos",
+                 "pos_bias_u", "pos_bias_v")
 
 
 class _HFRelPosAttention(RelPosAttentionBase):
@@ -204,13 +270,14 @@ class ParakeetEncoderAttention(_HFRelPosAttention):
     @classmethod
     def from_module(cls, module: nn.Module, **kwargs) -> "ParakeetEncoderAttention":
         """Wrap a transformers ``ParakeetEncoderAttention``: shares its layers and biases (same
-        Parameter objects), copies ``attention_dropout`` and the training mode. ``kwargs`` go to
-        the constructor (``backend``)."""
+        Parameter objects), copies ``attention_dropout`` and the training mode, and is also an
+        instance of the original class (module docstring). ``kwargs`` go to the constructor
+        (``backend``)."""
         with torch.device("meta"):
             new = cls(module.config, module.layer_idx, **kwargs)
         new.attention_dropout = module.attention_dropout
-        return adopt(new, module, ("q_proj", "k_proj", "v_proj", "o_proj", "relative_k_proj",
-                                   "bias_u", "bias_v"))
+        return _as_original(adopt(new, module, ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                "relative_k_proj", "bias_u", "bias_v")), module)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.n_feat}, num_heads={self.h}, head_dim={self.d_k}, "
@@ -259,11 +326,11 @@ class Wav2Vec2ConformerSelfAttention(_HFRelPosAttention):
     @classmethod
     def from_module(cls, module: nn.Module, **kwargs) -> "Wav2Vec2ConformerSelfAttention":
         """Wrap a transformers ``Wav2Vec2ConformerSelfAttention`` (relative): shares its layers
-        and biases. ``kwargs``: ``backend``."""
+        and biases, and is also an instance of the original class (module docstring).
+        ``kwargs``: ``backend``."""
         with torch.device("meta"):
             new = cls(module.config, **kwargs)
-        return adopt(new, module, ("linear_q", "linear_k", "linear_v", "linear_out", "dropout",
-                                   "linear_pos", "pos_bias_u", "pos_bias_v"))
+        return _as_original(adopt(new, module, _ESPNET_NAMES), module)
 
 
 class FastSpeech2ConformerAttention(ESPnetRelPositionMultiHeadedAttention):
@@ -271,8 +338,11 @@ class FastSpeech2ConformerAttention(ESPnetRelPositionMultiHeadedAttention):
     ``RelPositionMultiHeadedAttention`` under transformers' names (same parameters).
 
     ``forward(hidden_states, attention_mask=None, pos_emb=None, output_attentions=False)``
-    returns ``(attn_output, None)``; attention_mask ``(B, 1, T)`` True / 1 = keep (reaches the
-    kernel as key padding). ``output_attentions=True`` raises: the probabilities are never
+    returns ``(attn_output, None)``; attention_mask ``(B, 1, T)`` (reaches the kernel as key
+    padding) of any real dtype, read as the original reads it (``mask.eq(0)`` = masked): 0 =
+    masked, any other value = keep. ``FastSpeech2ConformerModel`` hands its layers a float
+    mask of ones and zeros (``torch.ones(input_ids.shape)`` when no mask is given), its
+    decoder an integer one. ``output_attentions=True`` raises: the probabilities are never
     materialised.
     """
 
@@ -289,17 +359,19 @@ class FastSpeech2ConformerAttention(ESPnetRelPositionMultiHeadedAttention):
         if output_attentions:
             raise NotImplementedError(f"{self._NAME}: output_attentions=True needs the attention "
                                       f"probabilities, which the fused kernel never builds")
+        if isinstance(attention_mask, Tensor) and attention_mask.is_floating_point():
+            attention_mask = attention_mask != 0  # the original's mask.eq(0) = masked
         out = super().forward(hidden_states, hidden_states, hidden_states, pos_emb,
                               attention_mask)
         return out, None
 
     @classmethod
     def from_module(cls, module: nn.Module, **kwargs) -> "FastSpeech2ConformerAttention":
-        """Wrap a transformers ``FastSpeech2ConformerAttention``: shares its layers and biases.
-        ``kwargs``: ``backend``."""
+        """Wrap a transformers ``FastSpeech2ConformerAttention``: shares its layers and biases,
+        and is also an instance of the original class (module docstring). ``kwargs``:
+        ``backend``."""
         module_config = {"num_attention_heads": module.num_heads,
                          "attention_dropout_rate": module.dropout.p}
         with torch.device("meta"):
             new = cls(SimpleNamespace(hidden_size=module.hidden_size), module_config, **kwargs)
-        return adopt(new, module, ("linear_q", "linear_k", "linear_v", "linear_out", "dropout",
-                                   "linear_pos", "pos_bias_u", "pos_bias_v"))
+        return _as_original(adopt(new, module, _ESPNET_NAMES), module)

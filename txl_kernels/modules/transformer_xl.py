@@ -59,11 +59,12 @@ class FusedRelAttention(nn.Module):
         backend: ``rel_attention`` backend ("auto", "triton" or "reference").
 
     ``forward(w, r, r_w_bias=None, r_r_bias=None, attn_mask=None, mems=None)``:
-        w ``[qlen, bsz, d_model]``; r ``[rlen, 1, d_model]`` (position embeddings, distances
-        ``klen - 1 .. 0``); mems None, empty, or ``[mlen, bsz, d_model]``; attn_mask uint8 or
+        w ``[qlen, bsz, d_model]``; r ``[klen, 1, d_model]`` (position embeddings, distances
+        ``klen - 1 .. 0``; any other length raises ValueError, as the original's shapes do);
+        mems None, empty, or ``[mlen, bsz, d_model]``; attn_mask uint8 or
         bool ``[qlen, klen]`` or ``[qlen, klen, 1 or bsz]``, 1 = masked. Returns
         ``LayerNorm(w + attn_out)`` (or ``w + attn_out`` with ``pre_lnorm``), ``[qlen, bsz,
-        d_model]``. Where the mask leaves pairs that need position rows beyond ``rlen`` (no
+        d_model]``. Where the mask leaves pairs that need position rows beyond ``klen`` (no
         mask, or a non-causal mask), those rows count as zero (the original reads wrapped-
         around values there).
     """
@@ -156,14 +157,17 @@ class FusedRelAttention(nn.Module):
         k = w_head_k.view(klen, bsz, H, D).transpose(0, 1)
         v = w_head_v.view(klen, bsz, H, D).transpose(0, 1)
         rlen = r.shape[0]
+        if rlen != klen:
+            raise ValueError(f"FusedRelAttention: r must have klen = mlen + qlen = {klen} rows "
+                             f"(distances klen - 1 .. 0), got {rlen} rows (r "
+                             f"{list(r.shape)})")
         r_head_k = self.r_net(r).view(rlen, H, D)
 
         causal, window, dense, band = self._mask_args(attn_mask, qlen, klen, bsz)
         if not causal and band is None:
-            # Pairs right of the diagonal need rows rlen .. klen + qlen - 2: they count as zero.
-            need = klen + qlen - 1
-            if rlen < need:
-                r_head_k = F.pad(r_head_k, (0, 0, 0, 0, 0, need - rlen))
+            # Pairs right of the diagonal need rows klen .. klen + qlen - 2: they count as zero.
+            if qlen > 1:
+                r_head_k = F.pad(r_head_k, (0, 0, 0, 0, 0, qlen - 1))
         attn_vec = rel_attention(
             q, k, v, r_head_k, r_w_bias.to(q.dtype), r_r_bias.to(q.dtype), causal=causal,
             window_size=window, attn_mask=dense, attn_mask_band=band, softmax_scale=self.scale,

@@ -635,6 +635,11 @@ def rel_attn_fwd(
         and tuple(r_r_bias.shape) == (H, D), \
         f"r {describe(r)}, r_w_bias {describe(r_w_bias)}, r_r_bias {describe(r_r_bias)}"
     assert 16 <= D <= 256, f"head dim {D}"
+    if not 0.0 < float(softmax_scale) < float("inf"):
+        # the online softmax scales the running maximum of the raw scores: only right for a
+        # positive scale (rel_attention folds the sign of other scales into q and the biases)
+        raise ValueError(f"rel_attn_fwd: softmax_scale must be finite and > 0, "
+                         f"got {softmax_scale!r}")
     q, k, v, r, u, vb = (last_dim_contiguous(t) for t in (q, k, v, r, r_w_bias, r_r_bias))
     mem_args, mem_strides = memory_launch_args(memory, k, v)
 

@@ -1,0 +1,251 @@
+"""The transformers drop-ins inside the real transformers 5.x models (FastSpeech2ConformerModel,
+ParakeetForCTC, Wav2Vec2ConformerModel with relative positions), small random configs:
+
+- ``swap_rel_pos_attention`` then the model's own ``forward`` (its own mask builders: float,
+  integer and bool masks) gives the unswapped model's outputs (and gradients);
+- the models' own weight initialisation (``from_pretrained`` of an empty state dict, the path
+  of transformers' ``test_can_init_all_missing_weights``; ``initialize_weights`` after a
+  meta-device build) reaches the drop-ins' ``pos_bias_u`` / ``pos_bias_v`` / ``bias_u`` /
+  ``bias_v``, because a swapped module is also an instance of the original class;
+- swapped models pickle.
+
+Needs transformers >= 5 (the ``hf5`` extra).
+"""
+import copy
+import io
+
+import pytest
+import torch
+
+from txl_kernels.modules import swap_rel_pos_attention
+import txl_kernels.modules.parakeet as hf_dropins
+
+transformers = pytest.importorskip(
+    "transformers", minversion="5.0",
+    reason="transformers >= 5 is not installed (pip install 'txl_kernels[hf5]')")
+from transformers import (FastSpeech2ConformerConfig, FastSpeech2ConformerModel,  # noqa: E402
+                          ParakeetCTCConfig, ParakeetForCTC, Wav2Vec2ConformerConfig,
+                          Wav2Vec2ConformerModel)
+from transformers.models.fastspeech2_conformer import (  # noqa: E402
+    modeling_fastspeech2_conformer as fs2)
+from transformers.models.parakeet import modeling_parakeet as pk  # noqa: E402
+from transformers.models.wav2vec2_conformer import (  # noqa: E402
+    modeling_wav2vec2_conformer as w2v)
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers():
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # from_pretrained's report of the missing weights
+    yield
+    hf_logging.set_verbosity(level)
+
+
+def fs2_config():
+    return FastSpeech2ConformerConfig(
+        hidden_size=24, vocab_size=20, num_mel_bins=8, encoder_layers=2, decoder_layers=1,
+        encoder_linear_units=32, decoder_linear_units=32, speech_decoder_postnet_layers=2,
+        speech_decoder_postnet_units=16, duration_predictor_channels=16,
+        energy_predictor_channels=16, pitch_predictor_channels=16, pitch_predictor_layers=2,
+        encoder_kernel_size=3, decoder_kernel_size=3, encoder_dropout_rate=0.0,
+        encoder_positional_dropout_rate=0.0, encoder_attention_dropout_rate=0.0,
+        decoder_dropout_rate=0.0, decoder_positional_dropout_rate=0.0,
+        decoder_attention_dropout_rate=0.0, duration_predictor_dropout_rate=0.0,
+        energy_predictor_dropout=0.0, pitch_predictor_dropout=0.0,
+        speech_decoder_postnet_dropout=0.0)
+
+
+def parakeet_config():
+    return ParakeetCTCConfig(vocab_size=12, pad_token_id=0, encoder_config=dict(
+        hidden_size=32, num_attention_heads=2, intermediate_size=32, num_hidden_layers=2,
+        subsampling_conv_channels=8, num_mel_bins=16, subsampling_factor=4, conv_kernel_size=3,
+        dropout=0.0, layerdrop=0.0, activation_dropout=0.0, attention_dropout=0.0))
+
+
+def w2v_config(impl="eager"):
+    cfg = Wav2Vec2ConformerConfig(
+        hidden_size=32, num_attention_heads=2, intermediate_size=32, num_hidden_layers=2,
+        position_embeddings_type="relative", conv_depthwise_kernel_size=3,
+        conv_dim=(8, 8), conv_stride=(4, 2), conv_kernel=(8, 4), num_feat_extract_layers=2,
+        num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2, hidden_dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0, layerdrop=0.0,
+        mask_time_prob=0.0)
+    cfg._attn_implementation = impl
+    return cfg
+
+
+# model class, config, the original attention class, its bias names, attention layers
+MODELS = {
+    "fastspeech2": (FastSpeech2ConformerModel, fs2_config, fs2.FastSpeech2ConformerAttention,
+                    ("pos_bias_u", "pos_bias_v"), 3),
+    "parakeet": (ParakeetForCTC, parakeet_config, pk.ParakeetEncoderAttention,
+                 ("bias_u", "bias_v"), 2),
+    "wav2vec2_conformer": (Wav2Vec2ConformerModel, w2v_config,
+                           w2v.Wav2Vec2ConformerSelfAttention, ("pos_bias_u", "pos_bias_v"), 2),
+}
+
+
+def _swapped(model):
+    new = copy.deepcopy(model)
+    assert swap_rel_pos_attention(new, backend="reference") == MODELS[_kind(model)][4]
+    return new
+
+
+def _kind(model):
+    return next(k for k, m in MODELS.items() if isinstance(model, m[0]))
+
+
+def _randomize_biases(model, names):
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.rsplit(".", 1)[-1] in names:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+
+def _assert_close_tree(a, b, rtol, atol):
+    for key in a.keys():
+        x, y = a[key], b[key]
+        if isinstance(x, torch.Tensor):
+            torch.testing.assert_close(y, x, rtol=rtol, atol=atol, msg=lambda m: f"{key}: {m}")
+
+
+# ----------------------------------------------------------------------- forward of the models
+
+def test_fastspeech2_model_forward_with_its_own_masks():
+    """Regression: FastSpeech2ConformerModel hands its attention layers a float mask
+    (torch.ones(input_ids.shape) when none is given), which the drop-in refused with a
+    TypeError. Inference (the default float mask; integer, float and bool masks with
+    padding) and training with labels (the decoder's integer mask), outputs and gradients,
+    against the unswapped model."""
+    torch.manual_seed(0)
+    model = FastSpeech2ConformerModel(fs2_config()).eval()
+    _randomize_biases(model, ("pos_bias_u", "pos_bias_v"))
+    swapped = _swapped(model)
+    ids = torch.randint(1, 20, (2, 7), generator=torch.Generator().manual_seed(1))
+    padded = torch.ones(2, 7, dtype=torch.long)
+    padded[1, 5:] = 0
+    for mask in (None, padded, padded.float(), padded.bool()):
+        want = model(ids, attention_mask=mask, return_dict=True)
+        got = swapped(ids, attention_mask=mask, return_dict=True)
+        assert got.spectrogram.shape == want.spectrogram.shape
+        _assert_close_tree(want, got, rtol=1e-4, atol=1e-5)
+    # training: ground-truth durations; the decoder gets an int mask from the labels
+    g = torch.Generator().manual_seed(2)
+    durations = torch.randint(1, 4, (2, 7), generator=g)
+    durations[1, 5:] = 0
+    frames = int(durations.sum(1).max())
+    spec = torch.randn(2, frames, 8, generator=g)
+    spec[1, int(durations[1].sum()):] = -100.0
+    labels = dict(spectrogram_labels=spec, duration_labels=durations,
+                  pitch_labels=torch.randn(2, 7, 1, generator=g),
+                  energy_labels=torch.randn(2, 7, 1, generator=g))
+    results = []
+    for m in (model, swapped):
+        m.train()
+        out = m(ids, attention_mask=padded, return_dict=True, **labels)
+        grads = torch.autograd.grad(out.loss, list(m.parameters()))
+        results.append((out, grads))
+    (want, want_g), (got, got_g) = results
+    _assert_close_tree(want, got, rtol=1e-4, atol=1e-5)
+    for (name, _), a, b in zip(model.named_parameters(), want_g, got_g):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_parakeet_for_ctc_forward_after_swap():
+    torch.manual_seed(0)
+    model = ParakeetForCTC(parakeet_config()).double().eval()
+    _randomize_biases(model, ("bias_u", "bias_v"))
+    swapped = _swapped(model)
+    g = torch.Generator().manual_seed(1)
+    feats = torch.randn(3, 40, 16, generator=g, dtype=torch.float64)
+    mask = torch.arange(40)[None] < torch.tensor([40, 29, 13])[:, None]
+    labels = torch.randint(1, 12, (3, 4), generator=g)
+    for kw in ({}, {"attention_mask": mask}, {"attention_mask": mask, "labels": labels}):
+        want = model(feats, return_dict=True, **kw)
+        got = swapped(feats, return_dict=True, **kw)
+        _assert_close_tree(want, got, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_wav2vec2_conformer_model_forward_after_swap(impl):
+    torch.manual_seed(0)
+    model = Wav2Vec2ConformerModel(w2v_config(impl)).double().eval()
+    _randomize_biases(model, ("pos_bias_u", "pos_bias_v"))
+    swapped = _swapped(model)
+    audio = torch.randn(3, 400, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    mask = (torch.arange(400)[None] < torch.tensor([400, 300, 120])[:, None]).long()
+    for kw in ({}, {"attention_mask": mask}):
+        want = model(audio, return_dict=True, **kw)
+        got = swapped(audio, return_dict=True, **kw)
+        _assert_close_tree(want, got, rtol=1e-9, atol=1e-10)
+
+
+# ------------------------------------------------------------------- the models' weight init
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_hf_init_reaches_dropin_parameters(kind, monkeypatch):
+    """Regression: transformers' _init_weights picks modules by isinstance, so after a swap
+    the biases of the drop-ins were left unset by from_pretrained's initialisation of missing
+    weights (transformers' test_can_init_all_missing_weights: "not properly handled in
+    _init_weights()") and by initialize_weights() after a meta-device build."""
+    model_cls, config, original, biases, n = MODELS[kind]
+    torch.manual_seed(0)
+    want = model_cls.from_pretrained(None, config=config(), state_dict={})
+    torch.manual_seed(0)
+    again = model_cls.from_pretrained(None, config=config(), state_dict={}).state_dict()
+    # (Wav2Vec2-Conformer's weight-normed position conv differs from run to run by itself)
+    unstable = {k for k, v in want.state_dict().items() if not torch.equal(v, again[k])}
+    assert all(".parametrizations." in k for k in unstable), unstable
+    post_init = model_cls.post_init
+
+    def swapping_post_init(self):  # the swap applied to every model built, as in the issue
+        post_init(self)
+        assert swap_rel_pos_attention(self, backend="reference") == n
+
+    # (patched on the class, not a subclass: transformers initialises classes from outside
+    # its package as remote code, which skips modules without parameters of their own)
+    monkeypatch.setattr(model_cls, "post_init", swapping_post_init)
+    torch.manual_seed(0)
+    got = model_cls.from_pretrained(None, config=config(), state_dict={})
+    monkeypatch.undo()
+    attn = [m for m in got.modules() if isinstance(m, original)]
+    assert len(attn) == n and all(type(m).__module__ == hf_dropins.__name__ for m in attn)
+    want_sd, got_sd = want.state_dict(), got.state_dict()
+    assert list(want_sd) == list(got_sd)
+    different = [k for k in want_sd
+                 if k not in unstable and not torch.equal(want_sd[k], got_sd[k])]
+    assert not different, different
+
+    # a meta-device build, swapped, materialised with NaNs: the init sets every parameter
+    with torch.device("meta"):
+        meta = model_cls(config())
+    swap_rel_pos_attention(meta, backend="reference")
+    meta.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in meta.parameters():
+            p.fill_(float("nan"))
+    meta.initialize_weights()
+    unset = [name for name, p in meta.named_parameters()
+             if name not in unstable and torch.isnan(p).any()]  # (not set there either)
+    assert not unset, unset
+    assert all(not (getattr(m, b) == 0).all() for m in meta.modules()
+               if isinstance(m, original) for b in biases)
+
+
+def test_swapped_model_pickles_and_is_not_swapped_twice():
+    torch.manual_seed(0)
+    model = FastSpeech2ConformerModel(fs2_config()).eval()
+    swapped = _swapped(model)
+    attn = swapped.encoder.conformer_layers[0].self_attn
+    name = type(attn).__qualname__
+    assert name == "FastSpeech2ConformerAttentionAsOriginal"
+    assert getattr(hf_dropins, name) is type(attn)  # how pickle finds the class
+    buf = io.BytesIO()
+    torch.save(swapped, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    ids = torch.randint(1, 20, (1, 6))
+    torch.testing.assert_close(loaded(ids).spectrogram, swapped(ids).spectrogram)
+    assert swap_rel_pos_attention(swapped) == 0
