@@ -4,8 +4,21 @@
 // which the compilers lower to whatever the clone's ISA has.
 #pragma once
 
+#include <c10/util/Float8_e4m3fn.h>
+
+#include <array>
 #include <cstdint>
 #include <cstring>
+
+namespace txl_kernels {
+// The fp32 value of every float8_e4m3fn bit pattern (the 8-bit memory's fp8 rows).
+inline const std::array<float, 256> kFp8Values = [] {
+  std::array<float, 256> t{};
+  for (int i = 0; i < 256; ++i)
+    t[i] = static_cast<float>(c10::Float8_e4m3fn(i, c10::Float8_e4m3fn::from_bits()));
+  return t;
+}();
+}  // namespace txl_kernels
 
 // The clone must be chosen by the CPU's features: GCC dispatches an "arch=haswell" clone by
 // CPU model (only on Haswell parts), the ISA level "arch=x86-64-v3" (GCC >= 12) by features;

@@ -232,16 +232,6 @@ struct Dropout {
 
 // ---- operands
 
-const std::array<float, 256>& fp8_values() {
-  static const std::array<float, 256> t = [] {
-    std::array<float, 256> v{};
-    for (int i = 0; i < 256; ++i)
-      v[i] = static_cast<float>(c10::Float8_e4m3fn(i, c10::Float8_e4m3fn::from_bits()));
-    return v;
-  }();
-  return t;
-}
-
 // The [L, D] rows of one (batch, head) of a [B, L, H, D] tensor, optionally preceded by the M
 // rows of an 8-bit memory (dequantised as txl_kernels.quant.dequantize_per_token does: the
 // fp32 product of value and scale, rounded to the input dtype).
@@ -258,7 +248,7 @@ struct Rows {
 
   acc_t mem_value(int64_t j, int64_t d) const {
     const uint8_t x = mem[j * mem_ld + d];
-    const float v = mem_fp8 ? fp8_values()[x] : static_cast<float>(static_cast<int8_t>(x));
+    const float v = mem_fp8 ? kFp8Values[x] : static_cast<float>(static_cast<int8_t>(x));
     const float s = scale_f ? scale_f[j * scale_ld] : static_cast<float>(scale_h[j * scale_ld]);
     return static_cast<acc_t>(static_cast<scalar_t>(v * s));
   }

@@ -152,7 +152,8 @@ def _warn_once(device_type: str, reason: str) -> None:
         return
     _WARNED.add(device_type)
     warnings.warn(f"txl_kernels: the C++ extension's ops (update_mems, the K/V cache's "
-                  f"compaction and 8-bit append, the CPU decoding step) use their "
+                  f"compaction and 8-bit append, the CPU decoding step, the CPU attention "
+                  f"kernel of rel_attention) use their "
                   f"pure-torch fallback for {device_type} "
                   f"tensors because {reason}", RuntimeWarning, stacklevel=3)
 
