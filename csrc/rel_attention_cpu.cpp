@@ -50,10 +50,23 @@ void sgemm_(const char*, const char*, const int*, const int*, const int*, const 
 void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*,
             const double*, const int*, const double*, const int*, const double*, double*,
             const int*) __attribute__((weak));
+int MKL_Set_Num_Threads_Local(int) __attribute__((weak));  // MKL's C interface
 }
 
 namespace txl_kernels {
 namespace {
+
+// Every GEMM runs on one thread, whatever torch's thread count: the kernel parallelises over
+// its own tasks, and MKL's results depend on how many threads it uses.
+struct SequentialBlas {
+  int prev = 0;
+  SequentialBlas() {
+    if (MKL_Set_Num_Threads_Local) prev = MKL_Set_Num_Threads_Local(1);
+  }
+  ~SequentialBlas() {
+    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(prev);
+  }
+};
 
 constexpr int64_t kInf = std::numeric_limits<int64_t>::max() / 4;
 
@@ -276,6 +289,24 @@ struct Rows {
   }
 };
 
+// A scratch buffer on torch's CPU allocator (64-byte aligned): the BLAS may take a different
+// path, with different rounding, for other alignments, and results must not depend on where
+// malloc put a buffer.
+template <typename T>
+struct Scratch {
+  at::Tensor t;
+  T* p = nullptr;
+  int64_t n = 0;
+  explicit Scratch(int64_t size)
+      : t(at::empty({std::max<int64_t>(size, 1)},
+                    at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value))),
+        p(t.data_ptr<T>()), n(size) {}
+  T* data() { return p; }
+  T* begin() { return p; }
+  T* end() { return p + n; }
+  T& operator[](int64_t i) { return p[i]; }
+};
+
 struct Geometry {
   int64_t B, Lq, Lk, H, D, R, mlen;
   int64_t dlo, dhi;  // allowed distances d = i + mlen - j: dlo <= d <= dhi (window / band)
@@ -441,8 +472,9 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
   scalar_t* outp = out.data_ptr<scalar_t>();
   acc_t* lsep = lse.data_ptr<acc_t>();
   at::parallel_for(0, B * H * nqb, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> qu(BM * D), qv(BM * D), S(BM * BN), T(BM * tw), acc(BM * D),
-        kbuf(BN * D), vbuf(BN * D), rbuf((BM + BN) * D), mx(BM), l(BM), z(g.drop.on ? BM * BN : 0);
+    SequentialBlas one_thread;
+    Scratch<acc_t> qu(BM * D), qv(BM * D), S(BM * BN), T(BM * tw), acc(BM * D), kbuf(BN * D),
+        vbuf(BN * D), rbuf((BM + BN) * D), mx(BM), l(BM), z(g.drop.on ? BM * BN : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (H * nqb), h = (task / nqb) % H, qb = task % nqb;
       const int64_t i0 = qb * BM, m = std::min(BM, Lq - i0);
@@ -512,7 +544,8 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
   acc_t* dvbp = dvb.data_ptr<acc_t>();
   const acc_t* lsep = lse.data_ptr<acc_t>();
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> qu(BM * D), qv(BM * D), S(BM * BN), dP(BM * BN), T(BM * tw),
+    SequentialBlas one_thread;
+    Scratch<acc_t> qu(BM * D), qv(BM * D), S(BM * BN), dP(BM * BN), T(BM * tw),
         dT(BM * tw), dqu(BM * D), dqv(BM * D), dO(BM * D), kbuf(BN * D), vbuf(BN * D),
         rbuf((BM + BN) * D), delta(BM), z(g.drop.on ? BM * BN : 0);
     for (int64_t bh = begin; bh < end; ++bh) {
