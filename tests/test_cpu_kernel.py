@@ -257,3 +257,13 @@ def test_auto_on_cpu_takes_the_cpu_kernel_and_falls_back_with_a_warning(monkeypa
     assert torch.equal(got, rel_attention(*ts, backend="reference"))
     with pytest.raises(RuntimeError, match="backend='cpu' cannot run here: no compiler here"):
         rel_attention(*ts, backend="cpu")
+
+
+@pytest.mark.slow  # the whole main job (layer check, LM report): about two minutes here
+def test_main_reports_and_checks_the_cpu_kernel(capsys):
+    import txl_kernels.__main__ as main_mod
+
+    assert main_mod.main([]) == 0
+    out = capsys.readouterr().out
+    assert "cpu attention kernel" in out and "built: loaded" in out
+    assert any(line.split()[:1] == ["cpu"] for line in out.splitlines())  # the layer check row
