@@ -7,6 +7,7 @@
 
 #include <torch/library.h>
 
+#include "cpu_simd.h"
 #include "segment_memory.h"
 
 #include <ATen/Parallel.h>
@@ -21,35 +22,10 @@
 namespace txl_kernels {
 namespace {
 
-// The fp32 loops are also compiled for AVX2 + FMA and picked at load time. The clone must be
-// chosen by the CPU's features: GCC dispatches an "arch=haswell" clone by CPU model (only on
-// Haswell parts), the ISA level "arch=x86-64-v3" (GCC >= 12) by features; older GCCs get an
-// "avx2" clone (features too, without FMA contraction).
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#if __GNUC__ >= 12
-#define TXL_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define TXL_CLONES __attribute__((target_clones("avx2", "default")))
-#endif
-#else
-#define TXL_CLONES
-#endif
-#if defined(__GNUC__)
-#define TXL_ALWAYS_INLINE __attribute__((always_inline))
-#else
-#define TXL_ALWAYS_INLINE
-#endif
+// The fp32 loops are also compiled for AVX2 + FMA and picked at load time (cpu_simd.h).
 
 template <typename T>
 using acc_t = std::conditional_t<std::is_same<T, double>::value, double, float>;
-
-// The fp32 value of every float8_e4m3fn bit pattern (the 8-bit memory's fp8 rows).
-const std::array<float, 256> kFp8Values = [] {
-  std::array<float, 256> t{};
-  for (int i = 0; i < 256; ++i)
-    t[i] = static_cast<float>(c10::Float8_e4m3fn(i, c10::Float8_e4m3fn::from_bits()));
-  return t;
-}();
 
 // Element d of a key / value row as T: a T row as it is; an 8-bit row dequantised as
 // txl_kernels.quant.dequantize_per_token does (the fp32 product of value and scale, rounded
@@ -68,12 +44,7 @@ TXL_ALWAYS_INLINE inline T load(const c10::Float8_e4m3fn* x, float s) {
 // fp32 rows are processed 8 at a time in GCC / Clang vector types (one AVX register in the
 // AVX2 clones, two SSE registers in the default build): the compilers do not vectorise the
 // scalar loops below well enough for these short rows (D ~ 41-64).
-#if defined(__GNUC__)
-#define TXL_VEC8 1
-typedef float v8f __attribute__((vector_size(32)));
-typedef int8_t v8i8 __attribute__((vector_size(8)));
-typedef int32_t v8i32 __attribute__((vector_size(32)));
-
+#ifdef TXL_VEC8
 TXL_ALWAYS_INLINE inline v8f load8(const float* x, float) {
   v8f v;
   std::memcpy(&v, x, sizeof v);
@@ -88,9 +59,6 @@ TXL_ALWAYS_INLINE inline v8f load8(const c10::Float8_e4m3fn* x, float s) {
   const v8f v = {kFp8Values[x[0].x], kFp8Values[x[1].x], kFp8Values[x[2].x], kFp8Values[x[3].x],
                  kFp8Values[x[4].x], kFp8Values[x[5].x], kFp8Values[x[6].x], kFp8Values[x[7].x]};
   return v * s;
-}
-TXL_ALWAYS_INLINE inline float hsum(v8f v) {
-  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 #endif
 
@@ -107,7 +75,7 @@ TXL_ALWAYS_INLINE inline A dot2(const X* a, float sa, const T* x, const T* c, co
     v8f part = {0, 0, 0, 0, 0, 0, 0, 0};
     for (; d + 8 <= n; d += 8)
       part += load8(a + d, sa) * load8(x + d, 1.0f) + load8(c + d, 1.0f) * load8(y + d, 1.0f);
-    total = hsum(part);
+    total = hsum8(part);
   }
 #endif
   A part[8] = {0, 0, 0, 0, 0, 0, 0, 0};

@@ -122,7 +122,13 @@ def test_triton_backend_rejects_unsupported_head_dim():
 
 
 def test_auto_falls_back_to_reference_on_cpu_without_interpreter(monkeypatch):
+    """Without the interpreter and without the C++ CPU kernel (which "auto" takes where it is
+    built: tests/test_cpu_kernel.py)."""
+    import txl_kernels._cpp_ops
+    import txl_kernels.cpu_kernel
     _no_interpreter(monkeypatch)
+    monkeypatch.setattr(txl_kernels.cpu_kernel, "_STATE", (False, "not built"))
+    monkeypatch.setattr(txl_kernels._cpp_ops, "_WARNED", {"cpu"})  # its warning already given
     ts = _inputs()
     torch.testing.assert_close(_call(*ts, backend="auto"), _call(*ts), rtol=0, atol=0)
     ok, why = txl_kernels.fused_available(torch.device("cpu"))

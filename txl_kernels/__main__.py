@@ -218,6 +218,11 @@ def main(argv=None) -> int:
     _row("update_mems == formula", "yes" if same else "NO")
     if not same:
         failures.append("update_mems")
+    cpu_ok = False
+    if device.type == "cpu":  # the fused C++ kernel of rel_attention (docs/cpu.md)
+        from .cpu_kernel import cpu_kernel_available
+        cpu_ok, why = (False, "--no-build") if args.no_build else cpu_kernel_available()
+        _row("cpu attention kernel", ("built: " if cpu_ok else "not built: ") + why)
 
     shape = SHAPES["cuda" if device.type == "cuda" else "cpu"]
     qlen, mlen, bsz = shape["qlen"], shape["mlen"], shape["bsz"]
@@ -226,7 +231,7 @@ def main(argv=None) -> int:
           f"forward + backward")
     torch.manual_seed(0)
     layers = {}
-    backends = ["reference"] + (["triton"] if fused_ok else [])
+    backends = ["reference"] + (["triton"] if fused_ok else []) + (["cpu"] if cpu_ok else [])
     for name in backends:
         layers[name] = FusedRelAttention(**BASE, dropout=0.0, untie_r=True, backend=name).to(
             device=device, dtype=dtype)

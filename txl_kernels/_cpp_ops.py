@@ -31,7 +31,7 @@ import torch
 
 from . import _build
 
-__all__ = ["load_extension", "unavailable", "use_extension"]
+__all__ = ["load_extension", "unavailable", "use_extension", "warn_fallback"]
 
 _WARNED: Set[str] = set()
 _FAKES_REGISTERED = False
@@ -66,12 +66,14 @@ def unavailable(op: str, device_type: str) -> str:
     return ""
 
 
-def _warn_once(device_type: str, reason: str) -> None:
+def warn_fallback(device_type: str, reason: str) -> None:
+    """Warn once per device type that the extension's ops fall back, and why."""
     if device_type in _WARNED:
         return
     _WARNED.add(device_type)
     warnings.warn(f"txl_kernels: the C++ extension's ops (update_mems, the K/V cache's "
-                  f"compaction and 8-bit append, the CPU decoding step) use their "
+                  f"compaction and 8-bit append, the CPU decoding step, the CPU attention kernel of "
+                  f"rel_attention) use their "
                   f"pure-torch fallback for {device_type} "
                   f"tensors because {reason}", RuntimeWarning, stacklevel=4)
 
@@ -89,7 +91,7 @@ def use_extension(op: str, device: torch.device, backend: str) -> bool:
     if backend == "extension":
         raise RuntimeError(f"{op}: backend='extension' is not available for {device.type} "
                            f"tensors: {reason}")
-    _warn_once(device.type, reason)
+    warn_fallback(device.type, reason)
     return False
 
 

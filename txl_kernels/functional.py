@@ -1,7 +1,8 @@
 """``rel_attention``: the one contract. Argument checks and backend dispatch live here, once.
 
 Data flows one way: modules -> ``rel_attention`` (checks, mask normalisation, backend choice)
--> ``reference.rel_attention_reference`` or the fused Triton op (``txl_kernels.ops``).
+-> ``reference.rel_attention_reference``, the fused Triton op (``txl_kernels.ops``) or the
+fused CPU op (``txl_kernels.cpu_kernel``).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from .reference import autocast_dtype, in_band, pair_distance, rel_attention_ref
 
 __all__ = ["rel_attention", "fused_available", "mask_to_band", "BACKENDS"]
 
-BACKENDS = ("auto", "reference", "triton")
+BACKENDS = ("auto", "reference", "triton", "cpu")
 _INT64_MAX = 2 ** 63 - 1
 
 
@@ -267,8 +268,11 @@ def rel_attention(
             backward regenerates the same mask (nothing Lq x Lk is stored). The reference
             backend uses ``F.dropout`` (a different mask for the same seed).
         backend: ``"reference"`` (einsum path, any device), ``"triton"`` (fused kernel; CUDA
-            tensors, or CPU tensors under ``TRITON_INTERPRET=1``) or ``"auto"`` (fused where it
-            can run, else reference).
+            tensors, or CPU tensors under ``TRITON_INTERPRET=1``), ``"cpu"`` (the fused C++
+            kernel for CPU tensors, docs/cpu.md: any dtype and head dim, deterministic; built
+            with the extension on first use) or ``"auto"`` (the Triton kernel where it can
+            run; else, on CPU tensors, the C++ kernel, or the reference with a one-time
+            warning when the extension cannot be built; else the reference).
         deterministic: fused backward only. False (default, as in FlashAttention): the
             gradient of r is accumulated with fp32 atomics (run-to-run bit differences). True:
             it is reduced in a fixed order by a third pass (about 1.3-1.5x the backward time),
@@ -362,6 +366,11 @@ def rel_attention(
     else:
         check_position_rows(Lq, Lk, r.shape[0], wl, wr)
 
+    if backend == "cpu" or (backend == "auto" and q.device.type == "cpu"
+                            and not fused_available(q.device)[0]):
+        return _rel_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm,
+                                  mask, attn_mask_band, float(dropout_p), memory, backend)
+
     use_fused = False
     if backend != "reference":
         ok, why = fused_available(q.device)
@@ -399,9 +408,48 @@ def rel_attention(
 
         return rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
                              attn_mask_band, deterministic, float(dropout_p), memory=memory)
-    if memory is not None and mlen > 0:
+    return _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
+                      attn_mask_band, float(dropout_p), memory)
+
+
+def _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
+               attn_mask_band, dropout_p, memory):
+    if memory is not None and memory.k.shape[1] > 0:
         # The oracle: dequantise explicitly, then attend over [memory; current segment].
         mk, mv = memory.dequantize(q.dtype)
         k, v = torch.cat([mk, k], dim=1), torch.cat([mv, v], dim=1)
     return rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr,
-                                   kpm, mask, float(dropout_p), attn_mask_band=attn_mask_band)
+                                   kpm, mask, dropout_p, attn_mask_band=attn_mask_band)
+
+
+def _rel_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
+                       attn_mask_band, dropout_p, memory, backend):
+    """backend "cpu", or "auto" on CPU tensors without the Triton interpreter: the C++ kernel
+    (any dtype, any head dim), else (auto only) the reference with a one-time warning."""
+    from ._cpp_ops import warn_fallback
+    from .cpu_kernel import cpu_kernel_available, rel_attn_cpu
+
+    grads = memory is not None and torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q, k, v, r, r_w_bias, r_r_bias))
+    if backend == "cpu":
+        if q.device.type != "cpu":
+            raise ValueError(f"rel_attention: backend='cpu' needs CPU tensors, got q on "
+                             f"{q.device}")
+        if grads:
+            raise ValueError("rel_attention: backend='cpu' with an 8-bit memory is forward "
+                             "only (inference); inputs require grad: use backend='reference' "
+                             "or torch.no_grad()")
+        ok, why = cpu_kernel_available()
+        if not ok:
+            raise RuntimeError(f"rel_attention: backend='cpu' cannot run here: {why}")
+    elif grads:
+        ok = False
+    else:
+        ok, why = cpu_kernel_available()
+        if not ok:
+            warn_fallback("cpu", why)
+    if not ok:
+        return _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
+                          attn_mask_band, dropout_p, memory)
+    return rel_attn_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
+                        attn_mask_band, dropout_p, memory=memory)

@@ -1,0 +1,866 @@
+// Fused Transformer-XL relative attention on CPUs, forward and backward, flash-attention style:
+// no Lq x Lk tensor is ever formed (docs/cpu.md).
+//
+//   txl_kernels::rel_attn_cpu_fwd(q, k, v, r, u, vb, scale, wl, wr, kpm?, mask?, band?, p,
+//       seed?, mem_k?, mem_k_scale?, mem_v?, mem_v_scale?) -> (out, lse)
+//   txl_kernels::rel_attn_cpu_bwd(dout, q, k, v, r, u, vb, out, lse, scale, wl, wr, kpm?,
+//       mask?, band?, p, seed?) -> (dq, dk, dv, dr, du, dvb)
+//
+// Forward, per (batch, head, query block [i0, i0 + m)), over the key tiles [j0, j0 + n) that
+// the window / band leaves: AC = (q + u) K^T is one GEMM; BD needs r rows p = j - i + Lq - 1,
+// for the tile the window of m + n - 1 rows starting at P0 = j0 - (i0 + m - 1) + Lq - 1, and
+// T = (q + vb) Rwin^T is one GEMM whose row a, read from column m - 1 - a on, is BD's row a
+// (the skew is a pointer offset). Consecutive tiles' windows overlap in m - 1 rows: T is kept
+// and shifted, so each tile computes only its n new columns (BD costs one QK-sized GEMM).
+// Then the online softmax in fp32 (fp64 for fp64 inputs), P @ V, and the row log-sum-exp.
+// Backward (FlashAttention-2), per (batch, head): each query block recomputes P from the saved
+// lse; dV += P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO O)); dq_u = dS K, dK += dS^T (q + u);
+// the un-skewed dS accumulates in a window buffer dT laid out like T, and the columns that no
+// later tile touches are flushed: dq_v += dT Rwin, dR[win] += dT^T (q + vb). Gradients of one
+// (batch, head) are owned by one task; dR, du and dvb are summed over the batch afterwards in
+// a fixed order, so results do not depend on the thread count.
+//
+// GEMMs go to the BLAS that libtorch_cpu carries and exports (sgemm_ / dgemm_, MKL in the x86
+// wheels; ATen's own cpublas::gemm is not exported to extensions), through at::addmm_ on views
+// where torch exports no BLAS symbol. bf16 / fp16 tiles are converted to fp32 first (one tile
+// row per key, so the conversions cost 1 / m of the GEMMs); fp32 / fp64 tiles are read in place
+// through their row strides. The row loops (scale, max, exp, sums) are in cpu_simd.h's vector
+// types with AVX2 clones: at::vec compiles to its scalar fallback in an extension built for the
+// baseline ISA.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <torch/library.h>
+
+#include "cpu_simd.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+extern "C" {
+// libtorch_cpu's BLAS (weak: a torch build without one falls back to ATen's own kernel)
+void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*,
+            const float*, const int*, const float*, const int*, const float*, float*,
+            const int*) __attribute__((weak));
+void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*,
+            const double*, const int*, const double*, const int*, const double*, double*,
+            const int*) __attribute__((weak));
+int MKL_Set_Num_Threads_Local(int) __attribute__((weak));  // MKL's C interface
+}
+
+namespace txl_kernels {
+namespace {
+
+// Every GEMM runs on one thread, whatever torch's thread count: the kernel parallelises over
+// its own tasks, and MKL's results depend on how many threads it uses.
+struct SequentialBlas {
+  int prev = 0;
+  SequentialBlas() {
+    if (MKL_Set_Num_Threads_Local) prev = MKL_Set_Num_Threads_Local(1);
+  }
+  ~SequentialBlas() {
+    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(prev);
+  }
+};
+
+constexpr int64_t kInf = std::numeric_limits<int64_t>::max() / 4;
+
+// Row-major C[M, N] = alpha * op(A) op(B) + beta * C (op: transpose when ta / tb).
+template <typename T>
+void gemm_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A,
+             int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc) {
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0) {
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == T(0) ? T(0) : beta * C[i * ldc + j];
+    return;
+  }
+  // column-major: C^T = op(B)^T op(A)^T
+  const char cb = tb ? 'T' : 'N', ca = ta ? 'T' : 'N';
+  const int m = static_cast<int>(N), n = static_cast<int>(M), k = static_cast<int>(K);
+  const int la = static_cast<int>(ldb), lb = static_cast<int>(lda), lc = static_cast<int>(ldc);
+  if constexpr (std::is_same<T, float>::value) {
+    if (sgemm_) {
+      sgemm_(&cb, &ca, &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
+      return;
+    }
+  } else {
+    if (dgemm_) {
+      dgemm_(&cb, &ca, &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
+      return;
+    }
+  }
+  // no BLAS symbol in this torch build: ATen's matmul on views of the same memory
+  auto opt = at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value);
+  at::Tensor a = ta ? at::from_blob(const_cast<T*>(A), {K, M}, {lda, 1}, opt).t()
+                    : at::from_blob(const_cast<T*>(A), {M, K}, {lda, 1}, opt);
+  at::Tensor b = tb ? at::from_blob(const_cast<T*>(B), {N, K}, {ldb, 1}, opt).t()
+                    : at::from_blob(const_cast<T*>(B), {K, N}, {ldb, 1}, opt);
+  at::Tensor c = at::from_blob(C, {M, N}, {ldc, 1}, opt);
+  if (beta == T(0)) c.zero_();
+  c.addmm_(a, b, beta == T(0) ? T(1) : beta, alpha);
+}
+
+// ---- row loops: generic, and for fp32 in vector types, compiled for AVX2 + FMA as well
+
+template <typename T>
+void add_scale(T* s, const T* t, int64_t n, T sc) {  // s = (s + t) * sc
+  for (int64_t x = 0; x < n; ++x) s[x] = (s[x] + t[x]) * sc;
+}
+template <typename T>
+T row_max(const T* s, int64_t n) {
+  T m = -std::numeric_limits<T>::infinity();
+  for (int64_t x = 0; x < n; ++x) m = s[x] > m ? s[x] : m;
+  return m;
+}
+template <typename T>
+T exp_sum(T* s, int64_t n, T mx) {  // s = exp(s - mx) (0 at -inf); returns the sum
+  T sum = 0;
+  for (int64_t x = 0; x < n; ++x) {
+    s[x] = std::exp(s[x] - mx);
+    sum += s[x];
+  }
+  return sum;
+}
+template <typename T>
+void mul_rows(T* s, const T* z, int64_t n) {  // s *= z
+  for (int64_t x = 0; x < n; ++x) s[x] *= z[x];
+}
+template <typename T>
+void scale_row(T* s, T c, int64_t n) {
+  for (int64_t x = 0; x < n; ++x) s[x] *= c;
+}
+template <typename T>
+void add_row(T* s, const T* t, int64_t n) {
+  for (int64_t x = 0; x < n; ++x) s[x] += t[x];
+}
+template <typename T>
+void ds_row(T* dp, const T* p, int64_t n, T sc, T delta) {  // dp = sc * p * (dp - delta)
+  for (int64_t x = 0; x < n; ++x) dp[x] = sc * p[x] * (dp[x] - delta);
+}
+
+#ifdef TXL_VEC8
+TXL_CLONES void add_scale(float* s, const float* t, int64_t n, float sc) {
+  int64_t x = 0;
+  for (; x + 8 <= n; x += 8) storeu8(s + x, (loadu8(s + x) + loadu8(t + x)) * sc);
+  for (; x < n; ++x) s[x] = (s[x] + t[x]) * sc;
+}
+TXL_CLONES float row_max(const float* s, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t x = 0;
+  if (n >= 8) {
+    v8f mv = loadu8(s);
+    for (x = 8; x + 8 <= n; x += 8) {
+      const v8f v = loadu8(s + x);
+      mv = v > mv ? v : mv;
+    }
+    m = hmax8(mv);
+  }
+  for (; x < n; ++x) m = s[x] > m ? s[x] : m;
+  return m;
+}
+TXL_CLONES float exp_sum(float* s, int64_t n, float mx) {
+  v8f acc = {};
+  int64_t x = 0;
+  for (; x + 8 <= n; x += 8) {
+    const v8f e = exp8(loadu8(s + x) - mx);
+    storeu8(s + x, e);
+    acc += e;
+  }
+  float sum = hsum8(acc);
+  for (; x < n; ++x) {
+    s[x] = std::exp(s[x] - mx);
+    sum += s[x];
+  }
+  return sum;
+}
+TXL_CLONES void mul_rows(float* s, const float* z, int64_t n) {
+  for (int64_t x = 0; x < n; ++x) s[x] *= z[x];
+}
+TXL_CLONES void scale_row(float* s, float c, int64_t n) {
+  for (int64_t x = 0; x < n; ++x) s[x] *= c;
+}
+TXL_CLONES void add_row(float* s, const float* t, int64_t n) {
+  for (int64_t x = 0; x < n; ++x) s[x] += t[x];
+}
+TXL_CLONES void ds_row(float* dp, const float* p, int64_t n, float sc, float delta) {
+  for (int64_t x = 0; x < n; ++x) dp[x] = sc * p[x] * (dp[x] - delta);
+}
+#endif
+
+// ---- dropout: the Triton kernels' Philox-4x32-10 keep-mask, element for element
+
+inline uint32_t mulhi(uint32_t a, uint32_t b) {
+  return static_cast<uint32_t>((static_cast<uint64_t>(a) * b) >> 32);
+}
+
+inline void philox(uint32_t c[4], uint32_t k0, uint32_t k1) {
+  for (int r = 0; r < 10; ++r) {
+    const uint32_t c0 = c[0], c2 = c[2];
+    c[0] = mulhi(0xCD9E8D57u, c2) ^ c[1] ^ k0;
+    c[2] = mulhi(0xD2511F53u, c0) ^ c[3] ^ k1;
+    c[1] = 0xCD9E8D57u * c2;
+    c[3] = 0xD2511F53u * c0;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+}
+
+struct Dropout {
+  bool on = false;
+  uint64_t seed = 0, offset = 0;
+  uint32_t threshold = 0;
+  double scale = 1.0;  // 1 / (1 - p)
+
+  // z[a * ldz + b] = keep(bh, i0 + a, j0 + b) ? scale : 0. Element (row, j) with row =
+  // bh * Lq + i takes word 2 g1 + b0 of the Philox call with counter ((j >> 4) * 4 + q,
+  // row, offset, (offset >> 32) + (row >> 32)) and key seed, where j = 16 h + 8 g1 + 2 q + b0.
+  template <typename T>
+  void keep_scale(int64_t bh, int64_t Lq, int64_t i0, int64_t m, int64_t j0, int64_t n, T* z,
+                  int64_t ldz) const {
+    const uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+    for (int64_t a = 0; a < m; ++a) {
+      const int64_t row = bh * Lq + i0 + a;
+      T* zr = z + a * ldz;
+      for (int64_t hb = j0 >> 4; hb <= (j0 + n - 1) >> 4; ++hb) {
+        for (int q = 0; q < 4; ++q) {
+          uint32_t c[4] = {static_cast<uint32_t>(hb * 4 + q), static_cast<uint32_t>(row),
+                           static_cast<uint32_t>(offset),
+                           static_cast<uint32_t>((offset >> 32) + (static_cast<uint64_t>(row) >> 32))};
+          philox(c, k0, k1);
+          for (int w = 0; w < 4; ++w) {  // word w = 2 g1 + b0
+            const int64_t j = hb * 16 + 8 * (w >> 1) + 2 * q + (w & 1);
+            if (j >= j0 && j < j0 + n) zr[j - j0] = c[w] >= threshold ? T(scale) : T(0);
+          }
+        }
+      }
+    }
+  }
+};
+
+// ---- operands
+
+// The [L, D] rows of one (batch, head) of a [B, L, H, D] tensor, optionally preceded by the M
+// rows of an 8-bit memory (dequantised as txl_kernels.quant.dequantize_per_token does: the
+// fp32 product of value and scale, rounded to the input dtype).
+template <typename scalar_t, typename acc_t>
+struct Rows {
+  const scalar_t* base = nullptr;  // row 0 of the segment
+  int64_t ld = 0, D = 0, M = 0;
+  const uint8_t* mem = nullptr;  // memory row 0 (int8 or fp8 bytes)
+  int64_t mem_ld = 0;
+  bool mem_fp8 = false;
+  const float* scale_f = nullptr;
+  const at::Half* scale_h = nullptr;
+  int64_t scale_ld = 0;
+
+  acc_t mem_value(int64_t j, int64_t d) const {
+    const uint8_t x = mem[j * mem_ld + d];
+    const float v = mem_fp8 ? kFp8Values[x] : static_cast<float>(static_cast<int8_t>(x));
+    const float s = scale_f ? scale_f[j * scale_ld] : static_cast<float>(scale_h[j * scale_ld]);
+    return static_cast<acc_t>(static_cast<scalar_t>(v * s));
+  }
+
+  // rows [j0, j0 + n) as acc_t: in place (fp32 / fp64 segment rows) or converted into buf
+  const acc_t* get(int64_t j0, int64_t n, acc_t* buf, int64_t* ldo) const {
+    if constexpr (std::is_same<scalar_t, acc_t>::value) {
+      if (j0 >= M) {
+        *ldo = ld;
+        return base + (j0 - M) * ld;
+      }
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t j = j0 + t;
+      acc_t* o = buf + t * D;
+      if (j < M) {
+        for (int64_t d = 0; d < D; ++d) o[d] = mem_value(j, d);
+      } else {
+        const scalar_t* x = base + (j - M) * ld;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<acc_t>(x[d]);
+      }
+    }
+    *ldo = D;
+    return buf;
+  }
+};
+
+// A scratch buffer on torch's CPU allocator (64-byte aligned): the BLAS may take a different
+// path, with different rounding, for other alignments, and results must not depend on where
+// malloc put a buffer.
+template <typename T>
+struct Scratch {
+  at::Tensor t;
+  T* p = nullptr;
+  int64_t n = 0;
+  explicit Scratch(int64_t size)
+      : t(at::empty({std::max<int64_t>(size, 1)},
+                    at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value))),
+        p(t.data_ptr<T>()), n(size) {}
+  T* data() { return p; }
+  T* begin() { return p; }
+  T* end() { return p + n; }
+  T& operator[](int64_t i) { return p[i]; }
+};
+
+struct Geometry {
+  int64_t B, Lq, Lk, H, D, R, mlen;
+  int64_t dlo, dhi;  // allowed distances d = i + mlen - j: dlo <= d <= dhi (window / band)
+  double scale;
+  const bool* kpm = nullptr;  // [B, Lk]
+  int64_t kpm_s0 = 0, kpm_s1 = 0;
+  const bool* mask = nullptr;  // [B, H, Lq, Lk] (expanded view)
+  int64_t ms[4] = {0, 0, 0, 0};
+  Dropout drop;
+  int64_t BM, BN;
+
+  // key range of query rows [i0, i0 + m): [jlo, jhi]
+  void key_range(int64_t i0, int64_t m, int64_t* jlo, int64_t* jhi) const {
+    *jlo = std::max<int64_t>(0, dhi >= kInf ? 0 : i0 + mlen - dhi);
+    *jhi = std::min<int64_t>(Lk - 1, dlo <= -kInf ? Lk - 1 : i0 + m - 1 + mlen - dlo);
+  }
+
+  // -inf at the masked pairs of the scores tile S [m, n] (ld lds)
+  template <typename T>
+  void apply_masks(int64_t b, int64_t h, int64_t i0, int64_t m, int64_t j0, int64_t n, T* S,
+                   int64_t lds) const {
+    const T ninf = -std::numeric_limits<T>::infinity();
+    for (int64_t a = 0; a < m; ++a) {
+      const int64_t i = i0 + a;
+      T* s = S + a * lds;
+      // window: j in [i + mlen - dhi, i + mlen - dlo]
+      const int64_t lo = dhi >= kInf ? 0 : i + mlen - dhi - j0;
+      const int64_t hi = dlo <= -kInf ? n - 1 : i + mlen - dlo - j0;
+      for (int64_t t = 0; t < std::min<int64_t>(lo, n); ++t) s[t] = ninf;
+      for (int64_t t = std::max<int64_t>(hi + 1, 0); t < n; ++t) s[t] = ninf;
+      if (mask) {
+        const bool* mr = mask + b * ms[0] + h * ms[1] + i * ms[2] + j0 * ms[3];
+        for (int64_t t = 0; t < n; ++t)
+          if (mr[t * ms[3]]) s[t] = ninf;
+      }
+    }
+    if (kpm) {
+      const bool* kr = kpm + b * kpm_s0 + j0 * kpm_s1;
+      for (int64_t t = 0; t < n; ++t)
+        if (kr[t * kpm_s1])
+          for (int64_t a = 0; a < m; ++a) S[a * lds + t] = ninf;
+    }
+  }
+  bool tile_needs_masks(int64_t i0, int64_t m, int64_t j0, int64_t n) const {
+    if (kpm || mask) return true;
+    // every pair inside the window: d in [i0 + mlen - (j0 + n - 1), i0 + m - 1 + mlen - j0]
+    const int64_t dmin = i0 + mlen - (j0 + n - 1), dmax = i0 + m - 1 + mlen - j0;
+    return dmin < dlo || dmax > dhi;
+  }
+};
+
+// The rolling window T (or dT) of one query block: row a of the current tile's window holds
+// columns [0, m + n - 1) at stride tw; column c is r row P0 + c.
+template <typename acc_t>
+void shift_window(acc_t* T, int64_t m, int64_t tw, int64_t by, bool zero_new, int64_t width) {
+  for (int64_t a = 0; a < m; ++a) {
+    acc_t* t = T + a * tw;
+    std::memmove(t, t + by, static_cast<size_t>(m - 1) * sizeof(acc_t));
+    if (zero_new) std::fill(t + m - 1, t + width, acc_t(0));
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+struct Head {  // the operands of one (batch, head)
+  Rows<scalar_t, acc_t> K, V, Rr;
+};
+
+// T[:, c0:c1) = (q + vb) @ r[P0 + c]^T over the columns whose rows exist (others 0)
+template <typename scalar_t, typename acc_t>
+void fill_window(const Rows<scalar_t, acc_t>& Rr, int64_t R, const acc_t* qv, int64_t m,
+                 int64_t D, int64_t P0, int64_t c0, int64_t c1, acc_t* T, int64_t tw,
+                 acc_t* rbuf) {
+  const int64_t pa = std::max<int64_t>(P0 + c0, 0), pb = std::min<int64_t>(P0 + c1, R);
+  const bool any = pb > pa;
+  const int64_t ca = any ? pa - P0 : c1, cb = any ? pb - P0 : c1;
+  for (int64_t a = 0; a < m; ++a) {
+    std::fill(T + a * tw + c0, T + a * tw + ca, acc_t(0));
+    std::fill(T + a * tw + cb, T + a * tw + c1, acc_t(0));
+  }
+  if (!any) return;
+  int64_t ldr;
+  const acc_t* rp = Rr.get(pa, pb - pa, rbuf, &ldr);
+  gemm_rm<acc_t>(false, true, m, pb - pa, D, 1, qv, D, rp, ldr, 0, T + (pa - P0), tw);
+}
+
+// (q + bias) rounded to the input dtype, as the reference does, then to acc_t: [m, D]
+template <typename scalar_t, typename acc_t>
+void load_q(const scalar_t* q, int64_t ldq, const scalar_t* bias, int64_t m, int64_t D,
+            acc_t* out) {
+  for (int64_t a = 0; a < m; ++a)
+    for (int64_t d = 0; d < D; ++d)
+      out[a * D + d] = static_cast<acc_t>(static_cast<scalar_t>(
+          static_cast<acc_t>(q[a * ldq + d]) + static_cast<acc_t>(bias[d])));
+}
+
+// The scores tile S = scale * (AC + BD) with -inf at masked pairs, T advanced to this tile.
+template <typename scalar_t, typename acc_t>
+void scores_tile(const Geometry& g, const Head<scalar_t, acc_t>& hd, int64_t b, int64_t h,
+                 int64_t i0, int64_t m, int64_t j0, int64_t n, bool first, const acc_t* qu,
+                 const acc_t* qv, acc_t* S, acc_t* T, int64_t tw, acc_t* kbuf, acc_t* rbuf) {
+  const int64_t D = g.D;
+  int64_t ldk;
+  const acc_t* kp = hd.K.get(j0, n, kbuf, &ldk);
+  gemm_rm<acc_t>(false, true, m, n, D, 1, qu, D, kp, ldk, 0, S, g.BN);
+  const int64_t P0 = j0 - (i0 + m - 1) + g.Lq - 1;
+  if (first) {
+    fill_window(hd.Rr, g.R, qv, m, D, P0, 0, m + n - 1, T, tw, rbuf);
+  } else {
+    shift_window(T, m, tw, g.BN, false, 0);
+    fill_window(hd.Rr, g.R, qv, m, D, P0, m - 1, m - 1 + n, T, tw, rbuf);
+  }
+  for (int64_t a = 0; a < m; ++a)
+    add_scale(S + a * g.BN, T + a * tw + (m - 1 - a), n, static_cast<acc_t>(g.scale));
+  if (g.tile_needs_masks(i0, m, j0, n)) g.apply_masks(b, h, i0, m, j0, n, S, g.BN);
+}
+
+template <typename scalar_t, typename acc_t>
+Head<scalar_t, acc_t> head_rows(const at::Tensor& k, const at::Tensor& v, const at::Tensor& r,
+                                const c10::optional<at::Tensor>* mem, int64_t b, int64_t h) {
+  Head<scalar_t, acc_t> hd;
+  const int64_t D = k.size(3);
+  auto seg = [&](Rows<scalar_t, acc_t>& rw, const at::Tensor& t) {
+    rw.base = t.data_ptr<scalar_t>() + b * t.stride(0) + h * t.stride(2);
+    rw.ld = t.stride(1);
+    rw.D = D;
+  };
+  seg(hd.K, k);
+  seg(hd.V, v);
+  hd.Rr.base = r.data_ptr<scalar_t>() + h * r.stride(1);
+  hd.Rr.ld = r.stride(0);
+  hd.Rr.D = D;
+  if (mem && mem[0].has_value()) {
+    for (int w = 0; w < 2; ++w) {
+      Rows<scalar_t, acc_t>& rw = w == 0 ? hd.K : hd.V;
+      const at::Tensor& data = *mem[2 * w];
+      const at::Tensor& sc = *mem[2 * w + 1];
+      rw.M = data.size(1);
+      rw.mem = reinterpret_cast<const uint8_t*>(data.data_ptr()) + b * data.stride(0) +
+               h * data.stride(2);
+      rw.mem_ld = data.stride(1);
+      rw.mem_fp8 = data.scalar_type() == at::kFloat8_e4m3fn;
+      const int64_t so = b * sc.stride(0) + h * sc.stride(2);
+      if (sc.scalar_type() == at::kFloat)
+        rw.scale_f = sc.data_ptr<float>() + so;
+      else
+        rw.scale_h = sc.data_ptr<at::Half>() + so;
+      rw.scale_ld = sc.stride(1);
+    }
+  }
+  return hd;
+}
+
+// ---- forward
+
+template <typename scalar_t>
+void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
+                  const at::Tensor& v, const at::Tensor& r, const at::Tensor& u,
+                  const at::Tensor& vb, const c10::optional<at::Tensor>* mem, at::Tensor& out,
+                  at::Tensor& lse) {
+  using acc_t = std::conditional_t<std::is_same<scalar_t, double>::value, double, float>;
+  const int64_t B = g.B, H = g.H, Lq = g.Lq, D = g.D, BM = g.BM, BN = g.BN;
+  const int64_t nqb = (Lq + BM - 1) / BM, tw = BM + BN;
+  scalar_t* outp = out.data_ptr<scalar_t>();
+  acc_t* lsep = lse.data_ptr<acc_t>();
+  at::parallel_for(0, B * H * nqb, 1, [&](int64_t begin, int64_t end) {
+    SequentialBlas one_thread;
+    Scratch<acc_t> qu(BM * D), qv(BM * D), S(BM * BN), T(BM * tw), acc(BM * D), kbuf(BN * D),
+        vbuf(BN * D), rbuf((BM + BN) * D), mx(BM), l(BM), z(g.drop.on ? BM * BN : 0);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / (H * nqb), h = (task / nqb) % H, qb = task % nqb;
+      const int64_t i0 = qb * BM, m = std::min(BM, Lq - i0);
+      const auto hd = head_rows<scalar_t, acc_t>(k, v, r, mem, b, h);
+      const scalar_t* qp = q.data_ptr<scalar_t>() + b * q.stride(0) + h * q.stride(2) +
+                           i0 * q.stride(1);
+      load_q(qp, q.stride(1), u.data_ptr<scalar_t>() + h * u.stride(0), m, D, qu.data());
+      load_q(qp, q.stride(1), vb.data_ptr<scalar_t>() + h * vb.stride(0), m, D, qv.data());
+      std::fill(acc.begin(), acc.end(), acc_t(0));
+      std::fill(mx.begin(), mx.end(), -std::numeric_limits<acc_t>::infinity());
+      std::fill(l.begin(), l.end(), acc_t(0));
+      int64_t jlo, jhi;
+      g.key_range(i0, m, &jlo, &jhi);
+      for (int64_t j0 = jlo; j0 <= jhi; j0 += BN) {
+        const int64_t n = std::min(BN, jhi + 1 - j0);
+        scores_tile(g, hd, b, h, i0, m, j0, n, j0 == jlo, qu.data(), qv.data(), S.data(),
+                    T.data(), tw, kbuf.data(), rbuf.data());
+        if (g.drop.on) g.drop.keep_scale(b * H + h, Lq, i0, m, j0, n, z.data(), BN);
+        for (int64_t a = 0; a < m; ++a) {
+          acc_t* s = S.data() + a * BN;
+          const acc_t tmax = row_max(s, n);
+          const acc_t mnew = std::max(mx[a], tmax);
+          if (mnew == -std::numeric_limits<acc_t>::infinity()) {
+            std::fill(s, s + n, acc_t(0));
+            continue;
+          }
+          const acc_t alpha = std::exp(mx[a] - mnew);
+          l[a] = l[a] * alpha + exp_sum(s, n, mnew);
+          mx[a] = mnew;
+          if (alpha != acc_t(1)) scale_row(acc.data() + a * D, alpha, D);
+          if (g.drop.on) mul_rows(s, z.data() + a * BN, n);
+        }
+        int64_t ldv;
+        const acc_t* vp = hd.V.get(j0, n, vbuf.data(), &ldv);
+        gemm_rm<acc_t>(false, false, m, D, n, 1, S.data(), BN, vp, ldv, 1, acc.data(), D);
+      }
+      for (int64_t a = 0; a < m; ++a) {
+        scalar_t* o = outp + ((b * Lq + i0 + a) * H + h) * D;
+        const bool any = l[a] > acc_t(0);
+        const acc_t inv = any ? acc_t(1) / l[a] : acc_t(0);
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[a * D + d] * inv);
+        lsep[(b * H + h) * Lq + i0 + a] =
+            any ? mx[a] + std::log(l[a]) : std::numeric_limits<acc_t>::infinity();
+      }
+    }
+  });
+}
+
+// ---- backward
+
+template <typename scalar_t>
+void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& q,
+                   const at::Tensor& k, const at::Tensor& v, const at::Tensor& r,
+                   const at::Tensor& u, const at::Tensor& vb, const at::Tensor& out,
+                   const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+                   at::Tensor& dr, at::Tensor& du, at::Tensor& dvb) {
+  using acc_t = std::conditional_t<std::is_same<scalar_t, double>::value, double, float>;
+  const int64_t B = g.B, H = g.H, Lq = g.Lq, Lk = g.Lk, D = g.D, R = g.R, BM = g.BM,
+                BN = g.BN;
+  const int64_t nqb = (Lq + BM - 1) / BM, tw = BM + BN;
+  // per (b, h) fp32 (fp64) accumulators: [B, H, L, D], [B, H, R, D], [B, H, 2, D]
+  acc_t* dqp = dq.data_ptr<acc_t>();
+  acc_t* dkp = dk.data_ptr<acc_t>();
+  acc_t* dvp = dv.data_ptr<acc_t>();
+  acc_t* drp = dr.data_ptr<acc_t>();
+  acc_t* dup = du.data_ptr<acc_t>();
+  acc_t* dvbp = dvb.data_ptr<acc_t>();
+  const acc_t* lsep = lse.data_ptr<acc_t>();
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    SequentialBlas one_thread;
+    Scratch<acc_t> qu(BM * D), qv(BM * D), S(BM * BN), dP(BM * BN), T(BM * tw),
+        dT(BM * tw), dqu(BM * D), dqv(BM * D), dO(BM * D), kbuf(BN * D), vbuf(BN * D),
+        rbuf((BM + BN) * D), delta(BM), z(g.drop.on ? BM * BN : 0);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      const auto hd = head_rows<scalar_t, acc_t>(k, v, r, nullptr, b, h);
+      acc_t* dkh = dkp + bh * Lk * D;
+      acc_t* dvh = dvp + bh * Lk * D;
+      acc_t* drh = drp + bh * R * D;
+      for (int64_t qb = 0; qb < nqb; ++qb) {
+        const int64_t i0 = qb * BM, m = std::min(BM, Lq - i0);
+        int64_t jlo, jhi;
+        g.key_range(i0, m, &jlo, &jhi);
+        if (jlo > jhi) continue;  // no key: zero gradients
+        const scalar_t* qp = q.data_ptr<scalar_t>() + b * q.stride(0) + h * q.stride(2) +
+                             i0 * q.stride(1);
+        load_q(qp, q.stride(1), u.data_ptr<scalar_t>() + h * u.stride(0), m, D, qu.data());
+        load_q(qp, q.stride(1), vb.data_ptr<scalar_t>() + h * vb.stride(0), m, D, qv.data());
+        for (int64_t a = 0; a < m; ++a) {
+          const scalar_t* go = dout.data_ptr<scalar_t>() + b * dout.stride(0) +
+                               (i0 + a) * dout.stride(1) + h * dout.stride(2);
+          const scalar_t* o = out.data_ptr<scalar_t>() + b * out.stride(0) +
+                              (i0 + a) * out.stride(1) + h * out.stride(2);
+          acc_t s = 0;
+          for (int64_t d = 0; d < D; ++d) {
+            dO[a * D + d] = static_cast<acc_t>(go[d]);
+            s += dO[a * D + d] * static_cast<acc_t>(o[d]);
+          }
+          delta[a] = s;
+        }
+        std::fill(dqu.begin(), dqu.end(), acc_t(0));
+        std::fill(dqv.begin(), dqv.end(), acc_t(0));
+        std::fill(dT.begin(), dT.end(), acc_t(0));
+        const acc_t* lrow = lsep + bh * Lq + i0;
+        for (int64_t j0 = jlo; j0 <= jhi; j0 += BN) {
+          const int64_t n = std::min(BN, jhi + 1 - j0);
+          const bool last = j0 + BN > jhi;
+          scores_tile(g, hd, b, h, i0, m, j0, n, j0 == jlo, qu.data(), qv.data(), S.data(),
+                      T.data(), tw, kbuf.data(), rbuf.data());
+          for (int64_t a = 0; a < m; ++a) {  // P = exp(S - lse): 0 at masked pairs / rows
+            acc_t* s = S.data() + a * BN;
+            if (std::isinf(lrow[a])) {
+              std::fill(s, s + n, acc_t(0));
+            } else {
+              exp_sum(s, n, lrow[a]);
+            }
+          }
+          int64_t ldk, ldv;
+          const acc_t* kp = hd.K.get(j0, n, kbuf.data(), &ldk);
+          const acc_t* vp = hd.V.get(j0, n, vbuf.data(), &ldv);
+          // dP = dO V^T
+          gemm_rm<acc_t>(false, true, m, n, D, 1, dO.data(), D, vp, ldv, 0, dP.data(), BN);
+          if (g.drop.on) {
+            g.drop.keep_scale(bh, Lq, i0, m, j0, n, z.data(), BN);
+            for (int64_t a = 0; a < m; ++a) mul_rows(dP.data() + a * BN, z.data() + a * BN, n);
+          }
+          // dS = scale * P (dP - delta), into dP; the dropped P (for dV) into S
+          for (int64_t a = 0; a < m; ++a) {
+            acc_t* s = S.data() + a * BN;
+            acc_t* dp = dP.data() + a * BN;
+            ds_row(dp, s, n, static_cast<acc_t>(g.scale), delta[a]);
+            if (g.drop.on) mul_rows(s, z.data() + a * BN, n);
+          }
+          // dV += Pd^T dO ; dq_u += dS K ; dK += dS^T (q + u)
+          gemm_rm<acc_t>(true, false, n, D, m, 1, S.data(), BN, dO.data(), D, 1, dvh + j0 * D,
+                         D);
+          gemm_rm<acc_t>(false, false, m, D, n, 1, dP.data(), BN, kp, ldk, 1, dqu.data(), D);
+          gemm_rm<acc_t>(true, false, n, D, m, 1, dP.data(), BN, qu.data(), D, 1,
+                         dkh + j0 * D, D);
+          // dT[a, m - 1 - a + x] += dS[a, x]
+          for (int64_t a = 0; a < m; ++a) {
+            add_row(dT.data() + a * tw + (m - 1 - a), dP.data() + a * BN, n);
+          }
+          // flush the window columns no later tile touches: [0, BN), or all on the last tile
+          const int64_t P0 = j0 - (i0 + m - 1) + Lq - 1;
+          const int64_t cend = last ? m + n - 1 : BN;
+          const int64_t pa = std::max<int64_t>(P0, 0), pb = std::min<int64_t>(P0 + cend, R);
+          if (pb > pa) {
+            int64_t ldr;
+            const acc_t* rp = hd.Rr.get(pa, pb - pa, rbuf.data(), &ldr);
+            gemm_rm<acc_t>(false, false, m, D, pb - pa, 1, dT.data() + (pa - P0), tw, rp, ldr,
+                           1, dqv.data(), D);
+            gemm_rm<acc_t>(true, false, pb - pa, D, m, 1, dT.data() + (pa - P0), tw, qv.data(),
+                           D, 1, drh + pa * D, D);
+          }
+          if (!last) shift_window(dT.data(), m, tw, BN, true, m - 1 + BN);
+        }
+        acc_t* dqh = dqp + (bh * Lq + i0) * D;
+        acc_t* duh = dup + bh * D;
+        acc_t* dvbh = dvbp + bh * D;
+        for (int64_t a = 0; a < m; ++a)
+          for (int64_t d = 0; d < D; ++d) {
+            dqh[a * D + d] = dqu[a * D + d] + dqv[a * D + d];
+            duh[d] += dqu[a * D + d];
+            dvbh[d] += dqv[a * D + d];
+          }
+      }
+    }
+  });
+}
+
+// ---- checks and entry points
+
+void check_input(const char* name, const at::Tensor& t, int64_t dim, const at::Tensor& q) {
+  TORCH_CHECK(t.device().is_cpu(), "rel_attn_cpu: ", name, " must be a CPU tensor, got ",
+              t.device());
+  TORCH_CHECK(t.dim() == dim, "rel_attn_cpu: ", name, " must be ", dim, "-D, got ", t.dim(),
+              "-D ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == q.scalar_type(), "rel_attn_cpu: ", name, " has dtype ",
+              t.scalar_type(), ", q has ", q.scalar_type());
+  TORCH_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1, "rel_attn_cpu: ", name,
+              " must have a contiguous last dimension (stride(-1) == 1), got strides ",
+              t.strides());
+}
+
+Geometry make_geometry(const at::Tensor& q, int64_t Lk, const at::Tensor& r, double scale,
+                       int64_t wl, int64_t wr, const c10::optional<at::Tensor>& kpm,
+                       const c10::optional<at::Tensor>& mask,
+                       const c10::optional<at::Tensor>& band, double dropout_p,
+                       const c10::optional<at::Tensor>& seed) {
+  Geometry g;
+  g.B = q.size(0);
+  g.Lq = q.size(1);
+  g.H = q.size(2);
+  g.D = q.size(3);
+  g.Lk = Lk;
+  g.R = r.size(0);
+  g.mlen = Lk - g.Lq;
+  TORCH_CHECK(g.mlen >= 0, "rel_attn_cpu: need Lk >= Lq, got Lq=", g.Lq, " and Lk=", Lk);
+  g.scale = scale;
+  g.dhi = wl < 0 ? kInf : wl;
+  g.dlo = wr < 0 ? -kInf : -wr;
+  bool dense = mask.has_value();
+  if (band.has_value()) {
+    TORCH_CHECK(mask.has_value(), "rel_attn_cpu: attn_mask_band needs attn_mask");
+    TORCH_CHECK(band->scalar_type() == at::kInt && band->numel() == 3 && band->is_cpu(),
+                "rel_attn_cpu: attn_mask_band must be an int32 [3] CPU tensor, got ",
+                band->scalar_type(), " ", band->sizes());
+    const at::Tensor bc = band->contiguous();
+    const int32_t* bp = bc.data_ptr<int32_t>();
+    if (bp[0] != 0) {  // the mask is the band -right <= d <= left: bounds, no mask reads
+      dense = false;
+      g.dhi = std::min<int64_t>(g.dhi, bp[1]);
+      g.dlo = std::max<int64_t>(g.dlo, -static_cast<int64_t>(bp[2]));
+    }
+  }
+  if (kpm.has_value()) {
+    TORCH_CHECK(kpm->scalar_type() == at::kBool && kpm->dim() == 2 && kpm->size(0) == g.B &&
+                    kpm->size(1) == Lk,
+                "rel_attn_cpu: key_padding_mask must be bool [B, Lk] = [", g.B, ", ", Lk,
+                "], got ", kpm->scalar_type(), " ", kpm->sizes());
+    g.kpm = kpm->data_ptr<bool>();
+    g.kpm_s0 = kpm->stride(0);
+    g.kpm_s1 = kpm->stride(1);
+  }
+  if (dense) {
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 4 && mask->size(0) == g.B &&
+                    mask->size(1) == g.H && mask->size(2) == g.Lq && mask->size(3) == Lk,
+                "rel_attn_cpu: attn_mask must be bool [B, H, Lq, Lk] = [", g.B, ", ", g.H, ", ",
+                g.Lq, ", ", Lk, "] (an expanded view), got ", mask->scalar_type(), " ",
+                mask->sizes());
+    g.mask = mask->data_ptr<bool>();
+    for (int i = 0; i < 4; ++i) g.ms[i] = mask->stride(i);
+  }
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "rel_attn_cpu: dropout_p must be in [0, 1), got ",
+              dropout_p);
+  if (dropout_p > 0.0) {
+    TORCH_CHECK(seed.has_value() && seed->scalar_type() == at::kLong && seed->numel() == 2 &&
+                    seed->is_cpu(),
+                "rel_attn_cpu: dropout_p > 0 needs dropout_seed, an int64 [2] (seed, offset) "
+                "CPU tensor");
+    const at::Tensor sc = seed->contiguous();
+    g.drop.on = true;
+    g.drop.seed = static_cast<uint64_t>(sc.data_ptr<int64_t>()[0]);
+    g.drop.offset = static_cast<uint64_t>(sc.data_ptr<int64_t>()[1]);
+    g.drop.threshold = static_cast<uint32_t>(
+        std::min<double>(std::floor(dropout_p * 4294967296.0), 4294967295.0));
+    g.drop.scale = 1.0 / (1.0 - dropout_p);
+  }
+  // query blocks of 64 rows; key tiles of 128 (multiples of 16)
+  g.BM = std::min<int64_t>(64, g.Lq);
+  g.BN = 128;
+  return g;
+}
+
+void check_main(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                const at::Tensor& r, const at::Tensor& u, const at::Tensor& vb, int64_t M) {
+  TORCH_CHECK(q.device().is_cpu(), "rel_attn_cpu: q must be a CPU tensor, got ", q.device());
+  TORCH_CHECK(q.dim() == 4, "rel_attn_cpu: q must be 4-D [B, Lq, H, D], got ", q.sizes());
+  const auto st = q.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kDouble || st == at::kBFloat16 || st == at::kHalf,
+              "rel_attn_cpu: q must be float32, float64, bfloat16 or float16, got ", st);
+  check_input("q", q, 4, q);
+  check_input("k", k, 4, q);
+  check_input("v", v, 4, q);
+  check_input("r", r, 3, q);
+  check_input("r_w_bias", u, 2, q);
+  check_input("r_r_bias", vb, 2, q);
+  const int64_t B = q.size(0), H = q.size(2), D = q.size(3);
+  TORCH_CHECK(k.size(0) == B && k.size(2) == H && k.size(3) == D, "rel_attn_cpu: k must be [",
+              B, ", Lk, ", H, ", ", D, "], got ", k.sizes());
+  TORCH_CHECK(v.sizes() == k.sizes(), "rel_attn_cpu: v must have k's shape ", k.sizes(),
+              ", got ", v.sizes());
+  TORCH_CHECK(r.size(1) == H && r.size(2) == D, "rel_attn_cpu: r must be [R, ", H, ", ", D,
+              "], got ", r.sizes());
+  TORCH_CHECK(u.size(0) == H && u.size(1) == D && vb.size(0) == H && vb.size(1) == D,
+              "rel_attn_cpu: r_w_bias and r_r_bias must be [", H, ", ", D, "], got ",
+              u.sizes(), " and ", vb.sizes());
+  TORCH_CHECK(q.size(1) >= 1 && k.size(1) + M >= 1 && B >= 1 && H >= 1 && D >= 1,
+              "rel_attn_cpu: empty dimension in q ", q.sizes(), " / k ", k.sizes());
+}
+
+std::tuple<at::Tensor, at::Tensor> rel_attn_cpu_fwd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& r,
+    const at::Tensor& u, const at::Tensor& vb, double scale, int64_t wl, int64_t wr,
+    const c10::optional<at::Tensor>& kpm, const c10::optional<at::Tensor>& mask,
+    const c10::optional<at::Tensor>& band, double dropout_p,
+    const c10::optional<at::Tensor>& seed, const c10::optional<at::Tensor>& mem_k,
+    const c10::optional<at::Tensor>& mem_k_scale, const c10::optional<at::Tensor>& mem_v,
+    const c10::optional<at::Tensor>& mem_v_scale) {
+  const c10::optional<at::Tensor> mem[4] = {mem_k, mem_k_scale, mem_v, mem_v_scale};
+  const int n_mem = mem_k.has_value() + mem_k_scale.has_value() + mem_v.has_value() +
+                    mem_v_scale.has_value();
+  TORCH_CHECK(n_mem == 0 || n_mem == 4, "rel_attn_cpu: mem_k, mem_k_scale, mem_v and "
+              "mem_v_scale must be given together (an 8-bit memory) or not at all");
+  int64_t M = 0;
+  if (n_mem == 4) {
+    M = mem_k->size(1);
+    for (int w = 0; w < 4; w += 2) {
+      const at::Tensor& d = *mem[w];
+      const at::Tensor& s = *mem[w + 1];
+      const char* nm = w == 0 ? "mem_k" : "mem_v";
+      TORCH_CHECK(d.is_cpu() && s.is_cpu(), "rel_attn_cpu: ", nm, " must be on the CPU");
+      TORCH_CHECK((d.scalar_type() == at::kChar || d.scalar_type() == at::kFloat8_e4m3fn) &&
+                      d.dim() == 4 && d.size(0) == q.size(0) && d.size(1) == M &&
+                      d.size(2) == q.size(2) && d.size(3) == q.size(3) && d.stride(3) == 1,
+                  "rel_attn_cpu: ", nm, " must be int8 / float8_e4m3fn [B, M, H, D] with "
+                  "stride(-1) == 1, got ", d.scalar_type(), " ", d.sizes());
+      TORCH_CHECK((s.scalar_type() == at::kFloat || s.scalar_type() == at::kHalf) &&
+                      s.dim() == 3 && s.size(0) == d.size(0) && s.size(1) == M &&
+                      s.size(2) == d.size(2),
+                  "rel_attn_cpu: ", nm, "_scale must be float32 / float16 [B, M, H], got ",
+                  s.scalar_type(), " ", s.sizes());
+    }
+  }
+  check_main(q, k, v, r, u, vb, M);
+  const Geometry g = make_geometry(q, M + k.size(1), r, scale, wl, wr, kpm, mask, band,
+                                   dropout_p, seed);
+  at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor lse = at::empty({g.B, g.H, g.Lq}, q.options().dtype(acc));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rel_attn_cpu_fwd",
+                                  [&] { forward_impl<scalar_t>(g, q, k, v, r, u, vb, mem, out, lse); });
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+rel_attn_cpu_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                 const at::Tensor& v, const at::Tensor& r, const at::Tensor& u,
+                 const at::Tensor& vb, const at::Tensor& out, const at::Tensor& lse,
+                 double scale, int64_t wl, int64_t wr, const c10::optional<at::Tensor>& kpm,
+                 const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& band,
+                 double dropout_p, const c10::optional<at::Tensor>& seed) {
+  check_main(q, k, v, r, u, vb, 0);
+  check_input("dout", dout, 4, q);
+  check_input("out", out, 4, q);
+  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(),
+              "rel_attn_cpu: dout and out must have q's shape ", q.sizes(), ", got ",
+              dout.sizes(), " and ", out.sizes());
+  const Geometry g = make_geometry(q, k.size(1), r, scale, wl, wr, kpm, mask, band, dropout_p,
+                                   seed);
+  const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK(lse.scalar_type() == acc && lse.dim() == 3 && lse.size(0) == g.B &&
+                  lse.size(1) == g.H && lse.size(2) == g.Lq,
+              "rel_attn_cpu: lse must be ", acc, " [B, H, Lq], got ", lse.scalar_type(), " ",
+              lse.sizes());
+  const at::Tensor lsec = lse.contiguous();
+  auto o = q.options().dtype(acc);
+  at::Tensor dq = at::zeros({g.B, g.H, g.Lq, g.D}, o), dk = at::zeros({g.B, g.H, g.Lk, g.D}, o),
+             dv = at::zeros({g.B, g.H, g.Lk, g.D}, o), dr = at::zeros({g.B, g.H, g.R, g.D}, o),
+             du = at::zeros({g.B, g.H, g.D}, o), dvb = at::zeros({g.B, g.H, g.D}, o);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rel_attn_cpu_bwd",
+                                  [&] {
+                                    backward_impl<scalar_t>(g, dout, q, k, v, r, u, vb, out,
+                                                            lsec, dq, dk, dv, dr, du, dvb);
+                                  });
+  // sum over the batch in a fixed order (the same result for any thread count)
+  auto batch_sum = [](const at::Tensor& t) {
+    at::Tensor s = t[0].clone();
+    for (int64_t b = 1; b < t.size(0); ++b) s.add_(t[b]);
+    return s;
+  };
+  const auto st = q.scalar_type();
+  return {dq.transpose(1, 2).to(st).contiguous(), dk.transpose(1, 2).to(st).contiguous(),
+          dv.transpose(1, 2).to(st).contiguous(), batch_sum(dr).transpose(0, 1).to(st).contiguous(),
+          batch_sum(du).to(st), batch_sum(dvb).to(st)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(txl_kernels, m) {
+  m.def("rel_attn_cpu_fwd(Tensor q, Tensor k, Tensor v, Tensor r, Tensor r_w_bias, "
+        "Tensor r_r_bias, float softmax_scale, int window_left, int window_right, "
+        "Tensor? key_padding_mask, Tensor? attn_mask, Tensor? attn_mask_band, "
+        "float dropout_p, Tensor? dropout_seed, Tensor? mem_k, Tensor? mem_k_scale, "
+        "Tensor? mem_v, Tensor? mem_v_scale) -> (Tensor, Tensor)");
+  m.def("rel_attn_cpu_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor r, "
+        "Tensor r_w_bias, Tensor r_r_bias, Tensor out, Tensor lse, float softmax_scale, "
+        "int window_left, int window_right, Tensor? key_padding_mask, Tensor? attn_mask, "
+        "Tensor? attn_mask_band, float dropout_p, Tensor? dropout_seed) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(txl_kernels, CPU, m) {
+  m.impl("rel_attn_cpu_fwd", &rel_attn_cpu_fwd);
+  m.impl("rel_attn_cpu_bwd", &rel_attn_cpu_bwd);
+}
+
+}  // namespace txl_kernels

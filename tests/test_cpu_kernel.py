@@ -1,0 +1,269 @@
+"""The fused CPU kernel (csrc/rel_attention_cpu.cpp, backend="cpu"): forward and every gradient
+against the float64 reference, every mask kind, odd sizes, dtypes, thread counts, dropout, the
+8-bit memory, the torch.library registrations and backend="auto" routing."""
+import pytest
+import torch
+
+import txl_kernels
+import txl_kernels.functional as F
+from txl_kernels import mask_to_band, quantize_kv, rel_attention
+from txl_kernels.reference import rel_attention_reference
+
+from helpers import assert_within, make_inputs, oracle
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_kernel(extension):
+    from txl_kernels.cpu_kernel import cpu_kernel_available
+
+    ok, why = cpu_kernel_available()
+    assert ok, why
+
+
+def _masks(kind, B, H, Lq, Lk, seed=0):
+    """(causal, window, key_padding_mask, attn_mask, band) for one mask kind."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "causal":
+        return True, (-1, -1), None, None, False
+    if kind == "full":
+        return False, (-1, -1), None, None, False
+    if kind == "window":
+        return True, (9, 0), None, None, False
+    if kind == "window2":
+        return False, (6, 4), None, None, False
+    if kind == "padding":  # batch 1 fully padded: rows without any key
+        kpm = torch.rand(B, Lk, generator=g) < 0.3
+        kpm[-1] = True
+        return True, (-1, -1), kpm, None, False
+    if kind == "dense":
+        mask = torch.rand(B, 1, Lq, Lk, generator=g) < 0.4
+        mask[0, 0, 1] = True  # a fully masked row
+        return False, (-1, -1), None, mask, False
+    if kind == "band":  # a sliding-window mask passed densely with its band descriptor
+        d = (torch.arange(Lq)[:, None] + Lk - Lq) - torch.arange(Lk)
+        return False, (-1, -1), None, (d > 5) | (d < -2), True
+    raise ValueError(kind)
+
+
+def _run(B, Lq, Lk, H, D, kind, dtype=torch.float32, layout="bshd", grads=True, seed=0):
+    causal, window, kpm, mask, band = _masks(kind, B, H, Lq, Lk, seed)
+    R = Lk + Lq - 1
+    ts = make_inputs(B, Lq, Lk, H, D, R=R, dtype=dtype, layout=layout, seed=seed,
+                     requires_grad=grads)
+    kw = dict(causal=causal, window_size=window, key_padding_mask=kpm, attn_mask=mask,
+              attn_mask_band=mask_to_band(mask) if band else None)
+    out = rel_attention(*ts, backend="cpu", **kw)
+    ref_in = [t.detach().requires_grad_(grads) for t in ts]
+    same = rel_attention(*ref_in, backend="reference", **kw)
+    wr = 0 if causal else window[1]
+    full_mask = None if mask is None else mask.expand(B, H, Lq, Lk)
+    up, truth = oracle(*ts, D ** -0.5, window[0], wr, kpm, full_mask)
+    return ts, out, (ref_in, same), up, truth
+
+
+def _check_all(ts, out, ref, up, truth):
+    """out and the six gradients within twice the error of torch's same-precision math."""
+    ref_in, same = ref
+    assert_within("out", out, same, truth)
+    g = torch.randn_like(truth)
+    grads = torch.autograd.grad(out, ts, g.to(out.dtype))
+    ref_grads = torch.autograd.grad(same, ref_in, g.to(out.dtype))
+    truth_grads = torch.autograd.grad(truth, up, g)
+    for name, a, b, c in zip(("dq", "dk", "dv", "dr", "dr_w_bias", "dr_r_bias"), grads,
+                             ref_grads, truth_grads):
+        assert a.shape == c.shape and a.dtype == out.dtype, name
+        assert_within(name, a, b, c)
+
+
+CASES = [  # (B, Lq, Lk, H, D, mask kind)
+    (2, 37, 37, 2, 41, "causal"),
+    (1, 37, 130, 2, 41, "causal"),     # memory longer than the segment, several key tiles
+    (1, 1, 1, 1, 16, "causal"),
+    (1, 1, 37, 1, 16, "full"),
+    (2, 37, 53, 2, 16, "full"),
+    (1, 150, 300, 1, 32, "window"),    # several query blocks and key tiles, skipped tiles
+    (1, 37, 45, 2, 24, "window2"),
+    (2, 37, 53, 2, 16, "padding"),
+    (2, 37, 53, 2, 16, "dense"),
+    (2, 37, 53, 2, 16, "band"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[-1]}-{c[1]}x{c[2]}-D{c[4]}" for c in CASES])
+def test_forward_and_gradients_match_float64_reference(case):
+    _check_all(*_run(*case))
+
+
+def test_fully_masked_rows_give_zero_output_and_zero_gradients():
+    ts, out, *_ = _run(2, 37, 53, 2, 16, "padding")
+    assert torch.equal(out[-1], torch.zeros_like(out[-1]))  # batch 1: every key padded
+    out[-1].sum().backward()
+    assert all(t.grad is None or not t.grad.abs().sum() for t in ts)
+    ts, out, *_ = _run(2, 37, 53, 2, 16, "dense")
+    assert torch.equal(out[0, 1], torch.zeros_like(out[0, 1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_within_twice_the_error_of_torch(dtype):
+    _check_all(*_run(2, 37, 70, 2, 41, "causal", dtype=dtype))
+    _check_all(*_run(1, 37, 53, 2, 24, "dense", dtype=dtype))
+
+
+def test_float64_matches_reference_closely():
+    ts, out, same, up, truth = _run(1, 37, 53, 2, 41, "full", dtype=torch.float64)
+    torch.testing.assert_close(out, truth.detach(), rtol=1e-10, atol=1e-12)
+    g = torch.randn_like(truth)
+    for a, b in zip(torch.autograd.grad(out, ts, g), torch.autograd.grad(truth, up, g)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-11)
+
+
+def test_strided_inputs_give_the_contiguous_result():
+    """Seq-first storage passed as transpose(0, 1) views (stride(-1) == 1) is read in place."""
+    ts = make_inputs(2, 37, 53, 2, 16, layout="sbhd", requires_grad=True)
+    assert not ts[0].is_contiguous()
+    dense = [t.detach().contiguous().requires_grad_(True) for t in ts]
+    a, b = (rel_attention(*x, backend="cpu") for x in (ts, dense))
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    g = torch.randn_like(a)
+    for x, y in zip(torch.autograd.grad(a, ts, g), torch.autograd.grad(b, dense, g)):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
+
+
+def test_deterministic_and_the_same_for_one_and_several_threads():
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 3, 1):
+            torch.set_num_threads(n)
+            ts = make_inputs(2, 70, 150, 3, 32, R=219, requires_grad=True)
+            out = rel_attention(*ts, backend="cpu", causal=False)
+            out.square().sum().backward()
+            results.append([out.detach()] + [t.grad for t in ts])
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        for x, y in zip(results[0], other):
+            assert torch.equal(x, y)
+
+
+def test_8bit_memory_forward_matches_reference():
+    B, Lq, M, H, D = 2, 13, 40, 2, 32
+    g = torch.Generator().manual_seed(3)
+    mk, mv = (torch.randn(B, M, H, D, generator=g) for _ in range(2))
+    q, k, v, r, u, vb = make_inputs(B, Lq, Lq, H, D, R=M + Lq)
+    for qdtype, scale_dtype in ((torch.int8, torch.float32), (torch.float8_e4m3fn, torch.float16)):
+        mem = quantize_kv(mk, mv, qdtype, scale_dtype)
+        kpm = torch.rand(B, M + Lq, generator=g) < 0.2
+        kw = dict(memory=mem, window_size=(30, 0), key_padding_mask=kpm)
+        out = rel_attention(q, k, v, r, u, vb, backend="cpu", **kw)
+        want = rel_attention(q, k, v, r, u, vb, backend="reference", **kw)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    q.requires_grad_(True)
+    with pytest.raises(ValueError, match="forward only"):
+        rel_attention(q, k, v, r, u, vb, memory=mem, backend="cpu")
+    # auto: gradients recorded with an 8-bit memory go to the reference
+    out = rel_attention(q, k, v, r, u, vb, memory=mem, backend="reference")
+    torch.testing.assert_close(
+        _auto(q, k, v, r, u, vb, memory=mem), out, rtol=0, atol=0)
+
+
+def _auto(*args, **kw):
+    import unittest.mock as mock
+
+    with mock.patch.object(F, "interpreting", lambda: False), \
+            mock.patch.dict("os.environ", {"TRITON_INTERPRET": "0"}):
+        return rel_attention(*args, backend="auto", **kw)
+
+
+def test_dropout_uses_the_triton_keep_mask_and_is_reproducible():
+    from txl_kernels.ops._common import dropout_keep_mask  # the Triton kernels' mask
+
+    B, Lq, Lk, H, D, p = 2, 21, 50, 2, 16, 0.3
+    ts = make_inputs(B, Lq, Lk, H, D, requires_grad=True)
+    seed = torch.tensor([12345, 678], dtype=torch.int64)
+    from txl_kernels.cpu_kernel import rel_attn_cpu
+
+    out = rel_attn_cpu(*ts, D ** -0.5, -1, 0, dropout_p=p, dropout_seed=seed)
+    keep = dropout_keep_mask(seed, B, H, Lq, Lk, p)
+    up = [t.detach().double().requires_grad_(True) for t in ts]
+    truth = rel_attention_reference(*up, D ** -0.5, -1, 0, dropout_p=p, dropout_mask=keep)
+    torch.testing.assert_close(out.double(), truth, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(truth)
+    for a, b in zip(torch.autograd.grad(out, ts, g.float()), torch.autograd.grad(truth, up, g)):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
+    # through rel_attention: torch.manual_seed reproduces, consecutive calls differ
+    torch.manual_seed(7)
+    a = rel_attention(*ts, backend="cpu", dropout_p=p)
+    b = rel_attention(*ts, backend="cpu", dropout_p=p)
+    torch.manual_seed(7)
+    a2 = rel_attention(*ts, backend="cpu", dropout_p=p)
+    assert torch.equal(a, a2) and not torch.equal(a, b)
+
+
+def test_bad_input_names_the_argument():
+    q, k, v, r, u, vb = make_inputs(1, 5, 7, 1, 16)
+    op = torch.ops.txl_kernels.rel_attn_cpu_fwd
+    rest = (0.25, -1, 0, None, None, None, 0.0, None, None, None, None, None)
+    with pytest.raises(RuntimeError, match="k has dtype"):
+        op(q, k.double(), v, r, u, vb, *rest)
+    with pytest.raises(RuntimeError, match="r must be"):
+        op(q, k, v, r[:, :, :8], u, vb, *rest)
+    with pytest.raises(RuntimeError, match="dropout_seed"):
+        op(q, k, v, r, u, vb, 0.25, -1, 0, None, None, None, 0.5, None, None, None, None, None)
+    with pytest.raises(RuntimeError, match="key_padding_mask"):
+        op(q, k, v, r, u, vb, 0.25, -1, 0, torch.zeros(1, 3, dtype=torch.bool), None, None,
+           0.0, None, None, None, None, None)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        rel_attention(q, k, v, r, u, vb, backend="cpp")
+
+
+def test_opcheck_forward_and_backward():
+    q, k, v, r, u, vb = make_inputs(2, 9, 13, 2, 16, R=21, layout="sbhd", requires_grad=True)
+    kpm = torch.rand(2, 13) < 0.2
+    mask = (torch.rand(1, 1, 9, 13) < 0.3).expand(2, 2, 9, 13)
+    args = (q, k, v, r, u, vb, 0.25, 5, -1, kpm, mask, None, 0.0, None, None, None, None, None)
+    torch.library.opcheck(torch.ops.txl_kernels.rel_attn_cpu_fwd.default, args)
+    with torch.no_grad():
+        out, lse = torch.ops.txl_kernels.rel_attn_cpu_fwd(*args)
+    det = [t.detach() for t in (q, k, v, r, u, vb)]
+    bargs = (torch.randn_like(out), *det, out, lse, 0.25, 5, -1, kpm, mask, None, 0.0, None)
+    torch.library.opcheck(torch.ops.txl_kernels.rel_attn_cpu_bwd.default, bargs)
+
+
+def test_compile_fullgraph_forward_and_backward():
+    ts = make_inputs(2, 7, 11, 2, 16, requires_grad=True)
+
+    def f(q, k, v, r, u, vb):
+        return rel_attention(q, k, v, r, u, vb, window_size=(5, 0), backend="cpu") * 2
+
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(*ts)
+    want = f(*ts)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    g = torch.randn_like(want)
+    for a, b in zip(torch.autograd.grad(got, ts, g), torch.autograd.grad(want, ts, g)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_auto_on_cpu_takes_the_cpu_kernel_and_falls_back_with_a_warning(monkeypatch):
+    import txl_kernels.cpu_kernel as ck
+    import txl_kernels._cpp_ops as cpp_ops
+
+    ts = make_inputs(1, 20, 30, 2, 16)
+    assert torch.equal(_auto(*ts), rel_attention(*ts, backend="cpu"))
+    monkeypatch.setattr(ck, "_STATE", (False, "no compiler here"))
+    monkeypatch.setattr(cpp_ops, "_WARNED", set())
+    with pytest.warns(RuntimeWarning, match="no compiler here"):
+        got = _auto(*ts)
+    assert torch.equal(got, rel_attention(*ts, backend="reference"))
+    with pytest.raises(RuntimeError, match="backend='cpu' cannot run here: no compiler here"):
+        rel_attention(*ts, backend="cpu")
+
+
+@pytest.mark.slow  # the whole main job (layer check, LM report): about two minutes here
+def test_main_reports_and_checks_the_cpu_kernel(capsys):
+    import txl_kernels.__main__ as main_mod
+
+    assert main_mod.main([]) == 0
+    out = capsys.readouterr().out
+    assert "cpu attention kernel" in out and "built: loaded" in out
+    assert any(line.split()[:1] == ["cpu"] for line in out.splitlines())  # the layer check row

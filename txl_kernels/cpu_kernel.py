@@ -1,0 +1,127 @@
+"""The fused CPU kernel of ``rel_attention`` (``csrc/rel_attention_cpu.cpp``, see docs/cpu.md).
+
+The C++ extension defines the ops ``txl_kernels::rel_attn_cpu_fwd`` (-> out, lse) and
+``txl_kernels::rel_attn_cpu_bwd`` (-> dq, dk, dv, dr, dr_w_bias, dr_r_bias) with
+``TORCH_LIBRARY_FRAGMENT``; this module adds their fake implementations (output shapes, for
+``torch.compile`` and ``opcheck``) and the forward op's autograd, once the extension is loaded
+(:func:`cpu_kernel_available`). ``rel_attention(backend="cpu")`` (and ``"auto"`` on CPU
+tensors) calls :func:`rel_attn_cpu`. No triton import here.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _build
+from ._cpp_ops import unavailable
+from .quant import QuantizedKV
+
+__all__ = ["cpu_kernel_available", "rel_attn_cpu", "draw_cpu_dropout_seed"]
+
+_STATE: Optional[Tuple[bool, str]] = None
+
+
+@torch.compiler.assume_constant_result
+def cpu_kernel_available() -> Tuple[bool, str]:
+    """(True, where it was loaded from) once the C++ extension with the CPU kernel is loaded
+    (built on the first call, like the rest of the extension), else (False, why not)."""
+    global _STATE
+    if _STATE is not None:
+        return _STATE
+    why = unavailable("rel_attn_cpu_fwd", "cpu")
+    if why:
+        _STATE = (False, why)
+    else:
+        _register()
+        _STATE = (True, str(_build.extension_status()["reason"]))
+    return _STATE
+
+
+def draw_cpu_dropout_seed() -> Tensor:
+    """A fresh int64 ``[2]`` (seed, offset) from PyTorch's default CPU generator
+    (``torch.manual_seed`` makes it reproducible, consecutive calls differ). For one seed the
+    CPU kernel's keep-mask is the Triton kernels' (the same Philox counters)."""
+    return torch.randint(0, 2 ** 62, (2,), dtype=torch.int64)
+
+
+def _fwd_fake(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
+              key_padding_mask, attn_mask, attn_mask_band, dropout_p, dropout_seed, mem_k,
+              mem_k_scale, mem_v, mem_v_scale):
+    B, Lq, H, _ = q.shape
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty((B, H, Lq), dtype=acc))
+
+
+def _bwd_fake(dout, q, k, v, r, r_w_bias, r_r_bias, out, lse, softmax_scale, window_left,
+              window_right, key_padding_mask, attn_mask, attn_mask_band, dropout_p,
+              dropout_seed):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
+                 for t in (q, k, v, r, r_w_bias, r_r_bias))
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
+     key_padding_mask, attn_mask, attn_mask_band, dropout_p, dropout_seed) = inputs[:14]
+    ctx.has_memory = any(t is not None for t in inputs[14:])
+    out, lse = output
+    ctx.save_for_backward(q, k, v, r, r_w_bias, r_r_bias, out, lse, key_padding_mask,
+                          attn_mask, attn_mask_band, dropout_seed)
+    ctx.args = (softmax_scale, window_left, window_right, dropout_p)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, dlse):
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "txl_kernels.rel_attention: double backward (backward with create_graph=True) is "
+            "not supported by the CPU kernel; use backend='reference' for it")
+    if ctx.has_memory:
+        raise RuntimeError(
+            "txl_kernels.rel_attention: the CPU kernel with an 8-bit memory "
+            "(memory=QuantizedKV) is forward only (inference); for gradients use "
+            "backend='reference' (backend='auto' does when inputs require grad)")
+    (q, k, v, r, r_w_bias, r_r_bias, out, lse, key_padding_mask, attn_mask, attn_mask_band,
+     dropout_seed) = ctx.saved_tensors
+    softmax_scale, window_left, window_right, dropout_p = ctx.args
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    grads = torch.ops.txl_kernels.rel_attn_cpu_bwd(
+        dout, q, k, v, r, r_w_bias, r_r_bias, out, lse, softmax_scale, window_left,
+        window_right, key_padding_mask, attn_mask, attn_mask_band, dropout_p, dropout_seed)
+    return (*grads, *(None,) * 12)
+
+
+def _register() -> None:
+    torch.library.register_fake("txl_kernels::rel_attn_cpu_fwd")(_fwd_fake)
+    torch.library.register_fake("txl_kernels::rel_attn_cpu_bwd")(_bwd_fake)
+    torch.library.register_autograd("txl_kernels::rel_attn_cpu_fwd", _backward,
+                                    setup_context=_setup_context)
+
+
+def _last_dim_contiguous(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+def rel_attn_cpu(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
+                 r_r_bias: Tensor, softmax_scale: float, window_left: int, window_right: int,
+                 key_padding_mask: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
+                 attn_mask_band: Optional[Tensor] = None, dropout_p: float = 0.0,
+                 dropout_seed: Optional[Tensor] = None,
+                 memory: Optional[QuantizedKV] = None) -> Tensor:
+    """The CPU kernel on arguments validated and normalised by ``rel_attention``
+    (``cpu_kernel_available()`` must have said True). Tensors whose last dimension is not
+    contiguous are copied; others are read in place through their strides. ``dropout_p > 0``
+    draws ``dropout_seed`` with :func:`draw_cpu_dropout_seed` unless one is given."""
+    if dropout_p > 0.0 and dropout_seed is None:
+        dropout_seed = draw_cpu_dropout_seed()
+    q, k, v, r, r_w_bias, r_r_bias = (_last_dim_contiguous(t)
+                                      for t in (q, k, v, r, r_w_bias, r_r_bias))
+    mem = (None,) * 4 if memory is None else tuple(memory)
+    mem = tuple(None if t is None else _last_dim_contiguous(t) for t in mem)
+    out, _ = torch.ops.txl_kernels.rel_attn_cpu_fwd(
+        q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
+        key_padding_mask, attn_mask, attn_mask_band, float(dropout_p), dropout_seed, *mem)
+    return out
