@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,24 +40,6 @@ if str(ROOT) not in sys.path:
 from benchmarks import cpu_kernel, shapes  # noqa: E402  (torch-free)
 
 MiB = 2 ** 20
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def _reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False where that is not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def _shape(T: int, dtype: str, mode: str = shapes.FWD) -> shapes.Case:
@@ -100,12 +80,13 @@ def child(provider: str, T: int, dtype: str, threads: int, allocator: bool,
           mode)  # load everything
     inp = P.make_attn_inputs(_shape(T, dtype).shape, dtype, "cpu", requires_grad=grad)
     gc.collect()
-    base_kb = _status_kb("VmRSS")
-    exact = _reset_peak_rss()
+    base_kb = cpu_kernel.status_kb("VmRSS")
+    exact = cpu_kernel.reset_peak_rss()
     t0 = time.perf_counter()
     _call(fn, inp, mode)
     seconds = time.perf_counter() - t0
-    peak_kb = _status_kb("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak_kb = (cpu_kernel.status_kb("VmHWM") if exact
+               else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     rec = dict(provider=provider, T=T, dtype=dtype, threads=threads, mode=mode, status="ok",
                base_bytes=base_kb * 1024, peak_bytes=peak_kb * 1024,
                extra_bytes=max(0, peak_kb - base_kb) * 1024, seconds=seconds,
@@ -132,24 +113,14 @@ def _allocator_peak(fn, inp, mode: str) -> int:
 
 
 def run_child(provider: str, T: int, args) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", provider, str(T),
-           "--dtype", args.dtype, "--threads", str(args.threads), "--mode", args.mode]
-    if args.no_allocator:
-        cmd.append("--no-allocator")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    if args.backend:
-        env["TXL_BENCH_CPU_BACKEND"] = args.backend
+    argv = ["--child", provider, str(T), "--dtype", args.dtype, "--threads", str(args.threads),
+            "--mode", args.mode] + (["--no-allocator"] if args.no_allocator else [])
+    env = {"TXL_BENCH_CPU_BACKEND": args.backend} if args.backend else None
     t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=args.timeout_s)
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode == 0 and line:
-        return json.loads(line[-1])
-    why = (f"killed by signal {-proc.returncode} (out of memory?)" if proc.returncode < 0
-           else f"exit {proc.returncode}: {(proc.stderr.strip().splitlines() or [''])[-1][:300]}")
-    return dict(provider=provider, T=T, status="failed", reason=why,
-                seconds=time.time() - t0)
+    rec, why = cpu_kernel.run_json_child(str(Path(__file__).resolve()), argv, args.timeout_s, env)
+    if rec is not None:
+        return rec
+    return dict(provider=provider, T=T, status="failed", reason=why, seconds=time.time() - t0)
 
 
 def fmt_mib(n) -> str:

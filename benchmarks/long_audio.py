@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,6 +41,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import cpu_kernel  # noqa: E402  (torch-free)
+from benchmarks.shapes import all_cores  # noqa: E402
 
 MEL_PER_S = 100        # mel frames per second of audio (10 ms hop)
 SUBSAMPLING = 8        # Parakeet's subsampling_factor
@@ -62,14 +61,6 @@ def unswapped_attention_bytes(T: int, heads: int, itemsize: int = 4) -> int:
     eager scores)."""
     R = 2 * T - 1
     return heads * T * (2 * (R + 1) + 2 * T) * itemsize
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def build_encoder(args):
@@ -113,13 +104,13 @@ def child(variant: str, minutes: float, args) -> dict:
         enc(torch.randn(1, 16 * SUBSAMPLING, cfg.num_mel_bins, generator=g))  # load everything
         feats = torch.randn(1, mel, cfg.num_mel_bins, generator=g)
         gc.collect()
-        base_kb = _status_kb("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        base_kb = cpu_kernel.status_kb("VmRSS")
+        if not cpu_kernel.reset_peak_rss():
+            raise RuntimeError("cannot reset the peak RSS (/proc/self/clear_refs): Linux only")
         t0 = time.perf_counter()
         out = enc(feats).last_hidden_state
         seconds = time.perf_counter() - t0
-    peak_kb = _status_kb("VmHWM")
+    peak_kb = cpu_kernel.status_kb("VmHWM")
     T = out.shape[1]
     idx = torch.linspace(0, T - 1, 16).long()
     return dict(variant=variant, minutes=minutes, T=T, mel_frames=mel, status="ok",
@@ -132,26 +123,15 @@ def child(variant: str, minutes: float, args) -> dict:
 
 
 def run_child(variant: str, minutes: float, args) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", variant, str(minutes),
-           "--layers", str(args.layers), "--hidden", str(args.hidden), "--heads",
-           str(args.heads), "--threads", str(args.threads), "--backend", args.backend]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    argv = ["--child", variant, str(minutes), "--layers", str(args.layers), "--hidden",
+            str(args.hidden), "--heads", str(args.heads), "--threads", str(args.threads),
+            "--backend", args.backend]
     t0 = time.time()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT,
-                              timeout=args.timeout_s)
-    except subprocess.TimeoutExpired:
-        return dict(variant=variant, minutes=minutes, status="timed out",
-                    reason=f"over --timeout-s {args.timeout_s:.0f} s")
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode == 0 and line:
-        rec = json.loads(line[-1])
-        rec["process_s"] = time.time() - t0
-        return rec
-    why = (f"killed by signal {-proc.returncode} (out of memory?)" if proc.returncode < 0
-           else f"exit {proc.returncode}: {(proc.stderr.strip().splitlines() or [''])[-1][:300]}")
-    return dict(variant=variant, minutes=minutes, status="failed", reason=why)
+    rec, why = cpu_kernel.run_json_child(str(Path(__file__).resolve()), argv, args.timeout_s)
+    if rec is None:
+        return dict(variant=variant, minutes=minutes, status="failed", reason=why)
+    rec["process_s"] = time.time() - t0
+    return rec
 
 
 def agreement(a: dict, b: dict) -> float:
@@ -218,6 +198,7 @@ def plot(recs, path: str, args) -> None:
     fig.suptitle(f"ParakeetEncoder, hidden {args.hidden}, {args.heads} heads, {args.layers} "
                  f"block(s), fp32, {args.threads} thread(s), CPU", fontsize=9)
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -228,7 +209,7 @@ def parse_args(argv=None):
     ap.add_argument("--layers", type=int, default=2, help="Conformer blocks (default 2)")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=cpu_kernel_threads())
+    ap.add_argument("--threads", type=int, default=all_cores())
     ap.add_argument("--backend", default="cpu",
                     help="rel_attention backend of the drop-in (default cpu; 'reference' "
                          "checks the pipeline where the CPU kernel is not built)")
@@ -238,12 +219,6 @@ def parse_args(argv=None):
     ap.add_argument("--json", default=None, help="write the records here")
     ap.add_argument("--child", nargs=2, metavar=("VARIANT", "MINUTES"), help=argparse.SUPPRESS)
     return ap.parse_args(argv)
-
-
-def cpu_kernel_threads() -> int:
-    from benchmarks.shapes import all_cores
-
-    return all_cores()
 
 
 def main(argv=None) -> int:
