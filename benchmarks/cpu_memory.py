@@ -16,7 +16,7 @@ A second forward under ``torch.profiler`` (``profile_memory=True``) gives the al
 the peak of the running sum of the tensor allocations it records (``--no-allocator`` skips it).
 
 A provider whose dense tensors would not fit in the memory available is not started (the
-estimate of ``benchmarks/cpu_kernel.py``, printed); the table then carries the estimate and, for
+estimate of ``benchmarks/cpu_suite.py``, printed); the table then carries the estimate and, for
 the ratio at the largest T, a ``c * T^2`` extrapolation from the largest T measured, both marked
 as such. A child killed by the kernel (out of memory) is reported, and the run goes on.
 
@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import cpu_kernel, shapes  # noqa: E402  (torch-free)
+from benchmarks import cpu_suite, shapes  # noqa: E402  (torch-free)
 
 MiB = 2 ** 20
 
@@ -80,12 +80,12 @@ def child(provider: str, T: int, dtype: str, threads: int, allocator: bool,
           mode)  # load everything
     inp = P.make_attn_inputs(_shape(T, dtype).shape, dtype, "cpu", requires_grad=grad)
     gc.collect()
-    base_kb = cpu_kernel.status_kb("VmRSS")
-    exact = cpu_kernel.reset_peak_rss()
+    base_kb = cpu_suite.status_kb("VmRSS")
+    exact = cpu_suite.reset_peak_rss()
     t0 = time.perf_counter()
     _call(fn, inp, mode)
     seconds = time.perf_counter() - t0
-    peak_kb = (cpu_kernel.status_kb("VmHWM") if exact
+    peak_kb = (cpu_suite.status_kb("VmHWM") if exact
                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     rec = dict(provider=provider, T=T, dtype=dtype, threads=threads, mode=mode, status="ok",
                base_bytes=base_kb * 1024, peak_bytes=peak_kb * 1024,
@@ -117,7 +117,7 @@ def run_child(provider: str, T: int, args) -> dict:
             "--mode", args.mode] + (["--no-allocator"] if args.no_allocator else [])
     env = {"TXL_BENCH_CPU_BACKEND": args.backend} if args.backend else None
     t0 = time.time()
-    rec, why = cpu_kernel.run_json_child(str(Path(__file__).resolve()), argv, args.timeout_s, env)
+    rec, why = cpu_suite.run_json_child(str(Path(__file__).resolve()), argv, args.timeout_s, env)
     if rec is not None:
         return rec
     return dict(provider=provider, T=T, status="failed", reason=why, seconds=time.time() - t0)
@@ -200,13 +200,13 @@ def main(argv=None) -> int:
                     not args.no_allocator, args.mode)
         print(json.dumps(rec), flush=True)
         return 0
-    print("\n".join(cpu_kernel.machine_lines()), flush=True)
+    print("\n".join(cpu_suite.machine_lines()), flush=True)
     print(f"command: python benchmarks/cpu_memory.py {' '.join(argv or sys.argv[1:])}",
           flush=True)
     recs = []
     for T in sorted(args.T):
         for name in args.providers:
-            reason = cpu_kernel.memory_skip_reason(_shape(T, args.dtype, args.mode), name)
+            reason = cpu_suite.memory_skip_reason(_shape(T, args.dtype, args.mode), name)
             if reason:
                 rec = dict(provider=name, T=T, status="not run", reason=reason)
             else:

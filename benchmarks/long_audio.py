@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import cpu_kernel  # noqa: E402  (torch-free)
+from benchmarks import cpu_suite  # noqa: E402  (torch-free)
 from benchmarks.shapes import all_cores  # noqa: E402
 
 MEL_PER_S = 100        # mel frames per second of audio (10 ms hop)
@@ -104,13 +104,13 @@ def child(variant: str, minutes: float, args) -> dict:
         enc(torch.randn(1, 16 * SUBSAMPLING, cfg.num_mel_bins, generator=g))  # load everything
         feats = torch.randn(1, mel, cfg.num_mel_bins, generator=g)
         gc.collect()
-        base_kb = cpu_kernel.status_kb("VmRSS")
-        if not cpu_kernel.reset_peak_rss():
+        base_kb = cpu_suite.status_kb("VmRSS")
+        if not cpu_suite.reset_peak_rss():
             raise RuntimeError("cannot reset the peak RSS (/proc/self/clear_refs): Linux only")
         t0 = time.perf_counter()
         out = enc(feats).last_hidden_state
         seconds = time.perf_counter() - t0
-    peak_kb = cpu_kernel.status_kb("VmHWM")
+    peak_kb = cpu_suite.status_kb("VmHWM")
     T = out.shape[1]
     idx = torch.linspace(0, T - 1, 16).long()
     return dict(variant=variant, minutes=minutes, T=T, mel_frames=mel, status="ok",
@@ -127,7 +127,7 @@ def run_child(variant: str, minutes: float, args) -> dict:
             str(args.hidden), "--heads", str(args.heads), "--threads", str(args.threads),
             "--backend", args.backend]
     t0 = time.time()
-    rec, why = cpu_kernel.run_json_child(str(Path(__file__).resolve()), argv, args.timeout_s)
+    rec, why = cpu_suite.run_json_child(str(Path(__file__).resolve()), argv, args.timeout_s)
     if rec is None:
         return dict(variant=variant, minutes=minutes, status="failed", reason=why)
     rec["process_s"] = time.time() - t0
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(child(args.child[0], float(args.child[1]), args)), flush=True)
         return 0
-    print("\n".join(cpu_kernel.machine_lines()), flush=True)
+    print("\n".join(cpu_suite.machine_lines()), flush=True)
     print(f"command: python benchmarks/long_audio.py {' '.join(argv or sys.argv[1:])}",
           flush=True)
     recs = []
@@ -239,8 +239,8 @@ def main(argv=None) -> int:
                            reason=f"stopped at {stopped[v]:g} min")
             else:
                 need = unswapped_attention_bytes(T, args.heads) if v == "unswapped" else 0
-                avail = cpu_kernel.mem_available_bytes()
-                if need and avail is not None and need > cpu_kernel.MEMORY_HEADROOM * avail:
+                avail = cpu_suite.mem_available_bytes()
+                if need and avail is not None and need > cpu_suite.MEMORY_HEADROOM * avail:
                     rec = dict(variant=v, minutes=m, T=T, status="not run",
                                reason=f"its attention needs about {need / GiB:.1f} GiB per "
                                       f"layer (BD [1, {args.heads}, {T}, {2 * T - 1}] and its "

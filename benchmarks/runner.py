@@ -54,7 +54,7 @@ def provider_for(case: Case, name: str) -> P.Provider:
 def skip_reason(case: Case, name: str) -> Optional[str]:
     reason = P.skip_reason(provider_for(case, name), case.device)
     if reason is None and case.kind == "cpu_attention":
-        from .cpu_kernel import memory_skip_reason
+        from .cpu_suite import memory_skip_reason
 
         reason = memory_skip_reason(case, name)
     return reason

@@ -436,7 +436,7 @@ def rounds_for(shape: CpuAttnShape, provider: str, size: Optional[str] = None) -
 def cpu_kernel_cases(size: Optional[str] = None,
                      dtypes: Optional[Sequence[str]] = None) -> List[Case]:
     """``cpu_attention`` cases: fp32, plus bf16 when ``dtypes`` asks for it (the pytest file
-    adds it where the CPU has native bf16, see ``benchmarks/cpu_kernel.py``). Ordered by thread
+    adds it where the CPU has native bf16, see ``benchmarks/cpu_suite.py``). Ordered by thread
     count, then shape, so one thread count's rows sit together."""
     dts = tuple(dtypes) if dtypes else ("fp32",)
     return [Case("cpu_attention", s, dt, m) for dt in dts for s in cpu_kernel_shapes(size)

@@ -14,7 +14,7 @@ if _ROOT not in sys.path:
 
 from test_bench_providers import BASELINE_FACTOR, CONFIGS, _check_against_reference  # noqa: E402
 
-from benchmarks import cpu_kernel, cpu_memory, long_audio, runner, shapes  # noqa: E402
+from benchmarks import cpu_memory, cpu_suite, long_audio, runner, shapes  # noqa: E402
 from benchmarks import providers as P  # noqa: E402
 
 GiB = 2 ** 30
@@ -112,15 +112,15 @@ def test_dense_baselines_get_fewer_rounds_on_long_shapes():
 
 
 def test_native_bf16_reads_the_cpu_flags(monkeypatch):
-    monkeypatch.setattr(cpu_kernel, "cpu_flags", lambda: ("avx2", "fma"))
-    native, why = cpu_kernel.native_bf16()
+    monkeypatch.setattr(cpu_suite, "cpu_flags", lambda: ("avx2", "fma"))
+    native, why = cpu_suite.native_bf16()
     assert not native and "avx512_bf16" in why and "avx2" in why
     monkeypatch.delenv(shapes.CPU_BF16_ENV, raising=False)
-    assert not cpu_kernel.bf16_wanted()[0]
+    assert not cpu_suite.bf16_wanted()[0]
     monkeypatch.setenv(shapes.CPU_BF16_ENV, "1")
-    assert cpu_kernel.bf16_wanted()[0]
-    monkeypatch.setattr(cpu_kernel, "cpu_flags", lambda: ("avx512f", "amx_bf16"))
-    assert cpu_kernel.native_bf16() == (True, "native bf16: the CPU has amx_bf16")
+    assert cpu_suite.bf16_wanted()[0]
+    monkeypatch.setattr(cpu_suite, "cpu_flags", lambda: ("avx512f", "amx_bf16"))
+    assert cpu_suite.native_bf16() == (True, "native bf16: the CPU has amx_bf16")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,17 +136,17 @@ def test_memory_skip_at_the_issue_lengths():
     avail = 21 * GiB  # what a 24 GB machine has free
     for name in shapes.DENSE_PROVIDERS:
         for mode in shapes.MODES:
-            reason = cpu_kernel.memory_skip_reason(_conformer_case(16384, mode), name, avail)
+            reason = cpu_suite.memory_skip_reason(_conformer_case(16384, mode), name, avail)
             assert reason and "GiB" in reason and "16384" in reason, name
-            assert cpu_kernel.memory_skip_reason(_conformer_case(4096, mode), name, avail) \
+            assert cpu_suite.memory_skip_reason(_conformer_case(4096, mode), name, avail) \
                 is None
     for name in ("cpu_fused", "sdpa_plain"):
-        assert cpu_kernel.dense_bytes(_conformer_case(16384), name) == 0
-        assert cpu_kernel.memory_skip_reason(_conformer_case(1 << 20), name, avail) is None
+        assert cpu_suite.dense_bytes(_conformer_case(16384), name) == 0
+        assert cpu_suite.memory_skip_reason(_conformer_case(1 << 20), name, avail) is None
 
 
 def test_runner_skips_a_dense_baseline_that_does_not_fit(monkeypatch):
-    monkeypatch.setattr(cpu_kernel, "mem_available_bytes", lambda: 2 ** 20)
+    monkeypatch.setattr(cpu_suite, "mem_available_bytes", lambda: 2 ** 20)
     case = _conformer_case(64)
     rec = runner.run_case(case, "reference", lambda s, t: pytest.fail("must not be timed"))
     assert rec["status"] == "skipped" and "does not fit" in rec["reason"]
@@ -163,7 +163,7 @@ def test_dense_estimate_bounds_the_allocations(name, mode):
     case = _conformer_case(T, mode)
     inp = P.make_attn_inputs(case.shape, "fp32", "cpu", requires_grad=mode == shapes.FWD_BWD)
     peak = cpu_memory._allocator_peak(P.CPU_ATTN_PROVIDERS[name].fn, inp, mode)
-    est = cpu_kernel.dense_bytes(case, name)
+    est = cpu_suite.dense_bytes(case, name)
     unit = 8 * T * T * 4
     assert 3 * unit < peak <= est, (peak / unit, est / unit)
 
@@ -198,16 +198,16 @@ def test_target_rows():
     recs = [_rec("cpu_fused", 0.10), _rec("sdpa_plain", 0.08), _rec("reference", 0.60),
             _rec("nemo_eager", 0.45), _rec("sdpa_bias", None, status="skipped",
                                            reason="does not fit: 43 GiB")]
-    rows = {r[4]: r for r in cpu_kernel.target_rows(recs)}
+    rows = {r[4]: r for r in cpu_suite.target_rows(recs)}
     assert set(rows) == {"sdpa_plain", "reference", "nemo_eager", "sdpa_bias"}
     assert rows["sdpa_plain"][6:] == ["time ratio 1.25x", "time ratio <= 1.6x", "met"]
     assert rows["reference"][6:] == ["speed-up 6.00x", "speed-up >= 5x", "met"]
     assert rows["nemo_eager"][6:] == ["speed-up 4.50x", "speed-up >= 5x", "NOT met"]
     assert rows["sdpa_bias"][6] == "" and "does not fit: 43 GiB" in rows["sdpa_bias"][8]
-    txl = cpu_kernel.target_rows([_rec("cpu_fused", 0.1, "t", "cpu_txl"),
+    txl = cpu_suite.target_rows([_rec("cpu_fused", 0.1, "t", "cpu_txl"),
                                   _rec("reference", 0.3, "t", "cpu_txl")])
     assert [r[6:] for r in txl] == [["speed-up 3.00x", "speed-up >= 2x", "met"]]
-    text = cpu_kernel.summary(recs)
+    text = cpu_suite.summary(recs)
     assert "| cpu_conformer B1 T1024 1 thread | fp32 | fwd |" in text and "CPU:" in text
 
 
