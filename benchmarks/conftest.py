@@ -27,5 +27,10 @@ def pytest_terminal_summary(terminalreporter):
     tr = terminalreporter
     tr.section("relative-attention benchmark tables (markdown)")
     tr.write_line(results.format_markdown(recs))
+    if any(r["kind"] == "cpu_attention" for r in recs):
+        from benchmarks import cpu_suite
+
+        tr.section("fused CPU kernel: the target ratios (markdown)")
+        tr.write_line(cpu_suite.summary(recs))
     if not any(r["device"] == "cuda" for r in recs):
         tr.write_line("No CUDA device: CPU smoke subset only; these times are not GPU numbers.")

@@ -18,6 +18,12 @@ Attention-level providers take an :class:`AttnInputs` (q ``[B, Lq, H, D]``, k/v
 ``sdpa_plain``  SDPA with no position term (causal via ``causal_lower_right``): the floor, what
                 attention costs without any relative term. Not the same function (it ignores r,
                 u and vb); it equals the others when those are zero.
+``cpu_fused``   ``rel_attention(..., backend="cpu")``: the fused CPU kernel of the C++
+                extension (kind ``cpu_attention`` only).
+``nemo_eager``  NeMo's ``RelPositionMultiHeadAttention`` without ``use_pytorch_sdpa``: AC and BD
+                by ``torch.matmul`` in the inputs' dtype, the pad/view rel_shift, ``(AC + BD) /
+                sqrt(d_k)``, masked scores filled with -10000, softmax, masked probabilities
+                zeroed, ``attn @ v`` (kind ``cpu_attention`` only).
 
 All imports of optional or in-progress pieces (the fused op, the Conformer modules,
 ``txl_kernels.memory``) happen inside the provider functions, so this module always imports.
@@ -25,6 +31,7 @@ All imports of optional or in-progress pieces (the fused op, the Conformer modul
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
@@ -262,6 +269,73 @@ def flex(inp: AttnInputs, compiled: Optional[bool] = None) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
+def nemo_eager(inp: AttnInputs) -> torch.Tensor:
+    Lk, R = inp.k.shape[1], inp.r.shape[0]
+    if R < Lk:
+        raise ValueError(f"nemo_eager: the pad/view rel_shift needs R >= Lk, got R={R}, Lk={Lk}")
+    q_u = (inp.q + inp.u).transpose(1, 2)                   # [B, H, Lq, D]
+    q_v = (inp.q + inp.vb).transpose(1, 2)
+    matrix_ac = torch.matmul(q_u, inp.k.permute(0, 2, 3, 1))            # [B, H, Lq, Lk]
+    matrix_bd = torch.matmul(q_v, inp.r.permute(1, 2, 0))               # [B, H, Lq, R]
+    matrix_bd = nemo_rel_shift(matrix_bd)[..., :Lk]
+    scores = (matrix_ac + matrix_bd) / (1.0 / inp.scale)  # NeMo divides by s_d_k
+    allowed = allowed_mask(inp)
+    if allowed is None:
+        attn = torch.softmax(scores, dim=-1)
+    else:
+        masked = ~allowed
+        attn = torch.softmax(scores.masked_fill(masked, -10000.0), dim=-1).masked_fill(masked, 0.0)
+    return torch.matmul(attn, inp.v.transpose(1, 2)).transpose(1, 2)
+
+
+#: the ``rel_attention`` backend that ``cpu_fused`` times. Another name (``reference``) runs the
+#: whole CPU suite end to end where the CPU kernel is not built; its rows are then that backend's
+#: times, and the summary says so.
+CPU_BACKEND_ENV = "TXL_BENCH_CPU_BACKEND"
+
+
+def cpu_fused_backend() -> str:
+    return os.environ.get(CPU_BACKEND_ENV) or "cpu"
+
+
+def cpu_fused(inp: AttnInputs) -> torch.Tensor:
+    from txl_kernels import rel_attention
+
+    return rel_attention(inp.q, inp.k, inp.v, inp.r, inp.u, inp.vb, causal=inp.causal,
+                         key_padding_mask=inp.key_padding_mask, softmax_scale=inp.scale,
+                         backend=cpu_fused_backend())
+
+
+_CPU_FUSED_STATUS: Dict[str, Optional[str]] = {}
+
+
+def cpu_fused_unavailable() -> Optional[str]:
+    """Why ``cpu_fused`` cannot be timed here (None: it can). The first call runs the backend
+    once on a tiny input, which builds or loads the C++ extension, so no timed call pays for
+    it; the answer is kept for the process."""
+    backend = cpu_fused_backend()
+    if backend in _CPU_FUSED_STATUS:
+        return _CPU_FUSED_STATUS[backend]
+    from txl_kernels import functional
+
+    reason = None
+    if backend not in functional.BACKENDS:
+        reason = (f"rel_attention has no backend={backend!r} in this txl_kernels (backends: "
+                  f"{', '.join(functional.BACKENDS)}): the fused CPU kernel is not built in")
+    else:
+        gen = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 5, 2, 16, generator=gen) for _ in range(3))
+        r = torch.randn(9, 2, 16, generator=gen)
+        u, vb = torch.zeros(2, 16), torch.zeros(2, 16)
+        try:
+            cpu_fused(AttnInputs(q, k, v, r, u, vb, causal=False))
+        except Exception as exc:  # noqa: BLE001 - the reason is what is reported
+            reason = (f"rel_attention(backend={backend!r}) cannot run here: "
+                      f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
+    _CPU_FUSED_STATUS[backend] = reason
+    return reason
+
+
 @dataclass(frozen=True)
 class Provider:
     name: str
@@ -299,6 +373,10 @@ def skip_reason(provider: Provider, device) -> Optional[str]:
         return provider.cuda_only_reason
     if provider.name in ("fused", "nemo_fused", "espnet_fused") and interpreting():
         return "TRITON_INTERPRET=1 is set: the fused path is never timed under the interpreter"
+    if provider.name == "cpu_fused":
+        if device.type != "cpu":
+            return "the fused CPU kernel runs on CPU tensors"
+        return cpu_fused_unavailable()
     return None
 
 
@@ -513,7 +591,23 @@ MEMS_PROVIDERS: Dict[str, Provider] = {
     )
 }
 
+# ---------------------------------------------------------------------------------------------
+# The fused CPU kernel against what CPU users run (kind ``cpu_attention``; the same inputs as the
+# attention level)
+
+CPU_ATTN_PROVIDERS: Dict[str, Provider] = {
+    p.name: p for p in (
+        Provider("cpu_fused", cpu_fused, False, "",
+                 "txl_kernels.rel_attention(backend='cpu'): the fused CPU kernel"),
+        ATTN_PROVIDERS["reference"],
+        ATTN_PROVIDERS["sdpa_bias"],
+        Provider("nemo_eager", nemo_eager, False, "",
+                 "NeMo's eager path: AC and BD by torch.matmul, rel_shift, masked softmax"),
+        ATTN_PROVIDERS["sdpa_plain"],
+    )
+}
+
 PROVIDERS_BY_KIND = {"attention": ATTN_PROVIDERS, "conformer_module": MODULE_PROVIDERS,
-                     "update_mems": MEMS_PROVIDERS}
+                     "update_mems": MEMS_PROVIDERS, "cpu_attention": CPU_ATTN_PROVIDERS}
 for _kind, _table in PROVIDERS_BY_KIND.items():
     assert tuple(_table) == PROVIDER_ORDER[_kind], (_kind, tuple(_table))

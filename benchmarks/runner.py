@@ -7,6 +7,7 @@ pytest-benchmark suite its ``benchmark.pedantic`` on :func:`synced` steps.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import warnings
@@ -51,14 +52,34 @@ def provider_for(case: Case, name: str) -> P.Provider:
 
 
 def skip_reason(case: Case, name: str) -> Optional[str]:
-    return P.skip_reason(provider_for(case, name), case.device)
+    reason = P.skip_reason(provider_for(case, name), case.device)
+    if reason is None and case.kind == "cpu_attention":
+        from .cpu_suite import memory_skip_reason
+
+        reason = memory_skip_reason(case, name)
+    return reason
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: Optional[int]):
+    """``torch.set_num_threads(n)`` inside the block (nothing when ``n`` is None), restored
+    after."""
+    if not n:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def make_inputs(case: Case, name: str, seed: int = 0):
     """Inputs for (case, provider). Attention inputs do not depend on the provider (the report
     builds them once per case and shares them); module inputs carry the provider's module."""
     grad = case.mode == FWD_BWD
-    if case.kind == "attention":
+    if case.kind in ("attention", "cpu_attention"):
         return P.make_attn_inputs(case.shape, case.dtype, case.device, requires_grad=grad,
                                   seed=seed)
     if case.kind == "conformer_module":
@@ -81,7 +102,7 @@ def make_step(case: Case, name: str, inputs) -> Callable[[], None]:
         return step
     if case.mode != FWD_BWD:
         raise ValueError(f"unknown mode {case.mode!r}")
-    if case.kind == "attention":
+    if case.kind in ("attention", "cpu_attention"):
         grad_in = inputs.tensors()
     else:
         grad_in = inputs.grad_inputs()
@@ -110,9 +131,9 @@ def synced(step: Callable[[], None], device: torch.device) -> Callable[[], None]
 
 def peak_memory(step: Callable[[], None], device: torch.device):
     """Run ``step`` once; return (peak bytes allocated, bytes allocated before):
-    ``torch.cuda.max_memory_allocated`` after a reset; (None, None) on CPU."""
+    ``torch.cuda.max_memory_allocated`` after a reset. On CPU it returns (None, None) without
+    calling ``step`` (peak RSS needs a fresh process: ``benchmarks/cpu_memory.py``)."""
     if device.type != "cuda":
-        step()
         return None, None
     sync(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -149,6 +170,9 @@ def base_record(case: Case, name: str) -> dict:
 def series_of(case: Case) -> str:
     """Plot series: the case without its sequence length."""
     s = case.shape
+    if case.kind == "cpu_attention":
+        extra = "causal" if s.causal else "full"
+        return f"{s.group} B{s.B} H{s.H} D{s.D} {extra} {s.threads}thr {case.dtype} {case.mode}"
     if case.kind == "attention":
         extra = ("causal" if s.causal else "full") + (" pad" if s.key_padding else "")
         mem = f" mem/q={s.mem // s.Lq}" if s.mem and s.group != "txl_eval" else ""
@@ -174,8 +198,11 @@ def finish_record(rec: dict, case: Case, times: List[float]) -> dict:
 
 def run_case(case: Case, name: str,
              timer: Callable[[Callable[[], None], torch.device], List[float]],
-             inputs=None, raise_errors: bool = False) -> dict:
+             inputs=None, raise_errors: bool = False, warmup: int = 1) -> dict:
     """Run (case, provider) and return its record.
+
+    ``warmup`` untimed calls come first (compilation, autotuning, extension build). A shape with
+    a ``threads`` field (``shapes.CpuAttnShape``) runs at that intra-op thread count.
 
     ``timer(step, device)`` returns the list of per-call seconds (e.g. :func:`measure`). Status:
     ``ok``; ``skipped`` (not timed here, ``reason`` says why, or a missing piece that could not
@@ -188,24 +215,10 @@ def run_case(case: Case, name: str,
         rec.update(status="skipped", reason=reason)
         return rec
     device = torch.device(case.device)
-    step = None
     failure = None
     try:
-        if inputs is None:
-            inputs = make_inputs(case, name)
-        step = make_step(case, name, inputs)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            synced(step, device)()  # warm-up: compilation, autotuning, extension build
-        notes = sorted({str(w.message).splitlines()[0][:160] for w in caught
-                        if not issubclass(w.category, (DeprecationWarning, FutureWarning))})
-        if notes:
-            rec["note"] = "; ".join(notes)[:400]
-        peak, base = peak_memory(step, device)
-        rec["peak_bytes"] = peak
-        rec["work_bytes"] = None if peak is None else peak - base
-        times = timer(step, device)
-        finish_record(rec, case, times)
+        with intra_op_threads(getattr(case.shape, "threads", None)):
+            _run_timed(case, name, timer, inputs, rec, device, warmup)
     except ImportError as exc:
         failure = ("skipped", f"a piece is missing: {type(exc).__name__}: {exc}"[:400])
     except Exception as exc:  # noqa: BLE001 - classified below, re-raised on request
@@ -219,9 +232,30 @@ def run_case(case: Case, name: str,
     if failure is not None:
         rec.update(status=failure[0], reason=failure[1], time_s=None, tflops=None)
     # Drop every reference to the inputs and intermediates before the next provider runs.
-    del step, inputs
+    del inputs
     free_memory(device)
     return rec
+
+
+def _run_timed(case: Case, name: str, timer, inputs, rec: dict, device: torch.device,
+               warmup: int) -> None:
+    """The body of :func:`run_case`: inputs, warm-up, peak memory, timing, into ``rec``."""
+    if inputs is None:
+        inputs = make_inputs(case, name)
+    step = make_step(case, name, inputs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(warmup):
+            synced(step, device)()
+    notes = sorted({str(w.message).splitlines()[0][:160] for w in caught
+                    if not issubclass(w.category, (DeprecationWarning, FutureWarning))})
+    if notes:
+        rec["note"] = "; ".join(notes)[:400]
+    peak, base = peak_memory(step, device)
+    rec["peak_bytes"] = peak
+    rec["work_bytes"] = None if peak is None else peak - base
+    times = timer(step, device)
+    finish_record(rec, case, times)
 
 
 def timer_for(min_run_time_s: float):

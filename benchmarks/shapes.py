@@ -11,6 +11,10 @@ Cases come in three kinds:
 * ``conformer_module``: the NeMo- and ESPnet-compatible Conformer attention modules,
   projections included.
 * ``update_mems``: the Transformer-XL memory update, library op against per-layer cat + slice.
+* ``cpu_attention``: the fused CPU kernel (``rel_attention(backend="cpu")``) against the
+  reference path, NeMo's SDPA and eager paths and SDPA without a position term, at one thread
+  and at every core (:func:`cpu_kernel_cases`; ``benchmarks/test_bench_cpu_kernel.py``). Not
+  part of :func:`all_cases` (the GPU report does not run it).
 
 Each kind has GPU cases (the real shapes, run only where CUDA is present) and a small CPU
 subset (scaled-down shapes, so ``pytest benchmarks/ --benchmark-only`` does something useful on
@@ -18,6 +22,7 @@ a machine without a GPU and finishes in a couple of minutes).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -131,6 +136,23 @@ class AttnShape:
 
 
 @dataclass(frozen=True)
+class CpuAttnShape(AttnShape):
+    """An :class:`AttnShape` timed on the CPU at a given intra-op thread count
+    (``torch.set_num_threads(threads)`` for the run), with its own repeat count: one call at
+    T = 16,384 takes seconds, so the long shapes run fewer rounds and no warm-up call (the C++
+    extension is built before any timing, see ``providers.cpu_fused_unavailable``)."""
+
+    threads: int = 1
+    rounds: int = 3
+    warmup: int = 1
+
+    @property
+    def label(self) -> str:
+        t = f"{self.threads} thread" + ("s" if self.threads > 1 else "")
+        return f"{AttnShape.label.fget(self)} {t}"
+
+
+@dataclass(frozen=True)
 class ModuleShape:
     """NeMo-style Conformer self-attention: x ``[B, T, n_feat]``, pos_emb ``(1, 2T-1, n_feat)``,
     key padding, non-causal."""
@@ -232,7 +254,7 @@ class Case:
 
     def flops(self, provider: str = "") -> Optional[float]:
         """The FLOP count credited to ``provider`` on this case (the convention above)."""
-        if self.kind == "attention":
+        if self.kind in ("attention", "cpu_attention"):
             return self.shape.flops(self.mode, "plain" if provider in PLAIN_PROVIDERS
                                     else "relative")
         if self.kind == "conformer_module":
@@ -330,6 +352,98 @@ def all_cases(device: str, dtypes: Optional[Sequence[str]] = None) -> List[Case]
 
 
 # ---------------------------------------------------------------------------------------------
+# The fused CPU kernel's cases (kind ``cpu_attention``)
+
+#: ``small`` (default: the CI run, seconds), ``issue`` (the issue's shapes, sized for about six
+#: minutes on two idle cores) or ``full`` (the issue's shapes, every mode at every thread count,
+#: three rounds or more everywhere: about half an hour on two cores).
+CPU_KERNEL_ENV = "TXL_BENCH_CPU_KERNEL"
+CPU_KERNEL_SIZES = ("small", "issue", "full")
+#: ``1`` adds bf16 cases on a CPU without native bf16 arithmetic (they are left out there).
+CPU_BF16_ENV = "TXL_BENCH_CPU_BF16"
+#: the dense baselines: the ``[B, H, Lq, Lk]`` (or wider) score tensors they build make them the
+#: slow ones, so the long shapes give them fewer rounds (``CpuAttnShape.rounds`` vs
+#: :func:`rounds_for`).
+DENSE_PROVIDERS = ("reference", "sdpa_bias", "nemo_eager")
+
+
+def all_cores() -> int:
+    """The cores this process may run on: the "all cores" thread count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def cpu_kernel_size(value: Optional[str] = None) -> str:
+    """The preset: ``value``, else the ``TXL_BENCH_CPU_KERNEL`` variable, else ``small``."""
+    size = value if value is not None else (os.environ.get(CPU_KERNEL_ENV) or "small")
+    if size not in CPU_KERNEL_SIZES:
+        raise ValueError(f"{CPU_KERNEL_ENV} must be one of {CPU_KERNEL_SIZES}, got {size!r}")
+    return size
+
+
+def cpu_thread_counts() -> Tuple[int, ...]:
+    n = all_cores()
+    return (1,) if n == 1 else (1, n)
+
+
+# (T, warm-up calls, rounds, rounds of the dense baselines) per preset; T = 16,384 forward +
+# backward at one thread is left to ``full`` (two minutes a round on two cores).
+_CONFORMER_PLAN = {
+    "small": ((128, 1, 3, 3),),
+    "issue": ((1024, 1, 5, 5), (4096, 0, 3, 1), (16384, 0, 1, 1)),
+    "full": ((1024, 1, 7, 7), (4096, 1, 5, 3), (16384, 0, 3, 3)),
+}
+_TXL_PLAN = {  # (bsz, H, D, ((tgt_len, mem_len), ...), rounds)
+    "small": (2, 10, 41, ((16, 160),), 3),
+    "issue": (10, 10, 41, ((64, 640), (128, 1600)), 5),
+    "full": (10, 10, 41, ((64, 640), (128, 1600)), 9),
+}
+
+
+def cpu_kernel_shapes(size: Optional[str] = None) -> List[CpuAttnShape]:
+    """The issue's CPU matrix. Conformer: B 1, H 8, D 64, bidirectional, no padding,
+    R = 2T - 1, forward and forward + backward; Transformer-XL: H 10, D 41, causal, memory
+    first (tgt_len + mem_len keys, R = Lk), forward. Each at one thread and at all cores.
+    ``small`` keeps the head counts and head dims at short lengths, for CI."""
+    size = cpu_kernel_size(size)
+    out: List[CpuAttnShape] = []
+    for threads in cpu_thread_counts():
+        for T, warmup, rounds, _dense in _CONFORMER_PLAN[size]:
+            modes = _BOTH
+            if size == "issue" and T >= 16384 and threads == 1:
+                modes = _EVAL
+            out.append(CpuAttnShape("cpu_conformer", 1, 8, 64, T, 0, False, False, modes, "cpu",
+                                    threads=threads, rounds=rounds, warmup=warmup))
+        bsz, H, D, pairs, rounds = _TXL_PLAN[size]
+        for q, m in pairs:
+            out.append(CpuAttnShape("cpu_txl", bsz, H, D, q, m, True, False, _EVAL, "cpu",
+                                    threads=threads, rounds=rounds, warmup=1))
+    return out
+
+
+def rounds_for(shape: CpuAttnShape, provider: str, size: Optional[str] = None) -> int:
+    """Timed rounds of ``provider`` on ``shape``: the dense baselines get the plan's smaller
+    count on the long Conformer shapes (their calls take ten times the fused kernel's)."""
+    if provider in DENSE_PROVIDERS and shape.group == "cpu_conformer":
+        for T, _w, rounds, dense in _CONFORMER_PLAN[cpu_kernel_size(size)]:
+            if T == shape.Lq:
+                return min(rounds, dense)
+    return shape.rounds
+
+
+def cpu_kernel_cases(size: Optional[str] = None,
+                     dtypes: Optional[Sequence[str]] = None) -> List[Case]:
+    """``cpu_attention`` cases: fp32, plus bf16 when ``dtypes`` asks for it (the pytest file
+    adds it where the CPU has native bf16, see ``benchmarks/cpu_suite.py``). Ordered by thread
+    count, then shape, so one thread count's rows sit together."""
+    dts = tuple(dtypes) if dtypes else ("fp32",)
+    return [Case("cpu_attention", s, dt, m) for dt in dts for s in cpu_kernel_shapes(size)
+            for m in s.modes]
+
+
+# ---------------------------------------------------------------------------------------------
 # Provider names per kind, in table order (implemented in providers.py, which checks that its
 # tables match). The first of each kind is this library; the others are the baselines the
 # tables compare against.
@@ -339,6 +453,7 @@ PROVIDER_ORDER = {
     "conformer_module": ("nemo_fused", "nemo_reference", "nemo_sdpa_bias", "espnet_fused",
                          "espnet_reference"),
     "update_mems": ("update_mems", "torch_cat"),
+    "cpu_attention": ("cpu_fused", "reference", "sdpa_bias", "nemo_eager", "sdpa_plain"),
 }
 BASELINES = {kind: names[1:] for kind, names in PROVIDER_ORDER.items()}
 KIND_ORDER = ("attention", "conformer_module", "update_mems")

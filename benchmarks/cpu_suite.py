@@ -1,0 +1,313 @@
+"""The fused CPU kernel's benchmark: what the machine is, which dense baseline fits in its
+memory, and the ratios the kernel is measured against.
+
+Used by ``benchmarks/test_bench_cpu_kernel.py`` (kind ``cpu_attention``; the runner skips a
+provider up front when :func:`memory_skip_reason` says its dense tensors would not fit), by
+``benchmarks/conftest.py`` (:func:`summary` at the end of the run) and by
+``benchmarks/cpu_memory.py`` / ``benchmarks/long_audio.py`` (:func:`machine_lines`). Torch-free
+at import.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .shapes import FWD, FWD_BWD, Case
+
+GiB = 2 ** 30
+ROOT = Path(__file__).resolve().parents[1]
+
+# ---------------------------------------------------------------------------------------------
+# The machine
+
+
+def cpu_flags() -> Tuple[str, ...]:
+    """The first processor's flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return tuple(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return ()
+
+
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def native_bf16() -> Tuple[bool, str]:
+    """Whether the CPU does bf16 arithmetic natively (AVX512-BF16 dot products or AMX), and the
+    sentence that says which flag decided it."""
+    flags = set(cpu_flags())
+    have = [f for f in NATIVE_BF16_FLAGS if f in flags]
+    if have:
+        return True, f"native bf16: the CPU has {', '.join(have)}"
+    vec = "avx512f" if "avx512f" in flags else ("avx2" if "avx2" in flags else "no AVX2")
+    return False, (f"no native bf16: neither {' nor '.join(NATIVE_BF16_FLAGS)} in the CPU flags "
+                   f"(widest vector ISA: {vec}); bf16 would be converted to fp32 in software")
+
+
+def bf16_wanted() -> Tuple[bool, str]:
+    """Whether the CPU matrix adds bf16 cases: where the CPU has native bf16, or when
+    ``TXL_BENCH_CPU_BF16=1`` asks for them anyway."""
+    from .shapes import CPU_BF16_ENV
+
+    native, why = native_bf16()
+    if native:
+        return True, why
+    if os.environ.get(CPU_BF16_ENV) == "1":
+        return True, why + f" (timed anyway: {CPU_BF16_ENV}=1)"
+    return False, why + f": bf16 not timed ({CPU_BF16_ENV}=1 times it anyway)"
+
+
+def meminfo() -> Dict[str, int]:
+    """/proc/meminfo in bytes (empty where there is none)."""
+    out: Dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, rest = line.split(":", 1)
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    out[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    except OSError:
+        pass
+    return out
+
+
+def mem_available_bytes() -> Optional[int]:
+    """What a new allocation can get without swapping or the OOM killer: MemAvailable, capped
+    by the cgroup's memory limit when one is set."""
+    info = meminfo()
+    avail = info.get("MemAvailable")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            lim = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            cur = int(f.read().strip())
+        if lim.isdigit():
+            room = int(lim) - cur
+            avail = room if avail is None else min(avail, room)
+    except OSError:
+        pass
+    return avail
+
+
+def machine_lines() -> List[str]:
+    """The machine, for the results: CPU model, cores, vector ISA, bf16, memory, versions."""
+    import torch
+
+    model = platform.processor() or platform.machine()
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        m = re.search(r"^Model name:\s*(.+)$", lscpu, re.M)
+        if m:
+            model = m.group(1).strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    from .shapes import all_cores
+
+    info = meminfo()
+    flags = set(cpu_flags())
+    isa = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+           if f in flags]
+    return [
+        f"CPU: {model}, {all_cores()} cores usable (nproc), flags {' '.join(isa) or 'n/a'}; "
+        f"{native_bf16()[1]}",
+        f"memory: {info.get('MemTotal', 0) / GiB:.1f} GiB total, "
+        f"{info.get('MemAvailable', 0) / GiB:.1f} GiB available",
+        f"torch {torch.__version__} (CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"{torch.get_num_threads()} intra-op threads by default), Python "
+        f"{platform.python_version()}",
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Peak RSS of one call, in a fresh process (cpu_memory.py, long_audio.py)
+
+
+def status_kb(field: str) -> int:
+    """A ``/proc/self/status`` field in KiB (``VmRSS``: now, ``VmHWM``: the peak)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (VmHWM) to its current RSS (Linux >= 4.0); False where
+    that is not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def run_json_child(script: str, argv: Sequence[str], timeout_s: float,
+                   env: Optional[Dict[str, str]] = None) -> Tuple[Optional[dict], str]:
+    """Run ``python script argv...`` in a fresh process with the repository on the path;
+    return (the last JSON line it printed, "") or (None, why it gave none: killed by a signal,
+    timed out, or its exit status and last line of stderr)."""
+    cmd = [sys.executable, script, *argv]
+    full_env = dict(os.environ, **(env or {}))
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, cwd=ROOT,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout_s:.0f} s"
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode == 0 and lines:
+        return json.loads(lines[-1]), ""
+    if proc.returncode < 0:
+        return None, f"killed by signal {-proc.returncode} (out of memory?)"
+    last = (proc.stderr.strip().splitlines() or [""])[-1][:300]
+    return None, f"exit {proc.returncode}: {last}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Which dense baseline fits
+
+# Dense tensors alive at a provider's peak, as counts of [B, H, Lq, Lk] ("k") and [B, H, Lq, R]
+# ("r") tensors: an upper estimate read off the code (providers.py, txl_kernels/reference.py)
+# and checked against the peak RSS that benchmarks/cpu_memory.py measures (Conformer shape,
+# R = 2T - 1, T = 512 to 2,048: reference about 8.2 [B, H, T, T] tensors, sdpa_bias 5.0,
+# nemo_eager 5.3, forward and forward + backward alike; the estimates below are 9, 6 and 7, and
+# 10, 7 and 7 with the backward, where the profiler sees 9.1 and 6.0 for the first two at short
+# lengths; tests/test_bench_cpu_kernel.py checks them against the allocator's peak).
+# The reference path holds its scores in fp32 whatever the input dtype (fp64 for fp64 inputs).
+#   reference: AC, BD before the shift (R wide) and its padded copy (about R wide), the scores
+#     and a temporary; forward + backward frees the forward's tensors as the gradients come.
+#   sdpa_bias: BD, its padded copy and the sliced, scaled float mask.
+#   nemo_eager: AC, BD and its padded copy, scores, softmax.
+DENSE_COUNTS: Dict[str, Dict[str, Tuple[int, int]]] = {
+    "reference": {FWD: (5, 2), FWD_BWD: (6, 2)},
+    "sdpa_bias": {FWD: (2, 2), FWD_BWD: (3, 2)},
+    "nemo_eager": {FWD: (3, 2), FWD_BWD: (3, 2)},
+}
+_ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
+#: fraction of the available memory a provider may plan to use (the rest: inputs, the
+#: interpreter, the allocator's slack)
+MEMORY_HEADROOM = 0.85
+
+
+def dense_bytes(case: Case, provider: str) -> int:
+    """Estimated bytes of the dense score tensors ``provider`` holds at its peak on ``case``
+    (0 for the fused kernel and SDPA without a position term, whose extra memory is linear)."""
+    counts = DENSE_COUNTS.get(provider)
+    if counts is None:
+        return 0
+    s = case.shape
+    nk, nr = counts[case.mode]
+    item = _ITEMSIZE[case.dtype]
+    if provider == "reference":
+        item = 8 if case.dtype == "fp64" else 4
+    return s.B * s.H * s.Lq * (nk * s.Lk + nr * s.R) * item
+
+
+def memory_skip_reason(case: Case, provider: str, available: Optional[int] = None
+                       ) -> Optional[str]:
+    """Why ``provider`` is not run on ``case`` (its dense tensors would not fit), or None."""
+    need = dense_bytes(case, provider)
+    if not need:
+        return None
+    avail = mem_available_bytes() if available is None else available
+    if avail is None or need <= MEMORY_HEADROOM * avail:
+        return None
+    s = case.shape
+    return (f"does not fit: its dense [B, H, Lq, Lk] / [B, H, Lq, R] tensors ({s.B}x{s.H}x"
+            f"{s.Lq}x{s.Lk} / R={s.R}) need about {need / GiB:.1f} GiB at the peak of one "
+            f"{case.mode}; {avail / GiB:.1f} GiB available")
+
+
+# ---------------------------------------------------------------------------------------------
+# The targets
+
+# (group, mode, baseline, kind, bound): "speedup" = baseline time / cpu_fused time >= bound;
+# "slowdown" = the time ratio cpu_fused time / baseline time <= bound.
+TARGETS = (
+    ("cpu_conformer", FWD, "sdpa_plain", "slowdown", 1.6),
+    ("cpu_conformer", FWD, "reference", "speedup", 5.0),
+    ("cpu_conformer", FWD, "nemo_eager", "speedup", 5.0),
+    ("cpu_conformer", FWD, "sdpa_bias", "speedup", 4.0),
+    ("cpu_conformer", FWD_BWD, "reference", "speedup", 4.0),
+    ("cpu_conformer", FWD_BWD, "sdpa_plain", "slowdown", 2.0),
+    ("cpu_txl", FWD, "reference", "speedup", 2.0),
+)
+OURS = "cpu_fused"
+
+
+def _ms(rec: dict) -> str:
+    return f"{rec['time_s'] * 1e3:.1f} ms x{rec.get('reps', 0)}" if rec.get("time_s") else ""
+
+
+def target_rows(records: List[dict]) -> List[List[str]]:
+    """One row per (case, target): case, dtype, mode, cpu_fused's median, the baseline's, the
+    measured ratio, the target, and whether it is met (or why it could not be measured)."""
+    by_case: Dict[str, Dict[str, dict]] = {}
+    for rec in records:
+        if rec.get("kind") == "cpu_attention":
+            by_case.setdefault(rec["key"], {})[rec["provider"]] = rec
+    rows = []
+    for recs in by_case.values():
+        ours = recs.get(OURS)
+        if ours is None:
+            continue
+        for group, mode, base, kind, bound in TARGETS:
+            if ours["group"] != group or ours["mode"] != mode:
+                continue
+            other = recs.get(base)
+            target = (f"speed-up >= {bound:g}x" if kind == "speedup"
+                      else f"time ratio <= {bound:g}x")
+            row = [f"{ours['group']} {ours['label']}", ours["dtype"], mode, _ms(ours),
+                   base, _ms(other) if other else ""]
+            if ours.get("status") != "ok" or not ours.get("time_s"):
+                rows.append(row + ["", target, f"cpu_fused {ours.get('status')}: "
+                                                f"{ours.get('reason', '')[:120]}"])
+                continue
+            if other is None or other.get("status") != "ok" or not other.get("time_s"):
+                why = "not run" if other is None else f"{other.get('status')}: " \
+                                                      f"{other.get('reason', '')[:160]}"
+                rows.append(row + ["", target, f"{base} {why}"])
+                continue
+            if kind == "speedup":
+                val = other["time_s"] / ours["time_s"]
+                met = val >= bound
+                shown = f"speed-up {val:.2f}x"
+            else:
+                val = ours["time_s"] / other["time_s"]
+                met = val <= bound
+                shown = f"time ratio {val:.2f}x"
+            rows.append(row + [shown, target, "met" if met else "NOT met"])
+    return rows
+
+
+def summary(records: List[dict]) -> str:
+    """Markdown: the machine, what ``cpu_fused`` ran, bf16, then the target table."""
+    from .providers import cpu_fused_backend
+
+    lines = [f"- {ln}" for ln in machine_lines()]
+    backend = cpu_fused_backend()
+    if backend != "cpu":
+        lines.append(f"- **cpu_fused ran rel_attention(backend={backend!r}), not the CPU kernel "
+                     f"(TXL_BENCH_CPU_BACKEND): a pipeline check, not a result.**")
+    lines.append(f"- {bf16_wanted()[1]}")
+    lines.append("")
+    head = ["case", "dtype", "mode", "cpu_fused (median)", "baseline", "baseline (median)",
+            "measured", "target", ""]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "|".join(["---"] * 3 + ["---:", "---", "---:", "---:", "---", "---"]) + "|")
+    for row in target_rows(records):
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in row) + " |")
+    return "\n".join(lines) + "\n"
