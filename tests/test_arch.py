@@ -82,3 +82,32 @@ def test_aot_check_parses_targets():
     assert A.parse_targets("all") == (80, 89, 90, 100, 120)
     with pytest.raises(ValueError):
         A.parse_targets("sm_75")
+
+
+def test_spill_budget_rule(monkeypatch):
+    from tools import aot_check as A
+    monkeypatch.setattr(A, "SPILL_RECORDED", {})
+    fwd = {"status": "OK", "default": True, "module": "txl_kernels.ops.rel_attn_fwd",
+           "kernel": "_rel_attn_fwd_kernel", "target": "sm_80",
+           "cases": ["bf16 D64 flags-on"], "spill_stores": 8, "spill_loads": 4}
+    bwd = dict(fwd, module="txl_kernels.ops.rel_attn_bwd", kernel="_rel_attn_bwd_dq_kernel",
+               spill_stores=64, spill_loads=64)
+    assert A.over_spill_budget(fwd)  # the forward may not spill
+    assert not A.over_spill_budget(bwd)  # the backward: up to 64 B
+    assert A.over_spill_budget(dict(bwd, spill_loads=65))
+    assert not A.over_spill_budget(dict(fwd, default=False))  # autotune-only configs: no budget
+    assert not A.over_spill_budget(dict(fwd, cases=["fp16 D64 flags-on"]))
+    assert not A.over_spill_budget(dict(fwd, cases=["bf16 D256 flags-on"]))
+    # a target that does not meet the goal yet is bound by its recorded figure
+    monkeypatch.setitem(A.SPILL_RECORDED, ("sm_80", "_rel_attn_fwd_kernel", 64), 100)
+    assert not A.over_spill_budget(dict(fwd, spill_stores=100))
+    assert A.over_spill_budget(dict(fwd, spill_stores=101))
+    assert A.over_spill_budget(dict(fwd, target="sm_89", spill_stores=100))
+    lines, ok = A._summary([dict(fwd, config="c", key="k")],
+                           {"txl_kernels.ops.rel_attn_fwd": ["_rel_attn_fwd_kernel"]}, [], {},
+                           spill_budget=True)
+    assert ok  # within the recorded 100 B
+    lines, ok = A._summary([dict(fwd, config="c", key="k", target="sm_89")],
+                           {"txl_kernels.ops.rel_attn_fwd": ["_rel_attn_fwd_kernel"]}, [], {},
+                           spill_budget=True)
+    assert not ok and any("over its 0B budget" in ln for ln in lines), lines
