@@ -158,8 +158,8 @@ def _capturing(device: str) -> bool:
 # ----------------------------------------------------------------------------------------------
 # The check
 
-# The sizes of the check: on a GPU two query tiles and two key tiles at the default BLOCK 64,
-# under the interpreter (16 x 16 tiles) a few tiles of a smaller problem.
+# The sizes of the check: on a GPU two or more query and key tiles at the default block sizes
+# (32-64), under the interpreter (16 x 16 tiles) a few tiles of a smaller problem.
 _SIZES = {"cuda": (72, 56), "cpu": (20, 12)}   # (Lq, memory / extra keys before the segment)
 _DROPOUT_P = 0.25
 # unit roundoff of the products / storage: the tolerance's absolute floor is a few of these
