@@ -8,6 +8,9 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+# The fused kernels' first-use self-check (txl_kernels.selfcheck) is off for the suite: the tests
+# compare every fused path with the reference themselves; tests/test_selfcheck.py turns it on.
+os.environ.setdefault("TXL_KERNELS_SELFCHECK", "0")
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # Import triton now, while the variable holds: @triton.jit reads it when a kernel is created,

@@ -1,7 +1,21 @@
-"""Ahead-of-time compile check of the fused Triton kernels for Hopper (sm_90), without a GPU.
+"""Ahead-of-time compile check of the fused Triton kernels for NVIDIA targets, without a GPU.
 
     python -m tools.aot_check [--quick] [--json PATH] [--only REGEX] [--jobs N]
-                           [--list] [--strict]
+                           [--list] [--strict] [--target sm_80,sm_89,...|all]
+                           [--defaults] [--dtypes bf16,...] [--head-dims 64,...]
+                           [--spill-budget]
+
+Targets (``--target``, default sm_90): any compute capability >= 8.0; ``all`` is one per
+config family (sm_80, sm_89, sm_90, sm_100, sm_120). For each target the launchers run under
+``txl_kernels._arch.compile_target``, so they pick that target's configs (the per-family tables
+of rel_attn_fwd / rel_attn_bwd) and load path (TMA descriptors on sm_90 and newer, pointer
+loads before), and each compile is checked against that target's shared-memory limit
+(``txl_kernels._arch.ARCHS``). The limits below that name sm_90 are those of the default
+target. ``--defaults`` compiles only the configs launched without an autotuner (the defaults
+of TXL_KERNELS_AUTOTUNE=0 and the untuned kernels); ``--spill-budget`` fails the run when such
+a config spills more than ``SPILL_BUDGET`` at bf16, D 64 / 128 (forward and decode 0 B,
+backward 64 B per kernel). The per-target CI command and the table in BENCHMARKS.md:
+``python -m tools.aot_check --quick --defaults --dtypes bf16 --target sm_80,sm_89,sm_90,sm_100``.
 
 A developer tool of the source tree (it uses private Triton APIs: ``create_function_from_signature``,
 ``JITFunction._pack_args``, ``Autotuner.nargs``, and swaps module globals for recorders while a
@@ -78,13 +92,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 KERNEL_MODULES = ("txl_kernels.ops.rel_attn_fwd", "txl_kernels.ops.rel_attn_bwd",
                   "txl_kernels.ops.rel_attn_decode")
 
-# sm_90 (H100 / H200) resource limits.
-SM90_MAX_SHARED_PER_BLOCK = 232448  # bytes, opt-in maximum of dynamic shared memory per block
-SM90_SHARED_PER_SM = 233472          # bytes
-SM90_SHARED_RESERVED_PER_BLOCK = 1024
-SM90_REGS_PER_SM = 65536
-SM90_MAX_WARPS_PER_SM = 64
-SM90_MAX_BLOCKS_PER_SM = 32
+# Per-target resource limits: txl_kernels._arch.ARCHS (shared memory per block and per SM,
+# warps and blocks per SM). Shared memory the driver reserves per resident block:
+SHARED_RESERVED_PER_BLOCK = 1024
+DEFAULT_TARGET = 90
+# --target all: one capability per config family (sm_86 shares sm_89's tables and limits).
+ALL_TARGETS = (80, 89, 90, 100, 120)
 
 DTYPE_CASES = ("fp16", "bf16", "fp32-tf32", "fp32-ieee")
 HEAD_DIMS_FULL = (64, 128, 256, 41)
@@ -104,9 +117,32 @@ QUICK_FLAG_SETS = ("on", "on-mem8")
 # ----------------------------------------------------------------------------------------------
 
 
-def _target():
+def _target(capability: int = DEFAULT_TARGET):
     from triton.backends.compiler import GPUTarget
-    return GPUTarget("cuda", 90, 32)
+    return GPUTarget("cuda", int(capability), 32)
+
+
+def _arch(capability: int):
+    from txl_kernels._arch import arch_info
+    return arch_info(capability)
+
+
+def parse_targets(text: str) -> Tuple[int, ...]:
+    """``"sm_80,sm_89"`` / ``"80,90"`` / ``"all"`` -> capabilities (each must be >= 80)."""
+    out: List[int] = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        caps = ALL_TARGETS if part == "all" else (int(part.removeprefix("sm_").removeprefix(
+            "sm")),)
+        for cap in caps:
+            _arch(cap)  # ValueError below sm_80
+            if cap not in out:
+                out.append(cap)
+    if not out:
+        raise ValueError(f"no target in {text!r}")
+    return tuple(out)
 
 
 _PTXAS_PATTERNS = {
@@ -134,15 +170,18 @@ def _parse_ptxas_log(log: str, name: str) -> Dict[str, Optional[int]]:
     return out
 
 
-def _blocks_per_sm(regs: Optional[int], shared: Optional[int], num_warps: int) -> Optional[int]:
-    """Estimated resident blocks per sm_90 SM (registers allocated per warp in units of 256)."""
+def _blocks_per_sm(regs: Optional[int], shared: Optional[int], num_warps: int,
+                   target: int = DEFAULT_TARGET) -> Optional[int]:
+    """Estimated resident blocks per SM of ``target`` (registers allocated per warp in units
+    of 256)."""
     if regs is None or shared is None:
         return None
+    a = _arch(target)
     regs_per_warp = -(-max(regs, 1) * 32 // 256) * 256
-    by_regs = (SM90_REGS_PER_SM // regs_per_warp) // num_warps
-    by_smem = SM90_SHARED_PER_SM // (shared + SM90_SHARED_RESERVED_PER_BLOCK)
-    by_warps = SM90_MAX_WARPS_PER_SM // num_warps
-    return int(min(by_regs, by_smem, by_warps, SM90_MAX_BLOCKS_PER_SM))
+    by_regs = (a.regs_per_sm // regs_per_warp) // num_warps
+    by_smem = a.shared_per_sm // (shared + SHARED_RESERVED_PER_BLOCK)
+    by_warps = a.max_warps_per_sm // num_warps
+    return int(min(by_regs, by_smem, by_warps, a.max_blocks_per_sm))
 
 
 def _first_line(text: str, limit: int = 400) -> str:
@@ -156,8 +195,9 @@ def _first_line(text: str, limit: int = 400) -> str:
 
 def compile_kernel(fn, signature: Dict[str, str], constexprs: Optional[Dict] = None,
                    attrs: Optional[Dict] = None, num_warps: int = 4, num_stages: int = 2,
-                   extra_options: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """Compile ``fn`` (a ``triton.jit`` JITFunction) for sm_90 and describe the result.
+                   extra_options: Optional[Dict[str, Any]] = None,
+                   target: int = DEFAULT_TARGET) -> Dict[str, Any]:
+    """Compile ``fn`` (a ``triton.jit`` JITFunction) for sm_``target`` and describe the result.
 
     ``signature`` maps every argument name to a Triton type string (``"*fp16"``, ``"i32"``,
     ``"fp32"``, ``"constexpr"``); ``constexprs`` maps names or index paths to values; ``attrs``
@@ -171,8 +211,10 @@ def compile_kernel(fn, signature: Dict[str, str], constexprs: Optional[Dict] = N
     res: Dict[str, Any] = {"kernel": getattr(fn, "__name__", str(fn)), "status": "FAIL",
                            "error": None, "regs": None, "spill_stores": None,
                            "spill_loads": None, "stack": None, "shared": None, "wgmma": None,
-                           "mma_sync": None, "blocks_per_sm": None, "seconds": None,
-                           "num_warps": num_warps, "num_stages": num_stages}
+                           "mma_sync": None, "tcgen05": None, "tma": None,
+                           "blocks_per_sm": None,
+                           "seconds": None, "num_warps": num_warps, "num_stages": num_stages,
+                           "target": f"sm_{target}"}
     if type(fn).__name__ != "JITFunction":
         res["error"] = (f"{res['kernel']} is a {type(fn).__name__}, not a compiled-mode "
                         "JITFunction (is TRITON_INTERPRET set?)")
@@ -186,7 +228,7 @@ def compile_kernel(fn, signature: Dict[str, str], constexprs: Optional[Dict] = N
         knobs.nvidia.dump_ptxas_log = True  # ptxas -v report, printed by Triton: captured
         with contextlib.redirect_stdout(log):
             src = ASTSource(fn, signature, constexprs, attrs)
-            kernel = triton.compile(src, target=_target(), options=options)
+            kernel = triton.compile(src, target=_target(target), options=options)
     except Exception as exc:  # any stage: frontend, MLIR passes, LLVM, ptxas
         res["seconds"] = round(time.perf_counter() - t0, 2)
         res["error"] = f"{type(exc).__name__}: {_first_line(str(exc))}"
@@ -203,14 +245,17 @@ def compile_kernel(fn, signature: Dict[str, str], constexprs: Optional[Dict] = N
     res["has_dot"] = "tt.dot" in (ttir if isinstance(ttir, str) else "")
     res["wgmma"] = len(re.findall(r"\bwgmma\.mma_async", ptx))
     res["mma_sync"] = len(re.findall(r"\bmma\.sync", ptx))
+    res["tcgen05"] = len(re.findall(r"\btcgen05\.mma", ptx))
+    res["tma"] = len(re.findall(r"\bcp\.async\.bulk\.tensor", ptx))  # TMA tile loads
     res.update(_parse_ptxas_log(log.getvalue(), getattr(md, "name", res["kernel"])))
     if res["regs"] is None:  # cache hit (no ptxas run): ask cuobjdump for the cubin's usage
         res.update(_cuobjdump_usage(kernel.asm.get("cubin")))
-    res["blocks_per_sm"] = _blocks_per_sm(res["regs"], res["shared"], num_warps)
-    if res["shared"] > SM90_MAX_SHARED_PER_BLOCK:
+    res["blocks_per_sm"] = _blocks_per_sm(res["regs"], res["shared"], num_warps, target)
+    limit = _arch(target).max_shared
+    if res["shared"] > limit:
         res["oor"] = True
         res["error"] = (f"needs {res['shared']} bytes of shared memory, more than the "
-                        f"{SM90_MAX_SHARED_PER_BLOCK} an sm_90 block can have (the launch "
+                        f"{limit} an sm_{target} block can have (the launch "
                         "would fail with OutOfResources)")
         return res
     res["status"] = "OK"
@@ -495,6 +540,7 @@ class Job:
     autotuned: bool = True           # False if some launch uses this config without a tuner
     sources: List[str] = dataclasses.field(default_factory=list)  # "autotune" / "fixed"
     groups: List[str] = dataclasses.field(default_factory=list)  # launches that offer it
+    target: int = DEFAULT_TARGET     # compute capability compiled for
 
     def arg_name(self, path) -> str:
         """Argument name of a constexpr / attr index path."""
@@ -503,7 +549,7 @@ class Job:
         return names[idx] if isinstance(idx, int) and idx < len(names) else str(idx)
 
     def key(self) -> str:
-        return repr((self.module, self.kernel, sorted(self.signature.items()),
+        return repr((self.target, self.module, self.kernel, sorted(self.signature.items()),
                      sorted((k, repr(v)) for k, v in self.constexprs.items()),
                      sorted((k, repr(v)) for k, v in self.attrs.items()),
                      self.num_warps, self.num_stages, sorted(self.extra_options.items())))
@@ -525,7 +571,8 @@ def _specialise(backend, fn, args: tuple, kwargs: dict):
     return options, signature, constexprs, attrs
 
 
-def jobs_from_launch(backend, module_name: str, launch: Launch) -> List[Job]:
+def jobs_from_launch(backend, module_name: str, launch: Launch,
+                     target: int = DEFAULT_TARGET) -> List[Job]:
     """Compile jobs for one recorded launch: one per config the autotuner would try."""
     from triton.runtime.autotuner import Autotuner, Heuristics
     fn, chain = _unwrap(launch.obj)
@@ -572,21 +619,25 @@ def jobs_from_launch(backend, module_name: str, launch: Launch) -> List[Job]:
                         dict(attrs), int(opts["num_warps"]), int(opts["num_stages"]), extra,
                         cfg, largest_key=(blocks, opts["num_warps"], opts["num_stages"]),
                         autotuned=bool(source),
-                        sources=["autotune" if source else "fixed"]))
+                        sources=["autotune" if source else "fixed"], target=target))
     return jobs
 
 
 def collect_jobs(head_dims: Sequence[int] = HEAD_DIMS_FULL,
                  dtypes: Sequence[str] = DTYPE_CASES,
                  flag_sets: Sequence[str] = FLAG_SETS,
-                 modules: Sequence[str] = KERNEL_MODULES) -> Tuple[List[Job], Dict[str, List[str]],
-                                                                   List[str], Dict[str, List[str]]]:
-    """All distinct compile jobs over the grid, the entry kernels of each module, the errors
-    met while driving the launchers (each one is a failure), and the launch groups (recorded
-    launch -> keys of the jobs it offers: its autotune configs, or its one fixed config)."""
+                 modules: Sequence[str] = KERNEL_MODULES,
+                 target: int = DEFAULT_TARGET) -> Tuple[List[Job], Dict[str, List[str]],
+                                                        List[str], Dict[str, List[str]]]:
+    """All distinct compile jobs over the grid for sm_``target``, the entry kernels of each
+    module, the errors met while driving the launchers (each one is a failure), and the launch
+    groups (recorded launch -> keys of the jobs it offers: its autotune configs, or its one
+    fixed config). The launchers run under ``txl_kernels._arch.compile_target(target)``, so
+    they choose that arch's configs and its load path (TMA descriptors from sm_90 on)."""
     import importlib
     from triton.compiler import make_backend
-    backend = make_backend(_target())
+    from txl_kernels._arch import compile_target
+    backend = make_backend(_target(target))
     jobs: Dict[str, Job] = {}
     kernels: Dict[str, List[str]] = {}
     errors: List[str] = []
@@ -602,12 +653,14 @@ def collect_jobs(head_dims: Sequence[int] = HEAD_DIMS_FULL,
                     for autotune in (True, False):
                         log: List[Launch] = []
                         try:
-                            with _environment(dtype, autotune), _recording(module, log):
+                            with _environment(dtype, autotune), _recording(module, log), \
+                                    compile_target(target):
                                 drive(module, sc)
                             for n, launch in enumerate(log):
-                                gid = (f"{mod_name} {sc.label} autotune-"
+                                gid = (f"sm_{target} {mod_name} {sc.label} autotune-"
                                        f"{'on' if autotune else 'off'} launch {n}")
-                                for new in jobs_from_launch(backend, mod_name, launch):
+                                for new in jobs_from_launch(backend, mod_name, launch,
+                                                            target):
                                     job = jobs.setdefault(new.key(), new)
                                     job.autotuned = job.autotuned and new.autotuned
                                     for src in new.sources:
@@ -620,6 +673,7 @@ def collect_jobs(head_dims: Sequence[int] = HEAD_DIMS_FULL,
                                         job.scenarios.append(sc)
                         except Exception as exc:
                             errors.append(f"{mod_name}: launcher failed for {sc.label} "
+                                          f"on sm_{target} "
                                           f"(autotune={'on' if autotune else 'off'}): "
                                           f"{type(exc).__name__}: {_first_line(str(exc))}")
     out = list(jobs.values())
@@ -666,11 +720,11 @@ def quick_subset(jobs: List[Job]) -> List[Job]:
     groups: Dict[Tuple, List[Tuple[Job, Scenario]]] = {}
     for job in jobs:
         for sc in job.scenarios:
-            groups.setdefault((job.module, job.kernel, sc.dtype, sc.head_dim, sc.flags),
-                              []).append((job, sc))
+            groups.setdefault((job.target, job.module, job.kernel, sc.dtype, sc.head_dim,
+                               sc.flags), []).append((job, sc))
     chosen: Dict[str, Job] = {}
-    for (mod, kern, dtype, d, flags), members in groups.items():
-        if flags not in QUICK_FLAG_SETS and (mod, kern, dtype, d, "on") in groups:
+    for (tgt, mod, kern, dtype, d, flags), members in groups.items():
+        if flags not in QUICK_FLAG_SETS and (tgt, mod, kern, dtype, d, "on") in groups:
             continue
         by_variant: Dict[str, List[Job]] = {}
         for job, _ in members:
@@ -698,14 +752,15 @@ def _compile_job(job: Job) -> Dict[str, Any]:
         res = {"status": "FAIL", "error": f"{job.module}.{job.kernel} not found as a jit function"}
     else:
         res = compile_kernel(fn, job.signature, job.constexprs, job.attrs, job.num_warps,
-                             job.num_stages, job.extra_options)
+                             job.num_stages, job.extra_options, job.target)
         if res["status"] == "FAIL" and res.get("oor") and job.autotuned:
             # Triton's autotuner skips a config that raises OutOfResources at launch: not a
             # failure by itself, as long as another config of the launch fits (checked in
             # the summary), but a config worth pruning.
             res["status"] = "OOR"
     res.update(module=job.module, kernel=job.kernel, config=job.config, cases=list(job.cases),
-               key=job.key(), autotuned=job.autotuned)
+               key=job.key(), autotuned=job.autotuned, target=f"sm_{job.target}",
+               default="fixed" in job.sources)
     return res
 
 
@@ -715,48 +770,107 @@ def format_result(res: Dict[str, Any]) -> str:
 
     spills = ("-" if res.get("spill_stores") is None
               else f"{res['spill_stores']}/{res['spill_loads']}B")
-    head = (f"{res['status']:<4} {res['kernel']:<32} {res.get('config', ''):<44} "
+    mma = res.get("mma_sync")
+    if res.get("tcgen05"):  # sm_100's tensor-core instruction in the mma column
+        mma = res["tcgen05"]
+    head = (f"{res['status']:<4} {res.get('target', ''):<6} {res['kernel']:<32} "
+            f"{res.get('config', ''):<44} "
             f"regs {num(res.get('regs')):>3}  spill {spills:>9}  "
             f"smem {num(res.get('shared')):>6}B  wgmma {num(res.get('wgmma')):>3}  "
-            f"mma {num(res.get('mma_sync')):>3}  blk/SM {num(res.get('blocks_per_sm')):>2}  "
+            f"mma {num(mma):>3}  blk/SM {num(res.get('blocks_per_sm')):>2}  "
             f"{num(res.get('seconds'), 's'):>6}  [{'; '.join(res.get('cases', []))}]")
     if res["status"] != "OK":
         head += f"\n     error: {res.get('error')}"
     return head
 
 
+# Spill budget of a default-config compile (bytes of spill stores or loads per kernel) in the
+# budget cases (bf16, head dims 64 and 128): the forward and decode kernels none, the backward
+# kernels 64 B. --spill-budget fails the run on a compile over it.
+SPILL_BUDGET = {"txl_kernels.ops.rel_attn_fwd": 0, "txl_kernels.ops.rel_attn_bwd": 64,
+                "txl_kernels.ops.rel_attn_decode": 0}
+SPILL_BUDGET_DTYPES = ("bf16",)
+SPILL_BUDGET_HEAD_DIMS = (64, 128)
+
+
+# Where a target does not meet SPILL_BUDGET yet, the spill bytes (stores or loads, the larger)
+# compiled at the current defaults bound it instead, so that a change spilling more still fails:
+# (target, kernel, head dim) -> bytes (BENCHMARKS.md, "Per-architecture compile table").
+SPILL_RECORDED: Dict[Tuple[str, str, int], int] = {
+}
+
+
+def _spill_bytes(res: Dict[str, Any]) -> int:
+    return max(res.get("spill_stores") or 0, res.get("spill_loads") or 0)
+
+
+def spill_budget_of(res: Dict[str, Any]) -> Optional[int]:
+    """The spill budget (bytes) of a compile result, None when it has none (not a default
+    config, not a budget case, or a module without a budget)."""
+    if not res.get("default"):
+        return None
+    budget = SPILL_BUDGET.get(res.get("module"))
+    if budget is None:
+        return None
+    dims = [int(c.split()[1][1:]) for c in res.get("cases", [])
+            if c.split()[0] in SPILL_BUDGET_DTYPES
+            and int(c.split()[1][1:]) in SPILL_BUDGET_HEAD_DIMS]
+    if not dims:
+        return None
+    target = res.get("target", f"sm_{DEFAULT_TARGET}")
+    return max([budget] + [SPILL_RECORDED.get((target, res.get("kernel"), d), 0)
+                           for d in dims])
+
+
+def over_spill_budget(res: Dict[str, Any]) -> bool:
+    """A compiled default config of a budget case that spills more than its budget."""
+    budget = spill_budget_of(res)
+    return res.get("status") == "OK" and budget is not None and _spill_bytes(res) > budget
+
+
 def _summary(results: List[Dict[str, Any]], kernels: Dict[str, List[str]],
              errors: List[str], groups: Dict[str, List[str]],
-             strict: bool = False) -> Tuple[List[str], bool]:
-    """Per-kernel summary lines and the verdict. FAIL: a compile error, a fixed-config launch
-    that cannot fit, an autotuned launch none of whose (all compiled) configs fit, a kernel
-    never launched, a launcher error; with ``strict`` also any OOR config."""
+             strict: bool = False, spill_budget: bool = False) -> Tuple[List[str], bool]:
+    """Per-target, per-kernel summary lines and the verdict. FAIL: a compile error, a
+    fixed-config launch that cannot fit, an autotuned launch none of whose (all compiled)
+    configs fit, a kernel never launched, a launcher error; with ``strict`` also any OOR
+    config; with ``spill_budget`` a default config over SPILL_BUDGET (over_spill_budget)."""
     lines = []
     ok = not errors
     by_key = {r.get("key"): r for r in results}
-    for mod, names in kernels.items():
-        for name in names:
-            rows = [r for r in results if r["module"] == mod and r["kernel"] == name]
-            if not rows:
-                lines.append(f"FAIL {name}: not launched by any case, not compiled")
-                ok = False
-                continue
-            n_ok = sum(r["status"] == "OK" for r in rows)
-            n_fail = sum(r["status"] == "FAIL" for r in rows)
-            n_oor = sum(r["status"] == "OOR" for r in rows)
-            bad = n_fail > 0 or (strict and n_oor > 0)
-            ok = ok and not bad
-            good = [r for r in rows if r["status"] == "OK"]
-            regs = [r["regs"] for r in good if r.get("regs") is not None]
-            spilling = [r for r in good if (r.get("spill_stores") or 0) > 0]
-            smem = [r["shared"] for r in good if r.get("shared") is not None]
-            lines.append(
-                f"{'FAIL' if bad else 'OK  '} {name}: {n_ok}/{len(rows)} compiled OK"
-                + (f", {n_fail} FAILED" if n_fail else "")
-                + (f", {n_oor} over the sm_90 shared-memory limit (OOR)" if n_oor else "")
-                + (f"; regs {min(regs)}..{max(regs)}" if regs else "")
-                + (f", smem <= {max(smem)}B" if smem else "")
-                + f", {len(spilling)} of {len(good)} spill")
+    targets = sorted({r.get("target", f"sm_{DEFAULT_TARGET}") for r in results},
+                     key=lambda t: int(t[3:])) or [f"sm_{DEFAULT_TARGET}"]
+    for tname in targets:
+        for mod, names in kernels.items():
+            for name in names:
+                rows = [r for r in results if r["module"] == mod and r["kernel"] == name
+                        and r.get("target", f"sm_{DEFAULT_TARGET}") == tname]
+                if not rows:
+                    lines.append(f"FAIL {tname} {name}: not launched by any case, not compiled")
+                    ok = False
+                    continue
+                n_ok = sum(r["status"] == "OK" for r in rows)
+                n_fail = sum(r["status"] == "FAIL" for r in rows)
+                n_oor = sum(r["status"] == "OOR" for r in rows)
+                good = [r for r in rows if r["status"] == "OK"]
+                over = [r for r in good if over_spill_budget(r)] if spill_budget else []
+                bad = n_fail > 0 or (strict and n_oor > 0) or bool(over)
+                ok = ok and not bad
+                regs = [r["regs"] for r in good if r.get("regs") is not None]
+                spilling = [r for r in good if _spill_bytes(r) > 0]
+                smem = [r["shared"] for r in good if r.get("shared") is not None]
+                lines.append(
+                    f"{'FAIL' if bad else 'OK  '} {tname} {name}: {n_ok}/{len(rows)} compiled OK"
+                    + (f", {n_fail} FAILED" if n_fail else "")
+                    + (f", {n_oor} over the {tname} shared-memory limit (OOR)" if n_oor else "")
+                    + (f"; regs {min(regs)}..{max(regs)}" if regs else "")
+                    + (f", smem <= {max(smem)}B" if smem else "")
+                    + f", {len(spilling)} of {len(good)} spill"
+                    + (f" (max {max(map(_spill_bytes, spilling))}B)" if spilling else ""))
+                for r in over:
+                    lines.append(f"FAIL {tname} {name} {r['config']}: default config spills "
+                                 f"{_spill_bytes(r)}B, over its {spill_budget_of(r)}B budget "
+                                 f"[{'; '.join(r.get('cases', []))}]")
     for gid, keys in sorted(groups.items()):
         members = [by_key.get(k) for k in keys]
         if not members or any(m is None for m in members):
@@ -764,23 +878,24 @@ def _summary(results: List[Dict[str, Any]], kernels: Dict[str, List[str]],
         if not any(m["status"] == "OK" for m in members) \
                 and any(m["status"] == "OOR" for m in members):
             lines.append(f"FAIL {gid}: none of its {len(members)} autotune configs fits in "
-                         "sm_90 shared memory, the launch would fail")
+                         "shared memory, the launch would fail")
             ok = False
     oor = [r for r in results if r["status"] == "OOR"]
     if oor:
-        lines.append(f"note: {len(oor)} autotune config(s) exceed the sm_90 shared-memory "
+        lines.append(f"note: {len(oor)} autotune config(s) exceed their target's shared-memory "
                      "limit; Triton's autotuner discards them at launch (wasted compile time: "
                      "prune them):")
         for r in oor:
-            lines.append(f"    {r['kernel']} {r['config']} smem {r.get('shared')}B "
-                         f"[{'; '.join(r.get('cases', []))}]")
-    no_tc = [r for r in results if r["status"] == "OK" and r.get("wgmma") == 0
-             and r.get("mma_sync") == 0 and _expects_tensor_cores(r)]
+            lines.append(f"    {r.get('target', '')} {r['kernel']} {r['config']} smem "
+                         f"{r.get('shared')}B [{'; '.join(r.get('cases', []))}]")
+    no_tc = [r for r in results if r["status"] == "OK" and not r.get("wgmma")
+             and not r.get("mma_sync") and not r.get("tcgen05") and _expects_tensor_cores(r)]
     if no_tc:
         lines.append(f"note: {len(no_tc)} compile(s) with tl.dot and a tensor-core dtype have "
-                     "no wgmma / mma instruction:")
+                     "no wgmma / mma / tcgen05 instruction:")
         for r in no_tc:
-            lines.append(f"    {r['kernel']} {r['config']} [{'; '.join(r.get('cases', []))}]")
+            lines.append(f"    {r.get('target', '')} {r['kernel']} {r['config']} "
+                         f"[{'; '.join(r.get('cases', []))}]")
     for err in errors:
         lines.append(f"FAIL {err}")
     return lines, ok
@@ -794,10 +909,15 @@ def _expects_tensor_cores(res: Dict[str, Any]) -> bool:
 
 
 def run_checks(quick: bool = False, jobs: int = 2, only: Optional[str] = None,
-               list_only: bool = False, strict: bool = False,
-               out=None) -> Tuple[int, Dict[str, Any]]:
-    """Collect and compile the cases; print one line per compile and a summary. Returns
-    (exit status, report dict)."""
+               list_only: bool = False, strict: bool = False, out=None,
+               targets: Sequence[int] = (DEFAULT_TARGET,), defaults_only: bool = False,
+               dtypes: Optional[Sequence[str]] = None,
+               head_dims: Optional[Sequence[int]] = None,
+               spill_budget: bool = False) -> Tuple[int, Dict[str, Any]]:
+    """Collect and compile the cases for each target; print one line per compile and a
+    summary. ``defaults_only``: only the configs launched without an autotuner (the defaults
+    of TXL_KERNELS_AUTOTUNE=0 and the untuned kernels); ``dtypes`` / ``head_dims`` narrow the
+    grid. Returns (exit status, report dict)."""
     out = out or sys.stdout
     from txl_kernels._utils import interpreting
     if interpreting():
@@ -805,23 +925,38 @@ def run_checks(quick: bool = False, jobs: int = 2, only: Optional[str] = None,
                            "(run `python -m tools.aot_check`, which re-executes "
                            "itself without it)")
     t_start = time.perf_counter()
-    head_dims = HEAD_DIMS_QUICK if quick else HEAD_DIMS_FULL
+    head_dims = tuple(head_dims or (HEAD_DIMS_QUICK if quick else HEAD_DIMS_FULL))
     flag_sets = QUICK_FLAG_SETS if quick else FLAG_SETS
-    all_jobs, kernels, errors, groups = collect_jobs(head_dims=head_dims, flag_sets=flag_sets)
+    dtypes = tuple(dtypes or DTYPE_CASES)
+    all_jobs: List[Job] = []
+    kernels: Dict[str, List[str]] = {}
+    errors: List[str] = []
+    groups: Dict[str, List[str]] = {}
+    for target in targets:
+        t_jobs, kernels, t_errors, t_groups = collect_jobs(
+            head_dims=head_dims, dtypes=dtypes, flag_sets=flag_sets, target=target)
+        all_jobs += t_jobs
+        errors += t_errors
+        groups.update(t_groups)
     selected = quick_subset(all_jobs) if quick else all_jobs
+    if defaults_only:
+        selected = [j for j in selected if "fixed" in j.sources]
     if only:
         rx = re.compile(only)
         selected = [j for j in selected if rx.search(j.kernel)]
         kernels = {m: [k for k in ks if rx.search(k)] for m, ks in kernels.items()}
-    selected.sort(key=lambda j: (j.module, j.kernel, j.cases[0], j.config))
-    print(f"aot_check: {len(selected)} compiles for sm_90 ({'quick' if quick else 'full'} set; "
+    selected.sort(key=lambda j: (j.target, j.module, j.kernel, j.cases[0], j.config))
+    tnames = ", ".join(f"sm_{t}" for t in targets)
+    print(f"aot_check: {len(selected)} compiles for {tnames} "
+          f"({'quick' if quick else 'full'} set{', default configs' if defaults_only else ''}; "
           f"{len(all_jobs)} distinct cases collected in {time.perf_counter() - t_start:.1f}s), "
           f"{jobs} worker(s)", file=out, flush=True)
     for err in errors:
         print(f"FAIL {err}", file=out, flush=True)
     if list_only:
         for j in selected:
-            print(f"     {j.kernel:<32} {j.config:<44} [{'; '.join(j.cases)}]", file=out)
+            print(f"     sm_{j.target:<3} {j.kernel:<32} {j.config:<44} "
+                  f"[{'; '.join(j.cases)}]", file=out)
         return (0 if not errors else 1), {"jobs": len(selected)}
 
     results: List[Dict[str, Any]] = []
@@ -858,20 +993,50 @@ def run_checks(quick: bool = False, jobs: int = 2, only: Optional[str] = None,
         else:
             os.environ["TRITON_CACHE_DIR"] = old_cache
 
-    results.sort(key=lambda r: (r["module"], r["kernel"], r.get("cases", [""])[0],
-                                r.get("config", "")))
-    lines, ok = _summary(results, kernels, errors, groups, strict)
+    results.sort(key=lambda r: (int(r.get("target", "sm_0")[3:]), r["module"], r["kernel"],
+                                r.get("cases", [""])[0], r.get("config", "")))
+    lines, ok = _summary(results, kernels, errors, groups, strict, spill_budget)
     wall = time.perf_counter() - t_start
     print("summary:", file=out)
     for ln in lines:
         print("  " + ln, file=out)
     n_ok = sum(r["status"] == "OK" for r in results)
-    print(f"aot_check: {n_ok}/{len(results)} compiled OK for sm_90 in {wall:.1f}s -> "
+    print(f"aot_check: {n_ok}/{len(results)} compiled OK for {tnames} in {wall:.1f}s -> "
           f"{'PASS' if ok else 'FAIL'}", file=out, flush=True)
-    report = {"target": "cuda sm_90 (warp 32)", "quick": quick, "ok": ok,
+    report = {"targets": [f"sm_{t}" for t in targets], "quick": quick,
+              "defaults_only": defaults_only, "spill_budget": spill_budget, "ok": ok,
               "wall_seconds": round(wall, 1), "kernels": kernels, "errors": errors,
               "results": results}
     return (0 if ok else 1), report
+
+
+def markdown_table(results: List[Dict[str, Any]]) -> str:
+    """The compile results as a Markdown table: one row per kernel, case and non-BLOCK variant,
+    one column per target with registers / spill bytes (stores) / shared memory (KiB) and the
+    config (tile sizes, warps, stages)."""
+    targets = sorted({r.get("target", f"sm_{DEFAULT_TARGET}") for r in results},
+                     key=lambda t: int(t[3:]))
+    cells: Dict[Tuple[str, str, str], Dict[str, str]] = {}
+    for r in results:
+        config = r.get("config", "")
+        variant = " ".join(w for w in config.split() if "=" in w and not w.startswith("BLOCK"))
+        tiles = " ".join(w.replace("BLOCK_", "").replace("BLOCK", "B") for w in config.split()
+                         if w.startswith("BLOCK") and not w.startswith("BLOCK_D")
+                         or w[:1] in "ws" and w[1:].isdigit())
+        for case in r.get("cases", []):
+            row = cells.setdefault((r["kernel"], case, variant), {})
+            if r["status"] != "OK":
+                row[r.get("target", "")] = f"{r['status']} ({tiles})"
+            else:
+                row[r.get("target", "")] = (f"{r.get('regs')} / {r.get('spill_stores')} / "
+                                            f"{r.get('shared', 0) / 1024:.0f} ({tiles})")
+    lines = ["| kernel | case | " + " | ".join(targets) + " |",
+             "|---|---|" + "---|" * len(targets)]
+    for (kernel, case, variant), row in sorted(cells.items()):
+        label = f"{case}" + (f" {variant}" if variant else "")
+        lines.append(f"| {kernel} | {label} | "
+                     + " | ".join(row.get(t, "-") for t in targets) + " |")
+    return "\n".join(lines)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -885,7 +1050,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                env=env, cwd=root)
     parser = argparse.ArgumentParser(
         prog="python -m tools.aot_check",
-        description="Compile the fused Triton kernels for sm_90 (H100 / H200) without a GPU.")
+        description="Compile the fused Triton kernels for NVIDIA targets without a GPU.")
     parser.add_argument("--quick", action="store_true",
                         help="CI subset: flags all on, D 64 and 128, largest config per "
                              "kernel and dtype")
@@ -895,12 +1060,40 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--list", action="store_true", help="list the cases, compile nothing")
     parser.add_argument("--strict", action="store_true",
                         help="also fail on autotune configs over the shared-memory limit")
+    parser.add_argument("--target", default=f"sm_{DEFAULT_TARGET}", metavar="LIST",
+                        help="comma-separated compute capabilities (sm_80,sm_89,...) or 'all' "
+                             f"({', '.join(f'sm_{t}' for t in ALL_TARGETS)}); "
+                             f"default sm_{DEFAULT_TARGET}")
+    parser.add_argument("--defaults", action="store_true",
+                        help="only the default configs (launches without an autotuner)")
+    parser.add_argument("--dtypes", metavar="LIST",
+                        help=f"comma-separated subset of {','.join(DTYPE_CASES)}")
+    parser.add_argument("--head-dims", metavar="LIST", help="comma-separated head dims")
+    parser.add_argument("--markdown", metavar="PATH",
+                        help="also write a Markdown table (per kernel and case, per target: "
+                             "registers / spill bytes / shared KiB (config))")
+    parser.add_argument("--spill-budget", action="store_true",
+                        help="fail when a default config spills over SPILL_BUDGET (bf16, "
+                             "D 64 / 128: forward and decode 0 B, backward 64 B per kernel)")
     opts = parser.parse_args(argv)
+    try:
+        targets = parse_targets(opts.target)
+    except ValueError as exc:
+        parser.error(f"--target: {exc}")
+    dtypes = opts.dtypes.split(",") if opts.dtypes else None
+    if dtypes and not set(dtypes) <= set(DTYPE_CASES):
+        parser.error(f"--dtypes: expected a subset of {DTYPE_CASES}, got {opts.dtypes!r}")
+    head_dims = [int(d) for d in opts.head_dims.split(",")] if opts.head_dims else None
     rc, report = run_checks(quick=opts.quick, jobs=max(1, opts.jobs), only=opts.only,
-                            list_only=opts.list, strict=opts.strict)
+                            list_only=opts.list, strict=opts.strict, targets=targets,
+                            defaults_only=opts.defaults, dtypes=dtypes, head_dims=head_dims,
+                            spill_budget=opts.spill_budget)
     if opts.json and not opts.list:
         with open(opts.json, "w") as f:
             json.dump(report, f, indent=1, default=str)
+    if opts.markdown and not opts.list:
+        with open(opts.markdown, "w") as f:
+            f.write(markdown_table(report["results"]) + "\n")
     return rc
 
 

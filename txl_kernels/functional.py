@@ -11,9 +11,11 @@ from typing import Optional, Tuple
 
 import torch
 
+from ._arch import arch_info, capability_of, unsupported_reason
 from ._utils import (FUSED_DTYPES, FUSED_MAX_HEADDIM, FUSED_MIN_HEADDIM, REF_DTYPES, check_same,
                      describe, interpreting, no_interpreter_reason)
 from .quant import QUANT_DTYPES, SCALE_DTYPES, QuantizedKV
+from . import selfcheck
 from .reference import autocast_dtype, in_band, pair_distance, rel_attention_reference
 
 __all__ = ["rel_attention", "fused_available", "mask_to_band", "BACKENDS"]
@@ -64,7 +66,9 @@ def _check_memory(memory, q: torch.Tensor) -> int:
 
 
 def fused_available(device: torch.device) -> Tuple[bool, str]:
-    """Whether the fused Triton path can run on ``device``, and why not if it cannot."""
+    """Whether the fused Triton path can run on ``device``, and why not if it cannot: CUDA
+    devices of compute capability 8.0 (Ampere) and newer, CPU tensors under the Triton
+    interpreter."""
     try:
         import triton  # noqa: F401
     except Exception as exc:  # pragma: no cover - triton is a dependency
@@ -72,7 +76,11 @@ def fused_available(device: torch.device) -> Tuple[bool, str]:
     if device.type == "cuda":
         if interpreting():
             return False, "TRITON_INTERPRET=1 is set, which runs kernels on CPU tensors only"
-        return True, "CUDA device"
+        cap = capability_of(device)
+        why = unsupported_reason(cap)
+        if why is not None:
+            return False, why
+        return True, f"CUDA device sm_{cap} ({arch_info(cap).family} configs)"
     if device.type == "cpu":
         if interpreting():
             return True, "TRITON_INTERPRET=1 (Triton interpreter on CPU; slow, for testing)"
@@ -181,6 +189,27 @@ def mask_to_band(attn_mask: torch.Tensor) -> torch.Tensor:
     right = (-d_min).clamp(-lk, lq - 1)
     is_band = (allowed == in_band(d, left, right)).all()
     return torch.stack([is_band.to(torch.int32), left.to(torch.int32), right.to(torch.int32)])
+
+
+def _self_checked(ts, wl, wr, kpm, mask, band, dropout_p, memory, deterministic,
+                  backend) -> bool:
+    """The first-use self-check's verdict on this call's fused variant (``selfcheck``): True
+    to take the fused path; False (backend "auto") to take the reference path after a failed
+    check; raises for backend "triton" after a failed check. ``ts``: q, k, v, r and the
+    biases."""
+    q = ts[0]
+    grads = torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+    key = (str(q.device), str(q.dtype).removeprefix("torch."), int(q.shape[-1]),
+           "", wl >= 0, wr >= 0,
+           kpm is not None, mask is not None,
+           band is not None, dropout_p > 0.0,
+           "" if memory is None else str(memory.k.dtype).removeprefix("torch."),
+           grads, bool(deterministic) and grads)
+    if selfcheck.fused_ok(key):
+        return True
+    if backend == "triton":
+        raise RuntimeError(selfcheck.failure(key))
+    return False
 
 
 def check_position_rows(lq: int, lk: int, rlen: int, wl: int, wr: int) -> None:
@@ -393,6 +422,9 @@ def rel_attention(
                              "only (inference); inputs require grad: use backend='reference' "
                              "or torch.no_grad()")
         use_fused = use_fused and not grads
+    if use_fused and selfcheck.enabled():
+        use_fused = _self_checked((q, k, v, r, r_w_bias, r_r_bias), wl, wr, kpm, mask,
+                                  attn_mask_band, dropout_p, memory, deterministic, backend)
 
     if use_fused:
         from .ops import rel_attn_func  # imports triton lazily

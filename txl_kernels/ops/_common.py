@@ -4,12 +4,14 @@ normalisation, the autotuning switch and the dropout RNG."""
 from __future__ import annotations
 
 import os
-from contextlib import nullcontext
+import threading
+from contextlib import contextmanager, nullcontext
 
 import torch
 import triton
 import triton.language as tl
 
+from .._arch import config_family
 from .._utils import interpreting
 
 # TRITON_INTERPRET is read once, as triton itself does when it decorates the kernels.
@@ -133,8 +135,25 @@ def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def autotune_enabled() -> bool:
-    """GPU block sizes are autotuned unless TXL_KERNELS_AUTOTUNE=0 (read at each call)."""
+    """GPU block sizes are autotuned unless TXL_KERNELS_AUTOTUNE=0 (read at each call) or
+    the calling thread is inside ``default_configs()``."""
+    if getattr(_DEFAULTS_ONLY, "depth", 0):
+        return False
     return os.environ.get("TXL_KERNELS_AUTOTUNE", "1") != "0"
+
+
+_DEFAULTS_ONLY = threading.local()
+
+
+@contextmanager
+def default_configs():
+    """Within the block, this thread's launches use each kernel's default config, as with
+    TXL_KERNELS_AUTOTUNE=0 (the first-use self-check: one compile per kernel, no tuning)."""
+    _DEFAULTS_ONLY.depth = getattr(_DEFAULTS_ONLY, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _DEFAULTS_ONLY.depth -= 1
 
 
 @triton.jit
@@ -321,8 +340,11 @@ def dropout_keep_mask(seed: torch.Tensor, B: int, H: int, Lq: int, Lk: int,
 
 def descriptors_ok(*ts: torch.Tensor) -> bool:
     """Tiles load through TMA descriptors (made in the kernel: the forward's K / V / R, the
-    backward's K / V / R and query-side operands) when every base address and row stride is
-    16-byte aligned, as TMA requires; otherwise through pointers."""
+    backward's K / V / R and query-side operands) when the device has TMA (sm_90 and newer;
+    the interpreter emulates it; ``_arch.config_family``) and every base address and row
+    stride is 16-byte aligned, as TMA requires; otherwise through pointers."""
+    if not config_family(ts[0].device)[1]:
+        return False
     return all(t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0
                                              for st in t.stride()[:-1]) for t in ts)
 

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._arch import config_family
 from .._utils import describe
 from ._common import (INTERPRET, apply_mask_band, autotune_enabled, descriptors_ok,
                       dot_precision, dropout_keep, dropout_threshold, ensure_scratch_allocator,
@@ -702,12 +703,20 @@ def _make_prune(extra_tiles: bool):
         block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D", 64))
         q = named_args.get("K")
         wide = q is not None and q.element_size() == 4
+        family = config_family(q.device)[0] if q is not None else "sm90"
         max_block = _max_block(block_d, wide, extra_tiles, named_args.get("Lq", 1 << 30),
                                named_args.get("Lk", 1 << 30))
         keep = [cfg for cfg in configs
                 if cfg.kwargs["BLOCK"] <= max_block
-                and (cfg.kwargs["BLOCK"] > 16 or max_block == 16)]
-        return keep or configs[:1]
+                and (cfg.kwargs["BLOCK"] > 16 or max_block == 16)
+                and _family_keeps(family, extra_tiles, cfg, block_d, wide)]
+        if keep:
+            return keep
+        cfg = dict(_arch_default_config(family, block_d, False, wide, extra_tiles,
+                                        named_args.get("Lq", 1 << 30),
+                                        named_args.get("Lk", 1 << 30)))
+        return [triton.Config({"BLOCK": cfg["BLOCK"]}, num_warps=cfg["num_warps"],
+                              num_stages=cfg["num_stages"])]
 
     return prune
 
@@ -722,6 +731,35 @@ def _default_config(block_d: int, exact_fp32: bool, wide: bool = False,
     if exact_fp32:
         block = min(block, 32)
     return {"BLOCK": block, "num_warps": 4, "num_stages": 2}
+
+
+# Per-architecture choices (txl_kernels._arch config families). sm_90 and sm_100 take
+# _configs(), _make_prune's rule and _default_config above. The GPUs without wgmma (sm_80,
+# sm_86 / sm_89, sm_120: mma.sync tiles, whose accumulators are spread over fewer threads per
+# row) take BLOCK <= 32 and the tl.gather skew, from compiles for sm_80 (tools/aot_check
+# --target; BENCHMARKS.md, "Per-architecture compile table"): at bf16 D 128 BLOCK 64 spills
+# 2.3-27 KB per kernel, BLOCK 32 0.05-2.4 KB, and the gather skew spills less than the
+# register rotation, which is laid out for the wgmma accumulator (dq 112 -> 48 B). BLOCK 32
+# tiles also fit the 99 KiB blocks of sm_86 / sm_89 / sm_120 (BLOCK 64 at D 128: 120-128 KiB).
+_SMALL_TILE_FAMILIES = ("sm80", "sm86", "sm120")
+_GATHER_SKEW_FAMILIES = _SMALL_TILE_FAMILIES
+
+
+def _family_keeps(family: str, extra_tiles: bool, cfg, block_d: int, wide: bool) -> bool:
+    """Whether the autotuner tries ``cfg`` on config family ``family`` (beyond the BLOCK
+    bound every family shares)."""
+    return family not in _SMALL_TILE_FAMILIES or cfg.kwargs["BLOCK"] <= 32
+
+
+def _arch_default_config(family: str, block_d: int, exact_fp32: bool, wide: bool = False,
+                         extra_tiles: bool = False, lq: int = 1 << 30,
+                         lk: int = 1 << 30) -> dict:
+    """The default config of config family ``family``: ``_default_config``, its BLOCK at most
+    32 on the small-tile families."""
+    cfg = _default_config(block_d, exact_fp32, wide, extra_tiles, lq, lk)
+    if family in _SMALL_TILE_FAMILIES:
+        cfg = dict(cfg, BLOCK=min(cfg["BLOCK"], 32))
+    return cfg
 
 
 _KEY = ["BLOCK_D", "LQ_BUCKET", "LK_BUCKET", "HAS_KPM", "HAS_MASK", "HAS_BAND", "DOT_PREC",
@@ -832,12 +870,13 @@ def rel_attn_bwd(
         dot_dtype = _TL_DTYPES[q.dtype]
     precision = dot_precision(q.dtype)
     block_d = max(16, triton.next_power_of_2(D))
+    family = config_family(dev)[0]
     if INTERPRET:
         configs = (INTERPRET_CONFIG,) * 3
     elif not autotune_enabled():
         wide = q.dtype == torch.float32
         exact = wide and precision == "ieee"
-        configs = tuple(_default_config(block_d, exact, wide, extra, Lq, Lk)
+        configs = tuple(_arch_default_config(family, block_d, exact, wide, extra, Lq, Lk)
                         for extra in (False, False, True))
     else:
         configs = (None,) * 3
@@ -882,7 +921,8 @@ def rel_attn_bwd(
     drop = (seed, dropout_threshold(dropout_p) if dropout else 0, 1.0 / (1.0 - dropout_p))
     meta = dict(HAS_KPM=key_padding_mask is not None, HAS_MASK=attn_mask is not None,
                 HAS_BAND=has_band, DOT_DTYPE=dot_dtype, UPCAST=upcast, DOT_PREC=precision,
-                SKEW_GATHER=q.dtype == torch.float32, BLOCK_D=block_d, DROPOUT=dropout,
+                SKEW_GATHER=q.dtype == torch.float32 or family in _GATHER_SKEW_FAMILIES,
+                BLOCK_D=block_d, DROPOUT=dropout,
                 USE_DESC=descriptors_ok(a_op, qv_op, do, k, v, r))
     if meta["USE_DESC"] and dev.type == "cuda" and not INTERPRET:
         ensure_scratch_allocator()

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._arch import config_family
 from .._utils import describe
 from ..quant import QuantizedKV
 from ._common import (INTERPRET, apply_mask_band, autotune_enabled, descriptors_ok,
@@ -488,11 +489,6 @@ _CONFIG_TABLE = (
 )
 
 
-def _hopper_configs():
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=nw, num_stages=ns)
-            for bm, bn, nw, ns in _CONFIG_TABLE]
-
-
 def _config_ok(bm, bn, nw, ns, block_d, exact_fp32, wide=False):
     if bm > 2 * bn:  # the window is held in at most three BN-row chunks
         return False
@@ -513,14 +509,17 @@ def _prune_configs(configs, named_args, **kwargs):
     block_d = kwargs["BLOCK_D"]
     wide = named_args["Q"].dtype == torch.float32
     exact_fp32 = wide and kwargs["DOT_PREC"] == "ieee"
+    family = config_family(named_args["Q"].device)[0]
+    table = _family_table(family)
     out = [c for c in configs
-           if _config_ok(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages,
-                         block_d, exact_fp32, wide)]
+           if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in table
+           and _family_config_ok(family, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps,
+                                 c.num_stages, block_d, exact_fp32, wide)]
     if kwargs["SPLIT"]:  # num_splits was chosen for the default config's BLOCK_M
-        bm = _default_config(block_d, exact_fp32, wide)["BLOCK_M"]
+        bm = _arch_default_config(family, block_d, exact_fp32, wide)["BLOCK_M"]
         out = [c for c in out if c.kwargs["BLOCK_M"] == bm]
     if not out:
-        cfg = dict(_default_config(block_d, exact_fp32, wide))
+        cfg = dict(_arch_default_config(family, block_d, exact_fp32, wide))
         nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
         out = [triton.Config(cfg, num_warps=nw, num_stages=ns)]
     return out
@@ -539,8 +538,48 @@ _AUTOTUNE_KEYS = ["LQ_BUCKET", "LK_BUCKET", "BLOCK_D", "num_splits", "HAS_WL", "
                   "HAS_KPM", "HAS_MASK", "HAS_BAND", "SPLIT", "DOT_PREC", "EVEN_D", "USE_DESC",
                   "DROPOUT", "QUANT_MEM"]
 
+# Per-architecture tables (txl_kernels._arch config families). sm_90 takes the table, the
+# pruning rule and the default above; so do sm_100 (same 227 KiB blocks) and sm_80 (163 KiB:
+# the autotuner skips a config that does not fit). The 99 KiB blocks of sm_86 / sm_89 /
+# sm_120 take the two-stage configs. The default (64 x 64, 4 warps, 2 stages) is also the
+# least-spilling config compiled for sm_80 (BENCHMARKS.md, "Per-architecture compile
+# table"; 8 warps and 64 x 32 tiles spill more).
+_SMALL_SMEM_TABLE = tuple(row for row in _CONFIG_TABLE if row[3] <= 2)
+_ARCH_CONFIG_TABLES = {
+    "sm90": _CONFIG_TABLE,
+    "sm100": _CONFIG_TABLE,
+    "sm80": _CONFIG_TABLE,
+    "sm86": _SMALL_SMEM_TABLE,
+    "sm120": _SMALL_SMEM_TABLE,
+}
+
+
+def _family_table(family: str):
+    return _ARCH_CONFIG_TABLES.get(family, _CONFIG_TABLE)
+
+
+def _family_config_ok(family, bm, bn, nw, ns, block_d, exact_fp32, wide) -> bool:
+    """sm_90's rule (``_config_ok``), for every family."""
+    return _config_ok(bm, bn, nw, ns, block_d, exact_fp32, wide)
+
+
+def _arch_default_config(family: str, block_d: int, exact_fp32: bool,
+                         wide: bool = False) -> dict:
+    """The default config of config family ``family`` (``_default_config`` for sm_90)."""
+    return _default_config(block_d, exact_fp32, wide)
+
+
+def _all_configs():
+    """The autotuner's configs: every family's table (each launch prunes to its own)."""
+    rows = []
+    for table in _ARCH_CONFIG_TABLES.values():
+        rows += [row for row in table if row not in rows]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=nw, num_stages=ns)
+            for bm, bn, nw, ns in rows]
+
+
 _rel_attn_fwd_kernel_tuned = triton.autotune(
-    configs=_hopper_configs(), key=_AUTOTUNE_KEYS,
+    configs=_all_configs(), key=_AUTOTUNE_KEYS,
     prune_configs_by={"early_config_prune": _prune_configs},
 )(_rel_attn_fwd_kernel)
 
@@ -659,12 +698,14 @@ def rel_attn_fwd(
     dot_prec = dot_precision(dtype)
     exact_fp32 = dtype == torch.float32 and dot_prec == "ieee"
     block_d = max(16, _next_pow2(D))
+    family = config_family(q.device)[0]
+    default = _arch_default_config(family, block_d, exact_fp32, dtype == torch.float32)
     if config is None and INTERPRET:
         config = INTERPRET_CONFIG
     elif config is None and not autotune_enabled():
-        config = _default_config(block_d, exact_fp32, dtype == torch.float32)
+        config = default
     # the BLOCK_M this call launches with (autotuned split launches keep the default's)
-    block_m = (config or _default_config(block_d, exact_fp32, dtype == torch.float32))["BLOCK_M"]
+    block_m = (config or default)["BLOCK_M"]
     if num_splits is None:
         if q.device.type == "cuda" and not INTERPRET:
             num_splits = choose_num_splits(B, H, Lq, Lk, window_left, window_right,
