@@ -209,9 +209,9 @@ def _inputs(variant: Variant, dev: torch.device):
     mask = band = None
     if variant.attn_mask:
         if variant.band:  # a band (causal): the kernels take it as a window
-            from .functional import mask_to_band
             mask = torch.ones(lq, lk, dtype=torch.bool).triu(1 + lk - lq).to(dev)
-            band = mask_to_band(mask)
+            # its descriptor [is_band, left, right] (functional.mask_to_band): 0 <= d <= lk - 1
+            band = torch.tensor([1, lk - 1, 0], dtype=torch.int32, device=dev)
         else:
             mask = (torch.rand(B, H, lq, lk, generator=gen) < 0.2).to(dev)
         mask = mask.expand(B, H, lq, lk)
