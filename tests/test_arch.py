@@ -53,12 +53,11 @@ def test_tma_descriptors_only_from_sm90():
 
 def test_backward_defaults_per_family():
     from txl_kernels.ops import rel_attn_bwd as B
-    for fam in ("sm80", "sm86", "sm120"):
+    for fam in ("sm80", "sm86", "sm100", "sm120"):
         for d in (64, 128, 256):
             cfg = B._arch_default_config(fam, d, False, False, False)
             assert cfg["BLOCK"] <= 32, (fam, d, cfg)
-    for fam in ("sm90", "sm100"):
-        assert B._arch_default_config(fam, 64, False) == B._default_config(64, False)
+    assert B._arch_default_config("sm90", 64, False) == B._default_config(64, False)
 
 
 def test_forward_tables_fit_the_small_blocks():

@@ -797,6 +797,31 @@ SPILL_BUDGET_HEAD_DIMS = (64, 128)
 # compiled at the current defaults bound it instead, so that a change spilling more still fails:
 # (target, kernel, head dim) -> bytes (BENCHMARKS.md, "Per-architecture compile table").
 SPILL_RECORDED: Dict[Tuple[str, str, int], int] = {
+    ('sm_80', '_rel_attn_bwd_dkdv_kernel', 128): 560,
+    ('sm_80', '_rel_attn_bwd_dq_kernel', 64): 424,
+    ('sm_80', '_rel_attn_bwd_dq_kernel', 128): 2508,
+    ('sm_80', '_rel_attn_bwd_dr_kernel', 128): 336,
+    ('sm_80', '_rel_attn_fwd_kernel', 64): 864,
+    ('sm_80', '_rel_attn_fwd_kernel', 128): 5200,
+    ('sm_89', '_rel_attn_bwd_dkdv_kernel', 128): 552,
+    ('sm_89', '_rel_attn_bwd_dq_kernel', 64): 400,
+    ('sm_89', '_rel_attn_bwd_dq_kernel', 128): 1196,
+    ('sm_89', '_rel_attn_bwd_dr_kernel', 128): 280,
+    ('sm_89', '_rel_attn_fwd_kernel', 64): 868,
+    ('sm_89', '_rel_attn_fwd_kernel', 128): 5288,
+    ('sm_90', '_rel_attn_bwd_dkdv_kernel', 64): 392,
+    ('sm_90', '_rel_attn_bwd_dkdv_kernel', 128): 804,
+    ('sm_90', '_rel_attn_bwd_dq_kernel', 64): 320,
+    ('sm_90', '_rel_attn_bwd_dq_kernel', 128): 1804,
+    ('sm_90', '_rel_attn_bwd_dr_kernel', 64): 112,
+    ('sm_90', '_rel_attn_bwd_dr_kernel', 128): 452,
+    ('sm_90', '_rel_attn_fwd_kernel', 128): 1392,
+    ('sm_100', '_rel_attn_bwd_dkdv_kernel', 128): 460,
+    ('sm_100', '_rel_attn_bwd_dq_kernel', 64): 256,
+    ('sm_100', '_rel_attn_bwd_dq_kernel', 128): 1532,
+    ('sm_100', '_rel_attn_bwd_dr_kernel', 128): 688,
+    ('sm_100', '_rel_attn_fwd_kernel', 64): 128,
+    ('sm_100', '_rel_attn_fwd_kernel', 128): 2876,
 }
 
 

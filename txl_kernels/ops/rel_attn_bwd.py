@@ -733,15 +733,17 @@ def _default_config(block_d: int, exact_fp32: bool, wide: bool = False,
     return {"BLOCK": block, "num_warps": 4, "num_stages": 2}
 
 
-# Per-architecture choices (txl_kernels._arch config families). sm_90 and sm_100 take
-# _configs(), _make_prune's rule and _default_config above. The GPUs without wgmma (sm_80,
-# sm_86 / sm_89, sm_120: mma.sync tiles, whose accumulators are spread over fewer threads per
-# row) take BLOCK <= 32 and the tl.gather skew, from compiles for sm_80 (tools/aot_check
-# --target; BENCHMARKS.md, "Per-architecture compile table"): at bf16 D 128 BLOCK 64 spills
-# 2.3-27 KB per kernel, BLOCK 32 0.05-2.4 KB, and the gather skew spills less than the
-# register rotation, which is laid out for the wgmma accumulator (dq 112 -> 48 B). BLOCK 32
-# tiles also fit the 99 KiB blocks of sm_86 / sm_89 / sm_120 (BLOCK 64 at D 128: 120-128 KiB).
-_SMALL_TILE_FAMILIES = ("sm80", "sm86", "sm120")
+# Per-architecture choices (txl_kernels._arch config families). sm_90 takes _configs(),
+# _make_prune's rule and _default_config above. The other families take BLOCK <= 32 and the
+# tl.gather skew, from compiles for their targets (tools/aot_check --target; BENCHMARKS.md,
+# "Per-architecture compile table"): on sm_80 (mma.sync) at bf16 D 128 BLOCK 64 spills 2.3-27
+# KB per kernel, BLOCK 32 0.05-2.5 KB, and the gather skew spills less than the register
+# rotation, which is laid out for the wgmma accumulator (dq 112 -> 48 B); on sm_100 (tcgen05)
+# the dk/dv kernel at BLOCK 64 needs 257 KiB of shared memory (over the 227 KiB limit) and
+# spills 5.4 KB, at BLOCK 32 45 KiB and 460 B with the gather skew (600 B with the rotation).
+# BLOCK 32 tiles also fit the 99 KiB blocks of sm_86 / sm_89 / sm_120 (BLOCK 64 at D 128:
+# 120-128 KiB).
+_SMALL_TILE_FAMILIES = ("sm80", "sm86", "sm100", "sm120")
 _GATHER_SKEW_FAMILIES = _SMALL_TILE_FAMILIES
 
 
