@@ -243,3 +243,28 @@ def test_dropout_block_is_the_one_process_mask_restricted():
         assert torch.equal(blk, full[:, :, i0:i0 + A, j0:j0 + Bk]), (i0, A, j0, Bk)
     with pytest.raises(ValueError, match="cols must be"):
         dropout_keep_block(seed, B, H, Lq, Lk, 0.4, (0, 4), (130, 2))
+
+
+def test_memory_per_rank_falls_as_one_over_p():
+    """The per-rank buffers of the ring, from its chunk geometry (_Problem: what
+    _ring_forward allocates): the local shard and the received key block hold ~1/P of the
+    rows, the largest chunk pair's score tensor [B, H, A, Bk] ~1/P^2 of the whole problem's
+    (1/(4 P^2) in the zigzag layout)."""
+    from txl_kernels.distributed import _Problem
+
+    L, M = 45_000, 0  # the long-audio shape: an hour of encoder frames
+    for layout, pair_div in (("contiguous", 1), ("zigzag", 4)):
+        rows, scores = {}, {}
+        for P in (1, 2, 4, 8):
+            q_lens = [sum(n for _, n, _ in layout_chunks(L, i, P, layout)) for i in range(P)]
+            m_lens = [sum(n for _, n, _ in layout_chunks(M, i, P, layout)) for i in range(P)]
+            prob = _Problem(q_lens, m_lens, layout, 0)
+            rows[P] = rows_p = max(prob.k_lens)
+            scores[P] = max(A * Bk for i in range(P) for _, A, _ in prob.q_chunks[i]
+                            for j in range(P) for _, Bk, _ in prob.k_chunks[j])
+            assert rows_p == -(-L // P)  # the local shard / received block: ceil(L / P)
+            # zigzag: 2P chunks, so even one rank's pairs are a quarter of the whole
+            assert scores[P] == (-(-L // (P * (2 if layout == "zigzag" else 1)))) ** 2
+            assert abs(scores[P] * P * P * pair_div / (L * L) - 1) < 1e-3
+        for P in (2, 4, 8):
+            assert rows[P] * P <= rows[1] + P
