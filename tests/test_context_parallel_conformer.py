@@ -3,13 +3,13 @@ ranks holds a contiguous slice of the frames; the gathered output and the gradie
 unsharded module's (bidirectional, R = 2T - 1), with uneven key padding and a local
 att_context_size window."""
 import os
-import socket
 import sys
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from helpers import free_port
 from txl_kernels.distributed import shard_sequence, unshard_sequence
 from txl_kernels.modules import NeMoRelPositionMultiHeadAttention
 
@@ -60,17 +60,11 @@ def _worker(rank, world, port, path):
     os._exit(0)  # gloo's threads can abort the interpreter's exit (examples/train_lm.end_process)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_nemo_module_sharded_over_frames_equals_unsharded(tmp_path):
     world = 2
     path = str(tmp_path / "res")
-    mp.spawn(_worker, args=(world, _free_port(), path), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), path), nprocs=world, join=True)
     ranks = [torch.load(f"{path}.{i}", weights_only=False) for i in range(world)]
     for name, context in CASES.items():
         m, x, pos, pad, dout = _setup(context)

@@ -4,11 +4,12 @@ segment) gives the losses and gradients of one process with the whole segment; w
 a 2-D data x context mesh, those of one process with the whole batch."""
 import importlib.util
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+from helpers import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 3  # memories carried over two segment boundaries, an SGD step between segments
@@ -76,12 +77,6 @@ def _worker(rank, world, port, cols, path):
     train_lm.end_process(0)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4], ids=["cp2", "cp2_ddp2"])
 def test_context_parallel_lm_equals_one_process(tmp_path, world):
@@ -90,7 +85,7 @@ def test_context_parallel_lm_equals_one_process(tmp_path, world):
     bsz = 2 if world == 2 else 4
     cols = torch.randint(0, 256, (4 * 7 + 1, bsz))
     path = str(tmp_path / "res")
-    mp.spawn(_worker, args=(world, _free_port(), cols, path), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), cols, path), nprocs=world, join=True)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

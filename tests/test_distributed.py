@@ -5,7 +5,6 @@ One spawn per world size runs every case (starting the ranks costs more than the
 problems); every rank saves its output shard, its input gradients and its ring schedule, and
 the test process compares them with one process's reference result."""
 import os
-import socket
 import sys
 import zlib
 
@@ -13,6 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from helpers import free_port
 from txl_kernels import rel_attention
 from txl_kernels.distributed import (context_parallel_rel_attention, layout_chunks,
                                      shard_sequence, unshard_sequence)
@@ -113,17 +113,11 @@ def _worker(rank, world, port, path):
     os._exit(0)  # gloo's threads can abort the interpreter's exit (examples/train_lm.end_process)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=[2, 4])
 def ring_results(request, tmp_path_factory):
     world = request.param
     path = str(tmp_path_factory.mktemp(f"cp{world}") / "res")
-    mp.spawn(_worker, args=(world, _free_port(), path), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), path), nprocs=world, join=True)
     return world, [torch.load(f"{path}.{i}", weights_only=False) for i in range(world)]
 
 
