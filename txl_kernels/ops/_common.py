@@ -325,8 +325,10 @@ def _dropout_block_kernel(SEED, Keep, H, Lq, I0, J0, A, Bk, drop_thresh,
     # tiles of the global mask that start at multiples of BLOCK_M / BLOCK_N (as the kernels'
     # tiles do) and cover rows [I0, I0 + A), keys [J0, J0 + Bk); only those are stored
     pid_bh = tl.program_id(0)
-    offs_m = (I0 // BLOCK_M + tl.program_id(1)) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = (J0 // BLOCK_N + tl.program_id(2)) * BLOCK_N + tl.arange(0, BLOCK_N)
+    i0 = (I0 // BLOCK_M + tl.program_id(1)) * BLOCK_M
+    j0 = (J0 // BLOCK_N + tl.program_id(2)) * BLOCK_N
+    offs_m = i0 + tl.arange(0, BLOCK_M)
+    offs_n = j0 + tl.arange(0, BLOCK_N)
     seed, off = load_dropout_seed(SEED)
     keep = dropout_keep(seed, off, pid_bh, offs_m, offs_n, Lq, drop_thresh)
     li = offs_m - I0
