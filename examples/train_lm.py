@@ -27,6 +27,18 @@ rank ``r`` trains on columns ``[r * b, (r + 1) * b)`` with ``b = batch / world``
 memories of its own shard; gloo on CPUs, NCCL on GPUs. Losses and gradients equal those of one
 process with the whole batch (tests/test_examples.py checks it).
 
+Context parallelism (``--cp N``): every segment is split along its length over ``N`` ranks
+(contiguous slices in rank order, ``MemTransformerLM(..., cp_group=)``; the memory stays with
+its slice), the attention runs around the ring of ``txl_kernels.distributed``; the
+parameters' gradients are all-reduced over the context group. With ``--ddp`` the ranks form a
+2-D ``DeviceMesh`` (data x context, ``world = data * N``): DDP over the data dimension. The
+memory is the whole previous segment, so ``--mem-len`` must equal ``--tgt-len``; segments
+shorter than ``--tgt-len`` (the end of an epoch) are skipped. Same losses and gradients as
+one process (tests/test_examples.py)::
+
+    torchrun --standalone --nproc_per_node 2 examples/train_lm.py --quick --cp 2
+    torchrun --standalone --nproc_per_node 4 examples/train_lm.py --quick --cp 2 --ddp
+
 ``--checkpoint``: activation checkpointing per decoder layer, the model's own option
 ``MemTransformerLM(..., checkpoint=True)`` (``torch.utils.checkpoint``, non-reentrant, RNG
 state preserved: the same losses and gradients, state_dict keys unchanged).
@@ -105,14 +117,14 @@ def segments(cols: torch.Tensor, tgt_len: int):
 
 
 # ---- model ---------------------------------------------------------------------------------
-def build_model(args, device) -> MemTransformerLM:
+def build_model(args, device, cp_group=None) -> MemTransformerLM:
     torch.manual_seed(args.seed)
     model = MemTransformerLM(256, args.n_layer, args.n_head, args.d_model, args.d_head,
                              args.d_inner, args.dropout, args.dropatt, tie_weight=True,
                              tgt_len=args.tgt_len, mem_len=args.mem_len, ext_len=0,
                              attn_backend=args.attn_backend,
                              memory_backend=args.memory_backend,
-                             checkpoint=args.checkpoint)
+                             checkpoint=args.checkpoint, cp_group=cp_group)
     return model.to(device)
 
 
@@ -125,13 +137,28 @@ def dist_info() -> Tuple[int, int]:
     return 0, 1
 
 
-def wrap(model: nn.Module, mode: str, device) -> nn.Module:
-    """``"ddp"``: DistributedDataParallel; ``"fsdp"``: FSDP2 ``fully_shard`` on every decoder
-    layer, then on the model (embedding, tied softmax, biases); ``"none"``: as is."""
+def mesh_groups(cp: int, device):
+    """(data group, context group) of a 2-D ``DeviceMesh`` ``(world / cp, cp)`` (data x
+    context): ranks ``[d * cp, (d + 1) * cp)`` share one sequence."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if world % cp:
+        raise SystemExit(f"--cp {cp} must divide the world size {world}")
+    mesh = init_device_mesh(device.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
+    return mesh.get_group("dp"), mesh.get_group("cp")
+
+
+def wrap(model: nn.Module, mode: str, device, group=None) -> nn.Module:
+    """``"ddp"``: DistributedDataParallel (over ``group``, default the world); ``"fsdp"``: FSDP2
+    ``fully_shard`` on every decoder layer, then on the model (embedding, tied softmax,
+    biases); ``"none"``: as is."""
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                   process_group=group)
     if mode == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
@@ -184,15 +211,32 @@ def full_grads(model: nn.Module) -> dict:
 
 
 def train_step(model: nn.Module, data: torch.Tensor, target: torch.Tensor, mems,
-               opt: Optional[torch.optim.Optimizer], autocast=None, grad_clip: float = 0.0):
+               opt: Optional[torch.optim.Optimizer], autocast=None, grad_clip: float = 0.0,
+               cp_group=None):
     """One segment: forward with the carried memories, backward, optimizer step (if ``opt``).
-    Returns (mean loss of this rank's shard in nats, detached, the new memories)."""
+    Returns (mean loss of this rank's shard in nats, detached, the new memories).
+    ``cp_group``: ``data`` / ``target`` are this rank's slice of the segment; the loss is
+    the mean over the whole segment (every rank of the group returns it) and the gradients
+    are summed over the group before the step."""
     with (autocast or contextlib.nullcontext)():
         out = model(data, target, *mems)
-    loss = out[0].float().mean()
+    if cp_group is None:
+        loss = out[0].float().mean()
+    else:
+        import torch.distributed as dist
+
+        count = torch.tensor(float(out[0].numel()), device=out[0].device)
+        dist.all_reduce(count, group=cp_group)
+        loss = out[0].float().sum() / count
     if opt is not None:
         opt.zero_grad(set_to_none=True)
     loss.backward()
+    if cp_group is not None:
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=cp_group)
+        loss = loss.detach()
+        dist.all_reduce(loss, group=cp_group)
     if opt is not None:
         if grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -200,10 +244,20 @@ def train_step(model: nn.Module, data: torch.Tensor, target: torch.Tensor, mems,
     return loss.detach(), list(out[1:])
 
 
-def epochs(cols: torch.Tensor, tgt_len: int):
-    """``(data, target, new_epoch)`` forever: the segments of ``cols``, then again."""
+def cp_slice(seg: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
+    """Rank ``cp_rank``'s contiguous slice of a segment ``[len, bsz]`` (``tensor_split``)."""
+    from txl_kernels.distributed import shard_sequence
+
+    return shard_sequence(seg, 0, cp_rank, cp, "contiguous")
+
+
+def epochs(cols: torch.Tensor, tgt_len: int, full_only: bool = False):
+    """``(data, target, new_epoch)`` forever: the segments of ``cols`` (only those of
+    ``tgt_len`` rows if ``full_only``), then again."""
     while True:
         for i, (data, target) in enumerate(segments(cols, tgt_len)):
+            if full_only and data.shape[0] < tgt_len:
+                continue
             yield data, target, i == 0
 
 
@@ -277,6 +331,9 @@ def parse_args(argv=None):
                    help="activation checkpointing per decoder layer (the model's checkpoint=True)")
     p.add_argument("--ddp", action="store_true", help="DistributedDataParallel (torchrun)")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard (torchrun)")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context parallelism: split each segment over this many ranks "
+                        "(torchrun; with --ddp a data x context mesh)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: 1 per process on CPU)")
     p.add_argument("--out", default="runs/train_lm", help="checkpoint, curve and metrics")
@@ -288,6 +345,13 @@ def parse_args(argv=None):
             setattr(args, k, v)
     if args.ddp and args.fsdp:
         p.error("--ddp and --fsdp are exclusive")
+    if args.cp < 1:
+        p.error(f"--cp must be >= 1, got {args.cp}")
+    if args.cp > 1 and args.fsdp:
+        p.error("--cp combines with --ddp, not --fsdp")
+    if args.cp > 1 and args.mem_len != args.tgt_len:
+        p.error(f"--cp: the memory is sharded with its segment, so --mem-len must equal "
+                f"--tgt-len ({args.tgt_len}), got {args.mem_len}")
     return args
 
 
@@ -297,15 +361,24 @@ def main(argv=None) -> int:
 
     mode = "ddp" if args.ddp else "fsdp" if args.fsdp else "none"
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if mode != "none":
+    if mode != "none" or args.cp > 1:
         if "RANK" not in os.environ:
-            raise SystemExit("--ddp / --fsdp: start with torchrun, e.g. torchrun --standalone "
-                             "--nproc_per_node 2 examples/train_lm.py --quick --ddp")
+            raise SystemExit("--ddp / --fsdp / --cp: start with torchrun, e.g. torchrun "
+                             "--standalone --nproc_per_node 2 examples/train_lm.py --quick --ddp")
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world = dist_info()
+    dp_group = cp_group = None
+    dp_rank, dp_world, cp_rank = rank, world, 0
+    if args.cp > 1:
+        dp_group, cp_group = mesh_groups(args.cp, device)
+        dp_rank, dp_world = dist.get_rank(dp_group), dist.get_world_size(dp_group)
+        cp_rank = dist.get_rank(cp_group)
+        if mode == "none" and dp_world > 1:
+            raise SystemExit(f"--cp {args.cp} on {world} processes: add --ddp for the data "
+                             "dimension")
     if device.type == "cpu":
         torch.set_num_threads(args.threads or 1)
     args.attn_backend = args.attn_backend or ("auto" if device.type == "cuda" else "reference")
@@ -314,9 +387,9 @@ def main(argv=None) -> int:
     amp = {"bf16": torch.bfloat16}.get(dtype)
     autocast = (functools.partial(torch.autocast, device.type, dtype=amp) if amp
                 else contextlib.nullcontext)
-    if args.batch_size % world:
-        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the world size "
-                         f"{world}")
+    if args.batch_size % dp_world:
+        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the data-"
+                         f"parallel size {dp_world}")
 
     split = split_files(stdlib_files())
     train = load_bytes(split["train"], args.train_bytes)
@@ -326,14 +399,14 @@ def main(argv=None) -> int:
         print(f"stdlib {sysconfig.get_paths()['stdlib']}: {len(split['train'])} train / "
               f"{len(split['valid'])} valid / {len(split['test'])} test files; using "
               f"{train.numel():,} / {valid.numel():,} / {test.numel():,} bytes", flush=True)
-    b = args.batch_size // world
-    cols = batchify(train, args.batch_size)[:, rank * b:(rank + 1) * b].to(device)
+    b = args.batch_size // dp_world
+    cols = batchify(train, args.batch_size)[:, dp_rank * b:(dp_rank + 1) * b].to(device)
     valid_cols = batchify(valid, args.eval_bsz).to(device)
     test_cols = batchify(test, args.eval_bsz).to(device)
 
-    model = build_model(args, device)
+    model = build_model(args, device, cp_group)
     n_params = sum(p.numel() for p in model.parameters())
-    net = wrap(model, mode, device)
+    net = wrap(model, mode, device, dp_group)
     if args.compile:
         net = torch.compile(net)
     opt = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.0)
@@ -343,8 +416,8 @@ def main(argv=None) -> int:
     if rank == 0:
         print(f"model: {n_params:,} parameters, {args.n_layer} layers, d_model {args.d_model}, "
               f"tgt_len {args.tgt_len}, mem_len {args.mem_len}; device {device}, {dtype}, "
-              f"attention {args.attn_backend}, {mode} x{world}, batch {args.batch_size} "
-              f"({b} per rank)", flush=True)
+              f"attention {args.attn_backend}, {mode} x{world} (context x{args.cp}), "
+              f"batch {args.batch_size} ({b} per data rank)", flush=True)
     os.makedirs(args.out, exist_ok=True)
 
     bar = None
@@ -391,13 +464,17 @@ def main(argv=None) -> int:
         valid_pts.append((0, vb))
         (bar.write if bar is not None else print)(f"step 0: valid {vb:.3f} bpc")
     mems, done = [], 0
-    batches = epochs(cols, args.tgt_len)
+    batches = epochs(cols, args.tgt_len, full_only=args.cp > 1)
     while done < args.steps:
         for _ in range(min(args.eval_every, args.steps - done)):
             data, target, new_epoch = next(batches)
             if new_epoch:
                 mems = []  # an epoch starts without memory
-            loss, mems = train_step(net, data, target, mems, opt, autocast, args.grad_clip)
+            if cp_group is not None:  # this rank's slice of the segment
+                data, target = cp_slice(data, cp_rank, args.cp), cp_slice(target, cp_rank,
+                                                                         args.cp)
+            loss, mems = train_step(net, data, target, mems, opt, autocast, args.grad_clip,
+                                    cp_group)
             sched.step()
             on_step(done, loss, target.numel())
             done += 1
@@ -423,7 +500,7 @@ def main(argv=None) -> int:
         print(f"done: {done} steps in {elapsed:.1f}s ({tokens / elapsed:,.0f} tokens/s); "
               f"valid {valid_pts[-1][1]:.3f} bpc, test {test_bpc:.3f} bpc; wrote "
               f"{args.out}/ckpt.pt, curve.png, metrics.json", flush=True)
-    if mode != "none":
+    if mode != "none" or args.cp > 1:
         dist.destroy_process_group()
     return 0
 

@@ -65,3 +65,12 @@ def assert_within(name, got, same_prec, truth, factor=2.0):
     base = (same_prec - truth).abs().max().item()
     bound = factor * base + floor
     assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e} (torch same-precision error {base:.3e})"
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1, for a spawned gloo group's rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

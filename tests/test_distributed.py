@@ -5,7 +5,6 @@ One spawn per world size runs every case (starting the ranks costs more than the
 problems); every rank saves its output shard, its input gradients and its ring schedule, and
 the test process compares them with one process's reference result."""
 import os
-import socket
 import sys
 import zlib
 
@@ -13,9 +12,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from helpers import free_port
 from txl_kernels import rel_attention
 from txl_kernels.distributed import (context_parallel_rel_attention, layout_chunks,
                                      shard_sequence, unshard_sequence)
+from txl_kernels.reference import rel_attention_reference
+from txl_kernels.ops._common import draw_dropout_seed, dropout_keep_block, dropout_keep_mask
 
 # (name, layout, causal, window_size, B, H, D, Lq, M, R (None: enough rows), padding, dtype)
 CASES = [
@@ -29,6 +31,13 @@ CASES = [
     ("conformer_fp32", "contiguous", False, (-1, -1), 2, 2, 16, 21, 0, None, True,
      torch.float32),
 ]
+
+# attention dropout: Transformer-XL causal + memory, zigzag (chunk pairs at unaligned offsets);
+# rank r seeds its generator with DROPOUT_SEED + r, so only the broadcast of rank 0's
+# (seed, offset) makes the ranks agree with one process seeded DROPOUT_SEED
+DROPOUT_CASE = ("dropout_txl_zigzag", "zigzag", True, (-1, -1), 2, 2, 8, 21, 11, None, False,
+                torch.float64)
+DROPOUT_P, DROPOUT_SEED = 0.3, 1234
 
 
 def _inputs(case):
@@ -80,6 +89,23 @@ def _worker(rank, world, port, path):
             results[name] = dict(out=out.detach(), dq=ql.grad, dk=kl.grad, dv=vl.grad,
                                  dr=rr.grad, du=uu.grad, dvb=vv.grad, fwd=fwd_schedule,
                                  bwd=schedule[len(fwd_schedule):])
+        case = DROPOUT_CASE
+        name, layout, causal, window, B, H, D, Lq, M = case[:9]
+        q, k, v, r, u, vb, kpm, dout = _inputs(case)
+        ql = shard_sequence(q, 1, rank, world, layout).requires_grad_()
+        kl = _shard_keys(k, M, rank, world, layout).requires_grad_()
+        vl = _shard_keys(v, M, rank, world, layout).requires_grad_()
+        rr, uu, vv = (t.clone().requires_grad_() for t in (r, u, vb))
+        torch.manual_seed(DROPOUT_SEED + rank)
+        schedule = []
+        out = context_parallel_rel_attention(
+            ql, kl, vl, rr, uu, vv, memory_len=kl.shape[1] - ql.shape[1], layout=layout,
+            causal=causal, dropout_p=DROPOUT_P, schedule=schedule)
+        fwd_schedule = list(schedule)
+        out.backward(shard_sequence(dout, 1, rank, world, layout))
+        results[name] = dict(out=out.detach(), dq=ql.grad, dk=kl.grad, dv=vl.grad,
+                             dr=rr.grad, du=uu.grad, dvb=vv.grad, fwd=fwd_schedule,
+                             bwd=schedule[len(fwd_schedule):])
         torch.save(results, f"{path}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -87,17 +113,11 @@ def _worker(rank, world, port, path):
     os._exit(0)  # gloo's threads can abort the interpreter's exit (examples/train_lm.end_process)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=[2, 4])
 def ring_results(request, tmp_path_factory):
     world = request.param
     path = str(tmp_path_factory.mktemp(f"cp{world}") / "res")
-    mp.spawn(_worker, args=(world, _free_port(), path), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), path), nprocs=world, join=True)
     return world, [torch.load(f"{path}.{i}", weights_only=False) for i in range(world)]
 
 
@@ -110,15 +130,23 @@ def _unshard_keys(shards, M, world, layout):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("case", CASES + [DROPOUT_CASE], ids=[c[0] for c in CASES]
+                         + [DROPOUT_CASE[0]])
 def test_sharded_ring_equals_one_process(ring_results, case):
     world, results = ring_results
     name, layout, causal, window, B, H, D, Lq, M = case[:9]
     dtype = case[-1]
     q, k, v, r, u, vb, kpm, dout = _inputs(case)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, r, u, vb)]
-    ref = rel_attention(*leaves, causal=causal, window_size=window, key_padding_mask=kpm,
-                        backend="reference")
+    if case is DROPOUT_CASE:  # the one-process mask of the seed rank 0 draws
+        torch.manual_seed(DROPOUT_SEED)
+        mask = dropout_keep_mask(draw_dropout_seed("cpu"), B, H, Lq, M + Lq, DROPOUT_P)
+        assert 0 < mask.sum() < mask.numel()
+        ref = rel_attention_reference(*leaves, D ** -0.5, -1, 0, dropout_p=DROPOUT_P,
+                                      dropout_mask=mask)
+    else:
+        ref = rel_attention(*leaves, causal=causal, window_size=window, key_padding_mask=kpm,
+                            backend="reference")
     ref.backward(dout)
     per_rank = [res[name] for res in results]
     got = {
@@ -195,3 +223,42 @@ def test_requires_an_initialised_process_group():
     with pytest.raises(RuntimeError, match="not initialised"):
         context_parallel_rel_attention(q, q, q, torch.randn(4, 2, 8), torch.zeros(2, 8),
                                        torch.zeros(2, 8))
+
+
+def test_dropout_block_is_the_one_process_mask_restricted():
+    """dropout_keep_block at any (unaligned) offset equals that block of the full mask."""
+    torch.manual_seed(3)
+    seed = draw_dropout_seed("cpu")
+    B, H, Lq, Lk = 1, 2, 70, 131
+    full = dropout_keep_mask(seed, B, H, Lq, Lk, 0.4)
+    for (i0, A), (j0, Bk) in [((0, 70), (0, 131)), ((5, 13), (37, 70)), ((63, 7), (64, 1)),
+                              ((69, 1), (100, 31)), ((10, 0), (3, 4))]:
+        blk = dropout_keep_block(seed, B, H, Lq, Lk, 0.4, (i0, A), (j0, Bk))
+        assert torch.equal(blk, full[:, :, i0:i0 + A, j0:j0 + Bk]), (i0, A, j0, Bk)
+    with pytest.raises(ValueError, match="cols must be"):
+        dropout_keep_block(seed, B, H, Lq, Lk, 0.4, (0, 4), (130, 2))
+
+
+def test_memory_per_rank_falls_as_one_over_p():
+    """The per-rank buffers of the ring, from its chunk geometry (_Problem: what
+    _ring_forward allocates): the local shard and the received key block hold ~1/P of the
+    rows, the largest chunk pair's score tensor [B, H, A, Bk] ~1/P^2 of the whole problem's
+    (1/(4 P^2) in the zigzag layout)."""
+    from txl_kernels.distributed import _Problem
+
+    L, M = 45_000, 0  # the long-audio shape: an hour of encoder frames
+    for layout, pair_div in (("contiguous", 1), ("zigzag", 4)):
+        rows, scores = {}, {}
+        for P in (1, 2, 4, 8):
+            q_lens = [sum(n for _, n, _ in layout_chunks(L, i, P, layout)) for i in range(P)]
+            m_lens = [sum(n for _, n, _ in layout_chunks(M, i, P, layout)) for i in range(P)]
+            prob = _Problem(q_lens, m_lens, layout, 0)
+            rows[P] = rows_p = max(prob.k_lens)
+            scores[P] = max(A * Bk for i in range(P) for _, A, _ in prob.q_chunks[i]
+                            for j in range(P) for _, Bk, _ in prob.k_chunks[j])
+            assert rows_p == -(-L // P)  # the local shard / received block: ceil(L / P)
+            # zigzag: 2P chunks, so even one rank's pairs are a quarter of the whole
+            assert scores[P] == (-(-L // (P * (2 if layout == "zigzag" else 1)))) ** 2
+            assert abs(scores[P] * P * P * pair_div / (L * L) - 1) < 1e-3
+        for P in (2, 4, 8):
+            assert rows[P] * P <= rows[1] + P

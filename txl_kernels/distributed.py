@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ._utils import interpreting, no_interpreter_reason
 from .functional import check_position_rows
 from .reference import in_window, rel_shift
 
@@ -146,6 +147,24 @@ def _block_scores(qc, kc, r_rows, pad, u, vb, scale, a0, b0, prob: _Problem, wl,
     return s.masked_fill(~allowed, float("-inf"))
 
 
+class _Dropout:
+    """Attention dropout with the one-process keep-mask: the fused kernels' mask is a function
+    of global (b, h, i, j) and the (seed, offset) pair, so each chunk pair regenerates its
+    block of it (``dropout_keep_block``), in the forward and again in the backward."""
+
+    def __init__(self, p: float, seed: Optional[Tensor], B: int, H: int, lq: int, lk: int):
+        self.p, self.seed, self.shape = p, seed, (B, H, lq, lk)
+
+    def factor(self, a0: int, A: int, b0: int, Bk: int, dtype) -> Optional[Tensor]:
+        """``keep / (1 - p)`` for queries ``[a0, a0 + A)`` and keys ``[b0, b0 + Bk)``, or
+        None without dropout."""
+        if self.p == 0.0:
+            return None
+        from .ops._common import dropout_keep_block
+        keep = dropout_keep_block(self.seed, *self.shape, self.p, (a0, A), (b0, Bk))
+        return keep.to(dtype) / (1.0 - self.p)
+
+
 def _finite_or_zero(x: Tensor) -> Tensor:
     return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
 
@@ -187,7 +206,8 @@ def _like(t: Tensor, rows: int) -> Tensor:
     return t.new_empty((t.shape[0], rows) + tuple(t.shape[2:]))
 
 
-def _ring_forward(q, k, v, kpm, r, u, vb, scale, wl, wr, prob: _Problem, ring: _Ring):
+def _ring_forward(q, k, v, kpm, r, u, vb, scale, wl, wr, prob: _Problem, ring: _Ring,
+                  drop: _Dropout):
     B, Lq, H, D = q.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = q.new_zeros((B, Lq, H, D), dtype=acc)
@@ -214,6 +234,9 @@ def _ring_forward(q, k, v, kpm, r, u, vb, scale, wl, wr, prob: _Problem, ring: _
                                   scale, a0, b0, prob, wl, wr, kpmb[:, koff:koff + Bk])
                 blk_lse = torch.logsumexp(s, dim=-1)
                 p = torch.exp(s - _finite_or_zero(blk_lse)[..., None])
+                z = drop.factor(a0, A, b0, Bk, p.dtype)
+                if z is not None:  # the lse stays that of the undropped scores
+                    p = p * z
                 blk = torch.einsum("bhij,bjhd->bihd", p, vb_[:, koff:koff + Bk].to(acc))
                 old = lse[:, :, qoff:qoff + A]
                 new = torch.logaddexp(old, blk_lse)
@@ -229,7 +252,7 @@ def _ring_forward(q, k, v, kpm, r, u, vb, scale, wl, wr, prob: _Problem, ring: _
 
 
 def _ring_backward(dout, q, k, v, kpm, r, u, vb, out, lse, scale, wl, wr, prob: _Problem,
-                   ring: _Ring):
+                   ring: _Ring, drop: _Dropout):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dout_a = dout.to(acc)
     delta = (dout_a * out.to(acc)).sum(-1).transpose(1, 2)  # [B, H, Lq]
@@ -262,7 +285,7 @@ def _ring_backward(dout, q, k, v, kpm, r, u, vb, out, lse, scale, wl, wr, prob: 
                     q[:, qoff:qoff + A], kb[:, koff:koff + Bk], vblk[:, koff:koff + Bk], r, u,
                     vb, scale, a0, b0, prob, wl, wr, kpmb[:, koff:koff + Bk],
                     lse_safe[:, :, qoff:qoff + A], delta[:, :, qoff:qoff + A],
-                    dout_a[:, qoff:qoff + A])
+                    dout_a[:, qoff:qoff + A], drop.factor(a0, A, b0, Bk, acc))
                 dq[:, qoff:qoff + A] += gq
                 dkb[:, koff:koff + Bk] += gk
                 dvblk[:, koff:koff + Bk] += gv
@@ -281,10 +304,12 @@ def _ring_backward(dout, q, k, v, kpm, r, u, vb, out, lse, scale, wl, wr, prob: 
 
 
 def _block_grads(qc, kc, vc, r, u, vb, scale, a0, b0, prob, wl, wr, kpm_c, lse_c, delta_c,
-                 dout_c):
+                 dout_c, z=None):
     """Gradients of one chunk pair's share of the output, given the final row log-sum-exp:
-    ``dS = P * (dO V^T - rowsum(dO * O))``, as autograd of the surrogate
-    ``sum(dO * (P V)) - sum(delta * rowsum(P))`` with ``P = exp(S - lse)`` (lse, delta fixed).
+    ``dS = P * (Z * dO V^T - rowsum(dO * O))``, as autograd of the surrogate
+    ``sum(dO * ((Z P) V)) - sum(delta * rowsum(P))`` with ``P = exp(S - lse)`` (lse, delta
+    fixed) and ``Z`` the dropout factor ``keep / (1 - p)`` (1 without dropout): ``O`` is the
+    dropped output, so ``rowsum(P * Z * dO V^T) = rowsum(dO * O)`` as without dropout.
     The gradient of ``r`` is returned for its rows ``[lo, hi)``."""
     lo, hi, top, bottom = _window(a0, qc.shape[1], b0, kc.shape[1], prob, r.shape[0])
     acc = torch.float64 if qc.dtype == torch.float64 else torch.float32
@@ -294,7 +319,8 @@ def _block_grads(qc, kc, vc, r, u, vb, scale, a0, b0, prob, wl, wr, kpm_c, lse_c
         s = _block_scores(q_, k_, rw_, (top, bottom), u_, vb_, scale, a0, b0, prob, wl, wr,
                           kpm_c)
         p = torch.exp(s - lse_c[..., None])
-        o = torch.einsum("bhij,bjhd->bihd", p, v_.to(p.dtype))
+        pz = p if z is None else p * z
+        o = torch.einsum("bhij,bjhd->bihd", pz, v_.to(p.dtype))
         loss = (dout_c * o).sum() - (delta_c * p.sum(-1)).sum()
         grads = torch.autograd.grad(loss, leaves, allow_unused=True)
     gq, gk, gv, gr, gu, gvb = (torch.zeros_like(t) if g is None else g
@@ -304,17 +330,17 @@ def _block_grads(qc, kc, vc, r, u, vb, scale, a0, b0, prob, wl, wr, kpm_c, lse_c
 
 class _ContextParallelRelAttn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, r, u, vb, kpm, scale, wl, wr, prob, ring):
-        out, lse = _ring_forward(q, k, v, kpm, r, u, vb, scale, wl, wr, prob, ring)
+    def forward(ctx, q, k, v, r, u, vb, kpm, scale, wl, wr, prob, ring, drop):
+        out, lse = _ring_forward(q, k, v, kpm, r, u, vb, scale, wl, wr, prob, ring, drop)
         ctx.save_for_backward(q, k, v, kpm, r, u, vb, out, lse)
-        ctx.args = (scale, wl, wr, prob, ring)
+        ctx.args = (scale, wl, wr, prob, ring, drop)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, kpm, r, u, vb, out, lse = ctx.saved_tensors
         grads = _ring_backward(dout, q, k, v, kpm, r, u, vb, out, lse, *ctx.args)
-        return grads + (None,) * 6
+        return grads + (None,) * 7
 
 
 def context_parallel_rel_attention(
@@ -333,6 +359,7 @@ def context_parallel_rel_attention(
     key_padding_mask: Optional[Tensor] = None,
     softmax_scale: Optional[float] = None,
     dropout_p: float = 0.0,
+    dropout_seed: Optional[Tensor] = None,
     schedule: Optional[list] = None,
 ) -> Tensor:
     """Relative attention over a sequence sharded across the ranks of ``group``.
@@ -356,7 +383,13 @@ def context_parallel_rel_attention(
             work balanced); the segment and the memory are both sharded in it.
         causal, window_size, softmax_scale: as in ``rel_attention``, on global positions.
         key_padding_mask: ``[B, memory_len + Lq_rank]`` bool, True = padded, this rank's keys.
-        dropout_p: must be 0 (attention dropout under context parallelism is not supported).
+        dropout_p: attention dropout probability, with the keep-mask one process would use:
+            that of the fused kernels (``ops.rel_attn_fwd.dropout_keep_mask``), a function of
+            global (b, h, i, j) and ``dropout_seed``; each chunk pair regenerates its block of
+            it with the kernels' Triton helper (CUDA, or CPU under ``TRITON_INTERPRET=1``).
+        dropout_seed: int64 ``[2]`` (seed, offset) on q's device; default: every rank draws
+            one (``draw_dropout_seed``, so the ranks' generators advance alike) and rank 0's
+            is broadcast to the group. The backward regenerates the same mask.
         schedule: optional list; each rank appends its ring events (``("recv_posted", step)``,
             ``("compute_begin", step)``, ``("block", step)``, ``("skip", step)``, ...) to it.
 
@@ -371,9 +404,12 @@ def context_parallel_rel_attention(
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"{name}: torch.distributed is not initialised "
                            "(call dist.init_process_group first)")
-    if dropout_p != 0.0:
-        raise ValueError(f"{name}: dropout_p must be 0.0 (attention dropout is not supported "
-                         f"under context parallelism), got {dropout_p!r}")
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{name}: dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    dropout_p = float(dropout_p)
+    if dropout_p > 0.0 and q.device.type == "cpu" and not interpreting():
+        raise RuntimeError(f"{name}: dropout_p > 0 on CPU makes the keep-mask with the Triton "
+                           f"kernels' helper: {no_interpreter_reason()}")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"{name}: q, k, v must be [B, L, H, D], got {list(q.shape)}, "
                          f"{list(k.shape)}, {list(v.shape)}")
@@ -420,5 +456,18 @@ def context_parallel_rel_attention(
                                      "(shard with shard_sequence)")
     prob = _Problem(q_lens, m_lens, layout, ring.rank)
     check_position_rows(prob.lq, prob.mem + prob.lq, r.shape[0], wl, wr)
+    seed = None
+    if dropout_p > 0.0:
+        if dropout_seed is None:
+            from .ops._common import draw_dropout_seed
+            seed = draw_dropout_seed(q.device)
+            dist.broadcast(seed, src=dist.get_global_rank(ring.group, 0), group=ring.group)
+        else:
+            if (not isinstance(dropout_seed, Tensor) or dropout_seed.dtype != torch.int64
+                    or tuple(dropout_seed.shape) != (2,) or dropout_seed.device != q.device):
+                raise ValueError(f"{name}: dropout_seed must be an int64 [2] tensor on "
+                                 f"{q.device}, got {dropout_seed!r}")
+            seed = dropout_seed
+    drop = _Dropout(dropout_p, seed, B, H, prob.lq, prob.mem + prob.lq)
     return _ContextParallelRelAttn.apply(q, k, v, r, r_w_bias, r_r_bias, kpm, scale, wl, wr,
-                                         prob, ring)
+                                         prob, ring, drop)

@@ -365,6 +365,15 @@ class MemTransformerLM(nn.Module):
     ``mem_len`` keys, its own included (``"kimiyoung"``, the original's and HF's mask; needs
     ``mem_len >= 1``), or ``mem_len + 1`` (``"nvidia"``, NVIDIA DeepLearningExamples' mask,
     the default of ``from_nvidia``), on both the mems and the cache path.
+    ``cp_group``: context parallelism over a ``torch.distributed`` group (see
+    docs/distributed.md): each rank passes its contiguous slice (rank order) of the segment and
+    of every memory, and gets the loss of its slice and its slice of the new memories; the
+    attention runs through ``context_parallel_rel_attention``, the position table spans the
+    global ``klen`` (the ranks' lengths all-gathered once per forward). The memory of the next
+    segment is the whole current segment: ``ext_len == 0`` and ``mem_len`` 0 or the global
+    segment length (raises otherwise); same_length only in the ``"kimiyoung"`` style. The
+    parameters' gradients are each rank's partial sums (all-reduce them over the group). The
+    cache path (``cache=``) is not sharded.
 
     Token ids (``data``, ``target``, ``input_ids``) are int64 or int32; narrower integer
     dtypes are widened to int64.
@@ -383,8 +392,14 @@ class MemTransformerLM(nn.Module):
                  same_length=False, attn_type=0, clamp_len=-1, sample_softmax=-1, *,
                  untie_r: bool = False, layer_norm_epsilon: float = 1e-5,
                  attn_backend: str = "auto", memory_backend: str = "auto",
-                 checkpoint: bool = False, same_length_style: str = "kimiyoung"):
+                 checkpoint: bool = False, same_length_style: str = "kimiyoung",
+                 cp_group=None):
         super().__init__()
+        self.cp_group = cp_group
+        if cp_group is not None and same_length and same_length_style != "kimiyoung":
+            raise ValueError("MemTransformerLM: with cp_group, same_length needs "
+                             f"same_length_style='kimiyoung', got {same_length_style!r}")
+        cp_kw = {} if cp_group is None else dict(cp_group=cp_group, same_length=same_length)
         if attn_type != 0:
             raise ValueError(f"MemTransformerLM: only attn_type=0 (relative partially learnable "
                              f"attention) is implemented, got attn_type={attn_type!r}")
@@ -411,7 +426,7 @@ class MemTransformerLM(nn.Module):
             RelPartialLearnableDecoderLayer(
                 n_head, d_model, d_head, d_inner, dropout, tgt_len=tgt_len, ext_len=ext_len,
                 mem_len=mem_len, dropatt=dropatt, pre_lnorm=pre_lnorm, untie_r=untie_r,
-                layer_norm_epsilon=layer_norm_epsilon, backend=attn_backend)
+                layer_norm_epsilon=layer_norm_epsilon, backend=attn_backend, **cp_kw)
             for _ in range(n_layer)])
         self.sample_softmax = sample_softmax
         self.crit = ProjectedAdaptiveLogSoftmax(n_token, d_embed, d_model, cutoffs,
@@ -651,13 +666,36 @@ class MemTransformerLM(nn.Module):
             mask = mask | torch.tril(ones, -shift)
         return mask[:, :, None]
 
+    def _context_parallel_klen(self, qlen: int, mlen: int, device) -> int:
+        """The global key length under ``cp_group`` (the ranks' lengths all-gathered). The
+        memory update each rank does alone, keeping its slice of the segment, is the
+        model's only when the memory is the whole previous segment: ``ext_len == 0`` and
+        ``mem_len`` 0 or the global segment length (of every segment); raise otherwise."""
+        import torch.distributed as dist
+
+        lens = torch.tensor([qlen, mlen], dtype=torch.int64,
+                            device=device if dist.get_backend(self.cp_group) == "nccl"
+                            else "cpu")
+        every = [torch.empty_like(lens) for _ in range(dist.get_world_size(self.cp_group))]
+        dist.all_gather(every, lens, group=self.cp_group)
+        q_all, m_all = (sum(int(t[c]) for t in every) for c in (0, 1))
+        if self.ext_len != 0 or self.mem_len not in (0, q_all):
+            raise ValueError(f"MemTransformerLM: with cp_group the memory is sharded with its "
+                             f"segment, which needs ext_len == 0 and mem_len 0 or the global "
+                             f"segment length ({q_all}); got ext_len={self.ext_len}, "
+                             f"mem_len={self.mem_len}")
+        return q_all + m_all
+
     def _forward(self, dec_inp: torch.Tensor, mems=None):
         """The original ``_forward``: hidden ``[qlen, bsz, d_model]`` and the new memories."""
         qlen = dec_inp.shape[0]
         word_emb = self.word_emb(dec_inp)
         mlen = mems[0].size(0) if mems is not None else 0
         klen = mlen + qlen
-        mask = self._attn_mask(qlen, mlen, word_emb.device)
+        if self.cp_group is not None:  # the global klen; the layers are causal (no mask)
+            klen, mask = self._context_parallel_klen(qlen, mlen, word_emb.device), None
+        else:
+            mask = self._attn_mask(qlen, mlen, word_emb.device)
         pos_emb = self.drop(self._pos_emb(klen, word_emb.dtype, word_emb.device))
         core_out = self.drop(word_emb)
         hids = [core_out]
@@ -673,7 +711,10 @@ class MemTransformerLM(nn.Module):
             hids.append(core_out)
         core_out = self.drop(core_out)
         new_mems = None
-        if mems is not None:
+        if mems is not None and self.cp_group is not None:  # each rank keeps its slice
+            new_mems = update_mems(hids, mems, qlen if self.mem_len else 0, 0,
+                                   backend=self.memory_backend)
+        elif mems is not None:
             new_mems = update_mems(hids, mems, self.mem_len, self.ext_len,
                                    backend=self.memory_backend)
         return core_out, new_mems

@@ -41,6 +41,18 @@ class RelPosAttentionBase(nn.Module):
     """Shared plumbing: projections, position table, mask checks, the rel_attention call."""
 
     _NAME = "RelPosAttentionBase"
+    # Context parallelism (docs/distributed.md): a torch.distributed group, set on the module
+    # (``module.cp_group = group``); each rank then passes its contiguous slice of the frames.
+    cp_group = None
+
+    def _global_len(self, n: int, device) -> int:
+        """The sum of ``n`` over ``cp_group`` (all-gathered)."""
+        import torch.distributed as dist
+
+        t = torch.tensor([n], dtype=torch.int64,
+                         device=device if dist.get_backend(self.cp_group) == "nccl" else "cpu")
+        dist.all_reduce(t, group=self.cp_group)
+        return int(t)
 
     def _init_common(self, n_head: int, n_feat: int, dropout_rate: float, use_bias: bool,
                      backend: str) -> None:
@@ -134,6 +146,9 @@ class RelPosAttentionBase(nn.Module):
         u = self.pos_bias_u.to(q.dtype)
         vb = self.pos_bias_v.to(q.dtype)
         drop = self.dropout.p if self.training else 0.0
+        if self.cp_group is not None:
+            return self._attend_context_parallel(q, k, v, p, u, vb, kpm, attn_mask, window,
+                                                 zero_triu, drop)
 
         def call(qq, kk, vv, rr, kp, am):
             return rel_attention(qq, kk, vv, rr, u, vb, causal=False, window_size=window,
@@ -153,6 +168,21 @@ class RelPosAttentionBase(nn.Module):
             outs.append(call(q[b:b + 1], k[b:b + 1], v[b:b + 1], r[b],
                              None if kpm is None else kpm[b:b + 1], am))
         return torch.cat(outs, 0)
+
+    def _attend_context_parallel(self, q, k, v, p, u, vb, kpm, attn_mask, window, zero_triu,
+                                 drop) -> Tensor:
+        """The ring over ``cp_group``: q / k / v this rank's frames, ``p`` the projected table
+        of the global ``2T - 1`` distances (bidirectional, no cache)."""
+        from ..distributed import context_parallel_rel_attention
+
+        if attn_mask is not None or zero_triu or p.shape[0] != 1:
+            raise ValueError(f"{self._NAME}: with cp_group only key padding and "
+                             f"att_context_size masks, one position table for the batch and "
+                             f"no zero_triu are supported")
+        return context_parallel_rel_attention(
+            q, k, v, p[0], u, vb, group=self.cp_group, layout="contiguous", causal=False,
+            window_size=window, key_padding_mask=kpm, softmax_scale=1.0 / self.s_d_k,
+            dropout_p=drop)
 
     def _finish(self, out: Tensor, query_pad: Optional[Tensor]) -> Tensor:
         B, Lq = out.shape[0], out.shape[1]
@@ -307,7 +337,15 @@ class NeMoRelPositionMultiHeadAttention(RelPosAttentionBase):
             raise ValueError(f"{self._NAME}: need at least as many keys as queries, got "
                              f"query {list(query.shape)} and keys {list(key.shape)}")
         hint = (f" (K = cache {cache.shape[1]} + time {T})" if cache is not None else "")
-        self._check_pos_emb(pos_emb, B, K, hint)
+        if self.cp_group is not None:
+            if cache is not None or lengths is not None or K != T:
+                raise ValueError(f"{self._NAME}: with cp_group each rank passes its slice of "
+                                 f"the frames as query, key and value, with no cache and no "
+                                 f"lengths (pass its slice of a (B, T) padding mask)")
+            K_all = self._global_len(T, query.device)
+            self._check_pos_emb(pos_emb, B, K_all, f" (K = {K_all}, the frames of every rank)")
+        else:
+            self._check_pos_emb(pos_emb, B, K, hint)
         kpm, dense, qpad = self._mask_args(mask, B, T, K)
         extra = self._padding_args(key_padding_mask, lengths, B, T, K, query.device)
         if extra is not None:

@@ -57,6 +57,13 @@ class FusedRelAttention(nn.Module):
         same_length: with ``mask_mode="causal"``, apply the same_length band (Transformer-XL's
             ``same_length=True``) using ``mem_len``.
         backend: ``rel_attention`` backend ("auto", "triton" or "reference").
+        cp_group: a ``torch.distributed`` process group for context parallelism (default
+            None: off). Each rank passes its contiguous slice of the segment (``w``) and of the
+            memory (``mems``), in rank order, and the whole position table ``r`` (distances
+            ``klen - 1 .. 0`` of the global ``klen``); the attention runs through
+            ``txl_kernels.distributed.context_parallel_rel_attention`` (contiguous layout).
+            The layer is then causal, with the same_length band ``window_size=(mem_len - 1,
+            0)`` if ``same_length``; ``attn_mask`` must be None (the masks are global).
 
     ``forward(w, r, r_w_bias=None, r_r_bias=None, attn_mask=None, mems=None)``:
         w ``[qlen, bsz, d_model]``; r ``[klen, 1, d_model]`` (position embeddings, distances
@@ -73,7 +80,7 @@ class FusedRelAttention(nn.Module):
                  dropatt: float = 0.0, tgt_len=None, ext_len=None, mem_len=None,
                  pre_lnorm: bool = False, layer_norm_epsilon: float = 1e-5,
                  untie_r: bool = False, mask_mode: str = "detect", same_length: bool = False,
-                 backend: str = "auto"):
+                 backend: str = "auto", cp_group=None):
         super().__init__()
         if mask_mode not in _MASK_MODES:
             raise ValueError(f"FusedRelAttention: mask_mode must be one of {_MASK_MODES}, "
@@ -87,6 +94,7 @@ class FusedRelAttention(nn.Module):
         self.pre_lnorm = pre_lnorm
         self.scale = 1 / (d_head ** 0.5)
         self.mask_mode, self.same_length, self.backend = mask_mode, same_length, backend
+        self.cp_group = cp_group
 
         self.qkv_net = nn.Linear(d_model, 3 * n_head * d_head, bias=False)
         self.drop = nn.Dropout(dropout)
@@ -163,6 +171,10 @@ class FusedRelAttention(nn.Module):
                              f"{list(r.shape)})")
         r_head_k = self.r_net(r).view(rlen, H, D)
 
+        if self.cp_group is not None:
+            attn_vec = self._context_parallel(q, k, v, r_head_k, r_w_bias, r_r_bias, attn_mask,
+                                              klen - qlen)
+            return self._output(w, attn_vec, qlen, bsz)
         causal, window, dense, band = self._mask_args(attn_mask, qlen, klen, bsz)
         if not causal and band is None:
             # Pairs right of the diagonal need rows klen .. klen + qlen - 2: they count as zero.
@@ -172,8 +184,24 @@ class FusedRelAttention(nn.Module):
             q, k, v, r_head_k, r_w_bias.to(q.dtype), r_r_bias.to(q.dtype), causal=causal,
             window_size=window, attn_mask=dense, attn_mask_band=band, softmax_scale=self.scale,
             dropout_p=self.dropatt_p if self.training else 0.0, backend=self.backend)
+        return self._output(w, attn_vec, qlen, bsz)
+
+    def _context_parallel(self, q, k, v, r_head_k, r_w_bias, r_r_bias, attn_mask, mlen: int):
+        from ..distributed import context_parallel_rel_attention
+
+        if attn_mask is not None:
+            raise ValueError("FusedRelAttention: with cp_group the layer is causal (same_length"
+                             " as window_size); attn_mask must be None, got a tensor of shape "
+                             f"{list(attn_mask.shape)}")
+        wl = self.mem_len - 1 if self.same_length else -1
+        return context_parallel_rel_attention(
+            q, k, v, r_head_k, r_w_bias.to(q.dtype), r_r_bias.to(q.dtype), group=self.cp_group,
+            memory_len=mlen, layout="contiguous", causal=True, window_size=(wl, 0),
+            softmax_scale=self.scale, dropout_p=self.dropatt_p if self.training else 0.0)
+
+    def _output(self, w, attn_vec, qlen: int, bsz: int):
         # [B, Lq, H, D] -> [Lq, B, H*D]
-        attn_vec = attn_vec.transpose(0, 1).reshape(qlen, bsz, H * D)
+        attn_vec = attn_vec.transpose(0, 1).reshape(qlen, bsz, self.n_head * self.d_head)
         attn_out = self.drop(self.o_net(attn_vec))
         if self.pre_lnorm:
             return w + attn_out

@@ -338,6 +338,48 @@ def dropout_keep_mask(seed: torch.Tensor, B: int, H: int, Lq: int, Lk: int,
     return keep.bool()
 
 
+@triton.jit
+def _dropout_block_kernel(SEED, Keep, H, Lq, I0, J0, A, Bk, drop_thresh,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # tiles of the global mask that start at multiples of BLOCK_M / BLOCK_N (as the kernels'
+    # tiles do) and cover rows [I0, I0 + A), keys [J0, J0 + Bk); only those are stored
+    pid_bh = tl.program_id(0)
+    i0 = (I0 // BLOCK_M + tl.program_id(1)) * BLOCK_M
+    j0 = (J0 // BLOCK_N + tl.program_id(2)) * BLOCK_N
+    offs_m = i0 + tl.arange(0, BLOCK_M)
+    offs_n = j0 + tl.arange(0, BLOCK_N)
+    seed, off = load_dropout_seed(SEED)
+    keep = dropout_keep(seed, off, pid_bh, offs_m, offs_n, Lq, drop_thresh)
+    li = offs_m - I0
+    lj = offs_n - J0
+    ptrs = (Keep + pid_bh.to(tl.int64) * A * Bk + li.to(tl.int64)[:, None] * Bk + lj[None, :])
+    tl.store(ptrs, keep.to(tl.int8),
+             mask=((li >= 0) & (li < A))[:, None] & ((lj >= 0) & (lj < Bk))[None, :])
+
+
+def dropout_keep_block(seed: torch.Tensor, B: int, H: int, Lq: int, Lk: int, dropout_p: float,
+                       rows: tuple, cols: tuple) -> torch.Tensor:
+    """The block ``[B, H, A, Bk]`` of ``dropout_keep_mask(seed, B, H, Lq, Lk, dropout_p)`` at
+    query rows ``rows = (i0, A)`` and keys ``cols = (j0, Bk)`` (global indices), computed by
+    the kernels' jit helper on the global mask's own tiles (starting at multiples of 64) and
+    storing only the requested part: a context-parallel rank regenerates its block pair's
+    share of the one-process mask without materialising ``Lq x Lk``."""
+    (i0, A), (j0, Bk) = rows, cols
+    for nm, (o, n), total in (("rows", rows, Lq), ("cols", cols, Lk)):
+        if not (0 <= o and n >= 0 and o + n <= total):
+            raise ValueError(f"dropout_keep_block: {nm} must be (start, length) inside "
+                             f"[0, {total}), got {(o, n)}")
+    keep = torch.empty((B, H, A, Bk), dtype=torch.int8, device=seed.device)
+    if keep.numel() == 0:
+        return keep.bool()
+    bm = bn = 64
+    grid = (B * H, (i0 + A - 1) // bm - i0 // bm + 1, (j0 + Bk - 1) // bn - j0 // bn + 1)
+    with torch.cuda.device(seed.device) if seed.device.type == "cuda" else nullcontext():
+        _dropout_block_kernel[grid](seed, keep, H, Lq, i0, j0, A, Bk,
+                                    dropout_threshold(dropout_p), BLOCK_M=bm, BLOCK_N=bn)
+    return keep.bool()
+
+
 def descriptors_ok(*ts: torch.Tensor) -> bool:
     """Tiles load through TMA descriptors (made in the kernel: the forward's K / V / R, the
     backward's K / V / R and query-side operands) when the device has TMA (sm_90 and newer;
