@@ -209,6 +209,7 @@ def _run_check_cuda(env_extra, root=ROOT, timeout=900):
                           capture_output=True, text=True, env=env, timeout=timeout, cwd=root)
 
 
+@pytest.mark.slow  # compiles the CUDA sources with nvcc
 @requires_toolkit
 def test_check_cuda_compiles_the_cuda_sources():
     """What CI runs: compile + link (and import, where possible) the CUDA build. Uses the
@@ -219,6 +220,7 @@ def test_check_cuda_compiles_the_cuda_sources():
     assert "check-cuda: OK" in out
 
 
+@pytest.mark.slow  # compiles the CUDA sources with nvcc
 @requires_toolkit
 def test_check_cuda_fails_on_a_broken_cuda_source(tmp_path):
     """A broken .cu makes --check-cuda exit 1 and show the compiler's error."""

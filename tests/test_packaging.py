@@ -105,3 +105,35 @@ def test_main_job_runs_from_an_installed_wheel(wheel, tmp_path):
     assert "skipped" not in lm and ": agree" in lm and "same tokens" in lm, lm
     assert "extension                    loaded" in out, out
     assert not re.search(r"warn|numpy", err, re.I), err
+
+
+# the jobs that take minutes on a 2-core machine: out of the README's test command, run by CI
+SLOW_JOBS = [
+    "tests/test_aot_sm90.py::test_quick_aot_check_compiles_every_kernel",
+    "tests/test_aot_sm90.py::test_checker_reports_broken_kernels_as_fail",
+    "tests/test_build.py::test_check_cuda_compiles_the_cuda_sources",
+    "tests/test_build.py::test_two_installs_keep_their_own_builds",
+    "tests/test_examples.py::test_ddp_and_fsdp_equal_one_process_with_the_whole_batch[reference]",
+    "tests/test_examples.py::test_fsdp_emits_no_view_warning",
+    "tests/test_packaging.py::test_main_job_runs_from_an_installed_wheel",
+]
+
+
+@needs_source_tree
+def test_readme_test_command_leaves_the_slow_jobs_to_ci():
+    readme = (ROOT / "README.md").read_text()
+    m = re.search(r"^(pytest tests/ .*)$", readme, re.M)
+    assert m, "README.md shows no test command"
+    command = m.group(1)
+    assert '-m "not slow"' in command, command
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(r'^pytest tests/ -m "not slow"', ci, re.M), "CI runs the README command"
+    assert re.search(r"^pytest tests/ -m slow", ci, re.M), "CI runs the slow tests"
+    files = sorted({job.split("::")[0] for job in SLOW_JOBS})
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "slow",
+                           "-p", "no:cacheprovider", *files], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    slow = set(proc.stdout.split())
+    assert not [job for job in SLOW_JOBS if job not in slow], proc.stdout
+    assert "PytestUnknownMarkWarning" not in proc.stdout + proc.stderr  # registered
