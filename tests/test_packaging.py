@@ -116,6 +116,7 @@ SLOW_JOBS = [
     "tests/test_examples.py::test_ddp_and_fsdp_equal_one_process_with_the_whole_batch[reference]",
     "tests/test_examples.py::test_fsdp_emits_no_view_warning",
     "tests/test_packaging.py::test_main_job_runs_from_an_installed_wheel",
+    "tests/test_training.py::test_fused_and_reference_train_identically",
 ]
 
 
