@@ -3,6 +3,7 @@ developer tools in tools/ are not packaged, and the main job runs fully from an 
 outside the source tree, printing no warning."""
 import os
 import re
+import site
 import subprocess
 import sys
 import zipfile
@@ -87,6 +88,13 @@ def test_main_job_runs_from_an_installed_wheel(wheel, tmp_path):
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
                    check=True, capture_output=True)
     py = str(venv / "bin" / "python")
+    # --system-site-packages reaches the base interpreter's packages only: when these tests
+    # run in a virtual environment themselves (CI's), its site-packages come after the new
+    # environment's own, so the wheel's txl_kernels is found first
+    site_dir = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                              check=True, capture_output=True, text=True).stdout.strip()
+    Path(site_dir, "outer_env.pth").write_text(
+        f"import site; [site.addsitedir(d) for d in {site.getsitepackages()!r}]\n")
     proc = subprocess.run([py, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
                            "--ignore-installed", str(wheel)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
