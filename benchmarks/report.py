@@ -22,10 +22,12 @@ Steps:
     length, and replaces the results section of BENCHMARKS.md (date, GPU, torch and triton
     versions, the exact command).
 
-``--cpu-smoke`` runs the same code on the small CPU shapes: the reference path and the
-baselines that run on CPU, ``tests/test_bench_providers.py`` as the correctness step, no fused
-timing (never under the Triton interpreter), output in a temporary folder, BENCHMARKS.md left
-alone unless ``--md`` is given. Its times are not GPU numbers and must not be published.
+``--cpu-smoke`` runs the same code on the small CPU shapes, those of the plotted (first) dtype
+at half, once and twice their length (so the plot has curves): the reference path and the baselines that run on CPU,
+``tests/test_bench_providers.py`` as the correctness step, no fused timing (never under the
+Triton interpreter), output in ``./bench-results/`` (the current folder's), BENCHMARKS.md left
+alone unless ``--md`` is given. The plot then shows time only (peak memory is measured on CUDA
+only). Its times are not GPU numbers and must not be published.
 
 Exit status: 0 when the tests passed and no provider raised an error (out-of-memory is not an
 error); 1 otherwise; 2 for a usage problem (e.g. no CUDA device without ``--cpu-smoke``).
@@ -33,6 +35,7 @@ error); 1 otherwise; 2 for a usage problem (e.g. no CUDA device without ``--cpu-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -42,7 +45,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -57,7 +59,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-smoke", action="store_true",
-                    help="small CPU shapes, no fused timing, output in a temp dir")
+                    help="small CPU shapes at three lengths each, no fused timing, output "
+                         "in ./bench-results/")
     ap.add_argument("--skip-tests", action="store_true", help="do not run the correctness tests")
     ap.add_argument("--tests", nargs="*", default=None,
                     help="test paths (default: tests/; with --cpu-smoke: "
@@ -80,7 +83,7 @@ def parse_args(argv=None):
                          "default: automatic dynamic shapes)")
     ap.add_argument("--out-dir", default=None,
                     help="where the JSON, PNG and markdown go (default benchmarks/results; "
-                         "a temp dir with --cpu-smoke)")
+                         "./bench-results with --cpu-smoke)")
     ap.add_argument("--md", default=None,
                     help="markdown file whose results section is replaced (default "
                          "BENCHMARKS.md; none with --cpu-smoke)")
@@ -135,13 +138,39 @@ def run_tests(paths, timeout_s: float) -> dict:
     return dict(status=status, line=line, seconds=time.time() - t0, rc=proc.returncode)
 
 
+# --cpu-smoke: each CPU shape at these multiples of its length (the CPU shapes have one length
+# per plot series; three make a curve)
+SMOKE_LENGTH_SCALES = (0.5, 1.0, 2.0)
+
+
+def length_sweep(cases, scales=SMOKE_LENGTH_SCALES):
+    """The attention and Conformer-module cases of the first dtype (the one the plot draws) at
+    ``scales`` times their length (attention: the query length and the memory together, so the
+    memory / query ratio and the plot series stay); the other cases once, as they are."""
+    plotted = next((c.dtype for c in cases if c.kind != "update_mems"), None)
+    out = []
+    for case in cases:
+        s = case.shape
+        if case.dtype != plotted:
+            out.append(case)
+        elif case.kind == "attention":
+            out += [dataclasses.replace(case, shape=dataclasses.replace(
+                s, Lq=max(1, round(s.Lq * f)), mem=round(s.mem * f))) for f in scales]
+        elif case.kind == "conformer_module":
+            out += [dataclasses.replace(case, shape=dataclasses.replace(
+                s, T=max(1, round(s.T * f)))) for f in scales]
+        else:
+            out.append(case)
+    return out
+
+
 def select_cases(args, device):
     cases = shapes.all_cases(device, args.dtypes)
     if args.kinds:
         cases = [c for c in cases if c.kind in args.kinds]
     if args.groups:
         cases = [c for c in cases if c.group in args.groups]
-    return cases
+    return length_sweep(cases) if args.cpu_smoke else cases
 
 
 def fmt_progress(rec: dict, elapsed: float) -> str:
@@ -264,8 +293,7 @@ def main(argv=None) -> int:
     tag = "cpu-smoke" if args.cpu_smoke else "".join(
         ch if ch.isalnum() else "-" for ch in env["gpu"].split(",")[0].lower()).strip("-")
     out_dir = Path(args.out_dir) if args.out_dir else (
-        Path(tempfile.mkdtemp(prefix="txl-bench-smoke-")) if args.cpu_smoke
-        else ROOT / "benchmarks" / "results")
+        Path.cwd() / "bench-results" if args.cpu_smoke else ROOT / "benchmarks" / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     json_path = out_dir / f"results-{tag}.json"
@@ -274,8 +302,9 @@ def main(argv=None) -> int:
     written.append(json_path)
     png_path = out_dir / f"results-{tag}.png"
     try:
+        where = "CPU smoke run, not GPU numbers" if args.cpu_smoke else env["gpu"]
         png = results.plot(records, str(png_path),
-                           title=f"txl_kernels benchmarks, {env['gpu']}, {env['date']}")
+                           title=f"txl_kernels benchmarks, {where}, {env['date']}")
     except Exception as exc:  # the numbers matter more than the picture
         print(f"plot failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         png = None

@@ -252,7 +252,8 @@ def results_section(records: List[dict], env: Dict[str, str], command: str,
 def plot(records: List[dict], path: str, title: str = "") -> Optional[str]:
     """PNG of median time (upper panel) and peak memory (lower panel) against sequence length,
     one panel pair per series (group, batch, heads, mode) in the first dtype of the records,
-    one line per provider; only series with several lengths when there are any. Returns the
+    one line per provider; only series with several lengths when there are any. Only what was
+    measured is drawn: without any peak memory (CPU runs) there is no memory row. Returns the
     path, or None if nothing ran."""
     import matplotlib
 
@@ -269,20 +270,23 @@ def plot(records: List[dict], path: str, title: str = "") -> Optional[str]:
     series = OrderedDict((k, v) for k, v in series.items()
                          if any(r["status"] == "ok" for r in v))
     multi = OrderedDict((k, v) for k, v in series.items()
-                        if len({r["seqlen"] for r in v}) > 1)
+                        if len({r["seqlen"] for r in v if r["status"] == "ok"}) > 1)
     if multi:  # lines against sequence length where a series has several lengths
         series = multi
     if not series:
         return None
+    with_mem = any(r["status"] == "ok" and r["peak_bytes"] for v in series.values() for r in v)
+    per = 2 if with_mem else 1  # panel rows per series
     n = len(series)
     ncols = min(4, n)
     nrows = -(-n // ncols)
-    fig, axes = plt.subplots(2 * nrows, ncols, figsize=(4.2 * ncols, 6.4 * nrows),
+    fig, axes = plt.subplots(per * nrows, ncols, figsize=(4.2 * ncols, 3.2 * per * nrows + 0.6),
                              squeeze=False)
     order = [p for names in PROVIDER_ORDER.values() for p in names]
     for idx, (name, recs) in enumerate(series.items()):
-        row, col = 2 * (idx // ncols), idx % ncols
-        ax_t, ax_m = axes[row][col], axes[row + 1][col]
+        row, col = per * (idx // ncols), idx % ncols
+        ax_t = axes[row][col]
+        ax_m = axes[row + 1][col] if with_mem else None
         provs = sorted({r["provider"] for r in recs},
                        key=lambda p: order.index(p) if p in order else 99)
         ooms = []
@@ -294,9 +298,11 @@ def plot(records: List[dict], path: str, title: str = "") -> Optional[str]:
                 xs = [r["seqlen"] for r in ok]
                 ax_t.plot(xs, [r["time_s"] * 1e3 for r in ok], marker="o", label=p)
                 mem = [(r["seqlen"], r["peak_bytes"] / 2 ** 30) for r in ok if r["peak_bytes"]]
-                if mem:
+                if mem and ax_m is not None:
                     ax_m.plot([m[0] for m in mem], [m[1] for m in mem], marker="o", label=p)
         for ax in (ax_t, ax_m):
+            if ax is None:
+                continue
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.grid(True, which="both", alpha=0.3)
@@ -304,21 +310,26 @@ def plot(records: List[dict], path: str, title: str = "") -> Optional[str]:
             ax.tick_params(labelsize=7)
         ax_t.set_title(name, fontsize=8)
         ax_t.set_ylabel("median time (ms)", fontsize=8)
-        ax_m.set_ylabel("peak memory (GiB)", fontsize=8)
-        if not ax_m.lines:
-            ax_m.text(0.5, 0.5, "peak memory: CUDA only", transform=ax_m.transAxes,
-                      ha="center", fontsize=8)
+        if ax_m is not None:
+            ax_m.set_ylabel("peak memory (GiB)", fontsize=8)
+            if not ax_m.lines:
+                ax_m.text(0.5, 0.5, "peak memory: not measured", transform=ax_m.transAxes,
+                          ha="center", fontsize=8)
         if ooms:
-            ax_m.text(0.02, 0.98, "\n".join(ooms), transform=ax_m.transAxes, fontsize=7,
+            ax_o = ax_m if ax_m is not None else ax_t
+            ax_o.text(0.02, 0.98, "\n".join(ooms), transform=ax_o.transAxes, fontsize=7,
                       va="top", color="red")
         ax_t.legend(fontsize=7)
     for idx in range(n, nrows * ncols):
-        row, col = 2 * (idx // ncols), idx % ncols
-        axes[row][col].axis("off")
-        axes[row + 1][col].axis("off")
+        row, col = per * (idx // ncols), idx % ncols
+        for r in range(per):
+            axes[row + r][col].axis("off")
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+        # keep the top band for the title, so it never overlaps the first row's titles
+        fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()))
+    else:
+        fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -56,7 +56,7 @@ WT103_BASE = dict(n_token=267735, n_layer=16, n_head=10, d_model=410, d_head=41,
                   untie_r=True)
 EVAL = dict(tgt_len=64, mem_len=640, bsz=10)  # eval.py's default batch size
 GEN = dict(prompt=512, new=128, mem_len=512, tgt_len=64, bsz=1)
-# The small size: `python -m txl_kernels`' report, the CPU pytest-benchmark subset, --small.
+# The small size: the CPU pytest-benchmark subset, --small.
 SMALL = dict(n_token=2000, n_layer=4, n_head=4, d_model=128, d_head=32, d_inner=512,
              cutoffs=[500, 1000], div_val=1, same_length=True, clamp_len=400, untie_r=True)
 SMALL_EVAL = dict(tgt_len=16, mem_len=160, bsz=2)

@@ -82,6 +82,7 @@ def test_kernel_sources_define_kernels():
     assert len(_kernel_names(KERNEL_FILES["txl_kernels.ops.rel_attn_decode"])) >= 2
 
 
+@pytest.mark.slow  # compiles kernels for sm_90 in a new process
 def test_quick_aot_check_compiles_every_kernel(tmp_path):
     report_path = tmp_path / "aot.json"
     proc = subprocess.run(
@@ -168,6 +169,7 @@ _BAD_DRIVER = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow  # compiles kernels for sm_90 in a new process
 def test_checker_reports_broken_kernels_as_fail(tmp_path):
     (tmp_path / "bad_kernels.py").write_text(_BAD_MODULE)
     env = _compile_env()

@@ -2,7 +2,8 @@
 tools/build_check.py (the build report and CI's ``--check-cuda``).
 
 Clear reasons when the extension cannot be built (no ninja, no compiler), CUDA_HOME through an
-nvcc wrapper script, a corrupted cached library rebuilt once, and
+nvcc wrapper script, build folders keyed by the sources' contents and the torch / Python / CUDA
+versions (two installs keep their own builds), a corrupted cached library rebuilt once, and
 ``python -m tools.build_check --check-cuda``: compiles and links the CUDA sources without a GPU,
 and fails, showing the compiler output, when a source is broken.
 """
@@ -121,7 +122,7 @@ def test_cuda_home_found_through_an_nvcc_wrapper(monkeypatch, tmp_path):
         assert not ok and "no CUDA toolkit" in why
 
 
-# ---------------------------------------------------------------- corrupted cache
+# ---------------------------------------------------------------- tiny extension, cache
 
 _TINY = textwrap.dedent("""
     // A module with the extension's name and no torch headers: builds in about a second.
@@ -208,6 +209,7 @@ def _run_check_cuda(env_extra, root=ROOT, timeout=900):
                           capture_output=True, text=True, env=env, timeout=timeout, cwd=root)
 
 
+@pytest.mark.slow  # compiles the CUDA sources with nvcc
 @requires_toolkit
 def test_check_cuda_compiles_the_cuda_sources():
     """What CI runs: compile + link (and import, where possible) the CUDA build. Uses the
@@ -218,6 +220,7 @@ def test_check_cuda_compiles_the_cuda_sources():
     assert "check-cuda: OK" in out
 
 
+@pytest.mark.slow  # compiles the CUDA sources with nvcc
 @requires_toolkit
 def test_check_cuda_fails_on_a_broken_cuda_source(tmp_path):
     """A broken .cu makes --check-cuda exit 1 and show the compiler's error."""
@@ -236,3 +239,77 @@ def test_check_cuda_fails_on_a_broken_cuda_source(tmp_path):
     assert f"extension sources: {tmp_path / 'csrc'}" in out, out  # compiled the broken copy
     assert r.returncode == 1, out
     assert "check-cuda: FAILED" in out and "txl_broken_symbol" in out, out
+
+
+# ---------------------------------------------------------------- build folder per sources
+
+
+def _tree(root: Path, body: str) -> Path:
+    src = root / "csrc"
+    src.mkdir(parents=True)
+    (src / "tiny.cpp").write_text(_TINY + body)
+    (src / "tiny.h").write_text("// header\n")
+    return src
+
+
+def test_build_folder_is_keyed_by_source_contents_not_location(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    a, a_copy = _tree(tmp_path / "a", "// a\n"), _tree(tmp_path / "copy_of_a", "// a\n")
+    b = _tree(tmp_path / "b", "// b\n")
+    sa, sb = _build.read_sources(str(a)), _build.read_sources(str(b))
+    assert sorted(sa) == ["tiny.cpp", "tiny.h"]
+    folder = _build.build_directory("txl_x", sa)
+    assert Path(folder).parent == tmp_path / "ext"
+    assert Path(folder).name == f"txl_x-{_build.build_key(sa)}"
+    assert _build.build_directory("txl_x", _build.read_sources(str(a_copy))) == folder
+    assert _build.build_directory("txl_x", sb) != folder
+    (b / "tiny.h").write_text("// another header\n")  # headers count too
+    assert _build.build_key(_build.read_sources(str(b))) != _build.build_key(sb)
+    assert _build.build_directory("txl_y", sa) != folder  # the name is kept apart
+
+
+@pytest.mark.parametrize("change", ["torch version", "torch CUDA version", "Python ABI"])
+def test_build_key_changes_with_torch_python_and_cuda(monkeypatch, change):
+    sources = {"x.cpp": b"int x;"}
+    before = _build.build_key(sources)
+    if change == "torch version":
+        monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
+    elif change == "torch CUDA version":
+        monkeypatch.setattr(torch.version, "cuda", None if torch.version.cuda else "12.8")
+    else:
+        real = _build.sysconfig.get_config_var
+        monkeypatch.setattr(_build.sysconfig, "get_config_var",
+                            lambda k: ".cpython-399-x.so" if k == "EXT_SUFFIX" else real(k))
+    assert _build.build_key(sources) != before
+    monkeypatch.undo()
+    assert _build.build_key(sources) == before
+
+
+def _build_in_new_process(src: Path, name: str, ext_dir: Path):
+    code = (f"from txl_kernels import _build; _build.csrc_dir = lambda: {str(src)!r}; "
+            f"print(_build.compile_extension({name!r}, False).__file__)")
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ext_dir))
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return Path(r.stdout.strip().splitlines()[-1]), r.stderr
+
+
+@pytest.mark.slow  # three new processes, each importing torch and compiling
+def test_two_installs_keep_their_own_builds(tmp_path):
+    """Two source trees with different contents (an editable checkout and a wheel of another
+    version), each built in a new process as two installs would: each gets its own folder and
+    library; a third install with the first tree's contents at another path loads the first
+    build, compiling nothing (its objects and library are untouched)."""
+    ext = tmp_path / "ext"
+    name = f"txl_two_{os.getpid()}"
+    lib_a, err = _build_in_new_process(_tree(tmp_path / "a", "// a\n"), name, ext)
+    assert "compiling the extension" in err
+    built_a = {p: p.stat().st_mtime_ns for p in lib_a.parent.rglob("*.[os]*") if p.is_file()}
+    assert len(built_a) >= 2, built_a  # the object and the library
+    lib_b, err = _build_in_new_process(_tree(tmp_path / "b", "// b\n"), name, ext)
+    assert "compiling the extension" in err
+    assert lib_a.parent != lib_b.parent and lib_a.parent.parent == lib_b.parent.parent == ext
+    lib_c, err = _build_in_new_process(_tree(tmp_path / "c", "// a\n"), name, ext)
+    assert lib_c == lib_a and "compiling" not in err, err
+    assert {p: p.stat().st_mtime_ns for p in built_a} == built_a, "the first build was redone"

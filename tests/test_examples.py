@@ -335,6 +335,7 @@ def dist_results(tmp_path_factory):
     return cols, torch.load(path, weights_only=False)
 
 
+@pytest.mark.slow  # spawns two ranks
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_ddp_and_fsdp_equal_one_process_with_the_whole_batch(one_thread, dist_results,
                                                             backend):
@@ -349,6 +350,7 @@ def test_ddp_and_fsdp_equal_one_process_with_the_whole_batch(one_thread, dist_re
         assert results[f"{backend}/{mode}/fused_calls"] == expect, mode
 
 
+@pytest.mark.slow  # spawns two ranks
 def test_fsdp_emits_no_view_warning(dist_results):
     _, results = dist_results
     for mode in MODES["reference"]:

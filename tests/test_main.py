@@ -1,5 +1,6 @@
-"""python -m txl_kernels: the report runs, a backend that disagrees with the reference makes it
-exit non-zero, a bad --device is one line and exit status 2, and the Triton interpreter is
+"""python -m txl_kernels: the report runs, --help documents every option in plain text, a
+backend that disagrees with the reference (or an LM cache path that disagrees with the mems
+path) makes it exit non-zero, a bad --device is one line and exit status 2, and the Triton interpreter is
 switched on explicitly (never by importing the module). Also: TRITON_INTERPRET set
 after the kernels were created is detected (fused_available does not claim the fused
 path)."""
@@ -25,6 +26,34 @@ def test_main_job_passes(capsys):
     assert "OK: every usable backend agrees" in out
 
 
+def test_help_explains_every_option_in_plain_text(capsys):
+    parser = main_mod.build_parser()
+    undocumented = [a.option_strings for a in parser._actions if not (a.help or "").strip()]
+    assert not undocumented, f"options without help text: {undocumented}"
+    with pytest.raises(SystemExit) as exc:
+        main_mod.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "``" not in out and ":func:" not in out, out
+    assert "python -m tools.build_check" in out and "--no-interpret" in out
+
+
+def test_main_job_fails_when_the_lm_paths_disagree(monkeypatch, capsys):
+    """The LM section compares the K/V cache with the mems path: a cache path that drifts makes
+    the command fail."""
+    from txl_kernels.models import MemTransformerLM
+
+    real = MemTransformerLM.forward
+
+    def drifting(self, data, target, *mems, cache=None):
+        out = real(self, data, target, *mems, cache=cache)
+        return [out[0] + 1e-3] + out[1:] if cache is not None else out
+
+    monkeypatch.setattr(MemTransformerLM, "forward", drifting)
+    assert main_mod._lm_report(torch.device("cpu")) is False
+    assert "DISAGREE" in capsys.readouterr().out
+
+
 def test_main_job_fails_when_a_backend_disagrees(monkeypatch, capsys):
     real = op.rel_attn_fwd
 
@@ -33,6 +62,7 @@ def test_main_job_fails_when_a_backend_disagrees(monkeypatch, capsys):
         return out + 0.1, lse
 
     monkeypatch.setattr(op, "rel_attn_fwd", wrong)
+    monkeypatch.setattr(main_mod, "_lm_report", lambda device: True)  # not under test here
     assert main_mod.main(["--no-build"]) == 1
     assert "FAILED: triton: does not agree with the reference" in capsys.readouterr().out
 

@@ -3,6 +3,7 @@ update_mems) trained for 20 optimizer steps on the fused and the reference paths
 initialisation: the losses must agree step by step."""
 import math
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -69,6 +70,7 @@ def _train(backend, steps=20, qlen=6, bsz=2):
     return losses, mems
 
 
+@pytest.mark.slow  # trains two models, the fused one under the Triton interpreter on CPU
 def test_fused_and_reference_train_identically():
     fused, mems_f = _train("triton")
     ref, mems_r = _train("reference")

@@ -5,8 +5,10 @@ and which backends are usable here and why not; builds the segment-memory extens
 so: a first build takes a minute or more); then runs a Transformer-XL-base-shaped layer
 (10 heads of 41, d_model 410), scaled to run in seconds on a CPU, through every usable
 backend, forward and backward, and prints each one's max difference from the reference, its
-time and its memory. Exits 1 if a usable backend disagrees with the reference, 2 on a bad
-``--device``. (The full build report: ``python -m tools.build_check`` in a source checkout.)
+time and its memory; last, a small Transformer-XL language model evaluated with its K/V cache
+and on the mems path, and greedy generation both ways, which must agree. Exits 1 if a usable
+backend or the two LM paths disagree, 2 on a bad ``--device``. (The full build report:
+``python -m tools.build_check`` in a source checkout.)
 
 On ``--device cpu`` the fused Triton kernels can only run under the Triton interpreter: unless
 ``--no-interpret`` is given, this command sets ``TRITON_INTERPRET=1`` before the kernels are
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -112,65 +115,122 @@ def _interpreter(device: torch.device, allowed: bool) -> str:
             "kernels under the Triton interpreter (--no-interpret: do not)")
 
 
+# The LM section's model: small, so the whole command stays quick on a CPU (the realistic
+# sizes, and HF TransfoXL on the same weights: ``python -m benchmarks.test_bench_lm`` in a
+# source checkout).
+LM_SIZE = dict(n_token=2000, n_layer=4, n_head=4, d_model=128, d_head=32, d_inner=512,
+               cutoffs=[500, 1000], div_val=1, same_length=True, clamp_len=400, untie_r=True)
+LM_EVAL = dict(tgt_len=16, mem_len=160, bsz=2)
+LM_GEN = dict(prompt=64, new=32, tgt_len=16, mem_len=64)
+LM_TOLERANCE = 1e-4  # fp32 losses, K/V cache against the mems path (nats)
+
+
+def _median_time(fn, reps: int = 3) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def _lm_greedy_on_mems(model, prompt: torch.Tensor, new: int, seg: int) -> torch.Tensor:
+    """Greedy continuation on the mems path: the prompt in segments, then one token at a
+    time, each with the memories the previous call returned."""
+    mems, seq = [], [prompt]
+    data = prompt.t()
+    for s in range(0, data.shape[0], seg):
+        logp, *mems = model.log_probs(data[s:s + seg], *mems)
+    for t in range(new):
+        tok = logp[-1].argmax(-1)
+        seq.append(tok[:, None])
+        if t + 1 < new:
+            logp, *mems = model.log_probs(tok[None], *mems)
+    return torch.cat(seq, 1)
+
+
 def _lm_report(device: torch.device) -> bool:
-    """The two LM workloads of ``benchmarks/test_bench_lm.py`` at its small size (4 layers,
-    d_model 128, vocabulary 2000; eval tgt_len 16 / mem_len 160, generate 32 tokens after 64),
-    so the report stays quick: against HF TransfoXL on the same weights when transformers 4.x
-    is importable, else ours with the K/V cache against ours on the mems path. Needs the
-    source checkout (the benchmarks package); the realistic sizes: ``python -m
-    benchmarks.test_bench_lm``. Returns False when greedy tokens differ from HF's."""
-    print("\nTransformer-XL LM (txl_kernels.models), small size, fp32, one CPU thread: "
-          "time per call")
-    try:
-        import benchmarks.test_bench_lm as lm
-    except Exception as exc:
-        _row("skipped", f"needs the source checkout's benchmarks package ({type(exc).__name__}: "
-                        f"{exc}); run from the repository root")
-        return True
-    threads = torch.get_num_threads()
-    try:
-        res = lm.compare(lm.SMALL, lm.SMALL_EVAL, lm.SMALL_GEN, min_run_time_s=0.2,
-                         log=lambda line: None, device=device)
-    except AssertionError as exc:
-        _row("generate", f"FAILED: {exc}")
-        return False
-    finally:
-        torch.set_num_threads(threads)
-    e, g = res["eval"], res["generate"]
-    ev = lm.SMALL_EVAL
-    gen = lm.SMALL_GEN
-    _row("sizes", f"{lm.SMALL['n_layer']} layers, d_model {lm.SMALL['d_model']}, vocabulary "
-                  f"{lm.SMALL['n_token']}; eval tgt_len {ev['tgt_len']} / mem_len "
-                  f"{ev['mem_len']}, bsz {ev['bsz']}; generate {gen['new']} after "
-                  f"{gen['prompt']}, mem_len {gen['mem_len']}")
-    if res["hf"] is None:
-        _row("eval, K/V cache", f"{e['txl_kernels'] * 1e3:8.1f} ms   "
-                                f"HF {e['hf'] * 1e3:.1f} ms: {e['hf'] / e['txl_kernels']:.2f}x")
-        _row("eval, mems path", f"{e['txl_kernels_mems'] * 1e3:8.1f} ms   "
-                                f"HF: {e['hf'] / e['txl_kernels_mems']:.2f}x")
-        _row("generate (greedy)", f"{g['txl_kernels'] * 1e3:8.1f} ms   HF {g['hf'] * 1e3:.1f}"
-                                  f" ms: {g['hf'] / g['txl_kernels']:.2f}x (same tokens)")
-    else:
-        _row("HF TransfoXL", f"not compared: {res['hf']}")
-        _row("eval, K/V cache", f"{e['txl_kernels'] * 1e3:8.1f} ms   "
-                                f"{e['txl_kernels_mems'] / e['txl_kernels']:.2f}x the mems path")
-        _row("eval, mems path", f"{e['txl_kernels_mems'] * 1e3:8.1f} ms")
-        _row("generate (greedy)", f"{g['txl_kernels'] * 1e3:8.1f} ms")
-    print("  (small sizes, where per-call overhead weighs most; the full sizes and ratios: "
-          "BENCHMARKS.md)")
-    return True
+    """A small Transformer-XL LM (``txl_kernels.models.MemTransformerLM``, :data:`LM_SIZE`,
+    random weights, fp32) evaluated segment by segment with the K/V cache and on the mems path
+    (losses must agree), and greedy generation with the cache against a greedy loop on the mems
+    path (tokens must agree); prints each one's time. Returns False on a disagreement."""
+    from txl_kernels.models import MemTransformerLM
+
+    ev, gen = LM_EVAL, LM_GEN
+    print(f"\nTransformer-XL LM (txl_kernels.models.MemTransformerLM): {LM_SIZE['n_layer']} "
+          f"layers, d_model {LM_SIZE['d_model']}, vocabulary {LM_SIZE['n_token']}, fp32, "
+          f"random weights, {device}")
+
+    def model(tgt_len, mem_len):
+        c = dict(LM_SIZE, attn_backend="reference" if device.type == "cpu" else "auto")
+        torch.manual_seed(0)
+        return MemTransformerLM(c.pop("n_token"), c.pop("n_layer"), c.pop("n_head"),
+                                c.pop("d_model"), c.pop("d_head"), c.pop("d_inner"), 0.0, 0.0,
+                                tgt_len=tgt_len, mem_len=mem_len, **c).to(device).eval()
+
+    ok = True
+    g = torch.Generator().manual_seed(5)
+    tgt_len, bsz = ev["tgt_len"], ev["bsz"]
+    n_seg = ev["mem_len"] // tgt_len + 1
+    lm = model(tgt_len, ev["mem_len"])
+    data = torch.randint(LM_SIZE["n_token"], (n_seg * tgt_len + 1, bsz), generator=g).to(device)
+    segs = [(data[s:s + tgt_len], data[s + 1:s + 1 + tgt_len])
+            for s in range(0, n_seg * tgt_len, tgt_len)]
+    with torch.no_grad():
+        cache, mems, diff = lm.new_cache(bsz), [], 0.0
+        for x, y in segs:  # fills the memory; the last segment sees a full one
+            loss_c = lm(x, y, cache=cache)[0]
+            loss_m, *mems = lm(x, y, *mems)
+            diff = max(diff, (loss_c - loss_m).abs().max().item())
+        x, y = segs[-1]
+        t_cache = _median_time(lambda: lm(x, y, cache=cache))
+        t_mems = _median_time(lambda: lm(x, y, *mems))
+    same = diff <= LM_TOLERANCE
+    ok &= same
+    _row("sizes", f"eval tgt_len {tgt_len} / mem_len {ev['mem_len']}, bsz {bsz}; generate "
+                  f"{gen['new']} tokens after {gen['prompt']}, mem_len {gen['mem_len']}")
+    _row("losses, cache vs mems path", f"max |diff| {diff:.1e} over {n_seg} segments: "
+                                       + ("agree" if same else f"DISAGREE (> {LM_TOLERANCE})"))
+    _row("eval, K/V cache", f"{t_cache * 1e3:8.1f} ms per segment "
+                            f"({t_mems / t_cache:.2f}x the mems path)")
+    _row("eval, mems path", f"{t_mems * 1e3:8.1f} ms per segment")
+
+    lm = model(gen["tgt_len"], gen["mem_len"])
+    prompt = torch.randint(LM_SIZE["n_token"], (1, gen["prompt"]), generator=g).to(device)
+    with torch.no_grad():
+        out = {}
+        t_gen = _median_time(lambda: out.update(cache=lm.generate(prompt, gen["new"])), 1)
+        t_loop = _median_time(lambda: out.update(
+            mems=_lm_greedy_on_mems(lm, prompt, gen["new"], gen["tgt_len"])), 1)
+    same = torch.equal(out["cache"], out["mems"])
+    ok &= same
+    _row("generate (greedy), cache", f"{t_gen * 1e3:8.1f} ms ({t_loop / t_gen:.2f}x the "
+                                     f"mems-path loop)")
+    _row("generate, mems-path loop", f"{t_loop * 1e3:8.1f} ms: "
+                                     + ("same tokens" if same else "DIFFERENT TOKENS"))
+    return ok
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; its description is this module's docstring as plain text."""
+    ap = argparse.ArgumentParser(prog="python -m txl_kernels",
+                                 description=re.sub(r"``(.+?)``", r"\1", __doc__).strip(),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="where the self-check runs: cpu, cuda or cuda:N (default: cuda when "
+                         "a CUDA device is visible, else cpu)")
+    ap.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                    help="the attention layer's dtype (default: float16 on CUDA, float32 on "
+                         "CPU)")
+    ap.add_argument("--no-build", action="store_true",
+                    help="do not build or load the C++ extension; update_mems uses torch")
+    ap.add_argument("--no-interpret", action="store_true",
+                    help="on CPU, do not set TRITON_INTERPRET=1 (the fused path is then skipped)")
+    return ap
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m txl_kernels", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
-                    help="default: float16 on CUDA, float32 on CPU")
-    ap.add_argument("--no-build", action="store_true", help="skip building the extension")
-    ap.add_argument("--no-interpret", action="store_true",
-                    help="on CPU, do not set TRITON_INTERPRET=1 (the fused path is then skipped)")
-    args = ap.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         device = _device(args.device)
     except ValueError as exc:
@@ -268,7 +328,7 @@ def main(argv=None) -> int:
         print("  (the triton row ran under the Triton interpreter: a correctness check, not a "
               "speed measurement)")
     if not _lm_report(device):
-        failures.append("MemTransformerLM generate (tokens differ from HF's greedy loop)")
+        failures.append("MemTransformerLM (K/V cache against the mems path)")
     if failures:
         print(f"\nFAILED: {', '.join(failures)}: does not agree with the reference")
         return 1

@@ -4,8 +4,14 @@
 On first use :func:`load_extension` compiles every ``csrc/*.cpp`` (and, when torch is a CUDA
 build, a toolkit is found and a GPU is visible, every ``*.cu`` with ``-DTXL_WITH_CUDA``) into
 torch's extension cache (``$TORCH_EXTENSIONS_DIR`` or torch's default); torch and ninja decide
-what is up to date. The CPU-only and the CUDA build have different names, so they never share a
-folder. When nothing can be built, :func:`load_extension` returns None and
+what is up to date. Each build has its own folder, ``<name>-<key>``: the key is a hash of the
+sources' contents, the torch version, the Python ABI and torch's CUDA version
+(:func:`build_key`), so two installs on one machine (an editable checkout and a wheel, two
+virtual environments) each keep their own build instead of rebuilding each other's, and two
+installs of the same sources share one. The sources are compiled from a copy inside that folder,
+so the compile commands, and with them ninja's view of what is up to date, do not depend on
+where the package is installed. The CPU-only and the CUDA build have different names, so they
+never share a folder. When nothing can be built, :func:`load_extension` returns None and
 :func:`extension_status` says why (``memory.update_mems`` then warns once and uses torch).
 A cached library that cannot be loaded (e.g. a truncated .so: "invalid ELF header") is rebuilt
 once into a fresh folder; if that fails too, the reason names the folders to delete.
@@ -14,11 +20,13 @@ The build report and the CI compile check live in ``tools/build_check.py`` (sour
 from __future__ import annotations
 
 import glob
+import hashlib
 import logging
 import os
 import re
 import shutil
 import sys
+import sysconfig
 import threading
 from contextlib import contextmanager
 from typing import Dict, List, Optional, Tuple
@@ -94,9 +102,63 @@ def cuda_build_plan() -> Tuple[bool, str]:
     return True, f"CUDA toolkit at {home}"
 
 
-def build_directory(name: str) -> str:
-    """torch's build folder for the extension ``name`` (created if missing)."""
-    return cpp_extension()._get_build_directory(name, verbose=False)
+# compile flags: part of the build key, so a change of flags gets a fresh folder
+CFLAGS, CUDA_FLAG = ["-O3"], "-DTXL_WITH_CUDA"
+_SOURCE_SUFFIXES = (".cpp", ".cu", ".h", ".cuh")
+
+
+def read_sources(src: Optional[str] = None) -> Dict[str, bytes]:
+    """The extension's sources (every .cpp, .cu, .h, .cuh in ``src``, default
+    :func:`csrc_dir`), by file name."""
+    src = src or csrc_dir()
+    if src is None:
+        return {}
+    return {os.path.basename(p): open(p, "rb").read()
+            for p in sorted(glob.glob(os.path.join(src, "*")))
+            if p.endswith(_SOURCE_SUFFIXES) and os.path.isfile(p)}
+
+
+def build_key(sources: Optional[Dict[str, bytes]] = None) -> str:
+    """16 hex digits identifying what a build depends on: the sources' names and contents
+    (default :func:`read_sources`), the torch version (and commit), torch's CUDA version (or
+    none), the Python ABI and the compile flags. Where the sources lie does not count."""
+    sources = read_sources() if sources is None else sources
+    h = hashlib.sha256()
+    for part in (torch.__version__, getattr(torch.version, "git_version", ""),
+                 f"cuda={torch.version.cuda}", f"hip={getattr(torch.version, 'hip', None)}",
+                 sys.implementation.cache_tag, sysconfig.get_config_var("EXT_SUFFIX") or "",
+                 sys.platform, repr((CFLAGS, CUDA_FLAG))):
+        h.update(str(part).encode() + b"\0")
+    for fname in sorted(sources):
+        h.update(fname.encode() + b"\0" + hashlib.sha256(sources[fname]).digest())
+    return h.hexdigest()[:16]
+
+
+def build_directory(name: str, sources: Optional[Dict[str, bytes]] = None) -> str:
+    """The build folder of the extension ``name`` for these sources (default
+    :func:`read_sources`): ``<torch's extension root>/<name>-<build_key>``, created if
+    missing."""
+    return cpp_extension()._get_build_directory(f"{name}-{build_key(sources)}", verbose=False)
+
+
+def _snapshot(sources: Dict[str, bytes], folder: str) -> str:
+    """Copy ``sources`` into ``folder/src`` (files already there with the same contents are
+    left alone, so ninja sees them unchanged); returns that folder."""
+    dest = os.path.join(folder, "src")
+    os.makedirs(dest, exist_ok=True)
+    for fname, data in sources.items():
+        path = os.path.join(dest, fname)
+        try:
+            with open(path, "rb") as f:
+                if f.read() == data:
+                    continue
+        except OSError:
+            pass
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    return dest
 
 
 @contextmanager
@@ -117,12 +179,8 @@ def _arch_list_without_device(with_cuda: bool):
 def compile_extension(name: str, with_cuda: bool, verbose: bool = False):
     """Build (ninja: only what changed) and import one extension; raises on failure."""
     from filelock import FileLock  # a torch dependency
-    ce, src = cpp_extension(), csrc_dir()
-    # the .cu first: a broken CUDA source fails before the slow C++ compile (MAX_JOBS=1)
-    sources = sorted(glob.glob(os.path.join(src, "*.cu"))) if with_cuda else []
-    sources += sorted(glob.glob(os.path.join(src, "*.cpp")))
-    flags = ["-O3"] + (["-DTXL_WITH_CUDA"] if with_cuda else [])
-    folder = build_directory(name)
+    ce, files = cpp_extension(), read_sources()
+    folder = build_directory(name, files)  # keyed by exactly the bytes compiled below
     if not glob.glob(os.path.join(folder, name + "*.so")) and not verbose:
         print(f"txl_kernels: compiling the extension {name} into {folder} (a minute or more)",
               file=sys.stderr, flush=True)
@@ -130,9 +188,16 @@ def compile_extension(name: str, with_cuda: bool, verbose: bool = False):
     # (torch's own lock covers only its build step, and older releases' FileBaton is a lock
     # file that a killed build leaves behind)
     with FileLock(folder + ".lock"), _arch_list_without_device(with_cuda):
-        return ce.load(name=name, sources=sources, extra_cflags=flags,
-                       extra_cuda_cflags=["-O3"] if with_cuda else None,
-                       extra_include_paths=[src], with_cuda=with_cuda, verbose=verbose)
+        src = _snapshot(files, folder)
+        # the .cu first: a broken CUDA source fails before the slow C++ compile (MAX_JOBS=1)
+        sources = [os.path.join(src, f) for f in sorted(files)
+                   if f.endswith(".cu") and with_cuda]
+        sources += [os.path.join(src, f) for f in sorted(files) if f.endswith(".cpp")]
+        return ce.load(name=name, sources=sources,
+                       extra_cflags=CFLAGS + ([CUDA_FLAG] if with_cuda else []),
+                       extra_cuda_cflags=CFLAGS if with_cuda else None,
+                       extra_include_paths=[src], build_directory=folder, with_cuda=with_cuda,
+                       verbose=verbose)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -145,8 +210,8 @@ class CachedExtensionError(RuntimeError):
 
 
 def load_or_rebuild(name: str, with_cuda: bool, verbose: bool = False):
-    """:func:`compile_extension`, rebuilt once into the fresh folder ``<name>_rebuilt`` when
-    the cached library cannot be loaded (a failed import, not a failed compile)."""
+    """:func:`compile_extension`, rebuilt once into the fresh folder ``<name>_rebuilt-<key>``
+    when the cached library cannot be loaded (a failed import, not a failed compile)."""
     try:
         return compile_extension(name, with_cuda, verbose)
     except (ImportError, OSError) as exc:
