@@ -337,7 +337,7 @@ def test_compile_fullgraph_lm_cpu_decode_step(extension, cache_dtype):
             outs = []
             for fn, c in ((decode_step, eager_cache), (compiled, cache)):
                 c._make_room(1)
-                tables = model._projected_pos(c.mlen + 1, c.mem_len + c.max_qlen)
+                tables = model._projected_pos(c.mlen + 1, c)
                 outs.append(fn(model, model.word_emb(tok), tables, c))
                 if c.quantized:
                     c._append(1)
