@@ -309,8 +309,8 @@ def _load_query_tile(query, i0, offs_i, offs_d, Lq, D, DOT_DTYPE: tl.constexpr,
 
 
 @triton.jit
-def _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, offs_i, offs_j, qk_scale,
-                    pattern, drop, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
+def _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, i0, j0, offs_i, offs_j,
+                    qk_scale, pattern, drop, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
                     HAS_BAND: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
                     SKEW_GATHER: tl.constexpr, BLOCK: tl.constexpr, IN_DTYPE: tl.constexpr,
                     UPCAST: tl.constexpr, MASKED: tl.constexpr = True):
@@ -320,11 +320,13 @@ def _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, offs_i, offs_j, 
     fp32 tile live). Returns (Pv, dS): Pv rounded to the operand dtype (IN_DTYPE) for the dV
     product, dS in fp32 (the callers round it, and its unskewed copy: rotating fp32 values is
     plain selects, where 16-bit ones packed two to a register need byte permutes). Pv is P as
-    the forward applied it to V (for dV): P itself (recomputed from lse, 0 where masked), or
-    with DROPOUT P Z / (1 - p), Z the forward's keep-mask regenerated from the same Philox
-    counters; dP then becomes dO V^T Z / (1 - p), the gradient w.r.t. the undropped P, and
+    the forward applied it to V (for dV) up to its scale: P itself (recomputed from lse, 0 where
+    masked), or with DROPOUT P Z, Z the forward's keep-mask regenerated from the same Philox
+    counters (the caller scales dV by 1 / (1 - p) once); dP then becomes dO V^T Z / (1 - p),
+    the gradient w.r.t. the undropped P, and
     dS = P (dP - delta) holds as without dropout (delta = rowsum(dO O) = rowsum(P dP)).
-    ``drop``: see _program_setup."""
+    i0 / j0: the tile's first query row and key (offs_i / offs_j start there); ``drop``: see
+    _program_setup."""
     bd = _skew(t_lo, t_hi, BLOCK, SKEW_GATHER)
     ac = tl.dot(a_t, tl.trans(k_t), input_precision=DOT_PREC)
     p = _probs(ac, bd, lse2, offs_i, offs_j, qk_scale, pattern, HAS_KPM, HAS_MASK, HAS_BAND,
@@ -334,10 +336,12 @@ def _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, offs_i, offs_j, 
     if DROPOUT:
         bh, Lq, SEED, drop_thresh, drop_scale = drop
         drop_seed, drop_off = load_dropout_seed(SEED)
-        keep = dropout_keep(drop_seed, drop_off, bh, offs_i, offs_j, Lq, drop_thresh)
-        dp = tl.where(keep, dp * drop_scale, 0.0)
-        pv = tl.where(keep, p * drop_scale, 0.0)
-    return _operand(pv, IN_DTYPE, UPCAST), p * (dp - delta[:, None])
+        keep = dropout_keep(drop_seed, drop_off, bh, i0, j0, Lq, drop_thresh, BLOCK, BLOCK)
+        pv = tl.where(keep, p, 0.0)  # (dV takes the 1 / (1 - p) once, in the dk/dv kernel)
+        ds = p * (tl.where(keep, dp, 0.0) * drop_scale - delta[:, None])
+    else:
+        ds = p * (dp - delta[:, None])
+    return _operand(pv, IN_DTYPE, UPCAST), ds
 
 
 @triton.jit
@@ -422,7 +426,7 @@ def _rel_attn_bwd_dkdv_kernel(
                                                       DOT_DTYPE, USE_DESC)
         t_lo, t_hi = _window_t(qv_t, _load_window(rel, j0 - i0 + Lq - BLOCK, offs_d, D, BLOCK,
                                                   DOT_DTYPE, USE_DESC), BLOCK, DOT_PREC)
-        p, ds = _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, offs_i,
+        p, ds = _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, i0, j0, offs_i,
                                 offs_j, qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
                                 DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, K.dtype.element_ty, UPCAST)
         dv = tl.dot(tl.trans(p), do, dv, input_precision=DOT_PREC)
@@ -437,6 +441,8 @@ def _rel_attn_bwd_dkdv_kernel(
              tl.sum(tl.sum(ds_sum, axis=0)[:, None] * k_t.to(tl.float32), axis=0) * sm_scale,
              mask=dmask)
     dk = dk * sm_scale
+    if DROPOUT:  # the kept probabilities' 1 / (1 - p) (_recompute_p_ds)
+        dv = dv * drop[4]
     out_off = (b * stride_dk[0] + h * stride_dk[2] + offs_j.to(tl.int64)[:, None] * stride_dk[1]
                + offs_d[None, :])
     tl.store(DK + out_off, _output(dk, DK.dtype.element_ty, UPCAST), mask=kv_msk)
@@ -452,7 +458,7 @@ def _dq_tile(carry, n, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
     """One key tile n of the dq kernel's loop: carry (dq, g_prev, p_lo) -> the
     same after it; ``tile`` the query tile's loop invariants (see the kernel)."""
     dq, g_prev, p_lo = carry
-    (a_t, qv_t, do, lse2, delta, offs_i, offs_d, dmask, lo_part, w, keys, rel, DR_h,
+    (a_t, qv_t, do, lse2, delta, i0, offs_i, offs_d, dmask, lo_part, w, keys, rel, DR_h,
      stride_drp, pattern, drop, Lk, R_rows, D, sm_scale, qk_scale) = tile
     j0 = n * BLOCK
     offs_j = j0 + tl.arange(0, BLOCK)
@@ -460,7 +466,7 @@ def _dq_tile(carry, n, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
     r_lo = _load_r(rel, p_lo, w, offs_d, D, DOT_DTYPE, USE_DESC)
     r_hi = _load_r(rel, p_lo + BLOCK, w, offs_d, D, DOT_DTYPE, USE_DESC)
     t_lo, t_hi = _chunks_t(qv_t, r_lo, r_hi, DOT_PREC)
-    p, ds = _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, offs_i,
+    p, ds = _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, i0, j0, offs_i,
                             offs_j, qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
                             DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, IN_DTYPE, UPCAST, MASKED)
     dq = tl.dot(_operand(ds, IN_DTYPE, UPCAST), k_t, dq, input_precision=DOT_PREC)  # dA
@@ -523,7 +529,7 @@ def _rel_attn_bwd_dq_kernel(
     g_prev = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)  # its hi part is pending
     dq = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     carry = (dq, g_prev, p_lo)
-    tile = (a_t, qv_t, do, lse2, delta, offs_i, offs_d, dmask, lo_part, w, keys, rel, DR_h,
+    tile = (a_t, qv_t, do, lse2, delta, i0, offs_i, offs_d, dmask, lo_part, w, keys, rel, DR_h,
             stride_dr[0], pattern, drop, Lk, R_rows, D, sm_scale, qk_scale)
     # three runs of key tiles, in order (the window chunk is carried), as in the forward:
     # [n_lo, n_a) the left band edge (masked), [n_a, n_b) the interior (mask-free,
@@ -576,7 +582,7 @@ def _dr_tile(carry, m, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
                                                   USE_DESC)
     k_t, v_t = _load_kv_tile(keys, j0, offs_j, Lk, offs_d, D, DOT_DTYPE, USE_DESC)
     t_lo, t_hi = _chunks_t(qv_t, r_lo, r_hi, DOT_PREC)
-    p, ds = _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, offs_i,
+    p, ds = _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, i0, j0, offs_i,
                             offs_j, qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
                             DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, IN_DTYPE, UPCAST, MASKED)
     g = _operand(_unskew(ds, BLOCK, SKEW_GATHER), IN_DTYPE, UPCAST)

@@ -238,8 +238,8 @@ def _attend_tile(acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off,
     p = tl.math.exp2(s * qk_scale - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:
-        p = tl.where(dropout_keep(drop_seed, drop_off, pid_bh, offs_m, offs_n, Lq, drop_thresh),
-                     p, 0.0)
+        p = tl.where(dropout_keep(drop_seed, drop_off, pid_bh, i0, j0, Lq, drop_thresh,
+                                  BLOCK_M, BLOCK_N), p, 0.0)
     v = _key_value_tile(V_bh, v_off, stride_vn, VQ_bh, vq_off, VS_bh, stride_vqn, stride_vsn,
                         j0, mem_m, offs_n, n_ok, d_ok, MASKED, EVEN_D, UPCAST, USE_DESC,
                         QUANT_MEM)
