@@ -217,21 +217,44 @@ struct Dropout {
   uint32_t threshold = 0;
   double scale = 1.0;  // 1 / (1 - p)
 
-  // z[a * ldz + b] = keep(bh, i0 + a, j0 + b) ? scale : 0. Element (row, j) with row =
-  // bh * Lq + i takes word 2 g1 + b0 of the Philox call with counter ((j >> 4) * 4 + q,
-  // row, offset, (offset >> 32) + (row >> 32)) and key seed, where j = 16 h + 8 g1 + 2 q + b0.
+  // z[a * ldz + b] = keep(bh, i0 + a, j0 + b) ? scale : 0, the Triton kernels' mask
+  // (ops/_common.py, dropout_keep). Query rows i = 16 x + 8 t + y form the row pair
+  // pair = (bh * ceil(Lq / 16) + x) * 8 + y; key j = 32 h + 16 u + 8 g + 2 q + e takes byte
+  // 2 g + e of word 2 t + u of the Philox call with counter
+  // (4 h + q, pair, offset, (offset >> 32) + (pair >> 32)); kept when that byte >= threshold.
   template <typename T>
   void keep_scale(int64_t bh, int64_t Lq, int64_t i0, int64_t m, int64_t j0, int64_t n, T* z,
                   int64_t ldz) const {
     const uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+    const int64_t row_tiles = (Lq + 15) / 16;
     for (int64_t a = 0; a < m; ++a) {
-      const int64_t row = bh * Lq + i0 + a;
+      const int64_t i = i0 + a;
+      const uint64_t pair = static_cast<uint64_t>((bh * row_tiles + i / 16) * 8 + i % 8);
+      const int t = static_cast<int>((i % 16) / 8);
       T* zr = z + a * ldz;
-      for (int64_t hb = j0 >> 4; hb <= (j0 + n - 1) >> 4; ++hb) {
+      for (int64_t h = j0 >> 5; h <= (j0 + n - 1) >> 5; ++h) {
         for (int q = 0; q < 4; ++q) {
-          uint32_t c[4] = {static_cast<uint32_t>(hb * 4 + q), static_cast<uint32_t>(row),
+          uint32_t c[4] = {static_cast<uint32_t>(h * 4 + q), static_cast<uint32_t>(pair),
                            static_cast<uint32_t>(offset),
-                           static_cast<uint32_t>((offset >> 32) + (static_cast<uint64_t>(row) >> 32))};
+                           static_cast<uint32_t>((offset >> 32) + (pair >> 32))};
+          philox(c, k0, k1);
+          for (int u = 0; u < 2; ++u) {
+            const uint32_t w = c[2 * t + u];
+            for (int g = 0; g < 2; ++g) {
+              for (int e = 0; e < 2; ++e) {
+                const int64_t j = h * 32 + 16 * u + 8 * g + 2 * q + e;
+                if (j >= j0 && j < j0 + n) {
+                  const uint32_t byte = (w >> (8 * (2 * g + e))) & 0xFFu;
+                  zr[j - j0] = byte >= threshold ? T(scale) : T(0);
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+};
           philox(c, k0, k1);
           for (int w = 0; w < 4; ++w) {  // word w = 2 g1 + b0
             const int64_t j = hb * 16 + 8 * (w >> 1) + 2 * q + (w & 1);
@@ -720,8 +743,8 @@ Geometry make_geometry(const at::Tensor& q, int64_t Lk, const at::Tensor& r, dou
     g.drop.on = true;
     g.drop.seed = static_cast<uint64_t>(sc.data_ptr<int64_t>()[0]);
     g.drop.offset = static_cast<uint64_t>(sc.data_ptr<int64_t>()[1]);
-    g.drop.threshold = static_cast<uint32_t>(
-        std::min<double>(std::floor(dropout_p * 4294967296.0), 4294967295.0));
+    // ops/_common.py dropout_threshold: an element is kept when its Philox byte >= floor(256 p)
+    g.drop.threshold = static_cast<uint32_t>(std::min<double>(std::floor(dropout_p * 256.0), 255.0));
     g.drop.scale = 1.0 / (1.0 - dropout_p);
   }
   // query blocks of 64 rows; key tiles of 128 (multiples of 16)

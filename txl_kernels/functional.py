@@ -289,10 +289,11 @@ def rel_attention(
             which gives the same scores). NaN / inf raise ValueError.
         dropout_p: dropout on the attention probabilities, after the softmax normaliser (kept
             ones scaled by ``1 / (1 - p)``), on both backends. Pass 0.0 at evaluation. The
-            fused kernels draw their keep-mask from a counter-based RNG (Philox) keyed by a
-            (seed, offset) pair that one ``torch.randint`` draws, on q's device, from
-            PyTorch's default generator (the CUDA generator of that device; the CPU one
-            under the interpreter): ``torch.manual_seed`` makes a call reproducible,
+            fused kernels drop with p rounded down to a multiple of 1 / 256 (8 random bits per
+            element, as FlashAttention-2) and draw their keep-mask from a counter-based RNG
+            (Philox) keyed by a (seed, offset) pair that one ``torch.randint`` draws, on q's
+            device, from PyTorch's default generator (the CUDA generator of that device; the
+            CPU one under the interpreter): ``torch.manual_seed`` makes a call reproducible,
             consecutive calls differ, CUDA graph capture records it like any random op. The
             backward regenerates the same mask (nothing Lq x Lk is stored). The reference
             backend uses ``F.dropout`` (a different mask for the same seed).

@@ -249,22 +249,25 @@ def rotate_rows(m, sh, BM: tl.constexpr, BN: tl.constexpr):
 
 # ---- attention dropout: a counter-based keep-mask (Philox), a function of (b, h, i, j) only
 #
-# Element (b, h, i, j), with j = 16 h' + 8 g + 2 q + e (g, e in {0, 1}, q < 4), takes 32-bit word
-# 2 g + e of Philox-4x32-10 at the 128-bit counter (4 h' + q, row mod 2^32, offset mod 2^32,
-# (offset >> 32) + (row >> 32)), row = (b * H + h) * Lq + i, keyed by the 64-bit seed: one
-# Philox call serves keys 16 h' + 2 q + {0, 1, 8, 9}, the four elements of the call's row that
-# one thread holds in the sm_90 wgmma accumulator layout (column bits 1-2 are lane bits, bits 0
-# and 3 register bits), so the words reach their scores without a layout conversion through
-# shared memory (four consecutive keys 4 c + {0, 1, 2, 3} per call would sit in other lanes'
-# accumulator registers and need that conversion in every tile). For one (seed, offset) every element
-# has its own (counter, word), whatever the tiling (split-K, block sizes: key tiles start at
-# multiples of 16), so the forward and every backward kernel regenerate the same mask. The
-# word is compared with an integer threshold: P(keep) = 1 - floor(p * 2^32) / 2^32.
+# One Philox-4x32-10 call serves 16 elements, 8 bits each (FlashAttention-2's budget): the rows
+# i = 16 x + 8 t + y (t in {0, 1}, y < 8) and keys j = 32 h + 16 u + 8 g + 2 q + e (u, g, e in
+# {0, 1}, q < 4) take byte 2 g + e of word 2 t + u of the call at the 128-bit counter
+# (4 h + q, pair mod 2^32, offset mod 2^32, (offset >> 32) + (pair >> 32)), pair = (b * H + h)
+# * 8 ceil(Lq / 16) + 8 x + y, keyed by the 64-bit seed. The call's 16 elements, rows
+# {16 x + y, 16 x + y + 8} by keys 32 h + 2 q + {0, 1, 8, 9, 16, 17, 24, 25}, are ones that one
+# thread holds in the sm_90 wgmma accumulator layout (row bits 0-2 and column bits 1-2 are lane
+# bits, row bit 3 and the other column bits register bits), so the words reach their scores
+# without a layout conversion; the Philox rounds, the cost of dropout, are a sixteenth of a call
+# per element. For one (seed, offset) every element has its own (counter, byte), whatever the
+# tiling (split-K, block sizes: query and key tiles start at multiples of 16; a 16-key tile
+# takes its half of the calls), so the forward and every backward kernel regenerate the same
+# mask. An element is dropped when its byte is below floor(256 p): the drop rate is p rounded
+# down to a multiple of 1/256 (kept values are scaled by 1 / (1 - p), as FlashAttention-2 does).
 
 def dropout_threshold(p: float) -> int:
-    """The uint32 threshold of ``dropout_keep``: an element is kept when its 32-bit Philox word
-    is ``>= floor(p * 2**32)``."""
-    return min(int(p * 4294967296.0), 4294967295)
+    """The 8-bit threshold of ``dropout_keep``: an element is kept when its Philox byte is
+    ``>= floor(p * 256)``."""
+    return min(int(p * 256.0), 255)
 
 
 @triton.jit
@@ -274,28 +277,37 @@ def load_dropout_seed(SEED):
 
 
 @triton.jit
-def dropout_keep(seed, offset, bh, offs_i, offs_j, Lq, threshold):
-    """Keep-mask [len(offs_i), len(offs_j)] of (batch * H + head) ``bh``, query rows offs_i
-    (any ints; the row index is formed in int64) and keys offs_j: consecutive, starting at a
-    multiple of 16 (a key tile), a power of two >= 16 long."""
-    BM: tl.constexpr = offs_i.shape[0]
-    BN: tl.constexpr = offs_j.shape[0]
-    tl.static_assert(BN >= 16, "dropout_keep: key tiles of at least 16 keys")
-    NH: tl.constexpr = BN // 16
-    row = bh.to(tl.int64) * Lq + offs_i.to(tl.int64)
-    c1 = row.to(tl.uint32)[:, None, None]
-    c3 = ((offset >> 32) + (row >> 32)).to(tl.uint32)[:, None, None]
-    # call (h, q) of the key tile serves columns 16 h + 2 q + {0, 1, 8, 9}
-    c0 = (((tl.min(offs_j, 0) >> 4) + tl.arange(0, NH)) * 4)[None, :, None] \
-        + tl.arange(0, 4)[None, None, :]
-    c0 = c0.to(tl.uint32)
-    zero = c0 * c1 * 0  # [BM, NH, 4]
+def dropout_keep(seed, offset, bh, i0, j0, Lq, threshold, BM: tl.constexpr,
+                 BN: tl.constexpr):
+    """Keep-mask [BM, BN] of (batch * H + head) ``bh``, query rows i0 + [0, BM) and keys
+    j0 + [0, BN): i0 and j0 multiples of 16, BM and BN powers of two >= 16."""
+    tl.static_assert(BM >= 16 and BN >= 16, "dropout_keep: tiles of at least 16 x 16")
+    NX: tl.constexpr = BM // 16
+    NH: tl.constexpr = (BN + 31) // 32
+    # row pairs (x, y): rows 16 x + y and 16 x + y + 8, numbered 8 x + y per (batch, head)
+    pair = (bh.to(tl.int64) * ((Lq + 15) // 16) * 8 + (i0 // 16) * 8
+            + (tl.arange(0, NX) * 8)[:, None] + tl.arange(0, 8)[None, :])
+    c1 = pair.to(tl.uint32)[:, :, None, None]
+    c3 = ((offset >> 32) + (pair >> 32)).to(tl.uint32)[:, :, None, None]
+    # call (h, q) serves the keys 32 h + 2 q + {0, 1, 8, 9, 16, 17, 24, 25}
+    c0 = (((j0 // 32) + tl.arange(0, NH)) * 4)[:, None] + tl.arange(0, 4)[None, :]
+    c0 = c0.to(tl.uint32)[None, None, :, :]
+    zero = c0 * c1 * 0  # [NX, 8, NH, 4]
     r0, r1, r2, r3 = tl.philox(seed, c0 + zero, c1 + zero, offset.to(tl.uint32) + zero,
                                c3 + zero)
-    # [BM, NH, g1, q, b0]: column 16 h + 8 g1 + 2 q + b0 takes word 2 g1 + b0
-    r = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [BM, NH, q, b0, g1]
-    r = tl.reshape(tl.permute(r, (0, 1, 4, 2, 3)), [BM, BN])
-    return r >= tl.to_tensor(threshold).to(tl.uint32)
+    if BN >= 32:
+        w = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [NX, y, NH, q, u, t]
+    else:  # a 16-key tile: the words of its half u of the calls
+        odd = (j0 // 16) % 2 == 1
+        w = tl.join(tl.where(odd, r1, r0), tl.where(odd, r3, r2))  # [NX, y, 1, q, t]
+    # byte 2 g + e of each word at the top (an unsigned compare with threshold << 24 then
+    # reads that byte alone)
+    r = tl.join(tl.join(w << 24, w << 16), tl.join(w << 8, w))  # [..., e, g]
+    if BN >= 32:  # [NX, y, NH, q, u, t, e, g] -> rows (NX, t, y), keys (NH, u, g, q, e)
+        r = tl.reshape(tl.permute(r, (0, 5, 1, 2, 4, 7, 3, 6)), [BM, BN])
+    else:  # [NX, y, 1, q, t, e, g] -> rows (NX, t, y), keys (1, g, q, e)
+        r = tl.reshape(tl.permute(r, (0, 4, 1, 2, 6, 3, 5)), [BM, BN])
+    return r >= (tl.to_tensor(threshold).to(tl.uint32) << 24)
 
 
 # ---- the (seed, offset) state, and the keep-mask for testing (re-exported by rel_attn_fwd)
@@ -310,19 +322,6 @@ def draw_dropout_seed(device) -> torch.Tensor:
     return torch.randint(0, 2 ** 62, (2,), dtype=torch.int64, device=device)
 
 
-@triton.jit
-def _dropout_mask_kernel(SEED, Keep, H, Lq, Lk, drop_thresh,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid_bh = tl.program_id(0)
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    seed, off = load_dropout_seed(SEED)
-    keep = dropout_keep(seed, off, pid_bh, offs_m, offs_n, Lq, drop_thresh)
-    ptrs = (Keep + pid_bh.to(tl.int64) * Lq * Lk + offs_m.to(tl.int64)[:, None] * Lk
-            + offs_n[None, :])
-    tl.store(ptrs, keep.to(tl.int8), mask=(offs_m < Lq)[:, None] & (offs_n < Lk)[None, :])
-
-
 def dropout_keep_mask(seed: torch.Tensor, B: int, H: int, Lq: int, Lk: int,
                       dropout_p: float) -> torch.Tensor:
     """The keep-mask ``[B, H, Lq, Lk]`` (bool, True = kept) that the fused kernels use for the
@@ -330,12 +329,7 @@ def dropout_keep_mask(seed: torch.Tensor, B: int, H: int, Lq: int, Lk: int,
     ``dropout_p``: computed by the kernels' own jit helper (``dropout_keep``), on its own tiles,
     since the mask is a function of (b, h, i, j) and the seed alone. Debug / testing entry
     point (like flash-attention's ``return_attn_probs``): it materialises Lq x Lk."""
-    keep = torch.empty((B, H, Lq, Lk), dtype=torch.int8, device=seed.device)
-    bm = bn = 64  # (any tiling gives the same mask; the kernels use their own)
-    with torch.cuda.device(seed.device) if seed.device.type == "cuda" else nullcontext():
-        _dropout_mask_kernel[(B * H, triton.cdiv(Lq, bm), triton.cdiv(Lk, bn))](
-            seed, keep, H, Lq, Lk, dropout_threshold(dropout_p), BLOCK_M=bm, BLOCK_N=bn)
-    return keep.bool()
+    return dropout_keep_block(seed, B, H, Lq, Lk, dropout_p, rows=(0, Lq), cols=(0, Lk))
 
 
 @triton.jit
@@ -349,7 +343,7 @@ def _dropout_block_kernel(SEED, Keep, H, Lq, I0, J0, A, Bk, drop_thresh,
     offs_m = i0 + tl.arange(0, BLOCK_M)
     offs_n = j0 + tl.arange(0, BLOCK_N)
     seed, off = load_dropout_seed(SEED)
-    keep = dropout_keep(seed, off, pid_bh, offs_m, offs_n, Lq, drop_thresh)
+    keep = dropout_keep(seed, off, pid_bh, i0, j0, Lq, drop_thresh, BLOCK_M, BLOCK_N)
     li = offs_m - I0
     lj = offs_n - J0
     ptrs = (Keep + pid_bh.to(tl.int64) * A * Bk + li.to(tl.int64)[:, None] * Bk + lj[None, :])

@@ -181,12 +181,11 @@ def _program_setup(A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout
     """Every backward program's prologue: its batch and head (grid axis 0 is batch * head),
     the window narrowed by a mask band (band_on: the band replaces the dense mask, nothing to
     load) and the per-(batch, head) base pointers, computed once; with USE_DESC the [BLOCK,
-    BLOCK_D] tiles of (q + u), (q + vb), dO, K, V and r, and the [2 BLOCK, BLOCK_D] windows of
-    r, come through TMA descriptors made here (zero fill past the rows / D: no pointer math, no
-    masks). Returns (b, h, window_left, window_right, query, keys, rel, pattern, drop):
-    query / keys / rel are what _load_query_tile / _load_kv_tile / _load_r and _load_window
-    read, pattern what _probs masks with, drop the dropout's (batch * head, Lq, SEED,
-    threshold, scale)."""
+    BLOCK_D] tiles of (q + u), (q + vb), dO, K, V and r come through TMA descriptors made here
+    (zero fill past the rows / D: no pointer math, no masks). Returns (b, h, window_left,
+    window_right, query, keys, rel, pattern, drop): query / keys / rel are what
+    _load_query_tile / _load_kv_tile / _load_r read, pattern what _probs masks with, drop the
+    dropout's (batch * head, Lq, SEED, threshold, scale)."""
     (stride_wbh, stride_wm), stride_k, stride_v, stride_r, stride_do, stride_l = strides
     window_left, window_right, KPM, stride_kpm, MASK, stride_m, BAND = masks
     SEED, drop_thresh, drop_scale = dropout
@@ -211,16 +210,12 @@ def _program_setup(A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout
                                          block_shape=[BLOCK, BLOCK_D])
         V_bh = tl.make_tensor_descriptor(V_bh, shape=[Lk, D], strides=[stride_v[1], 1],
                                          block_shape=[BLOCK, BLOCK_D])
-        R2_h = tl.make_tensor_descriptor(R_h, shape=[R_rows, D], strides=[stride_r[0], 1],
-                                         block_shape=[2 * BLOCK, BLOCK_D])
         R_h = tl.make_tensor_descriptor(R_h, shape=[R_rows, D], strides=[stride_r[0], 1],
                                         block_shape=[BLOCK, BLOCK_D])
-    else:
-        R2_h = R_h
     query = (A_bh, QV_bh, DO_bh, LSE + b * stride_l[0] + h * stride_l[1],
              DELTA + b * stride_l[0] + h * stride_l[1], stride_wm, stride_do[1], stride_l[2])
     keys = (K_bh, V_bh, stride_k[1], stride_v[1])
-    rel = (R_h, stride_r[0], R_rows, R2_h)
+    rel = (R_h, stride_r[0], R_rows)
     pattern = (b, h, Lq, Lk, window_left, window_right, band_on, KPM, stride_kpm, MASK, stride_m)
     drop = (pid_bh, Lq, SEED, drop_thresh, drop_scale)
     return b, h, window_left, window_right, query, keys, rel, pattern, drop
@@ -243,38 +238,12 @@ def _load_kv_tile(keys, j0, offs_j, Lk, offs_d, D, DOT_DTYPE: tl.constexpr,
 @triton.jit
 def _load_r(rel, row0, w, offs_d, D, DOT_DTYPE: tl.constexpr, USE_DESC: tl.constexpr):
     """Rows row0 + w (w = [0, BLOCK)) of r (zero outside [0, R) and past D)."""
-    R_h, stride_rp, R_rows, R2_h = rel
+    R_h, stride_rp, R_rows = rel
     if USE_DESC:
         rows = R_h.load([row0, 0]).to(DOT_DTYPE)
     else:
         rows = _load_rows(R_h, row0 + w, R_rows, stride_rp, offs_d, D, DOT_DTYPE)
     return rows
-
-
-@triton.jit
-def _load_window(rel, row0, offs_d, D, BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                 USE_DESC: tl.constexpr):
-    """Rows row0 .. row0 + 2 BLOCK of r, a tile pair's window (zero outside [0, R), past D)."""
-    R_h, stride_rp, R_rows, R2_h = rel
-    if USE_DESC:
-        rows = R2_h.load([row0, 0]).to(DOT_DTYPE)
-    else:
-        rows = _load_rows(R_h, row0 + tl.arange(0, 2 * BLOCK), R_rows, stride_rp, offs_d, D,
-                          DOT_DTYPE)
-    return rows
-
-
-@triton.jit
-def _window_t(qv_t, r_win, BLOCK: tl.constexpr, DOT_PREC: tl.constexpr):
-    """(T_lo, T_hi): T = (q + vb) @ r_win^T ([BLOCK, 2 BLOCK]) as one product, split into its
-    two chunks (along a register bit of the accumulator layout: no data movement). One product
-    instead of two reads the (q + vb) operand from shared memory once: the dk/dv kernel's form
-    (fewer issue cycles per loop iteration in the static sm_90 model). The dq kernel needs r_lo
-    as an operand of its own (dQv), and a third r buffer beside it exceeds shared memory at
-    fp32 D 64; in the dr kernel the rows are loop invariants and two products model slightly
-    faster than one: both take _chunks_t."""
-    t = tl.dot(qv_t, tl.trans(r_win), input_precision=DOT_PREC)
-    return tl.split(tl.permute(tl.reshape(t, [BLOCK, 2, BLOCK]), (0, 2, 1)))
 
 
 @triton.jit
@@ -310,22 +279,24 @@ def _load_query_tile(query, i0, offs_i, offs_d, Lq, D, DOT_DTYPE: tl.constexpr,
 
 
 @triton.jit
-def _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, offs_i, offs_j, qk_scale,
-                    pattern, drop, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
+def _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, i0, j0, offs_i, offs_j,
+                    qk_scale, pattern, drop, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
                     HAS_BAND: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
                     SKEW_GATHER: tl.constexpr, BLOCK: tl.constexpr, IN_DTYPE: tl.constexpr,
                     UPCAST: tl.constexpr, MASKED: tl.constexpr = True):
     """P and dS = P (dP - delta), dP = dO V^T, on one tile (MASKED: as in _probs), computed in
     fp32; BD is the skew of the two window chunks [T_lo | T_hi] = (q + vb) @ [R_lo | R_hi]^T
-    (``_window_t`` / ``_chunks_t``; both recomputed per tile: carrying one would keep another
+    (``_chunks_t``; both recomputed per tile: carrying one would keep another
     fp32 tile live). Returns (Pv, dS): Pv rounded to the operand dtype (IN_DTYPE) for the dV
     product, dS in fp32 (the callers round it, and its unskewed copy: rotating fp32 values is
     plain selects, where 16-bit ones packed two to a register need byte permutes). Pv is P as
-    the forward applied it to V (for dV): P itself (recomputed from lse, 0 where masked), or
-    with DROPOUT P Z / (1 - p), Z the forward's keep-mask regenerated from the same Philox
-    counters; dP then becomes dO V^T Z / (1 - p), the gradient w.r.t. the undropped P, and
+    the forward applied it to V (for dV) up to its scale: P itself (recomputed from lse, 0 where
+    masked), or with DROPOUT P Z, Z the forward's keep-mask regenerated from the same Philox
+    counters (the caller scales dV by 1 / (1 - p) once); dP then becomes dO V^T Z / (1 - p),
+    the gradient w.r.t. the undropped P, and
     dS = P (dP - delta) holds as without dropout (delta = rowsum(dO O) = rowsum(P dP)).
-    ``drop``: see _program_setup."""
+    i0 / j0: the tile's first query row and key (offs_i / offs_j start there); ``drop``: see
+    _program_setup."""
     bd = _skew(t_lo, t_hi, BLOCK, SKEW_GATHER)
     ac = tl.dot(a_t, tl.trans(k_t), input_precision=DOT_PREC)
     p = _probs(ac, bd, lse2, offs_i, offs_j, qk_scale, pattern, HAS_KPM, HAS_MASK, HAS_BAND,
@@ -335,10 +306,12 @@ def _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, offs_i, offs_j, 
     if DROPOUT:
         bh, Lq, SEED, drop_thresh, drop_scale = drop
         drop_seed, drop_off = load_dropout_seed(SEED)
-        keep = dropout_keep(drop_seed, drop_off, bh, offs_i, offs_j, Lq, drop_thresh)
-        dp = tl.where(keep, dp * drop_scale, 0.0)
-        pv = tl.where(keep, p * drop_scale, 0.0)
-    return _operand(pv, IN_DTYPE, UPCAST), p * (dp - delta[:, None])
+        keep = dropout_keep(drop_seed, drop_off, bh, i0, j0, Lq, drop_thresh, BLOCK, BLOCK)
+        pv = tl.where(keep, p, 0.0)  # (dV takes the 1 / (1 - p) once, in the dk/dv kernel)
+        ds = p * (tl.where(keep, dp, 0.0) * drop_scale - delta[:, None])
+    else:
+        ds = p * (dp - delta[:, None])
+    return _operand(pv, IN_DTYPE, UPCAST), ds
 
 
 @triton.jit
@@ -416,14 +389,19 @@ def _rel_attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     ds_sum = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
+    # The window of query tile m is r rows j0 - i0 + Lq - BLOCK + [0, 2 BLOCK): its hi chunk
+    # is the previous tile's lo chunk, carried, so one r tile is loaded per query tile.
+    w = tl.arange(0, BLOCK)
+    r_hi = _load_r(rel, j0 - m_lo * BLOCK + Lq, w, offs_d, D, DOT_DTYPE, USE_DESC)
     for m in range(m_lo, m_hi):
         i0 = m * BLOCK
         offs_i = i0 + tl.arange(0, BLOCK)
         a_t, qv_t, do, lse2, delta = _load_query_tile(query, i0, offs_i, offs_d, Lq, D,
                                                       DOT_DTYPE, USE_DESC)
-        t_lo, t_hi = _window_t(qv_t, _load_window(rel, j0 - i0 + Lq - BLOCK, offs_d, D, BLOCK,
-                                                  DOT_DTYPE, USE_DESC), BLOCK, DOT_PREC)
-        p, ds = _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, offs_i,
+        r_lo = _load_r(rel, j0 - i0 + Lq - BLOCK, w, offs_d, D, DOT_DTYPE, USE_DESC)
+        t_lo, t_hi = _chunks_t(qv_t, r_lo, r_hi, DOT_PREC)
+        r_hi = r_lo
+        p, ds = _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, i0, j0, offs_i,
                                 offs_j, qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
                                 DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, K.dtype.element_ty, UPCAST)
         dv = tl.dot(tl.trans(p), do, dv, input_precision=DOT_PREC)
@@ -438,6 +416,8 @@ def _rel_attn_bwd_dkdv_kernel(
              tl.sum(tl.sum(ds_sum, axis=0)[:, None] * k_t.to(tl.float32), axis=0) * sm_scale,
              mask=dmask)
     dk = dk * sm_scale
+    if DROPOUT:  # the kept probabilities' 1 / (1 - p) (_recompute_p_ds)
+        dv = dv * drop[4]
     out_off = (b * stride_dk[0] + h * stride_dk[2] + offs_j.to(tl.int64)[:, None] * stride_dk[1]
                + offs_d[None, :])
     tl.store(DK + out_off, _output(dk, DK.dtype.element_ty, UPCAST), mask=kv_msk)
@@ -450,18 +430,18 @@ def _dq_tile(carry, n, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
              UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, SKEW_GATHER: tl.constexpr,
              BLOCK: tl.constexpr, DROPOUT: tl.constexpr, USE_DESC: tl.constexpr,
              MASKED: tl.constexpr, IN_DTYPE: tl.constexpr):
-    """One key tile n of the dq kernel's loop: carry (dq, g_prev, p_lo) -> the
-    same after it; ``tile`` the query tile's loop invariants (see the kernel)."""
-    dq, g_prev, p_lo = carry
-    (a_t, qv_t, do, lse2, delta, offs_i, offs_d, dmask, lo_part, w, keys, rel, DR_h,
+    """One key tile n of the dq kernel's loop: carry (dq, g_prev, p_lo, r_lo) -> the
+    same after it; ``tile`` the query tile's loop invariants (see the kernel). The window's lo
+    chunk of r is the last tile's hi chunk, carried: one r tile loaded per key tile."""
+    dq, g_prev, p_lo, r_lo = carry
+    (a_t, qv_t, do, lse2, delta, i0, offs_i, offs_d, dmask, lo_part, w, keys, rel, DR_h,
      stride_drp, pattern, drop, Lk, R_rows, D, sm_scale, qk_scale) = tile
     j0 = n * BLOCK
     offs_j = j0 + tl.arange(0, BLOCK)
     k_t, v_t = _load_kv_tile(keys, j0, offs_j, Lk, offs_d, D, DOT_DTYPE, USE_DESC)
-    r_lo = _load_r(rel, p_lo, w, offs_d, D, DOT_DTYPE, USE_DESC)
     r_hi = _load_r(rel, p_lo + BLOCK, w, offs_d, D, DOT_DTYPE, USE_DESC)
     t_lo, t_hi = _chunks_t(qv_t, r_lo, r_hi, DOT_PREC)
-    p, ds = _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, offs_i,
+    p, ds = _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, i0, j0, offs_i,
                             offs_j, qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
                             DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, IN_DTYPE, UPCAST, MASKED)
     dq = tl.dot(_operand(ds, IN_DTYPE, UPCAST), k_t, dq, input_precision=DOT_PREC)  # dA
@@ -473,7 +453,7 @@ def _dq_tile(carry, n, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
     if ATOMIC_DR:
         _atomic_dr(DR_h, dt, qv_t, p_lo + w, R_rows, stride_drp, offs_d, dmask, sm_scale,
                    DOT_PREC)
-    return dq, g, p_lo + BLOCK
+    return dq, g, p_lo + BLOCK, r_hi
 
 
 @triton.jit
@@ -523,8 +503,8 @@ def _rel_attn_bwd_dq_kernel(
     p_lo = n_lo * BLOCK - i0 + Lq - BLOCK  # first r row of the lo chunk of the current tile
     g_prev = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)  # its hi part is pending
     dq = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
-    carry = (dq, g_prev, p_lo)
-    tile = (a_t, qv_t, do, lse2, delta, offs_i, offs_d, dmask, lo_part, w, keys, rel, DR_h,
+    carry = (dq, g_prev, p_lo, _load_r(rel, p_lo, w, offs_d, D, DOT_DTYPE, USE_DESC))
+    tile = (a_t, qv_t, do, lse2, delta, i0, offs_i, offs_d, dmask, lo_part, w, keys, rel, DR_h,
             stride_dr[0], pattern, drop, Lk, R_rows, D, sm_scale, qk_scale)
     # three runs of key tiles, in order (the window chunk is carried), as in the forward:
     # [n_lo, n_a) the left band edge (masked), [n_a, n_b) the interior (mask-free,
@@ -542,9 +522,8 @@ def _rel_attn_bwd_dq_kernel(
                 carry = _dq_tile(carry, n, tile, HAS_KPM, HAS_MASK, HAS_BAND, ATOMIC_DR,
                                  DOT_DTYPE, UPCAST, DOT_PREC, SKEW_GATHER, BLOCK, DROPOUT,
                                  USE_DESC, run != 1, K.dtype.element_ty)
-    dq, g_prev, p_lo = carry
-    # flush the hi part of the last tile (rows p_lo ..)
-    r_lo = _load_r(rel, p_lo, w, offs_d, D, DOT_DTYPE, USE_DESC)
+    dq, g_prev, p_lo, r_lo = carry
+    # flush the hi part of the last tile (rows p_lo ..: its hi r chunk)
     dt = _operand(tl.where(lo_part, 0.0, g_prev), K.dtype.element_ty, UPCAST)
     dq = tl.dot(dt, r_lo, dq, input_precision=DOT_PREC)
     if ATOMIC_DR:
@@ -577,7 +556,7 @@ def _dr_tile(carry, m, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
                                                   USE_DESC)
     k_t, v_t = _load_kv_tile(keys, j0, offs_j, Lk, offs_d, D, DOT_DTYPE, USE_DESC)
     t_lo, t_hi = _chunks_t(qv_t, r_lo, r_hi, DOT_PREC)
-    p, ds = _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, offs_i,
+    p, ds = _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, i0, j0, offs_i,
                             offs_j, qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
                             DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, IN_DTYPE, UPCAST, MASKED)
     g = _operand(_unskew(ds, BLOCK, SKEW_GATHER), IN_DTYPE, UPCAST)
