@@ -255,16 +255,6 @@ struct Dropout {
     }
   }
 };
-          philox(c, k0, k1);
-          for (int w = 0; w < 4; ++w) {  // word w = 2 g1 + b0
-            const int64_t j = hb * 16 + 8 * (w >> 1) + 2 * q + (w & 1);
-            if (j >= j0 && j < j0 + n) zr[j - j0] = c[w] >= threshold ? T(scale) : T(0);
-          }
-        }
-      }
-    }
-  }
-};
 
 // ---- operands
 
