@@ -165,7 +165,8 @@ class FusedRelAttention(nn.Module):
         k = w_head_k.view(klen, bsz, H, D).transpose(0, 1)
         v = w_head_v.view(klen, bsz, H, D).transpose(0, 1)
         rlen = r.shape[0]
-        if rlen != klen:
+        # (with cp_group, klen is this rank's; r covers the global one, checked by the ring)
+        if rlen != klen and self.cp_group is None:
             raise ValueError(f"FusedRelAttention: r must have klen = mlen + qlen = {klen} rows "
                              f"(distances klen - 1 .. 0), got {rlen} rows (r "
                              f"{list(r.shape)})")
