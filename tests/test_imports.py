@@ -175,3 +175,16 @@ def test_every_module_imports_first_in_a_fresh_interpreter():
     with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
         failed = [(n, err) for n, rc, err in pool.map(run, MODULES) if rc != 0]
     assert not failed, "\n\n".join(f"import {n} failed:\n{err}" for n, err in failed)
+
+
+def test_importing_the_package_leaves_triton_unimported():
+    """``python -m txl_kernels`` sets TRITON_INTERPRET after ``import txl_kernels``; triton's own
+    jit helpers read it when triton is imported, so the package import must not import triton
+    (nor torch._dynamo, which imports it)."""
+    code = ("import sys, txl_kernels; "
+            "print(sorted(m for m in ('triton', 'torch._dynamo') if m in sys.modules))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

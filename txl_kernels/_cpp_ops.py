@@ -30,6 +30,7 @@ from typing import List, Optional, Sequence, Set
 import torch
 
 from . import _build
+from ._utils import assume_constant_result
 
 __all__ = ["load_extension", "unavailable", "use_extension", "warn_fallback"]
 
@@ -47,7 +48,7 @@ def load_extension():
     return ext
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def unavailable(op: str, device_type: str) -> str:
     """Why ``torch.ops.txl_kernels.<op>`` cannot run on ``device_type`` tensors ("" when it
     can). Builds and loads the extension on the first call. The answer does not change within

@@ -98,3 +98,15 @@ def as_len(name: str, value, who: str, low: int = 0) -> int:
     if n >= 2 ** 63:
         raise ValueError(f"{who}: {name} must fit in int64 (< 2**63), got {n}")
     return n
+
+
+def assume_constant_result(fn):
+    """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo``: the public
+    decorator imports it, and with it triton, whose own ``@triton.jit`` helpers then read
+    ``TRITON_INTERPRET`` at ``import txl_kernels`` time, before ``python -m txl_kernels`` (or a
+    user) can set it. The mark is the attribute that decorator sets; where ``torch._dynamo`` is
+    already loaded the decorator itself is used."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from . import _build
+from ._utils import assume_constant_result
 from ._cpp_ops import unavailable
 from .quant import QuantizedKV
 
@@ -23,7 +24,7 @@ __all__ = ["cpu_kernel_available", "rel_attn_cpu", "draw_cpu_dropout_seed"]
 _STATE: Optional[Tuple[bool, str]] = None
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def cpu_kernel_available() -> Tuple[bool, str]:
     """(True, where it was loaded from) once the C++ extension with the CPU kernel is loaded
     (built on the first call, like the rest of the extension), else (False, why not)."""

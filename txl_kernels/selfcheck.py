@@ -34,6 +34,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from ._utils import assume_constant_result
+
 __all__ = ["ENV", "enabled", "Variant", "fused_ok", "failure", "verdicts", "clear"]
 
 ENV = "TXL_KERNELS_SELFCHECK"
@@ -112,7 +114,7 @@ def _variant(key: Tuple) -> Variant:
     return variant
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def fused_ok(key: Tuple) -> bool:
     """Whether variant ``key`` (``Variant``'s fields, in order; ``products`` may be left "")
     may take the fused path: its check passed (run now if this is the variant's first call),
@@ -138,7 +140,7 @@ def fused_ok(key: Tuple) -> bool:
     return error is None
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def failure(key: Tuple) -> str:
     """The message of a failed check of variant ``key`` ('' if it did not fail)."""
     variant = _variant(key)
