@@ -1,7 +1,9 @@
 """Shared test helpers: random inputs, the float64 oracle, and error-bound comparisons."""
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 
 import pytest
 import torch
@@ -74,3 +76,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, world: int, port: int):
+    """One spawned rank of a CPU gloo group on 127.0.0.1:``port``, one intra-op thread: the
+    process group lives for the block; after a clean exit the process leaves through
+    ``os._exit`` (gloo's threads can abort interpreter finalisation:
+    examples/train_lm.end_process), after an exception it raises as usual."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        yield dist
+    finally:
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)

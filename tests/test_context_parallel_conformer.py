@@ -2,14 +2,12 @@
 ranks holds a contiguous slice of the frames; the gathered output and the gradients equal the
 unsharded module's (bidirectional, R = 2T - 1), with uneven key padding and a local
 att_context_size window."""
-import os
-import sys
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from helpers import free_port
+from helpers import free_port, gloo_rank
 from txl_kernels.distributed import shard_sequence, unshard_sequence
 from txl_kernels.modules import NeMoRelPositionMultiHeadAttention
 
@@ -39,12 +37,7 @@ def _grads(m):
 
 
 def _worker(rank, world, port, path):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
+    with gloo_rank(rank, world, port) as dist:
         res = {}
         for name, context in CASES.items():
             m, x, pos, pad, dout = _setup(context)
@@ -54,10 +47,6 @@ def _worker(rank, world, port, path):
             out.backward(shard_sequence(dout, 1, rank, world))
             res[name] = dict(out=out.detach(), dx=xl.grad, grads=_grads(m))
         torch.save(res, f"{path}.{rank}")
-    finally:
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # gloo's threads can abort the interpreter's exit (examples/train_lm.end_process)
 
 
 @pytest.mark.slow

@@ -4,15 +4,13 @@ rel_attention on the whole sequence, on 2 and 4 gloo processes on CPU.
 One spawn per world size runs every case (starting the ranks costs more than the tiny
 problems); every rank saves its output shard, its input gradients and its ring schedule, and
 the test process compares them with one process's reference result."""
-import os
-import sys
 import zlib
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from helpers import free_port
+from helpers import free_port, gloo_rank
 from txl_kernels import rel_attention
 from txl_kernels.distributed import (context_parallel_rel_attention, layout_chunks,
                                      shard_sequence, unshard_sequence)
@@ -65,12 +63,7 @@ def _shard_keys(x, M, rank, world, layout):
 
 
 def _worker(rank, world, port, path):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
+    with gloo_rank(rank, world, port) as dist:
         results = {}
         for case in CASES:
             name, layout, causal, window, B, H, D, Lq, M = case[:9]
@@ -107,10 +100,6 @@ def _worker(rank, world, port, path):
                              dr=rr.grad, du=uu.grad, dvb=vv.grad, fwd=fwd_schedule,
                              bwd=schedule[len(fwd_schedule):])
         torch.save(results, f"{path}.{rank}")
-    finally:
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # gloo's threads can abort the interpreter's exit (examples/train_lm.end_process)
 
 
 @pytest.fixture(scope="module", params=[2, 4])
