@@ -2,7 +2,7 @@
 // the rows of the cache, each reading them in their storage order (all heads of a key row
 // together): the scores (both dot products per head), ATen's softmax over them (vectorised),
 // and the probability-weighted sum of the value rows. No [Lk, B, H, D] temporary: the torch
-// fallback (txl_kernels.models.mem_transformer.decode_attention_torch) writes one per product.
+// fallback (txl_kernels.cached_attention.decode_attention_torch) writes one per product.
 #include "decode_attention.h"
 
 #include <torch/library.h>

@@ -75,7 +75,8 @@ def build(args, mem_len: int) -> MemTransformerLM:
     return MemTransformerLM(vocab, args.n_layer, args.n_head, args.d_model, args.d_head,
                             args.d_inner, dropout=0.0, dropatt=0.0, tie_weight=True,
                             tgt_len=args.tgt_len, mem_len=mem_len, ext_len=0,
-                            attn_backend=args.attn_backend, memory_backend=args.memory_backend)
+                            attn_backend=args.attn_backend,
+                            extension_backend=args.extension_backend)
 
 
 def train(model: MemTransformerLM, args, max_gap: int, label: str) -> list:
@@ -177,8 +178,9 @@ def parse_args(argv=None):
                    help='"reference" (default: torch einsum, fast for these tiny CPU models), '
                         '"auto" or "triton" (the fused kernels; on CPU only under '
                         'TRITON_INTERPRET=1, slow)')
-    p.add_argument("--memory-backend", default=None,
-                   help='update_mems backend (default "torch" on CPU, else "auto")')
+    p.add_argument("--extension-backend", default=None,
+                   help='the C++ extension ops (memory update, K/V cache, CPU decode step) or '
+                        'torch (default "torch" on CPU, else "auto")')
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (default 1: these models are too small to "
                         "gain from more, and on a shared machine threads contend)")
@@ -190,8 +192,8 @@ def parse_args(argv=None):
         args.steps = 200 if args.quick else 2000
     if args.eval_batch is None:
         args.eval_batch = 64 if args.quick else 256
-    if args.memory_backend is None:
-        args.memory_backend = "torch"  # the examples run on CPU; the extension is for GPUs
+    if args.extension_backend is None:
+        args.extension_backend = "torch"  # the examples run on CPU; the extension is for GPUs
     if args.mem_len <= 0:
         p.error("--mem-len must be > 0 (the comparison model has mem_len 0)")
     if args.n_seg * args.tgt_len < 2:

@@ -123,7 +123,7 @@ def build_model(args, device, cp_group=None) -> MemTransformerLM:
                              args.d_inner, args.dropout, args.dropatt, tie_weight=True,
                              tgt_len=args.tgt_len, mem_len=args.mem_len, ext_len=0,
                              attn_backend=args.attn_backend,
-                             memory_backend=args.memory_backend,
+                             extension_backend=args.extension_backend,
                              checkpoint=args.checkpoint, cp_group=cp_group)
     return model.to(device)
 
@@ -324,8 +324,9 @@ def parse_args(argv=None):
                         "would need a GradScaler)")
     p.add_argument("--attn-backend", default=None,
                    help='"auto" (fused on CUDA; default), "triton" or "reference" (CPU default)')
-    p.add_argument("--memory-backend", default=None,
-                   help='update_mems backend: default "auto" on CUDA, "torch" on CPU')
+    p.add_argument("--extension-backend", default=None,
+                   help='the C++ extension ops (memory update, K/V cache, CPU decode step) or '
+                        'torch: default "auto" on CUDA, "torch" on CPU')
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--checkpoint", action="store_true",
                    help="activation checkpointing per decoder layer (the model's checkpoint=True)")
@@ -382,7 +383,8 @@ def main(argv=None) -> int:
     if device.type == "cpu":
         torch.set_num_threads(args.threads or 1)
     args.attn_backend = args.attn_backend or ("auto" if device.type == "cuda" else "reference")
-    args.memory_backend = args.memory_backend or ("auto" if device.type == "cuda" else "torch")
+    args.extension_backend = args.extension_backend or ("auto" if device.type == "cuda"
+                                                        else "torch")
     dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     amp = {"bf16": torch.bfloat16}.get(dtype)
     autocast = (functools.partial(torch.autocast, device.type, dtype=amp) if amp

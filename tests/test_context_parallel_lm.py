@@ -27,7 +27,7 @@ def _args(train_lm, cp):
     return train_lm.parse_args(["--quick", "--n-layer", "2", "--d-model", "16", "--n-head", "2",
                                 "--d-head", "16", "--d-inner", "32", "--tgt-len", "7",
                                 "--mem-len", "7", "--attn-backend", "reference",
-                                "--memory-backend", "torch", "--cp", str(cp)])
+                                "--extension-backend", "torch", "--cp", str(cp)])
 
 
 def _run(train_lm, args, cols, cp_group=None, dp_group=None):

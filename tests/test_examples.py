@@ -84,7 +84,7 @@ def test_train_lm_quick_bpc_falls(tmp_path, one_thread):
     assert (out / "curve.png").stat().st_size > 0
     ckpt = torch.load(out / "ckpt.pt", weights_only=False)
     args = train_lm.parse_args(["--quick"])
-    args.attn_backend, args.memory_backend = "reference", "torch"
+    args.attn_backend, args.extension_backend = "reference", "torch"
     model = train_lm.build_model(args, torch.device("cpu"))
     model.load_state_dict(ckpt["model"], strict=True)
     # the checkpoint reproduces the reported test bpc (cache path)
@@ -107,7 +107,7 @@ def _tiny_args(**kw):
     args = train_lm.parse_args(["--quick", "--n-layer", "2", "--d-model", "16", "--n-head", "2",
                                 "--d-head", "16", "--d-inner", "32", "--tgt-len", "5",
                                 "--mem-len", "7", "--attn-backend", "reference",
-                                "--memory-backend", "torch"])
+                                "--extension-backend", "torch"])
     for k, v in kw.items():
         setattr(args, k, v)
     return args

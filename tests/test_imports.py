@@ -142,6 +142,7 @@ def test_import_graph_is_read():
     """The walker sees the package's real edges (a broken resolver would find no cycle)."""
     graph = _graph()
     assert "txl_kernels.memory" in graph["txl_kernels.models.mem_transformer"]
+    assert "txl_kernels.cached_attention" in graph["txl_kernels.models.mem_transformer"]
     assert "txl_kernels._build" in graph["txl_kernels.memory"] | graph["txl_kernels._cpp_ops"]
     assert "txl_kernels.modules._dropin" in graph["txl_kernels.modules.conformer"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
@@ -180,8 +181,9 @@ def test_every_module_imports_first_in_a_fresh_interpreter():
 def test_importing_the_package_leaves_triton_unimported():
     """``python -m txl_kernels`` sets TRITON_INTERPRET after ``import txl_kernels``; triton's own
     jit helpers read it when triton is imported, so the package import must not import triton
-    (nor torch._dynamo, which imports it)."""
-    code = ("import sys, txl_kernels; "
+    (nor torch._dynamo, which imports it); nor the LM's attention dispatch, which imports the
+    decode kernel only where that route runs."""
+    code = ("import sys, txl_kernels, txl_kernels.cached_attention; "
             "print(sorted(m for m in ('triton', 'torch._dynamo') if m in sys.modules))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,

@@ -261,13 +261,13 @@ def greedy_loop_mems(model, prompt, n_new, seg):
     return torch.cat(out, 1)
 
 
-@pytest.mark.parametrize("cfg,memory_backend", [("adaptive2", "extension"),
+@pytest.mark.parametrize("cfg,extension_backend", [("adaptive2", "extension"),
                                                  ("proj_prelnorm", "extension"),
                                                  ("adaptive2", "torch")])
-def test_generate_greedy_equals_mems_loop(cfg, memory_backend):
+def test_generate_greedy_equals_mems_loop(cfg, extension_backend):
     """Greedy generation on the cache (CPU decoding steps by the C++ extension's
     decode_attention, or by the torch fallback) equals the mems path's token-by-token loop."""
-    model = make_model(cfg, tgt_len=4, mem_len=6, memory_backend=memory_backend)
+    model = make_model(cfg, tgt_len=4, mem_len=6, extension_backend=extension_backend)
     prompt = tokens(11, 3, seed=7).t().contiguous()  # [bsz=3, len=11]
     got = model.generate(prompt, 9)
     assert got.shape == (3, 20) and torch.equal(got[:, :11], prompt)
@@ -326,6 +326,19 @@ def test_fused_path_tiny(same_length):
 
 
 # ----------------------------------------------------------------------------- bad input
+
+def test_extension_backend_is_checked_where_it_is_set():
+    """An unknown extension_backend raises naming the argument, at construction and when a
+    cache is made from a changed attribute (the cache path would otherwise take it as
+    "auto")."""
+    with pytest.raises(ValueError, match=r"MemTransformerLM: extension_backend must be one of "
+                                         r"\('auto', 'extension', 'torch'\), got 'cuda'"):
+        make_model("plain", extension_backend="cuda")
+    model = make_model("plain", extension_backend="torch")
+    model.extension_backend = "cpp"
+    with pytest.raises(ValueError, match="new_cache: extension_backend must be one of"):
+        model.new_cache(2)
+
 
 def test_bad_inputs():
     model = make_model("adaptive2")
@@ -629,7 +642,7 @@ def test_decode_matches_reference(lk, d, wl, splits, dtype, impl):
     """The split-K decode kernel (Triton interpreter on CPU here) and the torch decode path
     against the einsum reference at Lq = 1, seq-first strided keys and values as the cache
     passes them."""
-    from txl_kernels.models.mem_transformer import decode_attention_torch
+    from txl_kernels.cached_attention import decode_attention_torch
     from txl_kernels.ops.rel_attn_decode import rel_attn_decode
     from txl_kernels.reference import rel_attention_reference
 
@@ -658,11 +671,11 @@ def test_decode_matches_reference(lk, d, wl, splits, dtype, impl):
     (1, 16, -1, 2, torch.float32), (37, 41, -1, 2, torch.float32), (130, 16, 20, 3, torch.float32),
     (70, 32, 0, 1, torch.float32), (45, 41, 7, 2, torch.float64), (19, 8, -1, 1, torch.float64)])
 def test_decode_extension_matches_reference(lk, d, wl, B, dtype):
-    """The C++ extension's CPU decode step (``decode_attention_cpu`` with backend "extension":
-    raises rather than fall back) against the einsum reference at Lq = 1, with the cache's
-    seq-first strided keys / values and a strided position table; and equal to the torch
-    decode path to rounding."""
-    from txl_kernels.models.mem_transformer import decode_attention_cpu, decode_attention_torch
+    """The C++ extension's CPU decode step (``decode_attention_cpu`` with extension_backend
+    "extension": raises rather than fall back) against the einsum reference at Lq = 1, with
+    the cache's seq-first strided keys / values and a strided position table; and equal to the
+    torch decode path to rounding."""
+    from txl_kernels.cached_attention import decode_attention_cpu, decode_attention_torch
     from txl_kernels.reference import rel_attention_reference
 
     g = torch.Generator().manual_seed(lk + d)
@@ -674,7 +687,7 @@ def test_decode_extension_matches_reference(lk, d, wl, B, dtype):
     r = rnd(lk + 4, H, d)[4:]
     u, vb = rnd(H, d), rnd(H, d)
     scale = d ** -0.5
-    got = decode_attention_cpu(q, k, v, r, u, vb, scale, wl, backend="extension")
+    got = decode_attention_cpu(q, k, v, r, u, vb, scale, wl, extension_backend="extension")
     assert got.shape == (B, 1, H, d) and got.dtype == dtype
     want = rel_attention_reference(*(t.double() for t in (q, k, v, r, u, vb)), scale, wl, 0)
     tol = 1e-5 if dtype == torch.float32 else 1e-12
@@ -692,7 +705,7 @@ def test_decode_extension_8bit_memory(qdtype, sdtype, dtype, m, lc, wl):
     against the dequantise-then-attend oracle (``QuantizedKV.dequantize`` + the einsum
     reference): only the arithmetic order may differ; and equal to the torch fallback that
     gets the dequantised keys / values."""
-    from txl_kernels.models.mem_transformer import decode_attention_cpu
+    from txl_kernels.cached_attention import decode_attention_cpu
     from txl_kernels.quant import quantize_kv
     from txl_kernels.reference import rel_attention_reference
 
@@ -706,12 +719,13 @@ def test_decode_extension_8bit_memory(qdtype, sdtype, dtype, m, lc, wl):
     r, u, vb = rnd(m + lc, H, d), rnd(H, d), rnd(H, d)
     mk, mv = mem.dequantize(dtype)
     full = (torch.cat([mk, k], 1), torch.cat([mv, v], 1))
-    got = decode_attention_cpu(q, k, v, r, u, vb, 0.2, wl, backend="extension", memory=mem)
+    got = decode_attention_cpu(q, k, v, r, u, vb, 0.2, wl, extension_backend="extension",
+                               memory=mem)
     want = rel_attention_reference(*(t.double() for t in (q, *full, r, u, vb)), 0.2, wl, 0)
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
-    fallback = decode_attention_cpu(q, k, v, r, u, vb, 0.2, wl, backend="torch", memory=mem,
-                                    full_kv=lambda: full)
+    fallback = decode_attention_cpu(q, k, v, r, u, vb, 0.2, wl, extension_backend="torch",
+                                    memory=mem, full_kv=lambda: full)
     torch.testing.assert_close(got, fallback)
 
 
@@ -759,7 +773,7 @@ def test_decode_layer_equals_op_by_op(cfg, dtype, cache_dtype, untie_r, monkeypa
     fp64, an 8-bit memory); and it is the route taken for every layer of every step."""
     from txl_kernels.models import mem_transformer as mt
 
-    model = make_model(cfg, tgt_len=4, mem_len=6, memory_backend="extension",
+    model = make_model(cfg, tgt_len=4, mem_len=6, extension_backend="extension",
                        untie_r=untie_r).to(dtype)
     data = tokens(21, 3, seed=5)
     real = mt.RelPartialLearnableDecoderLayer._decode_layer_cpu
@@ -791,7 +805,7 @@ def test_decode_layer_equals_op_by_op(cfg, dtype, cache_dtype, untie_r, monkeypa
 def test_decode_layer_skipped_for_hooked_or_replaced_modules():
     """A forward hook on a sub-module, or a sub-module of another type, sends the decoding
     step op by op (the C++ layer would skip them), with the same tokens."""
-    model = make_model("adaptive2", tgt_len=4, mem_len=6, memory_backend="extension")
+    model = make_model("adaptive2", tgt_len=4, mem_len=6, extension_backend="extension")
     prompt = tokens(6, 2, seed=3).t().contiguous()
     want = model.generate(prompt, 5)
     seen = []
@@ -860,7 +874,7 @@ def test_segment_attention_torch_matches_reference(lq, lk, d, wl, dtype, with_wo
     softmax into a reused buffer) against the einsum reference, causal bottom-right with and
     without a left window, seq-first strided keys and values as the cache passes them; the
     reused buffers start out holding NaNs."""
-    from txl_kernels.models.mem_transformer import segment_attention_torch
+    from txl_kernels.cached_attention import segment_attention_torch
     from txl_kernels.reference import rel_attention_reference
 
     g = torch.Generator().manual_seed(lq * 100 + lk)

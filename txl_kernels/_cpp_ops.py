@@ -32,7 +32,12 @@ import torch
 from . import _build
 from ._utils import assume_constant_result
 
-__all__ = ["load_extension", "unavailable", "use_extension", "warn_fallback"]
+__all__ = ["load_extension", "unavailable", "use_extension", "warn_fallback",
+           "check_extension_backend", "EXTENSION_BACKENDS"]
+
+# The values of every ``backend`` that chooses between an op of the extension and its
+# pure-torch fallback (``update_mems``, the K/V cache's ops, the LM's ``extension_backend``).
+EXTENSION_BACKENDS = ("auto", "extension", "torch")
 
 _WARNED: Set[str] = set()
 _FAKES_REGISTERED = False
@@ -77,6 +82,13 @@ def warn_fallback(device_type: str, reason: str) -> None:
                   f"rel_attention) use their "
                   f"pure-torch fallback for {device_type} "
                   f"tensors because {reason}", RuntimeWarning, stacklevel=4)
+
+
+def check_extension_backend(who: str, name: str, backend) -> None:
+    """Raise ValueError naming ``who`` and the argument ``name`` unless ``backend`` is one of
+    :data:`EXTENSION_BACKENDS`."""
+    if backend not in EXTENSION_BACKENDS:
+        raise ValueError(f"{who}: {name} must be one of {EXTENSION_BACKENDS}, got {backend!r}")
 
 
 def use_extension(op: str, device: torch.device, backend: str) -> bool:

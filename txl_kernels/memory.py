@@ -25,13 +25,12 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ._cpp_ops import use_extension
+from ._cpp_ops import check_extension_backend, use_extension
 from ._utils import as_len, check_same, describe
 from .quant import SCALE_DTYPES, check_quant_dtype, quantize_per_token
 
-__all__ = ["update_mems", "kv_cache_compact", "kv_cache_quantize_append", "MEMORY_BACKENDS"]
+__all__ = ["update_mems", "kv_cache_compact", "kv_cache_quantize_append"]
 
-MEMORY_BACKENDS = ("auto", "extension", "torch")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -137,9 +136,7 @@ def update_mems(hids: Sequence[torch.Tensor], mems: Optional[Sequence[torch.Tens
         where ``end = mlen + max(0, qlen - ext_len)`` and ``beg = max(0, end - mem_len)``. Any
         strides are accepted.
     """
-    if backend not in MEMORY_BACKENDS:
-        raise ValueError(f"update_mems: backend must be one of {MEMORY_BACKENDS}, "
-                         f"got {backend!r}")
+    check_extension_backend("update_mems", "backend", backend)
     hids, mems, mem_len, ext_len = _check(hids, mems, mem_len, ext_len)
     if not hids:
         return []
@@ -174,9 +171,7 @@ def kv_cache_compact(bufs: Sequence[torch.Tensor], src: int, n: int, *,
         src, n: the window ``[src, src + n)``; it must not overlap ``[0, n)`` (``src >= n``).
         backend: "auto", "extension" or "torch", as for :func:`update_mems`.
     """
-    if backend not in MEMORY_BACKENDS:
-        raise ValueError(f"kv_cache_compact: backend must be one of {MEMORY_BACKENDS}, "
-                         f"got {backend!r}")
+    check_extension_backend("kv_cache_compact", "backend", backend)
     src = as_len("src", src, "kv_cache_compact")
     n = as_len("n", n, "kv_cache_compact")
     bufs = _as_list("kv_cache_compact", "bufs", bufs, "a list of tensors [cap, bsz, d]")
@@ -233,8 +228,7 @@ def kv_cache_quantize_append(srcs: Sequence[torch.Tensor], data_bufs: Sequence[t
         backend: "auto", "extension" or "torch", as for :func:`update_mems`.
     """
     who = "kv_cache_quantize_append"
-    if backend not in MEMORY_BACKENDS:
-        raise ValueError(f"{who}: backend must be one of {MEMORY_BACKENDS}, got {backend!r}")
+    check_extension_backend(who, "backend", backend)
     dst_row = as_len("dst_row", dst_row, who)
     n_head = as_len("n_head", n_head, who, 1)
     lists = []

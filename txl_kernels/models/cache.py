@@ -34,6 +34,7 @@ from typing import List, Optional
 
 import torch
 
+from .._cpp_ops import check_extension_backend
 from ..memory import kv_cache_compact, kv_cache_quantize_append
 from ..quant import QUANT_DTYPES, SCALE_DTYPES, QuantizedKV, dequantize_per_token
 
@@ -88,13 +89,13 @@ class TransfoXLCache:
     ``load_state_dict``, an EMA swap, writes through ``.data``), call :meth:`reset` or make a
     new cache.
 
-    The buffers' size is checked before they are allocated: a cache larger than the memory
-    the device has available raises ``MemoryError``, naming ``mem_len`` and the bytes needed.
+    The buffers' size is checked before they are allocated: a cache larger than the available
+    device memory raises ``MemoryError``, naming ``mem_len`` and the bytes needed.
     """
 
     def __init__(self, n_layer: int, bsz: int, mem_len: int, ext_len: int, max_qlen: int,
                  width: int, dtype: torch.dtype, device: torch.device,
-                 memory_backend: str = "auto", *, n_head: int = 1,
+                 extension_backend: str = "auto", *, n_head: int = 1,
                  quant_dtype: Optional[torch.dtype] = None,
                  scale_dtype: torch.dtype = torch.float32, model=None,
                  fingerprint: Optional[dict] = None):
@@ -117,7 +118,8 @@ class TransfoXLCache:
         self.compute_dtype, self.device = dtype, torch.device(device)
         self.quantized = quant_dtype is not None
         self.dtype = quant_dtype if self.quantized else dtype
-        self.memory_backend = memory_backend
+        check_extension_backend("new_cache", "extension_backend", extension_backend)
+        self.extension_backend = extension_backend
         self.capacity = 2 * mem_len + max_qlen
         self._model = None if model is None else weakref.ref(model)
         self.fingerprint = dict(fingerprint or {})
@@ -165,7 +167,7 @@ class TransfoXLCache:
                 f"lower mem_len (model.reset_length), max_qlen or bsz")
 
     def _check_size(self, shape, sshape, scale_dtype) -> None:
-        """Raise MemoryError before allocating buffers larger than the device's available
+        """Raise MemoryError before allocating buffers larger than the available device
         memory (an allocator's own failure would not say which length asked for it)."""
         available = _available_bytes(self.device)
         if available is not None and \
@@ -200,7 +202,7 @@ class TransfoXLCache:
         self._pending = []
         if self.start + self.mlen + qlen <= self.capacity:
             return
-        kv_cache_compact(self._buffers(), self.start, self.mlen, backend=self.memory_backend)
+        kv_cache_compact(self._buffers(), self.start, self.mlen, backend=self.extension_backend)
         self.start = 0
 
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor):
@@ -274,7 +276,7 @@ class TransfoXLCache:
             kv_cache_quantize_append([t[lo:hi] for t in pending], self._interleaved(self.k, self.v),
                                      self._interleaved(self.k_scale, self.v_scale),
                                      self.start + self.mlen + lo, self.n_head,
-                                     backend=self.memory_backend)
+                                     backend=self.extension_backend)
 
     @staticmethod
     def _interleaved(a: List[torch.Tensor], b: List[torch.Tensor]) -> List[torch.Tensor]:

@@ -30,12 +30,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from .._cpp_ops import use_extension
-from .._utils import FUSED_DTYPES, as_len, check_same, describe
-from ..functional import fused_available, rel_attention
+from .._cpp_ops import check_extension_backend
+from .._utils import as_len, check_same, describe
+from ..cached_attention import (cached_attention, cached_attention_route,
+                                decode_extension_args, use_cpu_decode_op)
 from ..memory import update_mems
 from ..modules.transformer_xl import FusedRelAttention
-from ..quant import QuantizedKV
 from .adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
 from .cache import TransfoXLCache
 from .hf import build_from_hf
@@ -99,8 +99,11 @@ class RelPartialLearnableDecoderLayer(nn.Module):
         memory's projections for ``layer`` and takes this segment's (``cache._store``);
         ``r_head_k`` the projected position table ``[mlen + qlen, H, D]``. Same result as
         ``forward`` with the memory's hidden states as ``mems`` (with an 8-bit cache: with
-        the memory's keys / values dequantised). The torch paths' large temporaries live in
-        the cache's reused ``work`` buffers."""
+        the memory's keys / values dequantised). The attention is
+        :func:`txl_kernels.cached_attention.cached_attention` (its route: fused Triton
+        kernels, the C++ decode op or torch); where that route is the CPU decode step, the
+        whole layer may run as one C++ call (:meth:`_decode_layer_cpu`). The torch routes'
+        large temporaries live in the cache's reused ``work`` buffers."""
         fused = self._decode_layer_cpu(w, r_head_k, r_w_bias, r_r_bias, cache, layer,
                                        window_size)
         if fused is not None:
@@ -115,63 +118,46 @@ class RelPartialLearnableDecoderLayer(nn.Module):
         keys, values, memory = cache._store(layer, k, v)
         r_w_bias = (att.r_w_bias if r_w_bias is None else r_w_bias).to(q.dtype)
         r_r_bias = (att.r_r_bias if r_r_bias is None else r_r_bias).to(q.dtype)
-        dropout = self.training and att.dropatt_p > 0
-        q4 = q.view(qlen, bsz, H, D).transpose(0, 1)
-        rest = (r_head_k, r_w_bias, r_r_bias)
 
         def kv4(kk, vv):  # seq-first [L, bsz, H * D] -> [bsz, L, H, D] views
             n = kk.shape[0]
             return kk.view(n, bsz, H, D).transpose(0, 1), vv.view(n, bsz, H, D).transpose(0, 1)
 
-        def full_kv():  # every key / value row in the compute dtype, for the torch paths
-            if cache.quantized:
-                return kv4(*cache._dequantized(layer, k, v))
-            return kv4(keys, values)
+        def full_kv():  # every key / value row in the compute dtype, for the torch routes
+            return kv4(*cache._dequantized(layer, k, v))
 
-        if qlen == 1 and self._decode_kernel_ok(q):
-            from ..ops.rel_attn_decode import rel_attn_decode  # imports triton
-
-            attn_vec = rel_attn_decode(q4, *kv4(keys, values), *rest, att.scale,
-                                       window_size[0], memory=memory)
-        elif qlen == 1 and not dropout:
-            attn_vec = decode_attention_cpu(q4, *kv4(keys, values), *rest, att.scale,
-                                            window_size[0], cache.work, cache.memory_backend,
-                                            memory=memory, full_kv=full_kv)
-        elif (not dropout and q.dtype in _TORCH_SEGMENT_DTYPES
-              and (att.backend == "reference" or not self._fused_ok(q))):
-            attn_vec = segment_attention_torch(q4, *full_kv(), *rest, att.scale,
-                                               window_size[0], cache.work)
-        else:
-            attn_vec = rel_attention(
-                q4, *kv4(keys, values), *rest, causal=True, window_size=window_size,
-                softmax_scale=att.scale, dropout_p=att.dropatt_p if self.training else 0.0,
-                backend=att.backend, memory=memory)
+        attn_vec = cached_attention(
+            q.view(qlen, bsz, H, D).transpose(0, 1), *kv4(keys, values), r_head_k, r_w_bias,
+            r_r_bias, att.scale, window_size, memory=memory, full_kv=full_kv,
+            backend=att.backend, dropout_p=att.dropatt_p if self.training else 0.0,
+            extension_backend=cache.extension_backend, work=cache.work)
         attn_out = att.drop(att.o_net(attn_vec.transpose(0, 1).reshape(qlen, bsz, H * D)))
         out = w + attn_out if att.pre_lnorm else att.layer_norm(w + attn_out)
         return self.pos_ff(out)
 
     def _decode_layer_cpu(self, w, r_head_k, r_w_bias, r_r_bias, cache: TransfoXLCache,
                           layer: int, window_size) -> Optional[torch.Tensor]:
-        """``forward_cached`` for one new token on a CPU in eval mode as ONE call of the C++
-        extension's ``decode_layer`` (the same ATen ops in the same order as the op-by-op code
-        below, so the same result bit for bit, plus the C++ decode attention): at qlen 1 the
-        dozen Python-dispatched ops of a layer cost about as much as its attention. None where
-        it does not apply (other devices / dtypes, training, the Triton decode kernel's route,
-        memory_backend "torch", the extension unavailable, a sub-module replaced or hooked);
-        then the layer runs op by op."""
-        if (w.shape[0] != 1 or self.training or w.device.type != "cpu"
-                or w.dtype not in _TORCH_SEGMENT_DTYPES or cache.memory_backend == "torch"
-                or self._decode_kernel_ok(w) or not _plain_layer(self)):
-            return None
-        if not use_extension("decode_layer", w.device, cache.memory_backend):
-            return None
+        """``forward_cached`` for one new token in eval mode as ONE call of the C++
+        extension's ``decode_layer`` (the same ATen ops in the same order as the op-by-op
+        layer, so the same result bit for bit, around the C++ decode attention): at qlen 1
+        the dozen Python-dispatched ops of a layer cost about as much as its attention. Only
+        where the attention's route is the CPU decode step and the op runs
+        (:func:`~txl_kernels.cached_attention.use_cpu_decode_op`: CPU fp32 / fp64,
+        ``extension_backend`` not "torch", the extension built) and the layer is built as
+        this module builds it (:func:`_plain_layer`); None otherwise, and the layer runs op
+        by op."""
         att, ff = self.dec_attn, self.pos_ff
+        if (self.training or cached_attention_route(w.shape[0], w.dtype, w.device,
+                                                    backend=att.backend) != "cpu_decode"
+                or not use_cpu_decode_op("decode_layer", w, cache.extension_backend)
+                or not _plain_layer(self)):
+            return None
         keys, values, memory = cache._slots(layer, 1)
         r_w_bias = att.r_w_bias if r_w_bias is None else r_w_bias
         r_r_bias = att.r_r_bias if r_r_bias is None else r_r_bias
         if r_w_bias.dtype != w.dtype or r_r_bias.dtype != w.dtype:
             r_w_bias, r_r_bias = r_w_bias.to(w.dtype), r_r_bias.to(w.dtype)
-        lo, mem = _decode_ext_args(memory, keys.shape[0], window_size[0])
+        lo, mem = decode_extension_args(memory, keys.shape[0], window_size[0])
         ln1, ln2, ff1, ff2 = att.layer_norm, ff.layer_norm, ff.CoreNet[0], ff.CoreNet[3]
         out = torch.ops.txl_kernels.decode_layer(
             w[0], att.qkv_net.weight, att.o_net.weight, ln1.weight, ln1.bias, ln1.eps,
@@ -179,20 +165,7 @@ class RelPartialLearnableDecoderLayer(nn.Module):
             att.pre_lnorm, keys, values, r_head_k, r_w_bias, r_r_bias, float(att.scale), lo, *mem)
         return out[None]
 
-    def _decode_kernel_ok(self, q: torch.Tensor) -> bool:
-        """One query row goes to the split-K decode kernel where the fused backend would
-        run (not for backend "reference", nor with attention dropout in training)."""
-        att = self.dec_attn
-        if att.backend == "reference" or (self.training and att.dropatt_p > 0):
-            return False
-        return self._fused_ok(q)
 
-    @staticmethod
-    def _fused_ok(q: torch.Tensor) -> bool:
-        return q.dtype in FUSED_DTYPES and fused_available(q.device)[0]
-
-
-_TORCH_SEGMENT_DTYPES = (torch.float32, torch.float64)
 _ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16,
               torch.uint32)
 _SAME_LENGTH_STYLES = ("kimiyoung", "nvidia")
@@ -229,118 +202,6 @@ def _plain_layer(layer: RelPartialLearnableDecoderLayer) -> bool:
     return not any(m._forward_hooks or m._forward_pre_hooks for m in mods)
 
 
-def segment_attention_torch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale: float,
-                            window_left: int = -1, work=None) -> torch.Tensor:
-    """A segment of ``Lq`` query rows (``q`` ``[B, Lq, H, D]``) against the cached keys /
-    values ``[B, Lk, H, D]`` (seq-first buffers, read in place), causal (bottom-right) with an
-    optional left window, ``r`` ``[Lk, H, D]`` (row ``t`` serves distance ``Lk - 1 - t``), in
-    torch: the path the cached model takes where the fused kernel does not run (CPUs),
-    fp32 / fp64. The same function as ``rel_attention(..., causal=True)`` with fewer passes
-    over the ``[B, H, Lq, Lk]`` scores than the reference: ``(q + vb) r^T`` once into a
-    buffer, the relative shift as a strided view of it (no pad, no copy), ``(q + u) k^T`` and
-    the scale in one ``baddbmm``, the mask in place, the softmax into the first buffer.
-    ``work``: the cache's ``work(slot, numel)`` to reuse those two buffers (no allocation per
-    layer), or None."""
-    B, Lq, H, D = q.shape
-    Lk = k.shape[1]
-    n = B * H * Lq * Lk
-
-    def buf(slot):
-        return (torch.empty(n, dtype=q.dtype, device=q.device) if work is None
-                else work(slot, n))
-
-    qu = (q + r_w_bias).transpose(1, 2).reshape(B * H, Lq, D)
-    qv = (q + r_r_bias).transpose(1, 2)  # [B, H, Lq, D]
-    pos = buf(1).view(B, H, Lq, Lk)
-    r_t = r.permute(1, 2, 0)  # [H, D, Lk] (a broadcast matmul over B would copy it B times)
-    for b in range(B):
-        torch.bmm(qv[b], r_t, out=pos[b])  # [H, Lq, Lk]: every position row
-    # Query i reads row Lq - 1 - i + j for key j: a view with row stride Lk - 1 (entries
-    # past the causal edge read neighbouring values; they are masked below).
-    bd = pos.as_strided((B * H, Lq, Lk), (Lq * Lk, Lk - 1, 1), pos.storage_offset() + Lq - 1)
-    scores = buf(2).view(B * H, Lq, Lk)
-    torch.baddbmm(bd, qu, k.permute(0, 2, 3, 1).reshape(B * H, D, Lk), beta=softmax_scale,
-                  alpha=softmax_scale, out=scores)
-    i = torch.arange(Lq, device=q.device)[:, None] + (Lk - Lq)
-    j = torch.arange(Lk, device=q.device)[None, :]
-    masked = j > i
-    if window_left >= 0:
-        masked |= j < i - window_left
-    scores.masked_fill_(masked, float("-inf"))
-    prob = pos.view(B * H, Lq, Lk)
-    torch._softmax(scores, -1, False, out=prob)
-    out = torch.bmm(prob, v.permute(0, 2, 1, 3).reshape(B * H, Lk, D))
-    return out.view(B, H, Lq, D).transpose(1, 2)
-
-
-def decode_attention_torch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale: float,
-                           window_left: int = -1,
-                           scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """One query row (``q`` ``[B, 1, H, D]``) against ``k`` / ``v`` ``[B, Lk, H, D]`` in
-    torch, for CPUs (the split-K kernel's contract, see ``ops/rel_attn_decode.py``): no
-    relative shift (key ``j`` uses position row ``j``) and no mask (the left window only
-    drops the keys before ``Lk - 1 - window_left``). ``scratch``: optional buffer of at least
-    ``Lk * B * H * D`` elements of k's dtype for the products (the K/V cache lends one, so a
-    decoding step allocates no key-sized temporary)."""
-    lk = k.shape[1]
-    lo = 0 if window_left < 0 else max(0, lk - 1 - window_left)
-    q0 = q[:, 0]  # [B, H, D]
-    # In the cache's own layout [Lk, B, H, D] (rows of the K/V buffers), read in place:
-    # products and sums over contiguous rows (on CPUs, batched GEMVs with D ~ 64 are slower).
-    kj, vj = k[:, lo:].transpose(0, 1), v[:, lo:].transpose(0, 1)
-    n = kj.numel()
-    tmp = (scratch.reshape(-1)[:n].view(kj.shape) if scratch is not None and
-           scratch.numel() >= n and scratch.dtype == k.dtype and scratch.device == k.device
-           else None)
-    scores = torch.mul(kj, q0 + r_w_bias, out=tmp).sum(-1)  # [Lk, B, H]
-    scores += torch.mul(r[lo:lk, None], q0 + r_r_bias, out=tmp).sum(-1)
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    prob = torch.softmax(scores.to(acc) * softmax_scale, dim=0).to(v.dtype)
-    return torch.mul(prob[..., None], vj, out=tmp).sum(0)[:, None]
-
-
-def _decode_ext_args(memory: Optional[QuantizedKV], n_rows: int, window_left: int):
-    """(lo, 8-bit memory arguments) of the C++ decode ops for ``n_rows`` cached rows after an
-    optional 8-bit ``memory``: the first key the left window keeps (0 without a window) and
-    the memory's four tensors seq-first ``[M, B, ...]`` (none without one)."""
-    lk = (0 if memory is None else memory.mlen) + n_rows
-    lo = 0 if window_left < 0 else max(0, lk - 1 - window_left)
-    return lo, (() if memory is None else tuple(t.transpose(0, 1) for t in memory))
-
-
-def decode_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale: float,
-                         window_left: int = -1, work=None, backend: str = "auto",
-                         memory: Optional[QuantizedKV] = None, full_kv=None):
-    """:func:`decode_attention_torch`'s contract, for the torch paths (CPUs): the C++
-    extension's ``decode_attention`` (one pass over the cached rows per product, no key-sized
-    temporary; fp32 / fp64 CPU tensors) where it is built, else (or with ``backend="torch"``,
-    or other dtypes / devices) :func:`decode_attention_torch` with ``work(0, n)`` as its
-    scratch. ``backend`` as for :func:`txl_kernels.memory.update_mems`: "auto" falls back with
-    a one-time warning, "extension" raises when the extension is unavailable.
-
-    ``memory``: an 8-bit memory (``QuantizedKV``, ``[B, M, H, D]``) in front of ``k`` / ``v``
-    (then ``r`` has ``M + Lk`` rows): the extension reads its 8-bit rows and scales and
-    dequantises them in registers; the torch fallback takes the full keys / values
-    ``[B, M + Lk, H, D]`` from ``full_kv()`` (the cache dequantises into its work buffers)."""
-    lk = (0 if memory is None else memory.mlen) + k.shape[1]
-    if (backend != "torch" and q.device.type == "cpu" and q.dtype in _TORCH_SEGMENT_DTYPES
-            and lk > 0):
-        if use_extension("decode_attention", q.device, backend):
-            lo, mem = _decode_ext_args(memory, k.shape[1], window_left)
-            out = torch.ops.txl_kernels.decode_attention(
-                q[:, 0], k.transpose(0, 1), v.transpose(0, 1), r, r_w_bias, r_r_bias,
-                float(softmax_scale), lo, *mem)
-            return out[:, None]
-    if memory is not None:
-        if full_kv is None:
-            raise ValueError("decode_attention_cpu: the torch path needs full_kv with an 8-bit "
-                             "memory")
-        k, v = full_kv()
-    scratch = None if work is None else work(0, k.numel())
-    return decode_attention_torch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left,
-                                  scratch)
-
-
 def _model_name(model: nn.Module) -> str:
     return f"{type(model).__name__} at {id(model):#x}"
 
@@ -356,8 +217,12 @@ class MemTransformerLM(nn.Module):
     Keyword-only extras: ``untie_r`` (per-layer ``r_w_bias`` / ``r_r_bias``, HF's layout;
     default False: one pair on the model, the original's), ``layer_norm_epsilon``,
     ``attn_backend`` (``rel_attention`` backend: "auto", "triton", "reference"),
-    ``memory_backend`` (``update_mems`` / ``kv_cache_compact`` backend, and of the CPU
-    decoding step, :func:`decode_attention_cpu`), ``checkpoint``
+    ``extension_backend`` ("auto", "extension", "torch": whether the C++ extension's ops or
+    their pure-torch fallbacks run the segment-memory update (``update_mems``), the K/V
+    cache's compaction and 8-bit append, and the CPU decoding step (``decode_layer`` /
+    ``decode_attention``); "auto" uses the extension where it is built and warns once where
+    it is not, "extension" raises there; the attention itself follows ``attn_backend``),
+    ``checkpoint``
     (activation checkpointing per decoder layer: while gradients are recorded, each layer runs
     under ``torch.utils.checkpoint`` (non-reentrant, RNG state preserved, so dropout repeats)
     and is recomputed in the backward; same losses and gradients, state_dict unchanged),
@@ -391,7 +256,7 @@ class MemTransformerLM(nn.Module):
                  tgt_len=None, ext_len=None, mem_len=None, cutoffs=(), adapt_inp=False,
                  same_length=False, attn_type=0, clamp_len=-1, sample_softmax=-1, *,
                  untie_r: bool = False, layer_norm_epsilon: float = 1e-5,
-                 attn_backend: str = "auto", memory_backend: str = "auto",
+                 attn_backend: str = "auto", extension_backend: str = "auto",
                  checkpoint: bool = False, same_length_style: str = "kimiyoung",
                  cp_group=None):
         super().__init__()
@@ -418,7 +283,8 @@ class MemTransformerLM(nn.Module):
                           0 if mem_len is None else mem_len)
         self.attn_type = attn_type
         self.untie_r = untie_r
-        self.memory_backend = memory_backend
+        check_extension_backend("MemTransformerLM", "extension_backend", extension_backend)
+        self.extension_backend = extension_backend
         if not isinstance(checkpoint, bool):
             raise TypeError(f"MemTransformerLM: checkpoint must be a bool, got {checkpoint!r}")
         self.checkpoint = checkpoint
@@ -504,7 +370,7 @@ class MemTransformerLM(nn.Module):
             max_qlen = self.tgt_len + ext_len
         return TransfoXLCache(self.n_layer, bsz, self.mem_len, ext_len, max_qlen,
                               self.n_head * self.d_head, p.dtype, p.device,
-                              memory_backend=self.memory_backend, n_head=self.n_head,
+                              extension_backend=self.extension_backend, n_head=self.n_head,
                               quant_dtype=dtype, scale_dtype=scale_dtype, model=self,
                               fingerprint=self._cache_fingerprint())
 
@@ -713,10 +579,10 @@ class MemTransformerLM(nn.Module):
         new_mems = None
         if mems is not None and self.cp_group is not None:  # each rank keeps its slice
             new_mems = update_mems(hids, mems, qlen if self.mem_len else 0, 0,
-                                   backend=self.memory_backend)
+                                   backend=self.extension_backend)
         elif mems is not None:
             new_mems = update_mems(hids, mems, self.mem_len, self.ext_len,
-                                   backend=self.memory_backend)
+                                   backend=self.extension_backend)
         return core_out, new_mems
 
     @torch.no_grad()
