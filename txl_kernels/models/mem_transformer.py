@@ -27,7 +27,6 @@ from typing import List, Optional, Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from .._cpp_ops import check_extension_backend
