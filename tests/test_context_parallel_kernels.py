@@ -1,0 +1,244 @@
+"""The context-parallel ring on the kernels: each ring step's block pairs computed by the C++
+CPU kernel (``backend="cpu"``) and by the fused Triton kernels under the interpreter
+(``backend="triton"``, CPU tensors, ``TRITON_INTERPRET=1`` inherited by the spawned ranks),
+on 2 and 4 gloo processes, against one process's ``rel_attention`` on the whole sequence.
+
+Every rank counts the kernel calls it makes (by wrapping the backend's block ops) per ring
+step; the test checks them against the chunk geometry: steps whose key blocks lie outside the
+window make no call."""
+import zlib
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from helpers import assert_within, free_port, gloo_rank
+from txl_kernels import rel_attention
+from txl_kernels.distributed import (_kernel_boxes, _kernel_window, _pair_may_attend,
+                                     context_parallel_rel_attention, layout_chunks,
+                                     shard_sequence, unshard_sequence)
+from txl_kernels.reference import in_window
+
+# (name, backend, layout, causal, window_size, B, H, D, Lq, M, padding, dtype); no length is
+# a multiple of the world size or of 2 x it
+CASES = [
+    ("cpu_txl_memory_causal", "cpu", "zigzag", True, (-1, -1), 2, 2, 8, 13, 7, False,
+     torch.float64),
+    ("cpu_same_length_memory", "cpu", "contiguous", True, (5, -1), 1, 2, 16, 11, 6, True,
+     torch.float32),
+    ("cpu_bidirectional_padded", "cpu", "contiguous", False, (-1, -1), 2, 2, 8, 19, 0, True,
+     torch.float64),
+    ("cpu_local_window", "cpu", "contiguous", False, (3, 2), 1, 2, 8, 23, 0, True,
+     torch.float64),
+    ("triton_txl_memory_causal", "triton", "zigzag", True, (-1, -1), 1, 2, 16, 13, 5, False,
+     torch.float32),
+    ("triton_bidirectional_padded", "triton", "contiguous", False, (-1, -1), 2, 1, 16, 11, 0,
+     True, torch.float32),
+    ("triton_local_window", "triton", "contiguous", False, (2, 3), 1, 1, 16, 17, 0, False,
+     torch.float32),
+]
+
+
+def _inputs(case):
+    name, backend, layout, causal, window, B, H, D, Lq, M, padding, dtype = case
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    Lk = M + Lq
+    R = Lk if causal else Lk + Lq - 1
+    t = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
+    q, k, v = t(B, Lq, H, D), t(B, Lk, H, D), t(B, Lk, H, D)
+    r, u, vb = t(R, H, D), t(H, D) * 0.5, t(H, D) * 0.5
+    kpm = None
+    if padding:  # uneven: padded at a different place per sequence, some shards all padded
+        kpm = torch.zeros(B, Lk, dtype=torch.bool)
+        kpm[0, Lk - Lk // 3:] = True
+        if B > 1:
+            kpm[1, :Lk // 4] = True
+    return q, k, v, r, u, vb, kpm, t(B, Lq, H, D)
+
+
+def _shard_keys(x, M, rank, world, layout):
+    """A rank's keys: its memory shard, then its segment shard."""
+    mem = shard_sequence(x[:, :M], 1, rank, world, layout)
+    return torch.cat([mem, shard_sequence(x[:, M:], 1, rank, world, layout)], 1)
+
+
+def _unshard_keys(shards, M, world, layout):
+    mem_lens = [sum(n for _, n, _ in layout_chunks(M, i, world, layout)) for i in range(world)]
+    mem = unshard_sequence([s[:, :m] for s, m in zip(shards, mem_lens)], 1, layout)
+    seg = unshard_sequence([s[:, m:] for s, m in zip(shards, mem_lens)], 1, layout)
+    return torch.cat([mem, seg], 1)
+
+
+def _worker(rank, world, port, path):
+    from txl_kernels import distributed as D
+
+    with gloo_rank(rank, world, port) as dist:
+        events = []
+        fwd, bwd = D._KernelOps.fwd, D._KernelOps.bwd
+        D._KernelOps.fwd = lambda self, *a: (events.append(("fwd", self.name)), fwd(self, *a))[1]
+        D._KernelOps.bwd = lambda self, *a: (events.append(("bwd", self.name)), bwd(self, *a))[1]
+        results = {}
+        for case in CASES:
+            name, backend, layout, causal, window, B, H, Dh, Lq, M = case[:10]
+            q, k, v, r, u, vb, kpm, dout = _inputs(case)
+            ql = shard_sequence(q, 1, rank, world, layout).requires_grad_()
+            kl = _shard_keys(k, M, rank, world, layout).requires_grad_()
+            vl = _shard_keys(v, M, rank, world, layout).requires_grad_()
+            kpml = None if kpm is None else _shard_keys(kpm, M, rank, world, layout)
+            rr, uu, vv = (x.clone().requires_grad_() for x in (r, u, vb))
+            events.clear()
+            out = context_parallel_rel_attention(
+                ql, kl, vl, rr, uu, vv, memory_len=kl.shape[1] - ql.shape[1], layout=layout,
+                causal=causal, window_size=window, key_padding_mask=kpml, backend=backend,
+                schedule=events)
+            out.backward(shard_sequence(dout, 1, rank, world, layout))
+            results[name] = dict(out=out.detach(), dq=ql.grad, dk=kl.grad, dv=vl.grad,
+                                 dr=rr.grad, du=uu.grad, dvb=vv.grad, events=list(events))
+        torch.save(results, f"{path}.{rank}")
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def ring_results(request, tmp_path_factory):
+    from txl_kernels.cpu_kernel import cpu_kernel_available
+
+    ok, why = cpu_kernel_available()  # built once here, loaded by the ranks
+    assert ok, why
+    world = request.param
+    path = str(tmp_path_factory.mktemp(f"cpk{world}") / "res")
+    mp.spawn(_worker, args=(world, free_port(), path), nprocs=world, join=True)
+    return world, [torch.load(f"{path}.{i}", weights_only=False) for i in range(world)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_ring_on_kernels_equals_one_process(ring_results, case):
+    world, results = ring_results
+    name, backend, layout, causal, window, B, H, D, Lq, M, padding, dtype = case
+    q, k, v, r, u, vb, kpm, dout = _inputs(case)
+    per_rank = [res[name] for res in results]
+    got = {
+        "out": unshard_sequence([p["out"] for p in per_rank], 1, layout),
+        "dq": unshard_sequence([p["dq"] for p in per_rank], 1, layout),
+        "dk": _unshard_keys([p["dk"] for p in per_rank], M, world, layout),
+        "dv": _unshard_keys([p["dv"] for p in per_rank], M, world, layout),
+        "dr": sum(p["dr"] for p in per_rank),  # shared tensors: partial sums over the ranks
+        "du": sum(p["du"] for p in per_rank),
+        "dvb": sum(p["dvb"] for p in per_rank),
+    }
+
+    def run(cast):
+        leaves = [x.detach().to(cast, copy=True).requires_grad_() for x in (q, k, v, r, u, vb)]
+        out = rel_attention(*leaves, causal=causal, window_size=window, key_padding_mask=kpm,
+                            backend="reference")
+        out.backward(dout.to(cast))
+        return dict(zip(got, [out.detach()] + [x.grad for x in leaves]))
+
+    truth = run(torch.float64)
+    same = run(dtype)
+    for key in got:
+        assert got[key].dtype == dtype, (name, key, got[key].dtype)
+        if dtype == torch.float64:
+            err = (got[key] - truth[key]).abs().max().item()
+            assert err <= 1e-10 * max(1.0, truth[key].abs().max().item()), (name, key, err)
+        else:
+            assert_within(f"{name} {key} (world {world})", got[key], same[key], truth[key])
+
+
+def _expected_calls(case, world, rank):
+    """Per ring step, the kernel calls rank ``rank`` makes (forward or backward): one per box
+    of every chunk pair that the window reaches."""
+    name, backend, layout, causal, window, B, H, D, Lq, M = case[:10]
+    wl, wr = window[0], 0 if causal else window[1]
+    q_lens = [sum(n for _, n, _ in layout_chunks(Lq, i, world, layout)) for i in range(world)]
+    m_lens = [sum(n for _, n, _ in layout_chunks(M, i, world, layout)) for i in range(world)]
+    q_chunks = layout_chunks(Lq, rank, world, layout, q_lens)
+    calls = []
+    for step in range(world):
+        src = (rank - step) % world
+        k_chunks = (layout_chunks(M, src, world, layout, m_lens)
+                    + [(M + s, n, 0) for s, n, _ in layout_chunks(Lq, src, world, layout,
+                                                                   q_lens)])
+        calls.append(sum(len(_kernel_boxes(a0, A, b0, Bk, M, wl, wr))
+                         for a0, A, _ in q_chunks for b0, Bk, _ in k_chunks
+                         if _pair_may_attend(a0, A, b0, Bk, M, wl, wr)))
+    return calls
+
+
+def _calls_per_step(events, kind, world):
+    """Kernel calls of ``kind`` ("fwd" / "bwd") per ring step, from one rank's event list
+    (the calls between ("compute_begin", s) and ("compute_end", s) of the forward's ring,
+    then of the backward's)."""
+    counts = [[0] * world, [0] * world]
+    step, phase = None, -1
+    for e in events:
+        if e[0] == "compute_begin":
+            step = e[1]
+            phase += step == 0
+        elif e[0] == "compute_end":
+            step = None
+        elif e[0] in ("fwd", "bwd"):
+            assert step is not None and e[0] == ("fwd", "bwd")[phase], events
+            counts[phase][step] += 1
+    assert phase == 1, events
+    return counts[("fwd", "bwd").index(kind)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_ring_makes_one_kernel_call_per_box_and_none_outside_the_window(ring_results, case):
+    world, results = ring_results
+    name, backend = case[:2]
+    for rank, res in enumerate(results):
+        events = res[name]["events"]
+        assert {e[1] for e in events if e[0] in ("fwd", "bwd")} == {backend}
+        want = _expected_calls(case, world, rank)
+        for kind in ("fwd", "bwd"):
+            got = _calls_per_step(events, kind, world)
+            assert got == want, (name, rank, kind, got, want)
+    if name.endswith("local_window") and world == 4:
+        # contiguous quarters of 17 / 23 rows, window a few rows wide: each rank's queries
+        # reach only its neighbours' keys, so whole ring steps make no kernel call
+        assert any(0 in _expected_calls(case, world, i) for i in range(world))
+
+
+def test_kernel_boxes_cover_each_allowed_pair_once_with_kernel_windows():
+    """Every allowed pair of a chunk pair lies in exactly one box; each box has no more rows
+    than keys, and its bottom-right aligned window (bounds >= 0, or -1 = unbounded) allows
+    exactly the globally allowed pairs in it."""
+    import random
+
+    rng = random.Random(0)
+    boxes_seen = 0
+    for _ in range(3000):
+        A, Bk = rng.randint(1, 9), rng.randint(1, 9)
+        a0, b0, mem = rng.randint(0, 20), rng.randint(0, 30), rng.randint(0, 10)
+        wl, wr = rng.choice([-1, 0, 1, 2, 3, 5, 8, 20]), rng.choice([-1, 0, 1, 2, 4, 9])
+        i = torch.arange(A)[:, None] + a0 + mem
+        j = torch.arange(Bk)[None, :] + b0
+        allowed = in_window(i - j, wl, wr)
+        cover = torch.zeros(A, Bk, dtype=torch.int64)
+        for i_lo, i_hi, j_lo, j_hi in _kernel_boxes(a0, A, b0, Bk, mem, wl, wr):
+            n_i, n_j = i_hi - i_lo, j_hi - j_lo
+            assert 1 <= n_i <= n_j
+            kwl, kwr = _kernel_window(a0 + i_lo, n_i, b0 + j_lo, n_j, mem, wl, wr)
+            assert kwl >= -1 and kwr >= -1
+            d = torch.arange(n_i)[:, None] + (n_j - n_i) - torch.arange(n_j)[None, :]
+            box_allowed = in_window(d, kwl, kwr)
+            assert torch.equal(box_allowed, allowed[i_lo:i_hi, j_lo:j_hi])
+            cover[i_lo:i_hi, j_lo:j_hi] += box_allowed
+            boxes_seen += 1
+        assert torch.equal(cover, allowed.long()), (A, Bk, a0, b0, mem, wl, wr)
+        assert _pair_may_attend(a0, A, b0, Bk, mem, wl, wr) == bool(allowed.any())
+    assert boxes_seen > 1000
+
+
+def test_explicit_kernel_backend_with_dropout_raises():
+    from txl_kernels.distributed import _choose_backend
+
+    q = torch.randn(1, 4, 2, 16)
+    for backend in ("cpu", "triton"):
+        with pytest.raises(ValueError, match="dropout_p > 0 runs the ring on the einsum"):
+            _choose_backend(backend, q, 0.1, "context_parallel_rel_attention")
+    assert _choose_backend("auto", q, 0.1, "x") == "reference"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        _choose_backend("cuda", q, 0.0, "x")
