@@ -182,7 +182,7 @@ class RelPosAttentionBase(nn.Module):
         return context_parallel_rel_attention(
             q, k, v, p[0], u, vb, group=self.cp_group, layout="contiguous", causal=False,
             window_size=window, key_padding_mask=kpm, softmax_scale=1.0 / self.s_d_k,
-            dropout_p=drop)
+            dropout_p=drop, backend=self.backend)
 
     def _finish(self, out: Tensor, query_pad: Optional[Tensor]) -> Tensor:
         B, Lq = out.shape[0], out.shape[1]
