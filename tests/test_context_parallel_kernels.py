@@ -6,67 +6,41 @@ on 2 and 4 gloo processes, against one process's ``rel_attention`` on the whole 
 Every rank counts the kernel calls it makes (by wrapping the backend's block ops) per ring
 step; the test checks them against the chunk geometry: steps whose key blocks lie outside the
 window make no call."""
-import zlib
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from helpers import assert_within, free_port, gloo_rank
+from test_distributed import _inputs, gathered, ring_case
 from txl_kernels import rel_attention
 from txl_kernels.distributed import (_kernel_boxes, _kernel_window, _pair_may_attend,
-                                     context_parallel_rel_attention, layout_chunks,
-                                     shard_sequence, unshard_sequence)
+                                     layout_chunks)
 from txl_kernels.reference import in_window
 
-# (name, backend, layout, causal, window_size, B, H, D, Lq, M, padding, dtype); no length is
-# a multiple of the world size or of 2 x it
+# (name, layout, causal, window_size, B, H, D, Lq, M, R (None: enough rows), padding, dtype),
+# as in test_distributed; the name's first word is the backend. No length is a multiple of
+# the world size or of twice it.
 CASES = [
-    ("cpu_txl_memory_causal", "cpu", "zigzag", True, (-1, -1), 2, 2, 8, 13, 7, False,
+    ("cpu_txl_memory_causal", "zigzag", True, (-1, -1), 2, 2, 8, 13, 7, None, False,
      torch.float64),
-    ("cpu_same_length_memory", "cpu", "contiguous", True, (5, -1), 1, 2, 16, 11, 6, True,
+    ("cpu_same_length_memory", "contiguous", True, (5, -1), 1, 2, 16, 11, 6, None, True,
      torch.float32),
-    ("cpu_bidirectional_padded", "cpu", "contiguous", False, (-1, -1), 2, 2, 8, 19, 0, True,
+    ("cpu_bidirectional_padded", "contiguous", False, (-1, -1), 2, 2, 8, 19, 0, None, True,
      torch.float64),
-    ("cpu_local_window", "cpu", "contiguous", False, (3, 2), 1, 2, 8, 23, 0, True,
+    ("cpu_local_window", "contiguous", False, (3, 2), 1, 2, 8, 23, 0, None, True,
      torch.float64),
-    ("triton_txl_memory_causal", "triton", "zigzag", True, (-1, -1), 1, 2, 16, 13, 5, False,
+    ("triton_txl_memory_causal", "contiguous", True, (-1, -1), 1, 2, 16, 13, 5, None, False,
      torch.float32),
-    ("triton_bidirectional_padded", "triton", "contiguous", False, (-1, -1), 2, 1, 16, 11, 0,
+    ("triton_bidirectional_padded", "contiguous", False, (-1, -1), 2, 1, 16, 11, 0, None,
      True, torch.float32),
-    ("triton_local_window", "triton", "contiguous", False, (2, 3), 1, 1, 16, 17, 0, False,
+    ("triton_local_window", "contiguous", False, (2, 3), 1, 1, 16, 17, 0, None, False,
      torch.float32),
 ]
 
 
-def _inputs(case):
-    name, backend, layout, causal, window, B, H, D, Lq, M, padding, dtype = case
-    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-    Lk = M + Lq
-    R = Lk if causal else Lk + Lq - 1
-    t = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
-    q, k, v = t(B, Lq, H, D), t(B, Lk, H, D), t(B, Lk, H, D)
-    r, u, vb = t(R, H, D), t(H, D) * 0.5, t(H, D) * 0.5
-    kpm = None
-    if padding:  # uneven: padded at a different place per sequence, some shards all padded
-        kpm = torch.zeros(B, Lk, dtype=torch.bool)
-        kpm[0, Lk - Lk // 3:] = True
-        if B > 1:
-            kpm[1, :Lk // 4] = True
-    return q, k, v, r, u, vb, kpm, t(B, Lq, H, D)
-
-
-def _shard_keys(x, M, rank, world, layout):
-    """A rank's keys: its memory shard, then its segment shard."""
-    mem = shard_sequence(x[:, :M], 1, rank, world, layout)
-    return torch.cat([mem, shard_sequence(x[:, M:], 1, rank, world, layout)], 1)
-
-
-def _unshard_keys(shards, M, world, layout):
-    mem_lens = [sum(n for _, n, _ in layout_chunks(M, i, world, layout)) for i in range(world)]
-    mem = unshard_sequence([s[:, :m] for s, m in zip(shards, mem_lens)], 1, layout)
-    seg = unshard_sequence([s[:, m:] for s, m in zip(shards, mem_lens)], 1, layout)
-    return torch.cat([mem, seg], 1)
+def _backend(case):
+    return case[0].split("_")[0]
 
 
 def _worker(rank, world, port, path):
@@ -79,21 +53,9 @@ def _worker(rank, world, port, path):
         D._KernelOps.bwd = lambda self, *a: (events.append(("bwd", self.name)), bwd(self, *a))[1]
         results = {}
         for case in CASES:
-            name, backend, layout, causal, window, B, H, Dh, Lq, M = case[:10]
-            q, k, v, r, u, vb, kpm, dout = _inputs(case)
-            ql = shard_sequence(q, 1, rank, world, layout).requires_grad_()
-            kl = _shard_keys(k, M, rank, world, layout).requires_grad_()
-            vl = _shard_keys(v, M, rank, world, layout).requires_grad_()
-            kpml = None if kpm is None else _shard_keys(kpm, M, rank, world, layout)
-            rr, uu, vv = (x.clone().requires_grad_() for x in (r, u, vb))
             events.clear()
-            out = context_parallel_rel_attention(
-                ql, kl, vl, rr, uu, vv, memory_len=kl.shape[1] - ql.shape[1], layout=layout,
-                causal=causal, window_size=window, key_padding_mask=kpml, backend=backend,
-                schedule=events)
-            out.backward(shard_sequence(dout, 1, rank, world, layout))
-            results[name] = dict(out=out.detach(), dq=ql.grad, dk=kl.grad, dv=vl.grad,
-                                 dr=rr.grad, du=uu.grad, dvb=vv.grad, events=list(events))
+            results[case[0]] = ring_case(case, rank, world, events, backend=_backend(case))
+            results[case[0]]["events"] = list(events)
         torch.save(results, f"{path}.{rank}")
 
 
@@ -113,18 +75,9 @@ def ring_results(request, tmp_path_factory):
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_ring_on_kernels_equals_one_process(ring_results, case):
     world, results = ring_results
-    name, backend, layout, causal, window, B, H, D, Lq, M, padding, dtype = case
+    name, layout, causal, window, B, H, D, Lq, M, R, padding, dtype = case
     q, k, v, r, u, vb, kpm, dout = _inputs(case)
-    per_rank = [res[name] for res in results]
-    got = {
-        "out": unshard_sequence([p["out"] for p in per_rank], 1, layout),
-        "dq": unshard_sequence([p["dq"] for p in per_rank], 1, layout),
-        "dk": _unshard_keys([p["dk"] for p in per_rank], M, world, layout),
-        "dv": _unshard_keys([p["dv"] for p in per_rank], M, world, layout),
-        "dr": sum(p["dr"] for p in per_rank),  # shared tensors: partial sums over the ranks
-        "du": sum(p["du"] for p in per_rank),
-        "dvb": sum(p["dvb"] for p in per_rank),
-    }
+    got = gathered(results, case, world)
 
     def run(cast):
         leaves = [x.detach().to(cast, copy=True).requires_grad_() for x in (q, k, v, r, u, vb)]
@@ -147,7 +100,7 @@ def test_ring_on_kernels_equals_one_process(ring_results, case):
 def _expected_calls(case, world, rank):
     """Per ring step, the kernel calls rank ``rank`` makes (forward or backward): one per box
     of every chunk pair that the window reaches."""
-    name, backend, layout, causal, window, B, H, D, Lq, M = case[:10]
+    name, layout, causal, window, B, H, D, Lq, M = case[:9]
     wl, wr = window[0], 0 if causal else window[1]
     q_lens = [sum(n for _, n, _ in layout_chunks(Lq, i, world, layout)) for i in range(world)]
     m_lens = [sum(n for _, n, _ in layout_chunks(M, i, world, layout)) for i in range(world)]
@@ -187,7 +140,7 @@ def _calls_per_step(events, kind, world):
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_ring_makes_one_kernel_call_per_box_and_none_outside_the_window(ring_results, case):
     world, results = ring_results
-    name, backend = case[:2]
+    name, backend = case[0], _backend(case)
     for rank, res in enumerate(results):
         events = res[name]["events"]
         assert {e[1] for e in events if e[0] in ("fwd", "bwd")} == {backend}

@@ -15,6 +15,12 @@ the pair reads are the contiguous window ``[b0 - (a0 + A - 1) + Lq - 1, ... + A 
 a function of the two offsets only; the masks use the global distance
 ``d = (a0 + i + M) - (b0 + j)`` (``M`` the global memory length).
 
+Each chunk pair runs on a backend's block ops (docs/distributed.md): the fused Triton
+kernels' or the C++ CPU kernel's registered forward (out, lse) and backward (given the
+merged global out and lse), one call per box of the pair (:func:`_kernel_boxes`, with the
+box's own window and rows of ``r``), or the einsum block math (``backend="reference"``, and
+always with dropout).
+
 Layouts (:func:`shard_sequence`): ``"contiguous"`` (rank ``i`` holds one contiguous slice; the
 ranks' lengths may differ) and ``"zigzag"`` (the sequence in ``2P`` chunks, rank ``i`` holding
 chunks ``i`` and ``2P - 1 - i``), which balances causal work across ranks.
@@ -184,7 +190,7 @@ def _kernel_boxes(a0: int, A: int, b0: int, Bk: int, mem: int, wl: int, wr: int)
     work, boxes = [(0, A)], []
     while work:
         i_lo, i_hi = work.pop()
-        # row i (global a0 + i + mem as a distance origin) sees keys [gi - wl, gi + wr]
+        # query row i, at gi = a0 + i + mem in distance terms, sees keys [gi - wl, gi + wr]
         if wr >= 0:
             i_lo = max(i_lo, b0 - wr - a0 - mem)
         if wl >= 0:
@@ -216,8 +222,8 @@ def _kernel_window(ga: int, n_i: int, gb: int, n_j: int, mem: int, wl: int, wr: 
 def _kernel_r(r: Tensor, ga: int, n_i: int, gb: int, n_j: int, lq: int):
     """The rows of ``r`` a kernel call reads, as the table it indexes from 0 (row
     ``j - i + n_i - 1``): global row ``s + p`` with ``s = gb - ga + lq - n_i``, zero rows
-    padded above where ``s < 0`` (those serve no allowed pair). Returns (table, s, top):
-    the table's row ``top + t`` is ``r[max(s, 0) + t]``."""
+    padded above where ``s < 0`` (those serve no allowed pair). Returns (table, lo, top):
+    the table's row ``top + t`` is ``r[lo + t]``, ``lo = max(s, 0)``."""
     s = gb - ga + lq - n_i
     lo, hi = max(s, 0), min(s + n_i + n_j - 1, r.shape[0])
     assert lo < hi, (ga, n_i, gb, n_j, lq, r.shape[0])

@@ -54,6 +54,11 @@ class RelPosAttentionBase(nn.Module):
         dist.all_reduce(t, group=self.cp_group)
         return int(t)
 
+    def _check_global_pos_emb(self, pos_emb, batch: int, qlen: int, device) -> None:
+        """Under ``cp_group``: ``pos_emb`` must span the frames of every rank."""
+        k_all = self._global_len(qlen, device)
+        self._check_pos_emb(pos_emb, batch, k_all, f" (K = {k_all}, the frames of every rank)")
+
     def _init_common(self, n_head: int, n_feat: int, dropout_rate: float, use_bias: bool,
                      backend: str) -> None:
         if not isinstance(n_head, int) or not isinstance(n_feat, int) or n_head < 1 \
@@ -342,8 +347,7 @@ class NeMoRelPositionMultiHeadAttention(RelPosAttentionBase):
                 raise ValueError(f"{self._NAME}: with cp_group each rank passes its slice of "
                                  f"the frames as query, key and value, with no cache and no "
                                  f"lengths (pass its slice of a (B, T) padding mask)")
-            K_all = self._global_len(T, query.device)
-            self._check_pos_emb(pos_emb, B, K_all, f" (K = {K_all}, the frames of every rank)")
+            self._check_global_pos_emb(pos_emb, B, T, query.device)
         else:
             self._check_pos_emb(pos_emb, B, K, hint)
         kpm, dense, qpad = self._mask_args(mask, B, T, K)

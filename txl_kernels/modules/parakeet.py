@@ -158,8 +158,7 @@ class _HFRelPosAttention(RelPosAttentionBase):
                 raise ValueError(f"{self._NAME}: with cp_group attention_mask must be None or "
                                  f"this rank's slice of a flat (B, T) per-frame mask, got "
                                  f"{mask.shape if isinstance(mask, Tensor) else mask!r}")
-            T_all = self._global_len(T, hidden_states.device)
-            self._check_pos_emb(pos_emb, B, T_all, f" (K = {T_all}, the frames of every rank)")
+            self._check_global_pos_emb(pos_emb, B, T, hidden_states.device)
         else:
             self._check_pos_emb(pos_emb, B, T, "")
         kpm, qpad, rest, band = self._split_mask(mask, B, T)
