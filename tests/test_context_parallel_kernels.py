@@ -60,10 +60,10 @@ def _worker(rank, world, port, path):
 
 
 @pytest.fixture(scope="module", params=[2, 4])
-def ring_results(request, tmp_path_factory):
+def ring_results(request, tmp_path_factory, extension):
     from txl_kernels.cpu_kernel import cpu_kernel_available
 
-    ok, why = cpu_kernel_available()  # built once here, loaded by the ranks
+    ok, why = cpu_kernel_available()  # the extension built once here, loaded by the ranks
     assert ok, why
     world = request.param
     path = str(tmp_path_factory.mktemp(f"cpk{world}") / "res")
