@@ -30,6 +30,10 @@ CASES = [
      torch.float64),
     ("cpu_local_window", "contiguous", False, (3, 2), 1, 2, 8, 23, 0, None, True,
      torch.float64),
+    ("cpu_bf16_bidirectional_padded", "contiguous", False, (-1, -1), 2, 2, 32, 37, 0, None,
+     True, torch.bfloat16),
+    ("cpu_fp16_txl_memory_causal", "zigzag", True, (-1, -1), 1, 2, 32, 37, 11, None, False,
+     torch.float16),
     ("triton_txl_memory_causal", "contiguous", True, (-1, -1), 1, 2, 16, 13, 5, None, False,
      torch.float32),
     ("triton_bidirectional_padded", "contiguous", False, (-1, -1), 2, 1, 16, 11, 0, None,
@@ -94,7 +98,12 @@ def test_ring_on_kernels_equals_one_process(ring_results, case):
             err = (got[key] - truth[key]).abs().max().item()
             assert err <= 1e-10 * max(1.0, truth[key].abs().max().item()), (name, key, err)
         else:
-            assert_within(f"{name} {key} (world {world})", got[key], same[key], truth[key])
+            # fp16 / bf16: each kernel call rounds its box's gradients to the input dtype and
+            # the shared tensors' (r, both biases) add up one partial per box over every rank,
+            # one rounding each (docs/distributed.md)
+            shared = dtype != torch.float32 and key in ("dr", "du", "dvb")
+            assert_within(f"{name} {key} (world {world})", got[key], same[key], truth[key],
+                          factor=3.0 if shared else 2.0)
 
 
 def _expected_calls(case, world, rank):

@@ -120,10 +120,10 @@ def gathered(results, case, world):
         "dq": unshard_sequence([p["dq"] for p in per_rank], 1, layout),
         "dk": _unshard_keys([p["dk"] for p in per_rank], M, world, layout),
         "dv": _unshard_keys([p["dv"] for p in per_rank], M, world, layout),
-        # shared tensors: each rank's partial gradient, summed over the group
-        "dr": sum(p["dr"] for p in per_rank),
-        "du": sum(p["du"] for p in per_rank),
-        "dvb": sum(p["dvb"] for p in per_rank),
+        # shared tensors: each rank's partial gradient, summed over the group (in float64,
+        # so that the sum adds no rounding of its own)
+        **{g: sum(p[g].double() for p in per_rank).to(per_rank[0][g].dtype)
+           for g in ("dr", "du", "dvb")},
     }
 
 

@@ -106,9 +106,10 @@ def unshard_sequence(shards: Sequence[Tensor], dim: int, layout: str = "contiguo
 class _Problem:
     """The global geometry every rank agrees on: query and key chunks per rank."""
 
-    def __init__(self, q_lens: List[int], m_lens: List[int], layout: str, rank: int):
+    def __init__(self, q_lens: List[int], m_lens: List[int], layout: str, rank: int,
+                 has_kpm: bool = False):
         world = len(q_lens)
-        self.world, self.rank = world, rank
+        self.world, self.rank, self.has_kpm = world, rank, has_kpm
         self.lq, self.mem = sum(q_lens), sum(m_lens)
         self.q_chunks = [layout_chunks(self.lq, i, world, layout, q_lens) for i in range(world)]
         # A rank's keys: its memory chunks (global key = memory row), then its segment chunks
@@ -672,7 +673,7 @@ def context_parallel_rel_attention(
                     raise ValueError(f"{name}: rank {i} holds {mine} {what} rows, but the "
                                      f"zigzag layout of {total} rows gives it {exp} "
                                      "(shard with shard_sequence)")
-    prob = _Problem(q_lens, m_lens, layout, ring.rank)
+    prob = _Problem(q_lens, m_lens, layout, ring.rank, key_padding_mask is not None)
     check_position_rows(prob.lq, prob.mem + prob.lq, r.shape[0], wl, wr)
     seed = None
     if dropout_p > 0.0:
@@ -686,7 +687,6 @@ def context_parallel_rel_attention(
                 raise ValueError(f"{name}: dropout_seed must be an int64 [2] tensor on "
                                  f"{q.device}, got {dropout_seed!r}")
             seed = dropout_seed
-    prob.has_kpm = key_padding_mask is not None
     drop = _Dropout(dropout_p, seed, B, H, prob.lq, prob.mem + prob.lq)
     ops = None if chosen == "reference" else _KernelOps(chosen, deterministic)
     if ops is not None:
