@@ -1,5 +1,7 @@
 """Context parallelism (txl_kernels.distributed): the sharded ring computation against
-rel_attention on the whole sequence, on 2 and 4 gloo processes on CPU.
+rel_attention on the whole sequence, on 2 and 4 gloo processes on CPU, with the ring's
+blocks on the einsum block math (backend "reference"; test_context_parallel_kernels.py runs
+them on the kernels).
 
 One spawn per world size runs every case (starting the ranks costs more than the tiny
 problems); every rank saves its output shard, its input gradients and its ring schedule, and
@@ -62,43 +64,34 @@ def _shard_keys(x, M, rank, world, layout):
     return torch.cat([mem, shard_sequence(x[:, M:], 1, rank, world, layout)], 1)
 
 
+def ring_case(case, rank, world, schedule, **kw):
+    """Run ``case`` on this rank's shards (``kw`` to context_parallel_rel_attention): its
+    output shard, the gradients of its inputs, and its forward / backward ring events."""
+    name, layout, causal, window, B, H, D, Lq, M = case[:9]
+    q, k, v, r, u, vb, kpm, dout = _inputs(case)
+    ql = shard_sequence(q, 1, rank, world, layout).requires_grad_()
+    kl = _shard_keys(k, M, rank, world, layout).requires_grad_()
+    vl = _shard_keys(v, M, rank, world, layout).requires_grad_()
+    kpml = None if kpm is None else _shard_keys(kpm, M, rank, world, layout)
+    rr, uu, vv = (t.clone().requires_grad_() for t in (r, u, vb))
+    out = context_parallel_rel_attention(
+        ql, kl, vl, rr, uu, vv, memory_len=kl.shape[1] - ql.shape[1], layout=layout,
+        causal=causal, window_size=window, key_padding_mask=kpml, schedule=schedule, **kw)
+    fwd_schedule = list(schedule)
+    out.backward(shard_sequence(dout, 1, rank, world, layout))
+    return dict(out=out.detach(), dq=ql.grad, dk=kl.grad, dv=vl.grad, dr=rr.grad, du=uu.grad,
+                dvb=vv.grad, fwd=fwd_schedule, bwd=schedule[len(fwd_schedule):])
+
+
 def _worker(rank, world, port, path):
     with gloo_rank(rank, world, port) as dist:
-        results = {}
-        for case in CASES:
-            name, layout, causal, window, B, H, D, Lq, M = case[:9]
-            q, k, v, r, u, vb, kpm, dout = _inputs(case)
-            ql = shard_sequence(q, 1, rank, world, layout).requires_grad_()
-            kl = _shard_keys(k, M, rank, world, layout).requires_grad_()
-            vl = _shard_keys(v, M, rank, world, layout).requires_grad_()
-            kpml = None if kpm is None else _shard_keys(kpm, M, rank, world, layout)
-            rr, uu, vv = (t.clone().requires_grad_() for t in (r, u, vb))
-            schedule = []
-            out = context_parallel_rel_attention(
-                ql, kl, vl, rr, uu, vv, memory_len=kl.shape[1] - ql.shape[1], layout=layout,
-                causal=causal, window_size=window, key_padding_mask=kpml, schedule=schedule)
-            fwd_schedule = list(schedule)
-            out.backward(shard_sequence(dout, 1, rank, world, layout))
-            results[name] = dict(out=out.detach(), dq=ql.grad, dk=kl.grad, dv=vl.grad,
-                                 dr=rr.grad, du=uu.grad, dvb=vv.grad, fwd=fwd_schedule,
-                                 bwd=schedule[len(fwd_schedule):])
-        case = DROPOUT_CASE
-        name, layout, causal, window, B, H, D, Lq, M = case[:9]
-        q, k, v, r, u, vb, kpm, dout = _inputs(case)
-        ql = shard_sequence(q, 1, rank, world, layout).requires_grad_()
-        kl = _shard_keys(k, M, rank, world, layout).requires_grad_()
-        vl = _shard_keys(v, M, rank, world, layout).requires_grad_()
-        rr, uu, vv = (t.clone().requires_grad_() for t in (r, u, vb))
+        # the einsum block math (test_context_parallel_kernels.py runs the kernels)
+        results = {case[0]: ring_case(case, rank, world, [], backend="reference")
+                   for case in CASES}
+        # rank r seeds DROPOUT_SEED + r: only rank 0's broadcast (seed, offset) makes them agree
         torch.manual_seed(DROPOUT_SEED + rank)
-        schedule = []
-        out = context_parallel_rel_attention(
-            ql, kl, vl, rr, uu, vv, memory_len=kl.shape[1] - ql.shape[1], layout=layout,
-            causal=causal, dropout_p=DROPOUT_P, schedule=schedule)
-        fwd_schedule = list(schedule)
-        out.backward(shard_sequence(dout, 1, rank, world, layout))
-        results[name] = dict(out=out.detach(), dq=ql.grad, dk=kl.grad, dv=vl.grad,
-                             dr=rr.grad, du=uu.grad, dvb=vv.grad, fwd=fwd_schedule,
-                             bwd=schedule[len(fwd_schedule):])
+        results[DROPOUT_CASE[0]] = ring_case(DROPOUT_CASE, rank, world, [],
+                                             dropout_p=DROPOUT_P)
         torch.save(results, f"{path}.{rank}")
 
 
@@ -116,6 +109,22 @@ def _unshard_keys(shards, M, world, layout):
     mem = unshard_sequence([s[:, :m] for s, m in zip(shards, mem_lens)], 1, layout)
     seg = unshard_sequence([s[:, m:] for s, m in zip(shards, mem_lens)], 1, layout)
     return torch.cat([mem, seg], 1)
+
+
+def gathered(results, case, world):
+    """The whole problem's output and gradients from every rank's ``ring_case`` result."""
+    name, layout, M = case[0], case[1], case[8]
+    per_rank = [res[name] for res in results]
+    return {
+        "out": unshard_sequence([p["out"] for p in per_rank], 1, layout),
+        "dq": unshard_sequence([p["dq"] for p in per_rank], 1, layout),
+        "dk": _unshard_keys([p["dk"] for p in per_rank], M, world, layout),
+        "dv": _unshard_keys([p["dv"] for p in per_rank], M, world, layout),
+        # shared tensors: each rank's partial gradient, summed over the group (in float64,
+        # so that the sum adds no rounding of its own)
+        **{g: sum(p[g].double() for p in per_rank).to(per_rank[0][g].dtype)
+           for g in ("dr", "du", "dvb")},
+    }
 
 
 @pytest.mark.slow
@@ -137,17 +146,7 @@ def test_sharded_ring_equals_one_process(ring_results, case):
         ref = rel_attention(*leaves, causal=causal, window_size=window, key_padding_mask=kpm,
                             backend="reference")
     ref.backward(dout)
-    per_rank = [res[name] for res in results]
-    got = {
-        "out": unshard_sequence([p["out"] for p in per_rank], 1, layout),
-        "dq": unshard_sequence([p["dq"] for p in per_rank], 1, layout),
-        "dk": _unshard_keys([p["dk"] for p in per_rank], M, world, layout),
-        "dv": _unshard_keys([p["dv"] for p in per_rank], M, world, layout),
-        # shared tensors: each rank's partial gradient, summed over the group
-        "dr": sum(p["dr"] for p in per_rank),
-        "du": sum(p["du"] for p in per_rank),
-        "dvb": sum(p["dvb"] for p in per_rank),
-    }
+    got = gathered(results, case, world)
     want = dict(out=ref, dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad,
                 dr=leaves[3].grad, du=leaves[4].grad, dvb=leaves[5].grad)
     tol = 1e-10 if dtype == torch.float64 else 2e-5

@@ -15,6 +15,12 @@ the pair reads are the contiguous window ``[b0 - (a0 + A - 1) + Lq - 1, ... + A 
 a function of the two offsets only; the masks use the global distance
 ``d = (a0 + i + M) - (b0 + j)`` (``M`` the global memory length).
 
+Each chunk pair runs on a backend's block ops (docs/distributed.md): the fused Triton
+kernels' or the C++ CPU kernel's registered forward (out, lse) and backward (given the
+merged global out and lse), one call per box of the pair (:func:`_kernel_boxes`, with the
+box's own window and rows of ``r``), or the einsum block math (``backend="reference"``, and
+always with dropout).
+
 Layouts (:func:`shard_sequence`): ``"contiguous"`` (rank ``i`` holds one contiguous slice; the
 ranks' lengths may differ) and ``"zigzag"`` (the sequence in ``2P`` chunks, rank ``i`` holding
 chunks ``i`` and ``2P - 1 - i``), which balances causal work across ranks.
@@ -27,8 +33,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ._utils import interpreting, no_interpreter_reason
-from .functional import check_position_rows
+from ._utils import (FUSED_DTYPES, FUSED_MAX_HEADDIM, FUSED_MIN_HEADDIM, check_same,
+                     interpreting, no_interpreter_reason)
+from .functional import BACKENDS, check_position_rows, fused_available
 from .reference import in_window, rel_shift
 
 __all__ = ["context_parallel_rel_attention", "shard_sequence", "unshard_sequence",
@@ -99,9 +106,10 @@ def unshard_sequence(shards: Sequence[Tensor], dim: int, layout: str = "contiguo
 class _Problem:
     """The global geometry every rank agrees on: query and key chunks per rank."""
 
-    def __init__(self, q_lens: List[int], m_lens: List[int], layout: str, rank: int):
+    def __init__(self, q_lens: List[int], m_lens: List[int], layout: str, rank: int,
+                 has_kpm: bool = False):
         world = len(q_lens)
-        self.world, self.rank = world, rank
+        self.world, self.rank, self.has_kpm = world, rank, has_kpm
         self.lq, self.mem = sum(q_lens), sum(m_lens)
         self.q_chunks = [layout_chunks(self.lq, i, world, layout, q_lens) for i in range(world)]
         # A rank's keys: its memory chunks (global key = memory row), then its segment chunks
@@ -169,6 +177,157 @@ def _finite_or_zero(x: Tensor) -> Tensor:
     return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
 
 
+def _kernel_boxes(a0: int, A: int, b0: int, Bk: int, mem: int, wl: int, wr: int):
+    """The kernel calls of the chunk pair (queries ``[a0, a0 + A)``, keys ``[b0, b0 + Bk)``
+    global, memory first): sub-rectangles ``(i_lo, i_hi, j_lo, j_hi)`` in the chunks' local
+    rows / keys that together hold every pair the window allows, each the tight bounding box
+    of its allowed pairs with no more rows than keys (the kernels need ``Lk >= Lq``).
+
+    Tightness puts the box's bottom-right pair inside the window, so the box's own
+    bottom-right aligned window bounds (:func:`_kernel_window`) are ``>= 0``: a negative bound
+    would read as the kernels' unbounded sentinel. Query rows with no allowed key in the
+    chunk are trimmed; a box with more rows than keys is split into boxes of at most as many
+    rows as it has keys, each tightened again."""
+    work, boxes = [(0, A)], []
+    while work:
+        i_lo, i_hi = work.pop()
+        # query row i, at gi = a0 + i + mem in distance terms, sees keys [gi - wl, gi + wr]
+        if wr >= 0:
+            i_lo = max(i_lo, b0 - wr - a0 - mem)
+        if wl >= 0:
+            i_hi = min(i_hi, b0 + Bk + wl - a0 - mem)
+        if i_lo >= i_hi:
+            continue
+        j_lo = 0 if wl < 0 else max(0, a0 + i_lo + mem - wl - b0)
+        j_hi = Bk if wr < 0 else min(Bk, a0 + i_hi - 1 + mem + wr - b0 + 1)
+        rows, keys = i_hi - i_lo, j_hi - j_lo
+        if rows > keys:
+            work.extend((s, min(s + keys, i_hi)) for s in range(i_lo, i_hi, keys))
+        else:
+            boxes.append((i_lo, i_hi, j_lo, j_hi))
+    return sorted(boxes)
+
+
+def _kernel_window(ga: int, n_i: int, gb: int, n_j: int, mem: int, wl: int, wr: int):
+    """The kernels' (window_left, window_right) for global queries ``[ga, ga + n_i)`` and
+    keys ``[gb, gb + n_j)``: their distance ``i + (n_j - n_i) - j`` is the global one less
+    ``delta``. A bound that covers the whole box becomes -1 (unbounded: no checks)."""
+    delta = (ga + mem) - gb - (n_j - n_i)
+    kwl = -1 if wl < 0 or wl - delta >= n_j - 1 else wl - delta
+    kwr = -1 if wr < 0 or wr + delta >= n_i - 1 else wr + delta
+    assert (wl < 0 or wl - delta >= 0) and (wr < 0 or wr + delta >= 0), \
+        (ga, n_i, gb, n_j, mem, wl, wr)  # _kernel_boxes' boxes keep both bounds >= 0
+    return kwl, kwr
+
+
+def _kernel_r(r: Tensor, ga: int, n_i: int, gb: int, n_j: int, lq: int):
+    """The rows of ``r`` a kernel call reads, as the table it indexes from 0 (row
+    ``j - i + n_i - 1``): global row ``s + p`` with ``s = gb - ga + lq - n_i``, zero rows
+    padded above where ``s < 0`` (those serve no allowed pair). Returns (table, lo, top):
+    the table's row ``top + t`` is ``r[lo + t]``, ``lo = max(s, 0)``."""
+    s = gb - ga + lq - n_i
+    lo, hi = max(s, 0), min(s + n_i + n_j - 1, r.shape[0])
+    assert lo < hi, (ga, n_i, gb, n_j, lq, r.shape[0])
+    top = lo - s
+    rows = r[lo:hi]
+    if top:
+        rows = torch.cat([rows.new_zeros((top,) + tuple(r.shape[1:])), rows])
+    return rows, lo, top
+
+
+class _KernelOps:
+    """One backend's block ops: ``fwd(q, k, v, r, u, vb, scale, wl, wr, kpm) -> (out, lse)``
+    (``lse`` natural log, +inf for rows with no allowed key) and ``bwd(dout, q, k, v, r, u,
+    vb, out, lse, scale, wl, wr, kpm) -> (dq, dk, dv, dr, du, dvb)``, the registered ops of
+    the fused Triton kernels (``txl_kernels::rel_attn_fwd`` / ``rel_attn_bwd``) or of the C++
+    CPU kernel (``txl_kernels::rel_attn_cpu_fwd`` / ``rel_attn_cpu_bwd``). ``lse_dtype``: what
+    the backward takes (fp32; the CPU kernel's accumulation dtype)."""
+
+    def __init__(self, name: str, deterministic: bool = False):
+        self.name, self.deterministic = name, deterministic
+        if name == "triton":
+            from .ops import rel_attn_op  # noqa: F401  (registers the ops; imports triton)
+
+    def lse_dtype(self, dtype):
+        if self.name == "cpu" and dtype == torch.float64:
+            return torch.float64
+        return torch.float32
+
+    def fwd(self, q, k, v, r, u, vb, scale, wl, wr, kpm):
+        if self.name == "triton":
+            return torch.ops.txl_kernels.rel_attn_fwd(q, k, v, r, u, vb, scale, wl, wr, kpm,
+                                                      None, None, 0.0, None)
+        return torch.ops.txl_kernels.rel_attn_cpu_fwd(q, k, v, r, u, vb, scale, wl, wr, kpm,
+                                                      None, None, 0.0, None, None, None, None,
+                                                      None)
+
+    def bwd(self, dout, q, k, v, r, u, vb, out, lse, scale, wl, wr, kpm):
+        if self.name == "triton":
+            return torch.ops.txl_kernels.rel_attn_bwd(dout, q, k, v, r, u, vb, out, lse, scale,
+                                                      wl, wr, kpm, None, None,
+                                                      self.deterministic, 0.0, None)
+        return torch.ops.txl_kernels.rel_attn_cpu_bwd(dout, q, k, v, r, u, vb, out, lse, scale,
+                                                      wl, wr, kpm, None, None, 0.0, None)
+
+
+def _choose_backend(backend: str, q: Tensor, dropout_p: float, name: str) -> str:
+    """``"reference"`` (the einsum block math), ``"triton"`` or ``"cpu"``, as
+    ``rel_attention`` would choose for ``backend``, except that ``"auto"`` takes the C++
+    kernel for CPU tensors even under the Triton interpreter (a testing tool: ask for
+    ``"triton"`` to use it) and the einsum path with dropout (the kernels draw their keep-mask
+    in their own block's coordinates, not the global ones)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{name}: backend must be one of {BACKENDS}, got {backend!r}")
+    D = q.shape[-1]
+    fused_shape = q.dtype in FUSED_DTYPES and FUSED_MIN_HEADDIM <= D <= FUSED_MAX_HEADDIM
+    if backend in ("triton", "cpu") and dropout_p > 0.0:
+        raise ValueError(f"{name}: dropout_p > 0 runs the ring on the einsum block math (the "
+                         f"one-process keep-mask is a function of global positions, the "
+                         f"kernels draw theirs in their block's); use backend='auto' or "
+                         f"'reference', got backend={backend!r}")
+    if backend == "triton":
+        ok, why = fused_available(q.device)
+        if not ok:
+            raise RuntimeError(f"{name}: backend='triton' cannot run here: {why}")
+        if not fused_shape:
+            raise ValueError(f"{name}: backend='triton' supports dtypes float16, bfloat16, "
+                             f"float32 and head dims {FUSED_MIN_HEADDIM}..{FUSED_MAX_HEADDIM};"
+                             f" got dtype {q.dtype}, D={D}")
+        return "triton"
+    if backend == "cpu":
+        from .cpu_kernel import cpu_kernel_available
+
+        if q.device.type != "cpu":
+            raise ValueError(f"{name}: backend='cpu' needs CPU tensors, got q on {q.device}")
+        ok, why = cpu_kernel_available()
+        if not ok:
+            raise RuntimeError(f"{name}: backend='cpu' cannot run here: {why}")
+        return "cpu"
+    if backend == "reference" or dropout_p > 0.0:
+        return "reference"
+    if q.device.type == "cuda" and fused_shape and fused_available(q.device)[0]:
+        return "triton"
+    if q.device.type == "cpu":
+        from .cpu_kernel import cpu_kernel_available
+
+        if cpu_kernel_available()[0]:
+            return "cpu"
+    return "reference"
+
+
+def _merge(out: Tensor, lse: Tensor, i0: int, n: int, blk: Tensor, blk_lse: Tensor) -> None:
+    """Fold a block's normalised rows ``blk`` ``[B, n, H, D]`` and their log-sum-exp
+    ``blk_lse`` ``[B, H, n]`` (-inf: no key) into rows ``[i0, i0 + n)`` of the running
+    ``out`` / ``lse``."""
+    old = lse[:, :, i0:i0 + n]
+    new = torch.logaddexp(old, blk_lse)
+    safe = _finite_or_zero(new)
+    w_old = torch.exp(old - safe).transpose(1, 2)[..., None]
+    w_blk = torch.exp(blk_lse - safe).transpose(1, 2)[..., None]
+    out[:, i0:i0 + n] = out[:, i0:i0 + n] * w_old + blk * w_blk
+    lse[:, :, i0:i0 + n] = new
+
+
 class _Ring:
     """Point-to-point exchange with the ring neighbours, recording the schedule if asked."""
 
@@ -207,7 +366,7 @@ def _like(t: Tensor, rows: int) -> Tensor:
 
 
 def _ring_forward(q, k, v, kpm, r, u, vb, scale, wl, wr, prob: _Problem, ring: _Ring,
-                  drop: _Dropout):
+                  drop: _Dropout, ops: Optional[_KernelOps]):
     B, Lq, H, D = q.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = q.new_zeros((B, Lq, H, D), dtype=acc)
@@ -229,6 +388,20 @@ def _ring_forward(q, k, v, kpm, r, u, vb, scale, wl, wr, prob: _Problem, ring: _
                     ring.log("skip", step)
                     continue
                 ring.log("block", step)
+                if ops is not None:
+                    for i_lo, i_hi, j_lo, j_hi in _kernel_boxes(a0, A, b0, Bk, prob.mem, wl,
+                                                                wr):
+                        ks = slice(koff + j_lo, koff + j_hi)
+                        ga, n_i, gb, n_j = a0 + i_lo, i_hi - i_lo, b0 + j_lo, j_hi - j_lo
+                        kwl, kwr = _kernel_window(ga, n_i, gb, n_j, prob.mem, wl, wr)
+                        rk = _kernel_r(r, ga, n_i, gb, n_j, prob.lq)[0]
+                        o, blk_lse = ops.fwd(qc[:, i_lo:i_hi], kb[:, ks], vb_[:, ks], rk, u, vb,
+                                             scale, kwl, kwr,
+                                             kpmb[:, ks] if prob.has_kpm else None)
+                        blk_lse = blk_lse.to(acc)  # rows with no key: +inf -> -inf here
+                        blk_lse = blk_lse.masked_fill(blk_lse == float("inf"), float("-inf"))
+                        _merge(out, lse, qoff + i_lo, n_i, o.to(acc), blk_lse)
+                    continue
                 lo, hi, top, bottom = _window(a0, A, b0, Bk, prob, r.shape[0])
                 s = _block_scores(qc, kb[:, koff:koff + Bk], r[lo:hi], (top, bottom), u, vb,
                                   scale, a0, b0, prob, wl, wr, kpmb[:, koff:koff + Bk])
@@ -238,13 +411,7 @@ def _ring_forward(q, k, v, kpm, r, u, vb, scale, wl, wr, prob: _Problem, ring: _
                 if z is not None:  # the lse stays that of the undropped scores
                     p = p * z
                 blk = torch.einsum("bhij,bjhd->bihd", p, vb_[:, koff:koff + Bk].to(acc))
-                old = lse[:, :, qoff:qoff + A]
-                new = torch.logaddexp(old, blk_lse)
-                safe = _finite_or_zero(new)
-                w_old = torch.exp(old - safe).transpose(1, 2)[..., None]
-                w_blk = torch.exp(blk_lse - safe).transpose(1, 2)[..., None]
-                out[:, qoff:qoff + A] = out[:, qoff:qoff + A] * w_old + blk * w_blk
-                lse[:, :, qoff:qoff + A] = new
+                _merge(out, lse, qoff, A, blk, blk_lse)
         ring.log("compute_end", step)
         if pending is not None:
             cur = ring.wait(step + 1, pending)
@@ -252,11 +419,16 @@ def _ring_forward(q, k, v, kpm, r, u, vb, scale, wl, wr, prob: _Problem, ring: _
 
 
 def _ring_backward(dout, q, k, v, kpm, r, u, vb, out, lse, scale, wl, wr, prob: _Problem,
-                   ring: _Ring, drop: _Dropout):
+                   ring: _Ring, drop: _Dropout, ops: Optional[_KernelOps]):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dout_a = dout.to(acc)
-    delta = (dout_a * out.to(acc)).sum(-1).transpose(1, 2)  # [B, H, Lq]
-    lse_safe = _finite_or_zero(lse)
+    if ops is not None:
+        # the kernels' backward from the global row lse and out (+inf: a row with no key)
+        dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+        lse_k = lse.masked_fill(~torch.isfinite(lse), float("inf")).to(ops.lse_dtype(q.dtype))
+    else:
+        dout_a = dout.to(acc)
+        delta = (dout_a * out.to(acc)).sum(-1).transpose(1, 2)  # [B, H, Lq]
+        lse_safe = _finite_or_zero(lse)
     dq = torch.zeros_like(q, dtype=acc)
     dr = torch.zeros_like(r, dtype=acc)
     du = torch.zeros_like(u, dtype=acc)
@@ -281,6 +453,25 @@ def _ring_backward(dout, q, k, v, kpm, r, u, vb, out, lse, scale, wl, wr, prob: 
                     ring.log("skip", step)
                     continue
                 ring.log("block", step)
+                if ops is not None:
+                    for i_lo, i_hi, j_lo, j_hi in _kernel_boxes(a0, A, b0, Bk, prob.mem, wl,
+                                                                wr):
+                        qs = slice(qoff + i_lo, qoff + i_hi)
+                        ks = slice(koff + j_lo, koff + j_hi)
+                        ga, n_i, gb, n_j = a0 + i_lo, i_hi - i_lo, b0 + j_lo, j_hi - j_lo
+                        kwl, kwr = _kernel_window(ga, n_i, gb, n_j, prob.mem, wl, wr)
+                        rk, r_lo, top = _kernel_r(r, ga, n_i, gb, n_j, prob.lq)
+                        gq, gk, gv, gr, gu, gvb = ops.bwd(
+                            dout[:, qs], q[:, qs], kb[:, ks], vblk[:, ks], rk, u, vb,
+                            out[:, qs], lse_k[:, :, qs], scale, kwl, kwr,
+                            kpmb[:, ks] if prob.has_kpm else None)
+                        dq[:, qs] += gq
+                        dkb[:, ks] += gk
+                        dvblk[:, ks] += gv
+                        dr[r_lo:r_lo + gr.shape[0] - top] += gr[top:]
+                        du += gu
+                        dvb += gvb
+                    continue
                 gq, gk, gv, gr, lo, hi, gu, gvb = _block_grads(
                     q[:, qoff:qoff + A], kb[:, koff:koff + Bk], vblk[:, koff:koff + Bk], r, u,
                     vb, scale, a0, b0, prob, wl, wr, kpmb[:, koff:koff + Bk],
@@ -330,17 +521,17 @@ def _block_grads(qc, kc, vc, r, u, vb, scale, a0, b0, prob, wl, wr, kpm_c, lse_c
 
 class _ContextParallelRelAttn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, r, u, vb, kpm, scale, wl, wr, prob, ring, drop):
-        out, lse = _ring_forward(q, k, v, kpm, r, u, vb, scale, wl, wr, prob, ring, drop)
+    def forward(ctx, q, k, v, r, u, vb, kpm, scale, wl, wr, prob, ring, drop, ops):
+        out, lse = _ring_forward(q, k, v, kpm, r, u, vb, scale, wl, wr, prob, ring, drop, ops)
         ctx.save_for_backward(q, k, v, kpm, r, u, vb, out, lse)
-        ctx.args = (scale, wl, wr, prob, ring, drop)
+        ctx.args = (scale, wl, wr, prob, ring, drop, ops)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, kpm, r, u, vb, out, lse = ctx.saved_tensors
         grads = _ring_backward(dout, q, k, v, kpm, r, u, vb, out, lse, *ctx.args)
-        return grads + (None,) * 7
+        return grads + (None,) * 8
 
 
 def context_parallel_rel_attention(
@@ -360,6 +551,8 @@ def context_parallel_rel_attention(
     softmax_scale: Optional[float] = None,
     dropout_p: float = 0.0,
     dropout_seed: Optional[Tensor] = None,
+    backend: str = "auto",
+    deterministic: bool = False,
     schedule: Optional[list] = None,
 ) -> Tensor:
     """Relative attention over a sequence sharded across the ranks of ``group``.
@@ -390,14 +583,26 @@ def context_parallel_rel_attention(
         dropout_seed: int64 ``[2]`` (seed, offset) on q's device; default: every rank draws
             one (``draw_dropout_seed``, so the ranks' generators advance alike) and rank 0's
             is broadcast to the group. The backward regenerates the same mask.
+        backend: what computes each ring step's blocks (docs/distributed.md):
+            ``"triton"`` (the fused kernels' registered ops ``txl_kernels::rel_attn_fwd`` /
+            ``rel_attn_bwd``: CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"cpu"`` (the C++
+            CPU kernel's ``rel_attn_cpu_fwd`` / ``rel_attn_cpu_bwd``), ``"reference"`` (the
+            einsum block math) or ``"auto"``: Triton on CUDA where the fused kernels run
+            (dtype, head dim), the CPU kernel on CPU tensors once the extension is built,
+            else the einsum path; with ``dropout_p > 0`` always the einsum path (the kernels
+            draw their keep-mask in their own block's coordinates; an explicit ``"triton"`` /
+            ``"cpu"`` then raises).
+        deterministic: the Triton backward's dr reduction, as in ``rel_attention``.
         schedule: optional list; each rank appends its ring events (``("recv_posted", step)``,
-            ``("compute_begin", step)``, ``("block", step)``, ``("skip", step)``, ...) to it.
+            ``("compute_begin", step)``, ``("block", step)`` per chunk pair computed,
+            ``("skip", step)`` per chunk pair outside the window, ...) to it.
 
     Gradients flow to every input. Those of ``r`` and the two biases are this rank's partial
     sums: like the gradients of any parameter shared across the ranks' shards, they add up
     over the group (the all-reduce of the data-parallel wrapper, or ``dist.all_reduce``).
-    Memory per rank: the local shard plus one received key / value block and, per chunk pair,
-    its ``[B, H, A, Bk]`` scores (the einsum path).
+    Memory per rank: the local shard plus one received key / value block; the kernels keep
+    their tiles on chip, the einsum path materialises one chunk pair's ``[B, H, A, Bk]``
+    scores at a time.
     """
     name = "context_parallel_rel_attention"
     _check_layout(layout)
@@ -413,6 +618,14 @@ def context_parallel_rel_attention(
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"{name}: q, k, v must be [B, L, H, D], got {list(q.shape)}, "
                          f"{list(k.shape)}, {list(v.shape)}")
+    for nm, t in (("k", k), ("v", v), ("r", r), ("r_w_bias", r_w_bias),
+                  ("r_r_bias", r_r_bias)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}: {nm} must be a torch.Tensor, got {type(t).__name__}")
+        check_same(name, nm, t, "q", q)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"{name}: deterministic must be a bool, got "
+                        f"{type(deterministic).__name__}")
     B, Lq, H, D = q.shape
     if not isinstance(memory_len, int) or memory_len < 0:
         raise ValueError(f"{name}: memory_len must be an int >= 0, got {memory_len!r}")
@@ -434,9 +647,15 @@ def context_parallel_rel_attention(
         kpm = key_padding_mask
     else:
         kpm = torch.zeros(want[:2], dtype=torch.bool, device=q.device)
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1
+                       for w in window_size)):
+        raise ValueError(f"{name}: window_size must be a (left, right) pair of ints >= -1 "
+                         f"(-1 = unbounded), got {window_size!r}")
     wl, wr = window_size
     if causal:
         wr = 0
+    chosen = _choose_backend(backend, q, dropout_p, name)
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
 
     ring = _Ring(group, schedule)
@@ -454,7 +673,7 @@ def context_parallel_rel_attention(
                     raise ValueError(f"{name}: rank {i} holds {mine} {what} rows, but the "
                                      f"zigzag layout of {total} rows gives it {exp} "
                                      "(shard with shard_sequence)")
-    prob = _Problem(q_lens, m_lens, layout, ring.rank)
+    prob = _Problem(q_lens, m_lens, layout, ring.rank, key_padding_mask is not None)
     check_position_rows(prob.lq, prob.mem + prob.lq, r.shape[0], wl, wr)
     seed = None
     if dropout_p > 0.0:
@@ -469,5 +688,16 @@ def context_parallel_rel_attention(
                                  f"{q.device}, got {dropout_seed!r}")
             seed = dropout_seed
     drop = _Dropout(dropout_p, seed, B, H, prob.lq, prob.mem + prob.lq)
+    ops = None if chosen == "reference" else _KernelOps(chosen, deterministic)
+    if ops is not None:
+        # the kernels read tensors whose last dimension is contiguous
+        q, k, v, r, r_w_bias, r_r_bias = (t if t.stride(-1) == 1 else t.contiguous()
+                                          for t in (q, k, v, r, r_w_bias, r_r_bias))
+    if chosen == "triton" and scale <= 0.0:
+        # The fused forward needs scale > 0; the scores are linear in (q, r_w_bias,
+        # r_r_bias), so the sign goes into those three (as rel_attention does).
+        sign = -1.0 if scale < 0.0 else 0.0
+        q, r_w_bias, r_r_bias = (t * sign for t in (q, r_w_bias, r_r_bias))
+        scale = -scale if scale < 0.0 else 1.0
     return _ContextParallelRelAttn.apply(q, k, v, r, r_w_bias, r_r_bias, kpm, scale, wl, wr,
-                                         prob, ring, drop)
+                                         prob, ring, drop, ops)

@@ -54,6 +54,11 @@ class RelPosAttentionBase(nn.Module):
         dist.all_reduce(t, group=self.cp_group)
         return int(t)
 
+    def _check_global_pos_emb(self, pos_emb, batch: int, qlen: int, device) -> None:
+        """Under ``cp_group``: ``pos_emb`` must span the frames of every rank."""
+        k_all = self._global_len(qlen, device)
+        self._check_pos_emb(pos_emb, batch, k_all, f" (K = {k_all}, the frames of every rank)")
+
     def _init_common(self, n_head: int, n_feat: int, dropout_rate: float, use_bias: bool,
                      backend: str) -> None:
         if not isinstance(n_head, int) or not isinstance(n_feat, int) or n_head < 1 \
@@ -182,7 +187,7 @@ class RelPosAttentionBase(nn.Module):
         return context_parallel_rel_attention(
             q, k, v, p[0], u, vb, group=self.cp_group, layout="contiguous", causal=False,
             window_size=window, key_padding_mask=kpm, softmax_scale=1.0 / self.s_d_k,
-            dropout_p=drop)
+            dropout_p=drop, backend=self.backend)
 
     def _finish(self, out: Tensor, query_pad: Optional[Tensor]) -> Tensor:
         B, Lq = out.shape[0], out.shape[1]
@@ -342,8 +347,7 @@ class NeMoRelPositionMultiHeadAttention(RelPosAttentionBase):
                 raise ValueError(f"{self._NAME}: with cp_group each rank passes its slice of "
                                  f"the frames as query, key and value, with no cache and no "
                                  f"lengths (pass its slice of a (B, T) padding mask)")
-            K_all = self._global_len(T, query.device)
-            self._check_pos_emb(pos_emb, B, K_all, f" (K = {K_all}, the frames of every rank)")
+            self._check_global_pos_emb(pos_emb, B, T, query.device)
         else:
             self._check_pos_emb(pos_emb, B, K, hint)
         kpm, dense, qpad = self._mask_args(mask, B, T, K)

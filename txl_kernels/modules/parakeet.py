@@ -153,7 +153,14 @@ class _HFRelPosAttention(RelPosAttentionBase):
         if pos_emb is None:
             raise ValueError(f"{self._NAME}: {pos_name} are required (the encoder's relative "
                              f"positional encoding)")
-        self._check_pos_emb(pos_emb, B, T, "")
+        if self.cp_group is not None:
+            if mask is not None and (not isinstance(mask, Tensor) or mask.dim() != 2):
+                raise ValueError(f"{self._NAME}: with cp_group attention_mask must be None or "
+                                 f"this rank's slice of a flat (B, T) per-frame mask, got "
+                                 f"{mask.shape if isinstance(mask, Tensor) else mask!r}")
+            self._check_global_pos_emb(pos_emb, B, T, hidden_states.device)
+        else:
+            self._check_pos_emb(pos_emb, B, T, "")
         kpm, qpad, rest, band = self._split_mask(mask, B, T)
         self._grab = {} if qpad is not None else None
         try:
@@ -182,15 +189,21 @@ class _HFRelPosAttention(RelPosAttentionBase):
         ``x_ij = scale (q_i + u) . k_j``: ``dx_ij = (dO_i . v_j - mean_j dO_i . v_j) / T``.
         That is exactly the gradient of ``f_i = (1/T) sum_j (x_ij - mean_j x_ij) v_j`` (v held
         constant), added as ``f - f.detach()`` (value 0); computed through ``[D, D]`` products,
-        no [T, T] tensor. [B, T, H, D]."""
+        no [T, T] tensor. [B, T, H, D]. With ``cp_group`` the sums over the keys run over
+        every rank's keys (a differentiable all-reduce: every rank takes this path)."""
         T = k.shape[1]
         qu = q + self.pos_bias_u.to(q.dtype)
-        vd = v.detach()
-        kv = torch.einsum("bjhd,bjhe->bhde", k, vd)
-        x_mean = torch.einsum("bihd,bhd->bih", qu, k.mean(dim=1))
+        sums = [torch.einsum("bjhd,bjhe->bhde", k, v.detach()), k.sum(dim=1), v.sum(dim=1)]
+        if self.cp_group is not None:
+            from torch.distributed.nn.functional import all_reduce
+
+            sums = [all_reduce(t, group=self.cp_group) for t in sums]
+            T = self._global_len(T, k.device)
+        kv, k_sum, v_sum = sums
+        x_mean = torch.einsum("bihd,bhd->bih", qu, k_sum / T)
         f = (torch.einsum("bihd,bhde->bihe", qu, kv)
-             - x_mean[..., None] * vd.sum(dim=1)[:, None]) * (1.0 / (self.s_d_k * T))
-        return v.mean(dim=1, keepdim=True) + (f - f.detach())
+             - x_mean[..., None] * v_sum.detach()[:, None]) * (1.0 / (self.s_d_k * T))
+        return (v_sum / T)[:, None] + (f - f.detach())
 
 
 class ParakeetEncoderAttention(_HFRelPosAttention):
@@ -201,7 +214,12 @@ class ParakeetEncoderAttention(_HFRelPosAttention):
             ``hidden_size``, ``num_attention_heads``, ``attention_bias``,
             ``attention_dropout``; ``num_key_value_heads`` and ``head_dim`` optional).
         layer_idx: kept as ``self.layer_idx``.
-        backend: ``rel_attention`` backend: ``"auto"``, ``"reference"`` or ``"triton"``.
+        backend: ``rel_attention`` backend: ``"auto"``, ``"reference"``, ``"triton"`` or
+            ``"cpu"``.
+
+    Context parallelism (docs/distributed.md): with ``module.cp_group = group`` each rank
+    passes its contiguous slice of the frames, the whole ``2T - 1`` position table and its
+    slice of a flat ``(B, T)`` mask (or none, on every rank).
 
     Parameters and state dict keys as the original: ``q_proj``, ``k_proj``, ``v_proj``,
     ``o_proj`` (bias when ``config.attention_bias``), ``relative_k_proj`` (no bias),
@@ -297,6 +315,7 @@ class Wav2Vec2ConformerSelfAttention(_HFRelPosAttention):
     checked with one host sync), or a flat ``(B, T)``; its key padding reaches the kernel as
     ``key_padding_mask`` as for Parakeet. A sequence with no valid frame gives the original's
     output (the mean of the values); its gradient through the position term is not reproduced.
+    ``module.cp_group``: context parallelism, as for Parakeet.
     """
 
     _NAME = "Wav2Vec2ConformerSelfAttention"
