@@ -686,8 +686,8 @@ def _max_block(block_d: int, wide: bool, extra_tiles: bool, lq: int = 1 << 30,
 
 
 def _make_prune(extra_tiles: bool):
-    """Keep the blocks up to _max_block, BLOCK 16 only where nothing larger fits; at least one
-    config."""
+    """Keep the blocks up to _max_block, BLOCK 16 only where nothing larger fits or it is the
+    family's default (_SMALL_TILE_DEFAULTS); at least one config."""
 
     def prune(configs, named_args, **kwargs):
         block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D", 64))
@@ -698,7 +698,9 @@ def _make_prune(extra_tiles: bool):
                                named_args.get("Lk", 1 << 30))
         keep = [cfg for cfg in configs
                 if cfg.kwargs["BLOCK"] <= max_block
-                and (cfg.kwargs["BLOCK"] > 16 or max_block == 16)
+                and (cfg.kwargs["BLOCK"] > 16 or max_block == 16
+                     or (family in _SMALL_TILE_FAMILIES
+                         and _small_tile_default(family, block_d)[0] == 16))
                 and _family_keeps(family, extra_tiles, cfg, block_d, wide)]
         if keep:
             return keep
@@ -724,25 +726,37 @@ def _default_config(block_d: int, exact_fp32: bool, wide: bool = False,
 
 
 # Per-architecture choices (txl_kernels._arch config families). sm_90 takes _configs(),
-# _make_prune's rule and _default_config above. The other families take BLOCK <= 32, the
-# tl.gather skew and the row-major atomic dr (_atomic_dr), by default with 8 warps and one
-# stage, from compiles for their targets (tools/aot_check --target; BENCHMARKS.md,
-# "Per-architecture compile table"). On sm_80 (mma.sync) at bf16 D 128 BLOCK 64 spills 2.3-27
-# KB per kernel; at BLOCK 32 with 4 warps and 2 stages 0.1-10 KB (ptxas settles some kernels at
-# 32 registers and spills everything), with 8 warps and 1 stage at most 56 B outside the atomic
-# dq kernel, which the row-major dr product brings from 8.7 KB to its figure in the table. The
-# gather skew spills less than the register rotation, which is laid out for the wgmma
-# accumulator. On sm_100 (tcgen05) the dk/dv kernel at BLOCK 64 needs 257 KiB of shared memory
-# (over the 227 KiB limit). BLOCK 32 tiles also fit the 99 KiB blocks of sm_86 / sm_89 / sm_120.
-_SMALL_TILE_FAMILIES = ("sm80", "sm86", "sm100", "sm120")
+# _make_prune's rule and _default_config above. The other families take smaller tiles, the
+# tl.gather skew and the row-major atomic dr (_atomic_dr DR_BY_ROWS), with the default (BLOCK,
+# num_warps, num_stages) of _SMALL_TILE_DEFAULTS per head-dim class (up to 64, above), from
+# compiles for their targets (tools/aot_check --target; BENCHMARKS.md, "Per-architecture
+# compile table"; bf16, every mask / dropout flag on). On sm_80 (mma.sync) at D 128 BLOCK 64
+# spills 2.3-27 KB per kernel; BLOCK 32 with 4 warps and 2 stages 0.1-10 KB (ptxas settles some
+# kernels at 32 registers and spills everything), with 8 warps and 1 stage 0-176 B (the atomic
+# dq kernel; 8.7 KB with the [D, BLOCK] dr product); BLOCK 16 with 4 warps none. At D 64,
+# BLOCK 32 with 8 warps and 1 stage spills nothing there. sm_100 (tcgen05) at D 128: BLOCK 16
+# with 4 warps spills 92 B in the dk/dv kernel with 1 stage, 24 B with 2; its dk/dv kernel at
+# BLOCK 64 would need 257 KiB of shared memory (over 227 KiB). The gather skew spills less than
+# the register rotation, which is laid out for the wgmma accumulator. These tiles also fit the
+# 99 KiB blocks of sm_86 / sm_89 / sm_120.
+_SMALL_TILE_DEFAULTS = {  # family: ((BLOCK, warps, stages) for D <= 64, the same for D > 64)
+    "sm80": ((32, 8, 1), (16, 4, 1)),
+    "sm86": ((32, 8, 1), (16, 4, 1)),
+    "sm100": ((32, 8, 1), (16, 4, 2)),
+    "sm120": ((32, 8, 1), (16, 4, 1)),
+}
+_SMALL_TILE_FAMILIES = tuple(_SMALL_TILE_DEFAULTS)
 _GATHER_SKEW_FAMILIES = _SMALL_TILE_FAMILIES
 _DR_BY_ROWS_FAMILIES = _SMALL_TILE_FAMILIES
-_SMALL_TILE_DEFAULT = {"BLOCK": 32, "num_warps": 8, "num_stages": 1}
+
+
+def _small_tile_default(family: str, block_d: int) -> Tuple[int, int, int]:
+    return _SMALL_TILE_DEFAULTS[family][block_d > 64]
 
 
 def _family_keeps(family: str, extra_tiles: bool, cfg, block_d: int, wide: bool) -> bool:
     """Whether the autotuner tries ``cfg`` on config family ``family`` (beyond the BLOCK
-    bound every family shares)."""
+    bound every family shares): BLOCK <= 32 on the small-tile families."""
     return family not in _SMALL_TILE_FAMILIES or cfg.kwargs["BLOCK"] <= 32
 
 
@@ -750,10 +764,11 @@ def _arch_default_config(family: str, block_d: int, exact_fp32: bool, wide: bool
                          extra_tiles: bool = False, lq: int = 1 << 30,
                          lk: int = 1 << 30) -> dict:
     """The default config of config family ``family``: ``_default_config``; on the small-tile
-    families its BLOCK at most 32, with _SMALL_TILE_DEFAULT's warps and stages."""
+    families _SMALL_TILE_DEFAULTS' warps and stages, its BLOCK at most theirs."""
     cfg = _default_config(block_d, exact_fp32, wide, extra_tiles, lq, lk)
     if family in _SMALL_TILE_FAMILIES:
-        cfg = dict(_SMALL_TILE_DEFAULT, BLOCK=min(cfg["BLOCK"], _SMALL_TILE_DEFAULT["BLOCK"]))
+        block, warps, stages = _small_tile_default(family, block_d)
+        cfg = {"BLOCK": min(cfg["BLOCK"], block), "num_warps": warps, "num_stages": stages}
     return cfg
 
 
