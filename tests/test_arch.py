@@ -51,12 +51,24 @@ def test_tma_descriptors_only_from_sm90():
     assert launch_arch(torch.device("cpu")) is None  # interpreter: its own configs
 
 
-def test_backward_defaults_per_family():
+def test_backward_defaults_per_family(monkeypatch):
+    """Each family's backward default: small tiles off sm_90, and one of the configs the
+    autotuner tries for that family (in the GPU list, kept by the pruning)."""
     from txl_kernels.ops import rel_attn_bwd as B
-    for fam in ("sm80", "sm86", "sm100", "sm120"):
+    monkeypatch.setattr(B, "INTERPRET", False)
+    gpu = {(c.kwargs["BLOCK"], c.num_warps, c.num_stages): c for c in B._configs()}
+    for cap, fam in ((80, "sm80"), (89, "sm86"), (90, "sm90"), (100, "sm100"), (120, "sm120")):
         for d in (64, 128, 256):
-            cfg = B._arch_default_config(fam, d, False, False, False)
-            assert cfg["BLOCK"] <= 32, (fam, d, cfg)
+            for extra in (False, True):
+                cfg = B._arch_default_config(fam, d, False, False, extra)
+                if fam != "sm90":
+                    assert cfg["BLOCK"] <= 32, (fam, d, cfg)
+                key = (cfg["BLOCK"], cfg["num_warps"], cfg["num_stages"])
+                assert key in gpu, (fam, d, cfg)
+                with compile_target(cap):
+                    k = torch.empty(1, dtype=torch.bfloat16, device="meta")
+                    kept = B._make_prune(extra)(list(gpu.values()), {"K": k}, BLOCK_D=d)
+                assert gpu[key] in kept, (fam, d, extra, cfg)
     assert B._arch_default_config("sm90", 64, False) == B._default_config(64, False)
 
 

@@ -319,7 +319,12 @@ def test_deterministic_bitwise(dtype):
         assert torch.equal(a, b), f"{name} differs between two identical backward calls"
 
 
-def test_atomic_dr_mode_matches():
+@pytest.mark.parametrize("by_rows", [False, True], ids=["dr-d-by-block", "dr-block-by-d"])
+def test_atomic_dr_mode_matches(monkeypatch, by_rows):
+    """Both forms of the atomic dr product (_atomic_dr: [D, BLOCK] on sm_90, [BLOCK, D] on
+    the other families; the interpreter runs sm_90's family unless told otherwise)."""
+    import txl_kernels.ops.rel_attn_bwd as rb
+    monkeypatch.setattr(rb, "_DR_BY_ROWS_FAMILIES", ("sm90",) if by_rows else ())
     ts = _inputs(2, 37, 50, 2, 16, R=86, seed=16)
     _check(ts, 0.25, 20, 3, deterministic=False)
 

@@ -118,14 +118,24 @@ def _load_rows(PTR, rows, n_rows, stride_row, offs_d, D, DOT_DTYPE: tl.constexpr
 
 @triton.jit
 def _atomic_dr(DR_h, dt, qv_t, rows, R_rows, stride_drp, offs_d, dmask, sm_scale,
-               DOT_PREC: tl.constexpr):
-    """dr[rows] += scale * dT^T Qv with fp32 atomics, computed as (Qv^T dT)^T: dT is the B
-    operand as it is, no transpose of a register tile. The offsets within the head are int32
-    (64-bit ones cost the loop ~60 integer instructions per tile): the launcher takes this
-    path only while every row's offset fits (_atomic_dr_fits)."""
-    drw_t = tl.dot(tl.trans(qv_t), dt, input_precision=DOT_PREC) * sm_scale
-    tl.atomic_add(DR_h + (rows[None, :] * stride_drp + offs_d[:, None]), drw_t,
-                  mask=((rows >= 0) & (rows < R_rows))[None, :] & dmask[:, None])
+               DOT_PREC: tl.constexpr, DR_BY_ROWS: tl.constexpr):
+    """dr[rows] += scale * dT^T Qv with fp32 atomics. DR_BY_ROWS: computed as [BLOCK, D]
+    (dT^T the A operand, its transpose a layout conversion; the atomics' D-contiguous rows come
+    straight from the accumulator), the choice of the mma.sync / tcgen05 families, where the
+    other form keeps a transposed pointer tile live (sm_80, bf16 D 128, BLOCK 32, 8 warps:
+    8.7 KB of spills against 176 B); else as (Qv^T dT)^T ([D, BLOCK]: dT is the B operand as
+    it is, no transpose of a register tile; sm_90 spills less this way). The offsets within the
+    head are int32 (64-bit ones cost the loop ~60 integer instructions per tile): the launcher
+    takes this path only while every row's offset fits (_atomic_dr_fits)."""
+    row_ok = (rows >= 0) & (rows < R_rows)
+    if DR_BY_ROWS:
+        drw = tl.dot(tl.trans(dt), qv_t, input_precision=DOT_PREC) * sm_scale
+        tl.atomic_add(DR_h + (rows[:, None] * stride_drp + offs_d[None, :]), drw,
+                      mask=row_ok[:, None] & dmask[None, :])
+    else:
+        drw_t = tl.dot(tl.trans(qv_t), dt, input_precision=DOT_PREC) * sm_scale
+        tl.atomic_add(DR_h + (rows[None, :] * stride_drp + offs_d[:, None]), drw_t,
+                      mask=row_ok[None, :] & dmask[:, None])
 
 
 @triton.jit
@@ -429,7 +439,7 @@ def _dq_tile(carry, n, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
              HAS_BAND: tl.constexpr, ATOMIC_DR: tl.constexpr, DOT_DTYPE: tl.constexpr,
              UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, SKEW_GATHER: tl.constexpr,
              BLOCK: tl.constexpr, DROPOUT: tl.constexpr, USE_DESC: tl.constexpr,
-             MASKED: tl.constexpr, IN_DTYPE: tl.constexpr):
+             MASKED: tl.constexpr, IN_DTYPE: tl.constexpr, DR_BY_ROWS: tl.constexpr):
     """One key tile n of the dq kernel's loop: carry (dq, g_prev, p_lo, r_lo) -> the
     same after it; ``tile`` the query tile's loop invariants (see the kernel). The window's lo
     chunk of r is the last tile's hi chunk, carried: one r tile loaded per key tile."""
@@ -452,7 +462,7 @@ def _dq_tile(carry, n, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
     dq = tl.dot(dt, r_lo, dq, input_precision=DOT_PREC)  # dQv
     if ATOMIC_DR:
         _atomic_dr(DR_h, dt, qv_t, p_lo + w, R_rows, stride_drp, offs_d, dmask, sm_scale,
-                   DOT_PREC)
+                   DOT_PREC, DR_BY_ROWS)
     return dq, g, p_lo + BLOCK, r_hi
 
 
@@ -466,6 +476,7 @@ def _rel_attn_bwd_dq_kernel(
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     SKEW_GATHER: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
     DROPOUT: tl.constexpr = False, USE_DESC: tl.constexpr = False,
+    DR_BY_ROWS: tl.constexpr = False,
 ):
     """One program per (batch * head, query tile): dq of the tile (dA + dQv, in one
     accumulator) and its row sum (DQ_PART: dvb = sum(dq) - du, du from the dk/dv kernel),
@@ -521,14 +532,14 @@ def _rel_attn_bwd_dq_kernel(
             for n in range(n_first, n_stop):
                 carry = _dq_tile(carry, n, tile, HAS_KPM, HAS_MASK, HAS_BAND, ATOMIC_DR,
                                  DOT_DTYPE, UPCAST, DOT_PREC, SKEW_GATHER, BLOCK, DROPOUT,
-                                 USE_DESC, run != 1, K.dtype.element_ty)
+                                 USE_DESC, run != 1, K.dtype.element_ty, DR_BY_ROWS)
     dq, g_prev, p_lo, r_lo = carry
     # flush the hi part of the last tile (rows p_lo ..: its hi r chunk)
     dt = _operand(tl.where(lo_part, 0.0, g_prev), K.dtype.element_ty, UPCAST)
     dq = tl.dot(dt, r_lo, dq, input_precision=DOT_PREC)
     if ATOMIC_DR:
         _atomic_dr(DR_h, dt, qv_t, p_lo + w, R_rows, stride_dr[0], offs_d, dmask, sm_scale,
-                   DOT_PREC)
+                   DOT_PREC, DR_BY_ROWS)
 
     dq = dq * sm_scale
     tl.store(DQ + b * stride_dq[0] + h * stride_dq[2] + rows_i * stride_dq[1] + offs_d[None, :],
@@ -675,8 +686,8 @@ def _max_block(block_d: int, wide: bool, extra_tiles: bool, lq: int = 1 << 30,
 
 
 def _make_prune(extra_tiles: bool):
-    """Keep the blocks up to _max_block, BLOCK 16 only where nothing larger fits; at least one
-    config."""
+    """Keep the blocks up to _max_block, BLOCK 16 only where nothing larger fits or it is the
+    family's default (_SMALL_TILE_DEFAULTS); at least one config."""
 
     def prune(configs, named_args, **kwargs):
         block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D", 64))
@@ -687,7 +698,9 @@ def _make_prune(extra_tiles: bool):
                                named_args.get("Lk", 1 << 30))
         keep = [cfg for cfg in configs
                 if cfg.kwargs["BLOCK"] <= max_block
-                and (cfg.kwargs["BLOCK"] > 16 or max_block == 16)
+                and (cfg.kwargs["BLOCK"] > 16 or max_block == 16
+                     or (family in _SMALL_TILE_FAMILIES
+                         and _small_tile_default(family, block_d)[0] == 16))
                 and _family_keeps(family, extra_tiles, cfg, block_d, wide)]
         if keep:
             return keep
@@ -713,33 +726,49 @@ def _default_config(block_d: int, exact_fp32: bool, wide: bool = False,
 
 
 # Per-architecture choices (txl_kernels._arch config families). sm_90 takes _configs(),
-# _make_prune's rule and _default_config above. The other families take BLOCK <= 32 and the
-# tl.gather skew, from compiles for their targets (tools/aot_check --target; BENCHMARKS.md,
-# "Per-architecture compile table"): on sm_80 (mma.sync) at bf16 D 128 BLOCK 64 spills 2.3-27
-# KB per kernel, BLOCK 32 0.05-2.5 KB, and the gather skew spills less than the register
-# rotation, which is laid out for the wgmma accumulator (dq 112 -> 48 B); on sm_100 (tcgen05)
-# the dk/dv kernel at BLOCK 64 needs 257 KiB of shared memory (over the 227 KiB limit) and
-# spills 5.4 KB, at BLOCK 32 45 KiB and 460 B with the gather skew (600 B with the rotation).
-# BLOCK 32 tiles also fit the 99 KiB blocks of sm_86 / sm_89 / sm_120 (BLOCK 64 at D 128:
-# 120-128 KiB).
-_SMALL_TILE_FAMILIES = ("sm80", "sm86", "sm100", "sm120")
+# _make_prune's rule and _default_config above. The other families take smaller tiles, the
+# tl.gather skew and the row-major atomic dr (_atomic_dr DR_BY_ROWS), with the default (BLOCK,
+# num_warps, num_stages) of _SMALL_TILE_DEFAULTS per head-dim class (up to 64, above), from
+# compiles for their targets (tools/aot_check --target; BENCHMARKS.md, "Per-architecture
+# compile table"; bf16, every mask / dropout flag on). On sm_80 (mma.sync) at D 128 BLOCK 64
+# spills 2.3-27 KB per kernel; BLOCK 32 with 4 warps and 2 stages 0.1-10 KB (ptxas settles some
+# kernels at 32 registers and spills everything), with 8 warps and 1 stage 0-176 B (the atomic
+# dq kernel; 8.7 KB with the [D, BLOCK] dr product); BLOCK 16 with 4 warps none. At D 64,
+# BLOCK 32 with 8 warps and 1 stage spills nothing there. sm_100 (tcgen05) at D 128: BLOCK 16
+# with 4 warps spills 92 B in the dk/dv kernel with 1 stage, 24 B with 2; its dk/dv kernel at
+# BLOCK 64 would need 257 KiB of shared memory (over 227 KiB). The gather skew spills less than
+# the register rotation, which is laid out for the wgmma accumulator. These tiles also fit the
+# 99 KiB blocks of sm_86 / sm_89 / sm_120.
+_SMALL_TILE_DEFAULTS = {  # family: ((BLOCK, warps, stages) for D <= 64, the same for D > 64)
+    "sm80": ((32, 8, 1), (16, 4, 1)),
+    "sm86": ((32, 8, 1), (16, 4, 1)),
+    "sm100": ((32, 8, 1), (16, 4, 2)),
+    "sm120": ((32, 8, 1), (16, 4, 1)),
+}
+_SMALL_TILE_FAMILIES = tuple(_SMALL_TILE_DEFAULTS)
 _GATHER_SKEW_FAMILIES = _SMALL_TILE_FAMILIES
+_DR_BY_ROWS_FAMILIES = _SMALL_TILE_FAMILIES
+
+
+def _small_tile_default(family: str, block_d: int) -> Tuple[int, int, int]:
+    return _SMALL_TILE_DEFAULTS[family][block_d > 64]
 
 
 def _family_keeps(family: str, extra_tiles: bool, cfg, block_d: int, wide: bool) -> bool:
     """Whether the autotuner tries ``cfg`` on config family ``family`` (beyond the BLOCK
-    bound every family shares)."""
+    bound every family shares): BLOCK <= 32 on the small-tile families."""
     return family not in _SMALL_TILE_FAMILIES or cfg.kwargs["BLOCK"] <= 32
 
 
 def _arch_default_config(family: str, block_d: int, exact_fp32: bool, wide: bool = False,
                          extra_tiles: bool = False, lq: int = 1 << 30,
                          lk: int = 1 << 30) -> dict:
-    """The default config of config family ``family``: ``_default_config``, its BLOCK at most
-    32 on the small-tile families."""
+    """The default config of config family ``family``: ``_default_config``; on the small-tile
+    families _SMALL_TILE_DEFAULTS' warps and stages, its BLOCK at most theirs."""
     cfg = _default_config(block_d, exact_fp32, wide, extra_tiles, lq, lk)
     if family in _SMALL_TILE_FAMILIES:
-        cfg = dict(cfg, BLOCK=min(cfg["BLOCK"], 32))
+        block, warps, stages = _small_tile_default(family, block_d)
+        cfg = {"BLOCK": min(cfg["BLOCK"], block), "num_warps": warps, "num_stages": stages}
     return cfg
 
 
@@ -937,7 +966,8 @@ def rel_attn_bwd(
             lambda blk: (B * H, triton.cdiv(Lq, blk)),
             (*inputs, dq, dq_part, dr_acc, strides, _bmh(dq), _bmh(dq_part),
              dr_acc.stride()[:2], *sizes, masks, drop, *buckets),
-            dict(meta, ATOMIC_DR=not deterministic), configs[1])
+            dict(meta, ATOMIC_DR=not deterministic,
+                 DR_BY_ROWS=family in _DR_BY_ROWS_FAMILIES), configs[1])
     du32 = du_part.sum(dim=(0, 1))
     du = du32.to(q.dtype)
     dvb = (dq_part.sum(dim=(0, 1)) - du32).to(q.dtype)
