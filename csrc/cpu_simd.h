@@ -60,41 +60,14 @@ TXL_ALWAYS_INLINE inline float hmax8(v8f v) {
   return m;
 }
 
-// exp(x) for 8 floats (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in
-// r, 2^n built in the exponent bits; about 1 ulp). Exactly 0 below -87.3 (and at -inf, the
-// masked scores), +inf above 88.7; NaN stays NaN.
-TXL_ALWAYS_INLINE inline v8f exp8(v8f x) {
-  const v8i32 under = x < -87.3f;
-  const v8i32 over = x > 88.7f;
-  v8f c = x < -87.3f ? v8f{} - 87.3f : x;
-  c = c > 88.7f ? v8f{} + 88.7f : c;
-  const v8f big = v8f{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const v8f n = (c * 1.44269504088896341f + big) - big;
-  v8f r = c - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  v8f p = v8f{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  const v8i32 e = (__builtin_convertvector(n, v8i32) + 127) << 23;
-  v8f scale;
-  std::memcpy(&scale, &e, sizeof scale);
-  v8f y = p * scale;
-  y = under ? v8f{} : y;
-  y = over ? v8f{} + __builtin_huge_valf() : y;
-  return x != x ? x : y;
-}
-
-// exp8 for the softmax's arguments s - max <= 0 (and -inf at masked scores): the same
-// polynomial without the overflow and NaN selects (a NaN argument still gives NaN through the
-// arithmetic). Exactly 0 below -87.3.
+// exp(x) for 8 floats x <= 0, the softmax's s - max (Cephes' expf: x = n ln2 + r,
+// |r| <= ln2 / 2, a degree-6 polynomial in r, 2^n built in the exponent bits; about 1 ulp).
+// Exactly 0 below -87.3 (and at -inf, the masked scores); NaN gives NaN through the arithmetic.
+// Positive x is not clamped (there is no overflow select): callers pass x <= 0.
 TXL_ALWAYS_INLINE inline v8f exp8_nonpos(v8f x) {
   const v8i32 under = x < -87.3f;
   const v8f c = x < -87.3f ? v8f{} - 87.3f : x;
-  const v8f big = v8f{} + 12582912.0f;
+  const v8f big = v8f{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   const v8f n = (c * 1.44269504088896341f + big) - big;
   v8f r = c - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
