@@ -778,9 +778,8 @@ Geometry make_geometry(const at::Tensor& q, int64_t Lk, const at::Tensor& r, dou
     g.drop.threshold = static_cast<uint32_t>(std::min<double>(std::floor(dropout_p * 256.0), 255.0));
     g.drop.scale = 1.0 / (1.0 - dropout_p);
   }
-  // query blocks of 128 rows, key tiles of 256 (multiples of 16): each key tile's rows are
-  // packed by the BLAS once per 128 queries (packing cost 1/128 of the GEMMs' work, a seventh
-  // of the time at 64 x 128 tiles), and S, T and the packed panels stay in a 512 KiB L2
+  // query blocks of 128 rows, key tiles of 256 (multiples of 16): the BLAS packs each key
+  // tile's rows once per 128 queries, and S, T and the packed panels fit in a 512 KiB L2
   g.BM = std::min<int64_t>(128, g.Lq);
   g.BN = 256;
   return g;
