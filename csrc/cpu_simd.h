@@ -60,14 +60,13 @@ TXL_ALWAYS_INLINE inline float hmax8(v8f v) {
   return m;
 }
 
-// exp(x) for 8 floats (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in
-// r, 2^n built in the exponent bits; about 1 ulp). Exactly 0 below -87.3 (and at -inf, the
-// masked scores), +inf above 88.7; NaN stays NaN.
-TXL_ALWAYS_INLINE inline v8f exp8(v8f x) {
+// exp(x) for 8 floats x <= 0, the softmax's s - max (Cephes' expf: x = n ln2 + r,
+// |r| <= ln2 / 2, a degree-6 polynomial in r, 2^n built in the exponent bits; about 1 ulp).
+// Exactly 0 below -87.3 (and at -inf, the masked scores); NaN gives NaN through the arithmetic.
+// Positive x is not clamped (there is no overflow select): callers pass x <= 0.
+TXL_ALWAYS_INLINE inline v8f exp8_nonpos(v8f x) {
   const v8i32 under = x < -87.3f;
-  const v8i32 over = x > 88.7f;
-  v8f c = x < -87.3f ? v8f{} - 87.3f : x;
-  c = c > 88.7f ? v8f{} + 88.7f : c;
+  const v8f c = x < -87.3f ? v8f{} - 87.3f : x;
   const v8f big = v8f{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   const v8f n = (c * 1.44269504088896341f + big) - big;
   v8f r = c - n * 0.693359375f;
@@ -82,10 +81,8 @@ TXL_ALWAYS_INLINE inline v8f exp8(v8f x) {
   const v8i32 e = (__builtin_convertvector(n, v8i32) + 127) << 23;
   v8f scale;
   std::memcpy(&scale, &e, sizeof scale);
-  v8f y = p * scale;
-  y = under ? v8f{} : y;
-  y = over ? v8f{} + __builtin_huge_valf() : y;
-  return x != x ? x : y;
+  const v8f y = p * scale;
+  return under ? v8f{} : y;
 }
 }  // namespace txl_kernels
 #endif

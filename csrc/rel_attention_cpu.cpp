@@ -36,6 +36,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -109,8 +110,13 @@ void gemm_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T
 // ---- row loops: generic, and for fp32 in vector types, compiled for AVX2 + FMA as well
 
 template <typename T>
-void add_scale(T* s, const T* t, int64_t n, T sc) {  // s = (s + t) * sc
-  for (int64_t x = 0; x < n; ++x) s[x] = (s[x] + t[x]) * sc;
+T add_max(T* s, const T* t, int64_t n) {  // s += t; returns max(s)
+  T m = -std::numeric_limits<T>::infinity();
+  for (int64_t x = 0; x < n; ++x) {
+    s[x] += t[x];
+    m = s[x] > m ? s[x] : m;
+  }
+  return m;
 }
 template <typename T>
 T row_max(const T* s, int64_t n) {
@@ -145,10 +151,23 @@ void ds_row(T* dp, const T* p, int64_t n, T sc, T delta) {  // dp = sc * p * (dp
 }
 
 #ifdef TXL_VEC8
-TXL_CLONES void add_scale(float* s, const float* t, int64_t n, float sc) {
+TXL_CLONES float add_max(float* s, const float* t, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
   int64_t x = 0;
-  for (; x + 8 <= n; x += 8) storeu8(s + x, (loadu8(s + x) + loadu8(t + x)) * sc);
-  for (; x < n; ++x) s[x] = (s[x] + t[x]) * sc;
+  if (n >= 8) {
+    v8f mv = v8f{} + m;
+    for (; x + 8 <= n; x += 8) {
+      const v8f v = loadu8(s + x) + loadu8(t + x);
+      storeu8(s + x, v);
+      mv = v > mv ? v : mv;
+    }
+    m = hmax8(mv);
+  }
+  for (; x < n; ++x) {
+    s[x] += t[x];
+    m = s[x] > m ? s[x] : m;
+  }
+  return m;
 }
 TXL_CLONES float row_max(const float* s, int64_t n) {
   float m = -std::numeric_limits<float>::infinity();
@@ -168,7 +187,7 @@ TXL_CLONES float exp_sum(float* s, int64_t n, float mx) {
   v8f acc = {};
   int64_t x = 0;
   for (; x + 8 <= n; x += 8) {
-    const v8f e = exp8(loadu8(s + x) - mx);
+    const v8f e = exp8_nonpos(loadu8(s + x) - mx);
     storeu8(s + x, e);
     acc += e;
   }
@@ -405,21 +424,25 @@ void fill_window(const Rows<scalar_t, acc_t>& Rr, int64_t R, const acc_t* qv, in
   gemm_rm<acc_t>(false, true, m, pb - pa, D, 1, qv, D, rp, ldr, 0, T + (pa - P0), tw);
 }
 
-// (q + bias) rounded to the input dtype, as the reference does, then to acc_t: [m, D]
+// (q + bias) rounded to the input dtype, as the reference does, then to acc_t and times mult:
+// [m, D]
 template <typename scalar_t, typename acc_t>
 void load_q(const scalar_t* q, int64_t ldq, const scalar_t* bias, int64_t m, int64_t D,
-            acc_t* out) {
+            acc_t mult, acc_t* out) {
   for (int64_t a = 0; a < m; ++a)
     for (int64_t d = 0; d < D; ++d)
-      out[a * D + d] = static_cast<acc_t>(static_cast<scalar_t>(
+      out[a * D + d] = mult * static_cast<acc_t>(static_cast<scalar_t>(
           static_cast<acc_t>(q[a * ldq + d]) + static_cast<acc_t>(bias[d])));
 }
 
 // The scores tile S = scale * (AC + BD) with -inf at masked pairs, T advanced to this tile.
+// qu and qv come multiplied by the softmax scale, so the GEMMs give the scaled terms and one
+// pass adds BD's skewed rows (and takes the row maxima into rmax, when given).
 template <typename scalar_t, typename acc_t>
 void scores_tile(const Geometry& g, const Head<scalar_t, acc_t>& hd, int64_t b, int64_t h,
                  int64_t i0, int64_t m, int64_t j0, int64_t n, bool first, const acc_t* qu,
-                 const acc_t* qv, acc_t* S, acc_t* T, int64_t tw, acc_t* kbuf, acc_t* rbuf) {
+                 const acc_t* qv, acc_t* S, acc_t* T, int64_t tw, acc_t* kbuf, acc_t* rbuf,
+                 acc_t* rmax) {
   const int64_t D = g.D;
   int64_t ldk;
   const acc_t* kp = hd.K.get(j0, n, kbuf, &ldk);
@@ -431,9 +454,21 @@ void scores_tile(const Geometry& g, const Head<scalar_t, acc_t>& hd, int64_t b, 
     shift_window(T, m, tw, g.BN, false, 0);
     fill_window(hd.Rr, g.R, qv, m, D, P0, m - 1, m - 1 + n, T, tw, rbuf);
   }
-  for (int64_t a = 0; a < m; ++a)
-    add_scale(S + a * g.BN, T + a * tw + (m - 1 - a), n, static_cast<acc_t>(g.scale));
-  if (g.tile_needs_masks(i0, m, j0, n)) g.apply_masks(b, h, i0, m, j0, n, S, g.BN);
+  if (!g.tile_needs_masks(i0, m, j0, n)) {
+    for (int64_t a = 0; a < m; ++a) {
+      acc_t* s = S + a * g.BN;
+      const acc_t* t = T + a * tw + (m - 1 - a);
+      if (rmax)
+        rmax[a] = add_max(s, t, n);
+      else
+        add_row(s, t, n);
+    }
+    return;
+  }
+  for (int64_t a = 0; a < m; ++a) add_row(S + a * g.BN, T + a * tw + (m - 1 - a), n);
+  g.apply_masks(b, h, i0, m, j0, n, S, g.BN);
+  if (rmax)
+    for (int64_t a = 0; a < m; ++a) rmax[a] = row_max(S + a * g.BN, n);
 }
 
 template <typename scalar_t, typename acc_t>
@@ -487,15 +522,17 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
   at::parallel_for(0, B * H * nqb, 1, [&](int64_t begin, int64_t end) {
     SequentialBlas one_thread;
     Scratch<acc_t> qu(BM * D), qv(BM * D), S(BM * BN), T(BM * tw), acc(BM * D), kbuf(BN * D),
-        vbuf(BN * D), rbuf((BM + BN) * D), mx(BM), l(BM), z(g.drop.on ? BM * BN : 0);
+        vbuf(BN * D), rbuf((BM + BN) * D), mx(BM), l(BM), tmax(BM),
+        z(g.drop.on ? BM * BN : 0);
+    const acc_t sc = static_cast<acc_t>(g.scale);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (H * nqb), h = (task / nqb) % H, qb = task % nqb;
       const int64_t i0 = qb * BM, m = std::min(BM, Lq - i0);
       const auto hd = head_rows<scalar_t, acc_t>(k, v, r, mem, b, h);
       const scalar_t* qp = q.data_ptr<scalar_t>() + b * q.stride(0) + h * q.stride(2) +
                            i0 * q.stride(1);
-      load_q(qp, q.stride(1), u.data_ptr<scalar_t>() + h * u.stride(0), m, D, qu.data());
-      load_q(qp, q.stride(1), vb.data_ptr<scalar_t>() + h * vb.stride(0), m, D, qv.data());
+      load_q(qp, q.stride(1), u.data_ptr<scalar_t>() + h * u.stride(0), m, D, sc, qu.data());
+      load_q(qp, q.stride(1), vb.data_ptr<scalar_t>() + h * vb.stride(0), m, D, sc, qv.data());
       std::fill(acc.begin(), acc.end(), acc_t(0));
       std::fill(mx.begin(), mx.end(), -std::numeric_limits<acc_t>::infinity());
       std::fill(l.begin(), l.end(), acc_t(0));
@@ -504,12 +541,11 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
       for (int64_t j0 = jlo; j0 <= jhi; j0 += BN) {
         const int64_t n = std::min(BN, jhi + 1 - j0);
         scores_tile(g, hd, b, h, i0, m, j0, n, j0 == jlo, qu.data(), qv.data(), S.data(),
-                    T.data(), tw, kbuf.data(), rbuf.data());
+                    T.data(), tw, kbuf.data(), rbuf.data(), tmax.data());
         if (g.drop.on) g.drop.keep_scale(b * H + h, Lq, i0, m, j0, n, z.data(), BN);
         for (int64_t a = 0; a < m; ++a) {
           acc_t* s = S.data() + a * BN;
-          const acc_t tmax = row_max(s, n);
-          const acc_t mnew = std::max(mx[a], tmax);
+          const acc_t mnew = std::max(mx[a], tmax[a]);
           if (mnew == -std::numeric_limits<acc_t>::infinity()) {
             std::fill(s, s + n, acc_t(0));
             continue;
@@ -558,8 +594,9 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
   const acc_t* lsep = lse.data_ptr<acc_t>();
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     SequentialBlas one_thread;
-    Scratch<acc_t> qu(BM * D), qv(BM * D), S(BM * BN), dP(BM * BN), T(BM * tw),
-        dT(BM * tw), dqu(BM * D), dqv(BM * D), dO(BM * D), kbuf(BN * D), vbuf(BN * D),
+    // qu, qv: (q + u), (q + vb) for the gradients; qus, qvs: times the scale, for the scores
+    Scratch<acc_t> qu(BM * D), qv(BM * D), qus(BM * D), qvs(BM * D), S(BM * BN), dP(BM * BN),
+        T(BM * tw), dT(BM * tw), dqu(BM * D), dqv(BM * D), dO(BM * D), kbuf(BN * D), vbuf(BN * D),
         rbuf((BM + BN) * D), delta(BM), z(g.drop.on ? BM * BN : 0);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H, h = bh % H;
@@ -574,8 +611,12 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
         if (jlo > jhi) continue;  // no key: zero gradients
         const scalar_t* qp = q.data_ptr<scalar_t>() + b * q.stride(0) + h * q.stride(2) +
                              i0 * q.stride(1);
-        load_q(qp, q.stride(1), u.data_ptr<scalar_t>() + h * u.stride(0), m, D, qu.data());
-        load_q(qp, q.stride(1), vb.data_ptr<scalar_t>() + h * vb.stride(0), m, D, qv.data());
+        const scalar_t* up = u.data_ptr<scalar_t>() + h * u.stride(0);
+        const scalar_t* vbp = vb.data_ptr<scalar_t>() + h * vb.stride(0);
+        load_q(qp, q.stride(1), up, m, D, acc_t(1), qu.data());
+        load_q(qp, q.stride(1), vbp, m, D, acc_t(1), qv.data());
+        load_q(qp, q.stride(1), up, m, D, static_cast<acc_t>(g.scale), qus.data());
+        load_q(qp, q.stride(1), vbp, m, D, static_cast<acc_t>(g.scale), qvs.data());
         for (int64_t a = 0; a < m; ++a) {
           const scalar_t* go = dout.data_ptr<scalar_t>() + b * dout.stride(0) +
                                (i0 + a) * dout.stride(1) + h * dout.stride(2);
@@ -595,8 +636,8 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
         for (int64_t j0 = jlo; j0 <= jhi; j0 += BN) {
           const int64_t n = std::min(BN, jhi + 1 - j0);
           const bool last = j0 + BN > jhi;
-          scores_tile(g, hd, b, h, i0, m, j0, n, j0 == jlo, qu.data(), qv.data(), S.data(),
-                      T.data(), tw, kbuf.data(), rbuf.data());
+          scores_tile(g, hd, b, h, i0, m, j0, n, j0 == jlo, qus.data(), qvs.data(), S.data(),
+                      T.data(), tw, kbuf.data(), rbuf.data(), static_cast<acc_t*>(nullptr));
           for (int64_t a = 0; a < m; ++a) {  // P = exp(S - lse): 0 at masked pairs / rows
             acc_t* s = S.data() + a * BN;
             if (std::isinf(lrow[a])) {
@@ -737,9 +778,10 @@ Geometry make_geometry(const at::Tensor& q, int64_t Lk, const at::Tensor& r, dou
     g.drop.threshold = static_cast<uint32_t>(std::min<double>(std::floor(dropout_p * 256.0), 255.0));
     g.drop.scale = 1.0 / (1.0 - dropout_p);
   }
-  // query blocks of 64 rows; key tiles of 128 (multiples of 16)
-  g.BM = std::min<int64_t>(64, g.Lq);
-  g.BN = 128;
+  // query blocks of 128 rows, key tiles of 256 (multiples of 16): the BLAS packs each key
+  // tile's rows once per 128 queries, and S, T and the packed panels fit in a 512 KiB L2
+  g.BM = std::min<int64_t>(128, g.Lq);
+  g.BN = 256;
   return g;
 }
 
@@ -856,6 +898,15 @@ rel_attn_cpu_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& 
           batch_sum(du).to(st), batch_sum(dvb).to(st)};
 }
 
+// How many threads the kernels' at::parallel_for runs on at the current torch thread count:
+// the number of chunks one parallel_for over that many tasks is split into (1 where the
+// extension was compiled without OpenMP, whose pragma at::parallel_for's header relies on).
+int64_t rel_attn_cpu_threads() {
+  std::atomic<int64_t> chunks{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) { ++chunks; });
+  return chunks.load();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(txl_kernels, m) {
@@ -869,6 +920,7 @@ TORCH_LIBRARY_FRAGMENT(txl_kernels, m) {
         "int window_left, int window_right, Tensor? key_padding_mask, Tensor? attn_mask, "
         "Tensor? attn_mask_band, float dropout_p, Tensor? dropout_seed) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("rel_attn_cpu_threads() -> int", &rel_attn_cpu_threads);
 }
 
 TORCH_LIBRARY_IMPL(txl_kernels, CPU, m) {

@@ -77,11 +77,12 @@ def _check_all(ts, out, ref, up, truth):
 
 CASES = [  # (B, Lq, Lk, H, D, mask kind)
     (2, 37, 37, 2, 41, "causal"),
-    (1, 37, 130, 2, 41, "causal"),     # memory longer than the segment, several key tiles
+    (1, 37, 600, 2, 41, "causal"),     # memory longer than the segment, several key tiles
     (1, 1, 1, 1, 16, "causal"),
     (1, 1, 37, 1, 16, "full"),
     (2, 37, 53, 2, 16, "full"),
-    (1, 150, 300, 1, 32, "window"),    # several query blocks and key tiles, skipped tiles
+    (1, 300, 620, 1, 32, "window"),    # several query blocks, skipped key tiles
+    (1, 300, 700, 1, 32, "full"),      # several query blocks and key tiles, partial last ones
     (1, 37, 45, 2, 24, "window2"),
     (2, 37, 53, 2, 16, "padding"),
     (2, 37, 53, 2, 16, "dense"),
@@ -135,7 +136,7 @@ def test_deterministic_and_the_same_for_one_and_several_threads():
     try:
         for n in (1, 3, 1):
             torch.set_num_threads(n)
-            ts = make_inputs(2, 70, 150, 3, 32, R=219, requires_grad=True)
+            ts = make_inputs(2, 200, 300, 3, 32, R=499, requires_grad=True)
             out = rel_attention(*ts, backend="cpu", causal=False)
             out.square().sum().backward()
             results.append([out.detach()] + [t.grad for t in ts])
@@ -144,6 +145,18 @@ def test_deterministic_and_the_same_for_one_and_several_threads():
     for other in results[1:]:
         for x, y in zip(results[0], other):
             assert torch.equal(x, y)
+
+
+def test_kernel_runs_on_torch_intra_op_threads():
+    """at::parallel_for in the extension splits the work over torch.set_num_threads threads
+    (it needs the extension compiled with OpenMP: otherwise one thread does everything)."""
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            assert torch.ops.txl_kernels.rel_attn_cpu_threads() == n
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_8bit_memory_forward_matches_reference():

@@ -104,6 +104,32 @@ def cuda_build_plan() -> Tuple[bool, str]:
 
 # compile flags: part of the build key, so a change of flags gets a fresh folder
 CFLAGS, CUDA_FLAG = ["-O3"], "-DTXL_WITH_CUDA"
+# at::parallel_for is a header template whose `#pragma omp parallel` is compiled into the
+# extension: without -fopenmp it runs the whole range on the calling thread. GCC lowers the
+# pragma to libgomp calls, which resolve to the libgomp that torch itself loads (one thread
+# pool, torch.set_num_threads applies); other compilers would need their own runtime, so the
+# flag is passed to GCC only, where torch's CPU parallel backend is OpenMP.
+_OPENMP_CFLAGS = ["-fopenmp"]
+
+
+def host_cflags() -> List[str]:
+    """The C++ compile flags: :data:`CFLAGS`, plus ``-fopenmp`` where torch's parallel backend
+    is OpenMP and the host compiler is GCC (cached after the first call)."""
+    global _HOST_CFLAGS
+    if _HOST_CFLAGS is None:
+        flags = list(CFLAGS)
+        try:
+            ce = cpp_extension()
+            if (torch.backends.openmp.is_available() and not sys.platform.startswith("win")
+                    and ce.check_compiler_is_gcc(ce.get_cxx_compiler())):
+                flags += _OPENMP_CFLAGS
+        except Exception:  # no compiler found: the build reports that itself
+            pass
+        _HOST_CFLAGS = flags
+    return _HOST_CFLAGS
+
+
+_HOST_CFLAGS: Optional[List[str]] = None
 _SOURCE_SUFFIXES = (".cpp", ".cu", ".h", ".cuh")
 
 
@@ -127,7 +153,7 @@ def build_key(sources: Optional[Dict[str, bytes]] = None) -> str:
     for part in (torch.__version__, getattr(torch.version, "git_version", ""),
                  f"cuda={torch.version.cuda}", f"hip={getattr(torch.version, 'hip', None)}",
                  sys.implementation.cache_tag, sysconfig.get_config_var("EXT_SUFFIX") or "",
-                 sys.platform, repr((CFLAGS, CUDA_FLAG))):
+                 sys.platform, repr((host_cflags(), CUDA_FLAG))):
         h.update(str(part).encode() + b"\0")
     for fname in sorted(sources):
         h.update(fname.encode() + b"\0" + hashlib.sha256(sources[fname]).digest())
@@ -194,7 +220,7 @@ def compile_extension(name: str, with_cuda: bool, verbose: bool = False):
                    if f.endswith(".cu") and with_cuda]
         sources += [os.path.join(src, f) for f in sorted(files) if f.endswith(".cpp")]
         return ce.load(name=name, sources=sources,
-                       extra_cflags=CFLAGS + ([CUDA_FLAG] if with_cuda else []),
+                       extra_cflags=host_cflags() + ([CUDA_FLAG] if with_cuda else []),
                        extra_cuda_cflags=CFLAGS if with_cuda else None,
                        extra_include_paths=[src], build_directory=folder, with_cuda=with_cuda,
                        verbose=verbose)
