@@ -750,8 +750,8 @@ def rel_attn_fwd(
         if split:
             bm_c = 16 if INTERPRET else 64
             _rel_attn_fwd_combine_kernel[(B * H, triton.cdiv(Lq, bm_c))](
-                o_part, l_part, out, lse, _bmh(out), H, Lq, D, num_splits, UPCAST=upcast, BLOCK_M=bm_c, BLOCK_D=block_d,
-                num_warps=4)
+                o_part, l_part, out, lse, _bmh(out), H, Lq, D, num_splits, UPCAST=upcast,
+                BLOCK_M=bm_c, BLOCK_D=block_d, num_warps=4)
     return out, lse
 
 
