@@ -99,24 +99,29 @@ def pair_mask(offs_i, j0, BLOCK_N: tl.constexpr, pattern, HAS_WL: tl.constexpr,
               HAS_BAND: tl.constexpr):
     """The allowed pairs [BM, BN] of query rows ``offs_i`` and keys ``j0 + [0, BLOCK_N)``:
     inside ``key_range`` (the window, key < Lk, row < Lq), not padded (HAS_KPM), not masked by
-    the dense mask (HAS_MASK; read only at pairs still allowed, and not at all when a mask band
+    the dense mask (HAS_MASK; read inside [0, Lq) x [0, Lk), and not at all when a mask band
     replaces it, HAS_BAND). The key range is compared as column offsets against per-row
     bounds relative to j0 (immediates per column, no index tensor). ``pattern``: ``(b, h, Lq,
     Lk, window_left, window_right, band_on, KPM, (kpm_b, kpm_n) strides, MASK, (b, h, m, n)
     strides)``, set up once per program by the kernels' ``_program_setup``."""
     b, h, Lq, Lk, window_left, window_right, band_on, KPM, stride_kpm, MASK, stride_m = pattern
     cols = tl.arange(0, BLOCK_N)
-    j_min, j_max = key_range(offs_i, Lq, Lk, window_left, window_right, HAS_WL, HAS_WR)
-    ok = cols[None, :] <= (j_max - j0)[:, None]
+    # key_range relative to j0 (its clamp of j_min at 0 left out: no column is below -j0)
+    c0 = offs_i + (Lk - Lq - j0)  # the column at distance 0
+    c_max = Lk - 1 - j0
+    if HAS_WR:
+        c_max = tl.minimum(c0 + window_right, c_max)
+    ok = cols[None, :] <= tl.where(offs_i < Lq, c_max, -1)[:, None]
     if HAS_WL:
-        ok = ok & (cols[None, :] >= (j_min - j0)[:, None])
+        ok = ok & (cols[None, :] >= (c0 - window_left)[:, None])
     offs_j = j0 + cols
     if HAS_KPM:
         kp = tl.load(KPM + b * stride_kpm[0] + offs_j.to(tl.int64) * stride_kpm[1],
                      mask=offs_j < Lk, other=1)
         ok = ok & (kp == 0)[None, :]
     if HAS_MASK:
-        am_msk = ok
+        # (rows < Lq and keys < Lk as two broadcast vectors: fewer registers than ``ok``)
+        am_msk = (offs_i < Lq)[:, None] & (offs_j < Lk)[None, :]
         if HAS_BAND:  # the mask is its band (applied as the window): nothing to load
             am_msk = am_msk & (band_on == 0)
         am = tl.load(MASK + b * stride_m[0] + h * stride_m[1]
