@@ -82,7 +82,8 @@ def key_range(rows, Lq, Lk, window_left, window_right, HAS_WL: tl.constexpr,
     aligned: distance ``d = i + Lk - Lq - j`` in ``[-window_right, window_left]``; a side
     without HAS_WL / HAS_WR is unbounded) cut to ``[0, Lk)``; a row >= Lq sees none
     (``j_max = -1``). ``rows`` a scalar or a [BM] tensor. The one statement of the window for
-    the forward, backward and decode kernels: their key-tile ranges and ``pair_mask``."""
+    the forward, backward and decode kernels' key ranges; ``pair_mask`` tests the same bounds
+    relative to a tile's first key."""
     key0 = rows + (Lk - Lq)  # the key at distance 0
     j_min = key0 * 0
     if HAS_WL:
