@@ -81,9 +81,9 @@ def key_range(rows, Lq, Lk, window_left, window_right, HAS_WL: tl.constexpr,
     """``(j_min, j_max)``: the keys that query row(s) ``rows`` may see, the window (bottom-right
     aligned: distance ``d = i + Lk - Lq - j`` in ``[-window_right, window_left]``; a side
     without HAS_WL / HAS_WR is unbounded) cut to ``[0, Lk)``; a row >= Lq sees none
-    (``j_max = -1``). ``rows`` a scalar or a [BM] tensor. The one statement of the window for
-    the forward, backward and decode kernels' key ranges; ``pair_mask`` tests the same bounds
-    relative to a tile's first key."""
+    (``j_max = -1``). ``rows`` a scalar or a [BM] tensor. The forward's and the decode
+    kernel's key ranges; ``pair_mask`` (forward and backward) tests the same bounds relative to
+    a tile's first key."""
     key0 = rows + (Lk - Lq)  # the key at distance 0
     j_min = key0 * 0
     if HAS_WL:
