@@ -82,7 +82,7 @@ def test_forward_tables_fit_the_small_blocks():
             for c in F._all_configs()}
     for fam in ("sm80", "sm86", "sm90", "sm100", "sm120"):
         for d in (64, 128):
-            cfg = F._arch_default_config(fam, d, False)
+            cfg = F._default_config(d, False, False, fam)
             assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"],
                     cfg["num_stages"]) in rows
 

@@ -176,8 +176,12 @@ def _no_dequantize(monkeypatch):
 
 def _check_reads_storage(args, mem, Lc):
     """The launch got the memory's 8-bit tensors and scales themselves (same storage, same
-    dtype), and no key / value tensor of Lk = M + Lc rows (no dequantise-then-concat)."""
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    dtype), and no key / value tensor of Lk = M + Lc rows (no dequantise-then-concat). The
+    kernels take some tensors inside tuple arguments: those count too."""
+    def flat(xs):
+        for x in xs:
+            yield from flat(x) if isinstance(x, tuple) else (x,)
+    tensors = [a for a in flat(args) if isinstance(a, torch.Tensor)]
     for name, t in zip(("k", "k_scale", "v", "v_scale"), mem):
         assert any(a.data_ptr() == t.data_ptr() and a.dtype == t.dtype for a in tensors), name
     M = mem.mlen
@@ -287,7 +291,7 @@ def test_decode_reads_the_8bit_memory_itself(monkeypatch):
     spy = _spy_on(monkeypatch, dec_mod, "_decode_split_kernel")
     got = dec_mod.rel_attn_decode(q, k, v, r, u, vb, 0.25, memory=mem)
     args, kw = spy.calls[0]
-    assert kw["QUANT"] is True
+    assert kw["QUANT_MEM"] is True
     _check_reads_storage(args, mem, 2)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # and the scales are used: doubled value scales, a different output (the oracle's)

@@ -1,6 +1,7 @@
-"""Pieces shared by the forward and backward kernels: interpreter detection, operand rounding,
-8-bit memory dequantisation (forward and decode), fp32 product precision, stride
-normalisation, the autotuning switch and the dropout RNG."""
+"""Pieces shared by the forward, backward and decode kernels: interpreter detection, operand
+rounding, the window / mask helpers (``key_range``, ``pair_mask``, ``interior_tiles``), 8-bit
+memory dequantisation (forward and decode), fp32 product precision, stride normalisation, the
+autotuning switch and length buckets, and the dropout RNG."""
 from __future__ import annotations
 
 import os
@@ -16,6 +17,16 @@ from .._utils import interpreting
 
 # TRITON_INTERPRET is read once, as triton itself does when it decorates the kernels.
 INTERPRET = interpreting()
+
+# exp(x) = exp2(x * LOG2E): the kernels' scores are in log2 units (qk_scale = scale * LOG2E);
+# launchers read LOG2E.value
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+
+def length_bucket(n: int) -> int:
+    """A sequence length's bucket in the kernels' autotune keys: the next power of two, at
+    least 64, capped at 16384 (every longer length shares the largest bucket's config)."""
+    return min(16384, max(64, triton.next_power_of_2(int(n))))
 
 
 @triton.jit
@@ -65,6 +76,63 @@ def tile_run(run: tl.constexpr, first, interior, after, stop):
 
 
 @triton.jit
+def key_range(rows, Lq, Lk, window_left, window_right, HAS_WL: tl.constexpr,
+              HAS_WR: tl.constexpr):
+    """``(j_min, j_max)``: the keys that query row(s) ``rows`` may see, the window (bottom-right
+    aligned: distance ``d = i + Lk - Lq - j`` in ``[-window_right, window_left]``; a side
+    without HAS_WL / HAS_WR is unbounded) cut to ``[0, Lk)``; a row >= Lq sees none
+    (``j_max = -1``). ``rows`` a scalar or a [BM] tensor. The forward's and the decode
+    kernel's key ranges; ``pair_mask`` (forward and backward) tests the same bounds relative to
+    a tile's first key."""
+    key0 = rows + (Lk - Lq)  # the key at distance 0
+    j_min = key0 * 0
+    if HAS_WL:
+        j_min = tl.maximum(key0 - window_left, 0)
+    j_max = key0 * 0 + (Lk - 1)
+    if HAS_WR:
+        j_max = tl.minimum(key0 + window_right, Lk - 1)
+    return j_min, tl.where(rows < Lq, j_max, -1)
+
+
+@triton.jit
+def pair_mask(offs_i, j0, BLOCK_N: tl.constexpr, pattern, HAS_WL: tl.constexpr,
+              HAS_WR: tl.constexpr, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
+              HAS_BAND: tl.constexpr):
+    """The allowed pairs [BM, BN] of query rows ``offs_i`` and keys ``j0 + [0, BLOCK_N)``:
+    inside ``key_range`` (the window, key < Lk, row < Lq), not padded (HAS_KPM), not masked by
+    the dense mask (HAS_MASK; read inside [0, Lq) x [0, Lk), and not at all when a mask band
+    replaces it, HAS_BAND). The key range is compared as column offsets against per-row
+    bounds relative to j0 (immediates per column, no index tensor). ``pattern``: ``(b, h, Lq,
+    Lk, window_left, window_right, band_on, KPM, (kpm_b, kpm_n) strides, MASK, (b, h, m, n)
+    strides)``, set up once per program by the kernels' ``_program_setup``."""
+    b, h, Lq, Lk, window_left, window_right, band_on, KPM, stride_kpm, MASK, stride_m = pattern
+    cols = tl.arange(0, BLOCK_N)
+    # key_range relative to j0 (its clamp of j_min at 0 left out: no column is below -j0)
+    c0 = offs_i + (Lk - Lq - j0)  # the column at distance 0
+    c_max = Lk - 1 - j0
+    if HAS_WR:
+        c_max = tl.minimum(c0 + window_right, c_max)
+    ok = cols[None, :] <= tl.where(offs_i < Lq, c_max, -1)[:, None]
+    if HAS_WL:
+        ok = ok & (cols[None, :] >= (c0 - window_left)[:, None])
+    offs_j = j0 + cols
+    if HAS_KPM:
+        kp = tl.load(KPM + b * stride_kpm[0] + offs_j.to(tl.int64) * stride_kpm[1],
+                     mask=offs_j < Lk, other=1)
+        ok = ok & (kp == 0)[None, :]
+    if HAS_MASK:
+        # (rows < Lq and keys < Lk as two broadcast vectors: fewer registers than ``ok``)
+        am_msk = (offs_i < Lq)[:, None] & (offs_j < Lk)[None, :]
+        if HAS_BAND:  # the mask is its band (applied as the window): nothing to load
+            am_msk = am_msk & (band_on == 0)
+        am = tl.load(MASK + b * stride_m[0] + h * stride_m[1]
+                     + offs_i.to(tl.int64)[:, None] * stride_m[2]
+                     + offs_j.to(tl.int64)[None, :] * stride_m[3], mask=am_msk, other=0)
+        ok = ok & (am == 0)
+    return ok
+
+
+@triton.jit
 def load_8bit(ptrs, msk):
     """fp32 values of 8-bit memory data (int8 / float8_e4m3fn) at ``ptrs``, 0 where not
     ``msk``. (int8 by I2F: in the static model of the decode loop (tools/decode_static.py)
@@ -94,31 +162,37 @@ def load_dequant(ptrs, s_ptrs, row_ok, msk, OUT_TY: tl.constexpr, UPCAST: tl.con
 
 
 @triton.jit
-def memory_bases(KQ, KS, VQ, VS, b, h, stride_kqb, stride_kqn, stride_kqh, stride_ksb,
-                 stride_ksh, stride_vqb, stride_vqn, stride_vqh, stride_vsb, stride_vsh,
-                 offs_n0, offs_d):
-    """The 8-bit memory's (b, h) base pointers (data KQ / VQ, scales KS / VS) and the int32
-    offsets of a [BN, BD] data tile's rows offs_n0 (``memory_launch_args``' strides)."""
-    return (KQ + b * stride_kqb + h * stride_kqh, KS + b * stride_ksb + h * stride_ksh,
-            VQ + b * stride_vqb + h * stride_vqh, VS + b * stride_vsb + h * stride_vsh,
-            offs_n0[:, None] * stride_kqn + offs_d[None, :],
-            offs_n0[:, None] * stride_vqn + offs_d[None, :])
+def memory_bases(memory, b, h, offs_n0, offs_d):
+    """The 8-bit memory of batch b, head h, from the kernels' ``memory`` tuple
+    (``memory_launch_args``): ``(keys, values, mem_m)``, keys / values each ``(data base
+    pointer, int32 offsets of a [BN, BD] data tile's rows offs_n0, scale base pointer, data
+    row stride, scale row stride)``."""
+    KQ, KS, VQ, VS, stride_kq, stride_ks, stride_vq, stride_vs, mem_m = memory
+    keys = (KQ + b * stride_kq[0] + h * stride_kq[2],
+            offs_n0[:, None] * stride_kq[1] + offs_d[None, :],
+            KS + b * stride_ks[0] + h * stride_ks[2], stride_kq[1], stride_ks[1])
+    values = (VQ + b * stride_vq[0] + h * stride_vq[2],
+              offs_n0[:, None] * stride_vq[1] + offs_d[None, :],
+              VS + b * stride_vs[0] + h * stride_vs[2], stride_vq[1], stride_vs[1])
+    return keys, values, mem_m
 
 
 def memory_launch_args(memory, k: torch.Tensor, v: torch.Tensor):
-    """A kernel launch's 8-bit memory arguments (forward and decode): ``(KQ, KS, VQ, VS)``
-    and their 12 strides (data: batch, row, head; scales: batch, row, head), the data with a
-    contiguous last dim. ``memory`` None or of length 0: placeholders (k, v and zero
-    strides; the kernels' QUANT variant is then off and reads none of them)."""
+    """The ``memory`` tuple argument of the forward and decode kernels: ``(KQ, KS, VQ, VS,
+    (b, n, h) strides of KQ, of KS, of VQ, of VS, mem_m)``, the data with a contiguous last
+    dim, ``mem_m`` its rows. ``memory`` None or of length 0: placeholders (k, v, zero strides,
+    ``mem_m`` 0; the kernels' QUANT_MEM variant is then off and reads none of them)."""
     if memory is None or memory.k.shape[1] == 0:
-        return (k, k, v, v), (0,) * 12
+        z = (0, 0, 0)
+        return (k, k, v, v, z, z, z, z, 0)
     kq, vq = (last_dim_contiguous(t) for t in (memory.k, memory.v))
     ks, vs = memory.k_scale, memory.v_scale
     B, M, H, D = kq.shape
     assert kq.dtype == vq.dtype and kq.element_size() == 1 \
         and (k.shape[0], *k.shape[2:]) == (B, H, D) and tuple(vq.shape) == (B, M, H, D) \
         and tuple(ks.shape) == (B, M, H) == tuple(vs.shape), f"memory {memory!r:.200}"
-    return (kq, ks, vq, vs), (*kq.stride()[:3], *ks.stride(), *vq.stride()[:3], *vs.stride())
+    return (kq, ks, vq, vs, tuple(kq.stride()[:3]), tuple(ks.stride()), tuple(vq.stride()[:3]),
+            tuple(vs.stride()), M)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -29,15 +29,13 @@ import triton.language as tl
 
 from .._arch import config_family
 from .._utils import describe
-from ._common import (INTERPRET, apply_mask_band, autotune_enabled, descriptors_ok,
+from ._common import (INTERPRET, LOG2E, apply_mask_band, autotune_enabled, descriptors_ok,
                       dot_precision, dropout_keep, dropout_threshold, ensure_scratch_allocator,
-                      interior_tiles, last_dim_contiguous, load_dropout_seed, rotate_rows,
-                      round_bf16, tile_run)
+                      interior_tiles, last_dim_contiguous, length_bucket, load_dropout_seed,
+                      pair_mask, rotate_rows, round_bf16, tile_run)
 
 __all__ = ["rel_attn_bwd"]
 
-_LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E); qk_scale = softmax_scale * LOG2E
-LOG2E: tl.constexpr = tl.constexpr(_LOG2E)
 _MIN_BLOCK = 16  # smallest BLOCK of any config; sizes the du / dq row-sum partial buffers
 
 
@@ -139,33 +137,17 @@ def _atomic_dr(DR_h, dt, qv_t, rows, R_rows, stride_drp, offs_d, dmask, sm_scale
 
 
 @triton.jit
-def _probs(ac, bd, lse2, offs_i, offs_j, qk_scale, pattern, HAS_KPM: tl.constexpr,
+def _probs(ac, bd, lse2, offs_i, j0, qk_scale, pattern, HAS_KPM: tl.constexpr,
            HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr, MASKED: tl.constexpr = True):
-    """P = exp(S - lse) on one tile, 0 on masked pairs, out-of-range rows / columns, and rows
-    whose lse is +inf (no allowed key). ``pattern`` (``_program_setup``) holds the window, given
-    per row as a key range (window_left / window_right are >= 0 here: the launcher turns
-    unbounded into Lq + Lk), so a pair costs two compares, and the padding / dense masks.
+    """P = exp(S - lse) on the tile of rows offs_i and keys j0 + [0, BLOCK), 0 on the pairs
+    ``_common.pair_mask`` masks and rows whose lse is +inf (no allowed key). ``pattern``
+    (``_program_setup``) holds the window (window_left / window_right are >= 0 here: the
+    launcher turns unbounded into Lq + Lk) and the padding / dense masks.
     MASKED False: an interior tile (``interior_tiles``: every pair inside the window, every
     key < Lk, no padding / dense mask), nothing to mask (rows past Lq have lse = +inf: P = 0)."""
     if not MASKED:
         return tl.exp2((ac + bd) * qk_scale - lse2[:, None])
-    b, h, Lq, Lk, window_left, window_right, band_on, KPM, stride_kpm, MASK, stride_m = pattern
-    key0 = offs_i + (Lk - Lq)  # the key at distance 0 from each row
-    j_min = key0 - window_left
-    j_max = tl.where(offs_i < Lq, tl.minimum(key0 + window_right, Lk - 1), -1)
-    valid = (offs_j[None, :] >= j_min[:, None]) & (offs_j[None, :] <= j_max[:, None])
-    if HAS_KPM:
-        kp = tl.load(KPM + b * stride_kpm[0] + offs_j.to(tl.int64) * stride_kpm[1],
-                     mask=offs_j < Lk, other=1)
-        valid = valid & (kp == 0)[None, :]
-    if HAS_MASK:
-        am_msk = valid
-        if HAS_BAND:  # the mask is its band (applied as the window): nothing to load
-            am_msk = am_msk & (band_on == 0)
-        am = tl.load(MASK + b * stride_m[0] + h * stride_m[1]
-                     + offs_i.to(tl.int64)[:, None] * stride_m[2]
-                     + offs_j.to(tl.int64)[None, :] * stride_m[3], mask=am_msk, other=0)
-        valid = valid & (am == 0)
+    valid = pair_mask(offs_i, j0, ac.shape[1], pattern, True, True, HAS_KPM, HAS_MASK, HAS_BAND)
     s = tl.where(valid, (ac + bd) * qk_scale, float("-inf"))
     return tl.exp2(s - lse2[:, None])
 
@@ -309,7 +291,7 @@ def _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, i0, j0, offs_i, 
     _program_setup."""
     bd = _skew(t_lo, t_hi, BLOCK, SKEW_GATHER)
     ac = tl.dot(a_t, tl.trans(k_t), input_precision=DOT_PREC)
-    p = _probs(ac, bd, lse2, offs_i, offs_j, qk_scale, pattern, HAS_KPM, HAS_MASK, HAS_BAND,
+    p = _probs(ac, bd, lse2, offs_i, j0, qk_scale, pattern, HAS_KPM, HAS_MASK, HAS_BAND,
                MASKED)
     dp = tl.dot(do, tl.trans(v_t), input_precision=DOT_PREC)
     pv = p
@@ -799,11 +781,6 @@ def _bmh(t: torch.Tensor) -> Tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def _bucket(n: int) -> int:
-    """Length bucket for the autotune key: next power of two, at least 64, capped at 16384."""
-    return min(16384, max(64, triton.next_power_of_2(int(n))))
-
-
 def _launch(tuned, raw, grid, args, meta, config):
     """Launch ``raw`` with ``config`` (BLOCK, num_warps, num_stages), or ``tuned`` (its
     autotuner) when config is None; ``grid`` maps the BLOCK to the launch grid."""
@@ -936,8 +913,8 @@ def rel_attn_bwd(
                 USE_DESC=descriptors_ok(a_op, qv_op, do, k, v, r))
     if meta["USE_DESC"] and dev.type == "cuda" and not INTERPRET:
         ensure_scratch_allocator()
-    sizes = (H, Lq, Lk, R_rows, D, scale, scale * _LOG2E)
-    buckets = (_bucket(Lq), _bucket(Lk))  # autotune keys only
+    sizes = (H, Lq, Lk, R_rows, D, scale, scale * LOG2E.value)
+    buckets = (length_bucket(Lq), length_bucket(Lk))  # autotune keys only
 
     # du and dvb: the dk/dv kernel writes scale (column sums of dS) . K of each key tile (its
     # part of du = sum of dA over the rows), the dq kernel the row sums of each dq tile; then

@@ -25,15 +25,13 @@ import triton
 import triton.language as tl
 
 from ..quant import QuantizedKV
-from ._common import last_dim_contiguous, load_8bit, memory_bases, memory_launch_args
+from ._common import (LOG2E, key_range, last_dim_contiguous, load_8bit, memory_bases,
+                      memory_launch_args)
 
 __all__ = ["rel_attn_decode", "num_splits_for"]
 
-LOG2E = tl.constexpr(1.4426950408889634)
-
-
 @triton.jit
-def _decode_tile(acc, m_i, l_i, k, r, v, nmask, qu, qv, qk_scale, k_scale, v_scale,
+def _decode_tile(acc, m_i, l_i, k, r, v, n_ok, qu, qv, qk_scale, k_scale, v_scale,
                  SCALED: tl.constexpr):
     """Online-softmax update with one tile of keys: k / r / v ``[BN, BD]`` fp32. SCALED: k / v
     are 8-bit data, ``k_scale`` / ``v_scale`` ``[BN]`` their rows' scales, applied per row:
@@ -42,7 +40,7 @@ def _decode_tile(acc, m_i, l_i, k, r, v, nmask, qu, qv, qk_scale, k_scale, v_sca
     if SCALED:
         ac = ac * k_scale
     s = (ac + tl.sum(r * qv[None, :], axis=1)) * qk_scale
-    s = tl.where(nmask, s, -float("inf"))
+    s = tl.where(n_ok, s, -float("inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=0))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new)
@@ -56,18 +54,16 @@ def _decode_tile(acc, m_i, l_i, k, r, v, nmask, qu, qv, qk_scale, k_scale, v_sca
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, R, U, VB, M_OUT, L_OUT, ACC_OUT, KQ, KS, VQ, VS,
-    stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    stride_rn, stride_rh, stride_uh,
-    stride_kqb, stride_kqn, stride_kqh, stride_ksb, stride_ksn, stride_ksh,
-    stride_vqb, stride_vqn, stride_vqh, stride_vsb, stride_vsn, stride_vsh,
-    H, LK, D, J_LO, KEYS_PER_SPLIT, NUM_SPLITS, scale, MEM_M,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr = False,
+    Q, K, V, R, U, VB, M_OUT, L_OUT, ACC_OUT, strides, H, Lk, D, window_left, keys_per_split,
+    num_splits, qk_scale, memory,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QUANT_MEM: tl.constexpr = False,
 ):
-    """Keys j in this split's slice of [J_LO, LK). QUANT: keys j < MEM_M are the 8-bit
-    memory's (KQ / VQ data, KS / VS per-row scales), in a loop of their own, dequantised in
-    registers in fp32 with the scales applied per row (``_decode_tile``); keys j >= MEM_M
-    are row j - MEM_M of K / V.
+    """Keys j in this split's slice of the row's ``key_range`` (window_left >= 0 here: the
+    launcher turns unbounded into Lk). ``strides``: ((qb, qh), (kb, kn, kh), (vb, vn, vh),
+    (rp, rh), (uh, vbh)); ``memory``: ``_common.memory_launch_args``' tuple. QUANT_MEM: keys
+    j < mem_m are the 8-bit memory's (data and per-row scales), in a loop of their own,
+    dequantised in registers in fp32 with the scales applied per row (``_decode_tile``);
+    keys j >= mem_m are row j - mem_m of K / V.
 
     Why fp32, without rounding the dequantised values to q's dtype as the reference does:
     this kernel computes in fp32 throughout (no tensor-core operands to round for), so its
@@ -78,81 +74,85 @@ def _decode_split_kernel(
     static model, tools/decode_static.py: they made the 8-bit key loop XU-bound, slower
     than the 16-bit loop). The tests compare with the float64 attention over ``data *
     scale``, within 2x the error of the same-precision reference with the same memory."""
-    bh = tl.program_id(0)
-    split = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
+    stride_q, stride_k, stride_v, stride_r, stride_bias = strides
+    pid_bh = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n0 = tl.arange(0, BLOCK_N)
-    dmask = offs_d < D
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    u = tl.load(U + h * stride_uh + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    vb = tl.load(VB + h * stride_uh + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    d_ok = offs_d < D
+    q = tl.load(Q + b * stride_q[0] + h * stride_q[1] + offs_d, mask=d_ok,
+                other=0.0).to(tl.float32)
+    u = tl.load(U + h * stride_bias[0] + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    vb = tl.load(VB + h * stride_bias[1] + offs_d, mask=d_ok, other=0.0).to(tl.float32)
     qu = q + u
     qv = q + vb
-    qk_scale = scale * LOG2E  # scores in log2 units: exp2 below
 
-    j_start = tl.maximum(split * KEYS_PER_SPLIT, J_LO)
-    j_end = tl.minimum((split + 1) * KEYS_PER_SPLIT, LK)
+    # the one query row is the last (Lq = 1): causal, with the left window
+    j_min, j_max = key_range(0, 1, Lk, window_left, 0, True, False)
+    j_start = tl.maximum(pid_s * keys_per_split, j_min)
+    j_end = tl.minimum((pid_s + 1) * keys_per_split, j_max + 1)
     m_i = tl.full([], -float("inf"), tl.float32)
     l_i = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    k_off = offs_n0[:, None] * stride_kn + offs_d[None, :]
-    v_off = offs_n0[:, None] * stride_vn + offs_d[None, :]
-    r_off = offs_n0[:, None] * stride_rn + offs_d[None, :]
-    K_bh = K + b * stride_kb + h * stride_kh
-    V_bh = V + b * stride_vb + h * stride_vh
-    R_h = R + h * stride_rh
+    k_off = offs_n0[:, None] * stride_k[1] + offs_d[None, :]
+    v_off = offs_n0[:, None] * stride_v[1] + offs_d[None, :]
+    r_off = offs_n0[:, None] * stride_r[0] + offs_d[None, :]
+    K_bh = K + b * stride_k[0] + h * stride_k[2]
+    V_bh = V + b * stride_v[0] + h * stride_v[2]
+    R_h = R + h * stride_r[1]
     c0 = 0  # key j >= c0 is row j - c0 of K / V
-    if QUANT:
-        KQ_bh, KS_bh, VQ_bh, VS_bh, kq_off, vq_off = memory_bases(
-            KQ, KS, VQ, VS, b, h, stride_kqb, stride_kqn, stride_kqh, stride_ksb, stride_ksh,
-            stride_vqb, stride_vqn, stride_vqh, stride_vsb, stride_vsh, offs_n0, offs_d)
-        j_mem = tl.minimum(j_end, MEM_M)
+    if QUANT_MEM:
+        kq_src, vq_src, mem_m = memory_bases(memory, b, h, offs_n0, offs_d)
+        KQ_bh, kq_off, KS_bh, stride_kqn, stride_ksn = kq_src
+        VQ_bh, vq_off, VS_bh, stride_vqn, stride_vsn = vq_src
+        j_mem = tl.minimum(j_end, mem_m)
         for j0 in range(j_start, j_mem, BLOCK_N):  # the 8-bit memory's keys
             offs_n = j0 + offs_n0
-            nmask = offs_n < j_mem
-            m2 = nmask[:, None] & dmask[None, :]
+            n_ok = offs_n < j_mem
+            m2 = n_ok[:, None] & d_ok[None, :]
             jj = tl.cast(j0, tl.int64)
             k = load_8bit(KQ_bh + jj * stride_kqn + kq_off, m2)
-            ks = tl.load(KS_bh + offs_n * stride_ksn, mask=nmask, other=0.0).to(tl.float32)
-            r = tl.load(R_h + jj * stride_rn + r_off, mask=m2, other=0.0).to(tl.float32)
+            ks = tl.load(KS_bh + offs_n * stride_ksn, mask=n_ok, other=0.0).to(tl.float32)
+            r = tl.load(R_h + jj * stride_r[0] + r_off, mask=m2, other=0.0).to(tl.float32)
             v = load_8bit(VQ_bh + jj * stride_vqn + vq_off, m2)
-            vs = tl.load(VS_bh + offs_n * stride_vsn, mask=nmask, other=0.0).to(tl.float32)
-            acc, m_i, l_i = _decode_tile(acc, m_i, l_i, k, r, v, nmask, qu, qv, qk_scale,
+            vs = tl.load(VS_bh + offs_n * stride_vsn, mask=n_ok, other=0.0).to(tl.float32)
+            acc, m_i, l_i = _decode_tile(acc, m_i, l_i, k, r, v, n_ok, qu, qv, qk_scale,
                                          ks, vs, True)
-        j_start = tl.maximum(j_start, MEM_M)
-        c0 = MEM_M
+        j_start = tl.maximum(j_start, mem_m)
+        c0 = mem_m
     for j0 in range(j_start, j_end, BLOCK_N):
         offs_n = j0 + offs_n0
-        nmask = offs_n < j_end
-        m2 = nmask[:, None] & dmask[None, :]
+        n_ok = offs_n < j_end
+        m2 = n_ok[:, None] & d_ok[None, :]
         jj = tl.cast(j0, tl.int64)
         jc = tl.cast(j0 - c0, tl.int64)
-        k = tl.load(K_bh + jc * stride_kn + k_off, mask=m2, other=0.0).to(tl.float32)
-        r = tl.load(R_h + jj * stride_rn + r_off, mask=m2, other=0.0).to(tl.float32)
-        v = tl.load(V_bh + jc * stride_vn + v_off, mask=m2, other=0.0).to(tl.float32)
-        acc, m_i, l_i = _decode_tile(acc, m_i, l_i, k, r, v, nmask, qu, qv, qk_scale,
+        k = tl.load(K_bh + jc * stride_k[1] + k_off, mask=m2, other=0.0).to(tl.float32)
+        r = tl.load(R_h + jj * stride_r[0] + r_off, mask=m2, other=0.0).to(tl.float32)
+        v = tl.load(V_bh + jc * stride_v[1] + v_off, mask=m2, other=0.0).to(tl.float32)
+        acc, m_i, l_i = _decode_tile(acc, m_i, l_i, k, r, v, n_ok, qu, qv, qk_scale,
                                      1.0, 1.0, False)
-    idx = bh * NUM_SPLITS + split
+    idx = pid_bh * num_splits + pid_s
     tl.store(M_OUT + idx, m_i)
     tl.store(L_OUT + idx, l_i)
     tl.store(ACC_OUT + idx * BLOCK_D + offs_d, acc)
 
 
 @triton.jit
-def _decode_merge_kernel(M_IN, L_IN, ACC_IN, OUT, stride_ob, stride_oh, H, D, NUM_SPLITS,
+def _decode_merge_kernel(M_IN, L_IN, ACC_IN, OUT, stride_o, H, D, num_splits,
                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    bh = tl.program_id(0)
-    b = bh // H
-    h = bh % H
+    """Merge the splits' partials of one (batch, head); stride_o: OUT's (b, h) strides."""
+    pid_bh = tl.program_id(0)
+    b = pid_bh // H
+    h = pid_bh % H
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    smask = offs_s < NUM_SPLITS
-    m = tl.load(M_IN + bh * NUM_SPLITS + offs_s, mask=smask, other=-float("inf"))
-    l = tl.load(L_IN + bh * NUM_SPLITS + offs_s, mask=smask, other=0.0)
-    acc = tl.load(ACC_IN + (bh * NUM_SPLITS + offs_s)[:, None] * BLOCK_D + offs_d[None, :],
-                  mask=smask[:, None], other=0.0)
+    s_ok = offs_s < num_splits
+    m = tl.load(M_IN + pid_bh * num_splits + offs_s, mask=s_ok, other=-float("inf"))
+    l = tl.load(L_IN + pid_bh * num_splits + offs_s, mask=s_ok, other=0.0)
+    acc = tl.load(ACC_IN + (pid_bh * num_splits + offs_s)[:, None] * BLOCK_D + offs_d[None, :],
+                  mask=s_ok[:, None], other=0.0)
     m_all = tl.max(m, axis=0)
     # Splits without any allowed key have m = -inf: weight 0 (no NaN when every split is
     # empty: the output is then 0, as rel_attention gives for a row with no allowed key).
@@ -160,7 +160,7 @@ def _decode_merge_kernel(M_IN, L_IN, ACC_IN, OUT, stride_ob, stride_oh, H, D, NU
                  0.0)
     den = tl.sum(w * l, axis=0)
     out = tl.sum(w[:, None] * acc, axis=0) / tl.where(den > 0, den, 1.0)
-    tl.store(OUT + b * stride_ob + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty),
+    tl.store(OUT + b * stride_o[0] + h * stride_o[1] + offs_d, out.to(OUT.dtype.element_ty),
              mask=offs_d < D)
 
 
@@ -200,9 +200,8 @@ def rel_attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.
     if r.shape[0] < Lk:
         raise ValueError(f"rel_attn_decode: r needs at least Lk={Lk} rows, got {list(r.shape)}")
     q, k, v, r = (last_dim_contiguous(t) for t in (q, k, v, r))
-    mem_args, mem_strides = memory_launch_args(memory, k, v)
-    u, vb = r_w_bias.contiguous(), r_r_bias.contiguous()
-    j_lo = 0 if window_left < 0 else max(0, Lk - 1 - window_left)
+    mem_arg = memory_launch_args(memory, k, v)
+    u, vb = last_dim_contiguous(r_w_bias), last_dim_contiguous(r_r_bias)
     block_n = 64
     splits = num_splits or num_splits_for(B * H, Lk, q.device, block_n)
     per_split = triton.cdiv(triton.cdiv(Lk, splits), block_n) * block_n
@@ -211,15 +210,16 @@ def rel_attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.
     m = torch.empty(B * H * splits, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty(B * H * splits * block_d, device=q.device, dtype=torch.float32)
+    strides = ((q.stride(0), q.stride(2)), (k.stride(0), k.stride(1), k.stride(2)),
+               (v.stride(0), v.stride(1), v.stride(2)), (r.stride(0), r.stride(1)),
+               (u.stride(0), vb.stride(0)))
     _decode_split_kernel[(B * H, splits)](
-        q, k, v, r, u, vb, m, l, acc, *mem_args,
-        q.stride(0), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), r.stride(0), r.stride(1), u.stride(0),
-        *mem_strides,
-        H, Lk, D, j_lo, per_split, splits, float(softmax_scale), mem_m,
-        BLOCK_N=block_n, BLOCK_D=block_d, QUANT=quant)
+        q, k, v, r, u, vb, m, l, acc, strides, H, Lk, D,
+        int(window_left) if window_left >= 0 else Lk, per_split, splits,
+        float(softmax_scale) * LOG2E.value, mem_arg,
+        BLOCK_N=block_n, BLOCK_D=block_d, QUANT_MEM=quant)
     out = torch.empty((B, 1, H, D), device=q.device, dtype=q.dtype)
     _decode_merge_kernel[(B * H,)](
-        m, l, acc, out, out.stride(0), out.stride(2), H, D, splits,
+        m, l, acc, out, (out.stride(0), out.stride(2)), H, D, splits,
         BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d)
     return out

@@ -36,17 +36,15 @@ import triton.language as tl
 from .._arch import config_family
 from .._utils import describe
 from ..quant import QuantizedKV
-from ._common import (INTERPRET, apply_mask_band, autotune_enabled, descriptors_ok,
+from ._common import (INTERPRET, LOG2E, apply_mask_band, autotune_enabled, descriptors_ok,
                       dot_precision, draw_dropout_seed, dropout_keep, dropout_keep_mask,
-                      dropout_threshold, ensure_scratch_allocator, interior_tiles,
-                      last_dim_contiguous,
-                      load_dequant, load_dropout_seed, memory_bases, memory_launch_args,
-                      rotate_rows, round_bf16, tile_run)
+                      dropout_threshold, ensure_scratch_allocator, interior_tiles, key_range,
+                      last_dim_contiguous, length_bucket, load_dequant, load_dropout_seed,
+                      memory_bases, memory_launch_args, pair_mask, rotate_rows, round_bf16,
+                      tile_run)
 
 __all__ = ["rel_attn_fwd", "choose_num_splits", "autotune_enabled", "draw_dropout_seed",
            "dropout_keep_mask"]
-
-_LOG2E = 1.4426950408889634
 
 # Fixed small config under the interpreter: 16 x 16 tiles, so that odd lengths span several
 # tiles and every loop / mask path runs on tiny shapes.
@@ -54,11 +52,12 @@ INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16}
 
 
 @triton.jit
-def _window_chunk(qv, R_h, r_off, stride_rp, row0, R_rows, offs_n0, d_ok,
-                  EVEN_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-                  USE_DESC: tl.constexpr):
+def _window_chunk(qv, rel, row0, offs_n0, d_ok, EVEN_D: tl.constexpr, UPCAST: tl.constexpr,
+                  DOT_PREC: tl.constexpr, USE_DESC: tl.constexpr):
     """T_c = qv @ r[row0 : row0 + BLOCK_N]^T ([BM, BN], fp32); rows outside [0, R) read as 0.
-    ``R_h``: this head's r; ``r_off``: int32 offsets of rows offs_n0 (row0 is added here)."""
+    ``rel`` (``_program_setup``): this head's r (pointer or descriptor), the int32 offsets of
+    rows offs_n0 (row0 is added here), r's row stride and R."""
+    R_h, r_off, stride_rp, R_rows = rel
     if USE_DESC:  # rows outside [0, R) and columns >= D arrive as zeros
         rc = R_h.load([row0, 0])
     else:
@@ -75,10 +74,12 @@ def _window_chunk(qv, R_h, r_off, stride_rp, row0, R_rows, offs_n0, d_ok,
 
 
 @triton.jit
-def _load_kv(X_bh, x_off, j0, stride_xn, n_ok, d_ok, MASKED: tl.constexpr,
-             EVEN_D: tl.constexpr, USE_DESC: tl.constexpr):
-    """A [BN, BLOCK_D] key / value tile from row j0: masked only where it can leave the
-    tensor (a descriptor zero-fills by itself)."""
+def _load_kv(src, j0, n_ok, d_ok, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+             USE_DESC: tl.constexpr):
+    """A [BN, BLOCK_D] key / value tile from row j0 of ``src`` = (base pointer or descriptor
+    of this (b, h), int32 row offsets, row stride): masked only where it can leave the tensor
+    (a descriptor zero-fills by itself)."""
+    X_bh, x_off, stride_xn = src
     if USE_DESC:
         x = X_bh.load([j0, 0])
     else:
@@ -96,21 +97,24 @@ def _load_kv(X_bh, x_off, j0, stride_xn, n_ok, d_ok, MASKED: tl.constexpr,
 
 
 @triton.jit
-def _mem_rows(XQ_bh, xq_off, XS_bh, stride_xqn, stride_xsn, j0, offs_n, in_mem, mm,
-              OUT_TY: tl.constexpr, UPCAST: tl.constexpr):
+def _mem_rows(qsrc, j0, offs_n, in_mem, mm, OUT_TY: tl.constexpr, UPCAST: tl.constexpr):
+    """Rows j0.. of the 8-bit memory source ``qsrc`` (``memory_bases``), dequantised."""
+    XQ_bh, xq_off, XS_bh, stride_xqn, stride_xsn = qsrc
     return load_dequant(XQ_bh + j0.to(tl.int64) * stride_xqn + xq_off,
                         XS_bh + offs_n.to(tl.int64) * stride_xsn, in_mem, mm, OUT_TY, UPCAST)
 
 
 @triton.jit
-def _cur_rows(X_bh, x_off, stride_xn, j0, mem_m, cm, OUT_TY: tl.constexpr):
+def _cur_rows(src, j0, mem_m, cm, OUT_TY: tl.constexpr):
+    """Rows j0 - mem_m.. of the current segment's source ``src``."""
+    X_bh, x_off, stride_xn = src
     return tl.load(X_bh + (j0 - mem_m).to(tl.int64) * stride_xn + x_off, mask=cm,
                    other=0.0).to(OUT_TY)
 
 
 @triton.jit
-def _load_kv_mem(XQ_bh, xq_off, XS_bh, stride_xqn, stride_xsn, X_bh, x_off, stride_xn, j0,
-                 mem_m, offs_n, n_ok, d_ok, EVEN_D: tl.constexpr, UPCAST: tl.constexpr):
+def _load_kv_mem(qsrc, src, j0, mem_m, offs_n, n_ok, d_ok, EVEN_D: tl.constexpr,
+                 UPCAST: tl.constexpr):
     """QUANT_MEM: the [BN, BLOCK_D] key / value tile of rows j0.. of [memory; current]: rows
     j < mem_m are the 8-bit memory's, dequantised in registers (``load_dequant``), rows
     j >= mem_m the current segment's row j - mem_m (compute dtype). A tile across j = mem_m
@@ -127,59 +131,57 @@ def _load_kv_mem(XQ_bh, xq_off, XS_bh, stride_xqn, stride_xsn, X_bh, x_off, stri
     else:
         mm = in_mem[:, None] & d_ok[None, :]
         cm = cur[:, None] & d_ok[None, :]
-    OUT_TY: tl.constexpr = tl.float32 if UPCAST else X_bh.dtype.element_ty
+    X_bh, _, _ = src
+    X_ELT: tl.constexpr = X_bh.dtype.element_ty
+    OUT_TY: tl.constexpr = tl.float32 if UPCAST else X_ELT
     BN: tl.constexpr = offs_n.shape[0]
-    if X_bh.dtype.element_ty == tl.float32:
-        x = tl.where(in_mem[:, None],
-                     _mem_rows(XQ_bh, xq_off, XS_bh, stride_xqn, stride_xsn, j0, offs_n, in_mem,
-                               mm, OUT_TY, UPCAST),
-                     _cur_rows(X_bh, x_off, stride_xn, j0, mem_m, cm, OUT_TY))
+    if X_ELT == tl.float32:
+        x = tl.where(in_mem[:, None], _mem_rows(qsrc, j0, offs_n, in_mem, mm, OUT_TY, UPCAST),
+                     _cur_rows(src, j0, mem_m, cm, OUT_TY))
     elif j0 + BN <= mem_m:
-        x = _mem_rows(XQ_bh, xq_off, XS_bh, stride_xqn, stride_xsn, j0, offs_n, in_mem, mm,
-                      OUT_TY, UPCAST)
+        x = _mem_rows(qsrc, j0, offs_n, in_mem, mm, OUT_TY, UPCAST)
     elif j0 >= mem_m:
-        x = _cur_rows(X_bh, x_off, stride_xn, j0, mem_m, cm, OUT_TY)
+        x = _cur_rows(src, j0, mem_m, cm, OUT_TY)
     else:
-        x = tl.where(in_mem[:, None],
-                     _mem_rows(XQ_bh, xq_off, XS_bh, stride_xqn, stride_xsn, j0, offs_n, in_mem,
-                               mm, OUT_TY, UPCAST),
-                     _cur_rows(X_bh, x_off, stride_xn, j0, mem_m, cm, OUT_TY))
+        x = tl.where(in_mem[:, None], _mem_rows(qsrc, j0, offs_n, in_mem, mm, OUT_TY, UPCAST),
+                     _cur_rows(src, j0, mem_m, cm, OUT_TY))
     return x
 
 
 @triton.jit
-def _key_value_tile(X_bh, x_off, stride_xn, XQ_bh, xq_off, XS_bh, stride_xqn, stride_xsn, j0,
-                    mem_m, offs_n, n_ok, d_ok, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
-                    UPCAST: tl.constexpr, USE_DESC: tl.constexpr, QUANT_MEM: tl.constexpr):
-    """The key (or value) tile of rows j0.. as a dot operand: ``_load_kv``, or with an 8-bit
-    memory ``_load_kv_mem``; fp32 under UPCAST (the interpreter's bf16)."""
+def _key_value_tile(src, qsrc, j0, mem_m, offs_n, n_ok, d_ok, MASKED: tl.constexpr,
+                    EVEN_D: tl.constexpr, UPCAST: tl.constexpr, USE_DESC: tl.constexpr,
+                    QUANT_MEM: tl.constexpr):
+    """The key (or value) tile of rows j0.. as a dot operand: ``_load_kv`` from ``src``, or
+    with an 8-bit memory ``_load_kv_mem`` from ``qsrc`` and ``src``; fp32 under UPCAST (the
+    interpreter's bf16)."""
     if QUANT_MEM:
-        x = _load_kv_mem(XQ_bh, xq_off, XS_bh, stride_xqn, stride_xsn, X_bh, x_off, stride_xn,
-                         j0, mem_m, offs_n, n_ok, d_ok, EVEN_D, UPCAST)
+        x = _load_kv_mem(qsrc, src, j0, mem_m, offs_n, n_ok, d_ok, EVEN_D, UPCAST)
     else:
-        x = _load_kv(X_bh, x_off, j0, stride_xn, n_ok, d_ok, MASKED, EVEN_D, USE_DESC)
+        x = _load_kv(src, j0, n_ok, d_ok, MASKED, EVEN_D, USE_DESC)
     if UPCAST:
         x = x.to(tl.float32)
     return x
 
 
 @triton.jit
-def _attend_tile(acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off, R_h,
-                 r_off, stride_kn, stride_vn, stride_rp, offs_m, offs_n0, m_ok, d_ok, rot, take_first,
-                 first_is_0, Lq, Lk, R_rows, mlen, window_left, window_right, qk_scale,
-                 KPM, stride_kpm_n, MASK_B, stride_mm, stride_mn, band_on,
-                 drop_seed, drop_off, drop_thresh, pid_bh,
-                 KQ_bh, kq_off, KS_bh, stride_kqn, stride_ksn,
-                 VQ_bh, vq_off, VS_bh, stride_vqn, stride_vsn, mem_m,
+def _attend_tile(acc, m_i, l_i, t0, t1, t, qu, qv, tile, kv, rel, pattern, drop,
                  HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_KPM: tl.constexpr,
                  HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr, MASKED: tl.constexpr,
                  EVEN_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
                  USE_DESC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 DROPOUT: tl.constexpr = False, QUANT_MEM: tl.constexpr = False):
-    """One key tile [t * BN, t * BN + BN) of the online softmax. MASKED = False: an interior
-    tile (every pair allowed, every key < Lk, no padding / dense mask): no mask work at all.
-    DROPOUT: P is dropped after the normaliser l_i took it (the 1 / (1 - p) rescale is applied
-    to the output once, by the caller). QUANT_MEM: keys / values from ``_load_kv_mem``."""
+                 DROPOUT: tl.constexpr, QUANT_MEM: tl.constexpr):
+    """One key tile [t * BN, t * BN + BN) of the online softmax: (acc, m_i, l_i, t0, t1) ->
+    the same after it. ``tile``: the query tile's loop invariants (see the kernel); ``kv``,
+    ``rel``, ``pattern``: ``_program_setup``'s; ``drop``: (batch * head, Lq, seed, offset,
+    threshold). MASKED = False: an interior tile (every pair allowed, every key < Lk, no
+    padding / dense mask): no mask work at all. DROPOUT: P is dropped after the normaliser
+    l_i took it (the 1 / (1 - p) rescale is applied to the output once, by the caller).
+    QUANT_MEM: keys / values from ``_load_kv_mem``."""
+    i0, offs_m, offs_n0, d_ok, rot, take_first, first_is_0, qk_scale = tile
+    k_src, v_src, kq_src, vq_src, mem_m = kv
+    Lq = pattern[2]
+    Lk = pattern[3]
     j0 = t * BLOCK_N
     offs_n = j0 + offs_n0
     n_ok = offs_n < Lk
@@ -187,47 +189,24 @@ def _attend_tile(acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off,
     # over from the last tile already rotated; then one merge
     base = j0 - i0 - (BLOCK_M - 1) + Lq - 1
     if BLOCK_M > BLOCK_N:
-        t2 = rotate_rows(_window_chunk(qv, R_h, r_off, stride_rp, base + 2 * BLOCK_N, R_rows,
-                                       offs_n0, d_ok, EVEN_D, UPCAST, DOT_PREC, USE_DESC),
-                         rot, BLOCK_M, BLOCK_N)
+        t2 = rotate_rows(_window_chunk(qv, rel, base + 2 * BLOCK_N, offs_n0, d_ok, EVEN_D,
+                                       UPCAST, DOT_PREC, USE_DESC), rot, BLOCK_M, BLOCK_N)
         bd = tl.where(take_first, tl.where(first_is_0, t0, t1), tl.where(first_is_0, t1, t2))
         t0 = t1
         t1 = t2
     else:
-        tn = rotate_rows(_window_chunk(qv, R_h, r_off, stride_rp, base + BLOCK_N, R_rows,
-                                       offs_n0, d_ok, EVEN_D, UPCAST, DOT_PREC, USE_DESC),
-                         rot, BLOCK_M, BLOCK_N)
+        tn = rotate_rows(_window_chunk(qv, rel, base + BLOCK_N, offs_n0, d_ok, EVEN_D, UPCAST,
+                                       DOT_PREC, USE_DESC), rot, BLOCK_M, BLOCK_N)
         bd = tl.where(take_first, t0, tn)
         t0 = tn
-    k = _key_value_tile(K_bh, k_off, stride_kn, KQ_bh, kq_off, KS_bh, stride_kqn, stride_ksn,
-                        j0, mem_m, offs_n, n_ok, d_ok, MASKED, EVEN_D, UPCAST, USE_DESC,
-                        QUANT_MEM)
+    k = _key_value_tile(k_src, kq_src, j0, mem_m, offs_n, n_ok, d_ok, MASKED, EVEN_D, UPCAST,
+                        USE_DESC, QUANT_MEM)
     # AC + BD (Triton folds the add into the wgmma's accumulator); scale * log2(e) is applied
     # in the exponent's FMA below
     s = tl.dot(qu, tl.trans(k), input_precision=DOT_PREC) + bd
-
     if MASKED:
-        # ---- masks from indices, then the optional padding / dense masks
-        # (as column offsets c = j - j0 against per-row bounds: immediates, no index tensor)
-        c = offs_n0[None, :]
-        allowed = c < (Lk - j0)
-        if HAS_WL:  # d = i + mlen - j <= window_left
-            allowed = allowed & (c >= (offs_m + mlen - window_left - j0)[:, None])
-        if HAS_WR:  # -d <= window_right
-            allowed = allowed & (c <= (offs_m + mlen + window_right - j0)[:, None])
-        allowed = allowed & m_ok[:, None]
-        if HAS_KPM:
-            kp = tl.load(KPM + offs_n.to(tl.int64) * stride_kpm_n, mask=n_ok, other=1)
-            allowed = allowed & (kp == 0)[None, :]
-        if HAS_MASK:
-            # (out-of-range pairs are already excluded; with a band on, nothing is loaded)
-            am_msk = m_ok[:, None] & n_ok[None, :]
-            if HAS_BAND:
-                am_msk = am_msk & (band_on == 0)
-            am = tl.load(MASK_B + offs_m.to(tl.int64)[:, None] * stride_mm
-                         + offs_n.to(tl.int64)[None, :] * stride_mn, mask=am_msk, other=0)
-            allowed = allowed & (am == 0)
-        s = tl.where(allowed, s, float("-inf"))
+        s = tl.where(pair_mask(offs_m, j0, BLOCK_N, pattern, HAS_WL, HAS_WR, HAS_KPM, HAS_MASK,
+                               HAS_BAND), s, float("-inf"))
 
     # ---- online softmax (log2 domain)
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
@@ -239,11 +218,11 @@ def _attend_tile(acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off,
     p = tl.math.exp2(s * qk_scale - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:
+        pid_bh, _, drop_seed, drop_off, drop_thresh = drop
         p = tl.where(dropout_keep(drop_seed, drop_off, pid_bh, i0, j0, Lq, drop_thresh,
                                   BLOCK_M, BLOCK_N), p, 0.0)
-    v = _key_value_tile(V_bh, v_off, stride_vn, VQ_bh, vq_off, VS_bh, stride_vqn, stride_vsn,
-                        j0, mem_m, offs_n, n_ok, d_ok, MASKED, EVEN_D, UPCAST, USE_DESC,
-                        QUANT_MEM)
+    v = _key_value_tile(v_src, vq_src, j0, mem_m, offs_n, n_ok, d_ok, MASKED, EVEN_D, UPCAST,
+                        USE_DESC, QUANT_MEM)
     if UPCAST:
         pv = round_bf16(p)
     else:
@@ -258,13 +237,14 @@ def _attend_tile(acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off,
 
 
 @triton.jit
-def _store_rows(Out, Lse, o, m2, den, b, h, pid_bh, offs_m, offs_d, m_ok, d_ok, Lq,
-                stride_ob, stride_om, stride_oh, UPCAST: tl.constexpr):
+def _store_rows(Out, Lse, o, m2, den, b, h, pid_bh, offs_m, offs_d, m_ok, d_ok, Lq, stride_o,
+                UPCAST: tl.constexpr):
     """The final rows of a query tile: out = o (normalised), and lse = (m2 + log2 den) ln 2
-    (natural log; m2 the row max in log2 units), +inf for rows with no allowed key (den 0)."""
+    (natural log; m2 the row max in log2 units), +inf for rows with no allowed key (den 0).
+    stride_o: Out's (b, m, h) strides."""
     if UPCAST:
         o = round_bf16(o)
-    o_ptrs = (Out + b * stride_ob + h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_om
+    o_ptrs = (Out + b * stride_o[0] + h * stride_o[2] + offs_m.to(tl.int64)[:, None] * stride_o[1]
               + offs_d[None, :])
     tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
     has_key = den > 0.0
@@ -273,34 +253,84 @@ def _store_rows(Out, Lse, o, m2, den, b, h, pid_bh, offs_m, offs_d, m_ok, d_ok, 
     tl.store(Lse + pid_bh.to(tl.int64) * Lq + offs_m, lse, mask=m_ok)
 
 
+# The forward kernel's inputs, in the backward kernels' layout: the pointers, their strides as
+# one tuple ``strides`` ((qb, qm, qh), (kb, kn, kh), (vb, vn, vh), (rp, rh), (uh, vbh),
+# (ob, om, oh)), the sizes, the masks as ``masks`` (window_left, window_right, KPM,
+# (kpm_b, kpm_n), MASK, (mb, mh, mm, mn), BAND), the dropout as ``dropout`` (SEED, threshold,
+# 1 / (1 - p)) and the 8-bit memory as ``memory`` (``_common.memory_launch_args``);
+# _program_setup turns them into per-(batch, head) tuples that the tile helpers unpack.
+# LQ_BUCKET / LK_BUCKET are autotune keys only.
+
+
+@triton.jit
+def _program_setup(K, V, R, strides, masks, memory, H, Lq, Lk, R_rows, D,
+                   HAS_BAND: tl.constexpr, USE_DESC: tl.constexpr, QUANT_MEM: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Every forward program's prologue: its batch and head (grid axis 0 is batch * head),
+    the window narrowed by a mask band (band_on: the band replaces the dense mask, nothing to
+    load) and the per-(batch, head) base pointers, computed once; with USE_DESC the
+    [BLOCK_N, BLOCK_D] tiles of r, and of K / V without an 8-bit memory, come through TMA
+    descriptors made here (zero fill past the rows / D: no pointer math, no masks). Returns
+    (pid_bh, b, h, window_left, window_right, kv, rel, pattern): kv what _key_value_tile reads
+    (K / V sources, the 8-bit memory's, mem_m), rel what _window_chunk reads, pattern what
+    ``pair_mask`` masks with."""
+    _, stride_k, stride_v, stride_r, _, _ = strides
+    window_left, window_right, KPM, stride_kpm, MASK, stride_m, BAND = masks
+    pid_bh = tl.program_id(0)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    band_on = 0
+    if HAS_BAND:  # the launcher then sets HAS_WL = HAS_WR = True (unbounded = Lk + Lq)
+        window_left, window_right, band_on = apply_mask_band(BAND, window_left, window_right)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    # base pointers of this (b, h), offset once; tiles add j0 * stride and int32 offsets
+    if USE_DESC and not QUANT_MEM:  # TMA: no pointer math, zero fill replaces row / col masks
+        K_bh = tl.make_tensor_descriptor(K + b * stride_k[0] + h * stride_k[2], shape=[Lk, D],
+                                         strides=[stride_k[1], 1],
+                                         block_shape=[BLOCK_N, BLOCK_D])
+        V_bh = tl.make_tensor_descriptor(V + b * stride_v[0] + h * stride_v[2], shape=[Lk, D],
+                                         strides=[stride_v[1], 1],
+                                         block_shape=[BLOCK_N, BLOCK_D])
+    else:  # (QUANT_MEM: the current segment's rows, by pointers, and the 8-bit memory's)
+        K_bh = K + b * stride_k[0] + h * stride_k[2]
+        V_bh = V + b * stride_v[0] + h * stride_v[2]
+    if USE_DESC:
+        R_h = tl.make_tensor_descriptor(R + h * stride_r[1], shape=[R_rows, D],
+                                        strides=[stride_r[0], 1], block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        R_h = R + h * stride_r[1]
+    kq_src, vq_src, mem_m = memory_bases(memory, b, h, offs_n0, offs_d)
+    kv = ((K_bh, offs_n0[:, None] * stride_k[1] + offs_d[None, :], stride_k[1]),
+          (V_bh, offs_n0[:, None] * stride_v[1] + offs_d[None, :], stride_v[1]),
+          kq_src, vq_src, mem_m)
+    rel = (R_h, offs_n0[:, None] * stride_r[0] + offs_d[None, :], stride_r[0], R_rows)
+    pattern = (b, h, Lq, Lk, window_left, window_right, band_on, KPM, stride_kpm, MASK,
+               stride_m)
+    return pid_bh, b, h, window_left, window_right, kv, rel, pattern
+
+
 @triton.jit
 def _rel_attn_fwd_kernel(
-    Q, K, V, R, U, VB, Out, Lse, OPart, LPart, KPM, MASK, BAND, SEED, KQ, KS, VQ, VS,
-    stride_qb, stride_qm, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_rp, stride_rh,
-    stride_uh, stride_vbh,
-    stride_ob, stride_om, stride_oh,
-    stride_kpm_b, stride_kpm_n,
-    stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_kqb, stride_kqn, stride_kqh, stride_ksb, stride_ksn, stride_ksh,
-    stride_vqb, stride_vqn, stride_vqh, stride_vsb, stride_vsn, stride_vsh,
-    H, Lq, Lk, R_rows, D, window_left, window_right, num_splits, qk_scale, mem_m,
-    drop_thresh, drop_scale,
-    LQ_BUCKET, LK_BUCKET,  # autotune keys only
+    Q, K, V, R, U, VB, Out, Lse, OPart, LPart, strides, H, Lq, Lk, R_rows, D, qk_scale,
+    num_splits, masks, dropout, memory, LQ_BUCKET, LK_BUCKET,
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_BAND: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     EVEN_D: tl.constexpr, USE_DESC: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DROPOUT: tl.constexpr = False,
     QUANT_MEM: tl.constexpr = False,
 ):
-    pid_bh = tl.program_id(0)
+    """One program per (batch * head, query tile, key split): the online softmax over the
+    key tiles of the split that the window lets the query tile see; the output rows and lse
+    (SPLIT: a normalised partial and its log2-sum-exp, merged by the combine kernel)."""
+    stride_q, _, _, _, stride_bias, stride_o = strides
+    SEED, drop_thresh, drop_scale = dropout
+    pid_bh, b, h, window_left, window_right, kv, rel, pattern = _program_setup(
+        K, V, R, strides, masks, memory, H, Lq, Lk, R_rows, D, HAS_BAND, USE_DESC, QUANT_MEM,
+        BLOCK_N, BLOCK_D)
     # Heaviest query tiles (largest i0 under causal masks) first.
     m_tile = tl.num_programs(1) - 1 - tl.program_id(1)
     pid_s = tl.program_id(2)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
     mlen = Lk - Lq
     i0 = m_tile * BLOCK_M
 
@@ -311,12 +341,12 @@ def _rel_attn_fwd_kernel(
     d_ok = offs_d < D
 
     # ---- query tiles: (q + u) for AC and (q + vb) for BD, rounded to the input dtype
-    q_ptrs = (Q + b * stride_qb + h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qm
+    q_ptrs = (Q + b * stride_q[0] + h * stride_q[2] + offs_m.to(tl.int64)[:, None] * stride_q[1]
               + offs_d[None, :])
     # (sums in fp32, rounded once: also sidesteps the interpreter's bf16 arithmetic)
     q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    u = tl.load(U + h * stride_uh + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    vb = tl.load(VB + h * stride_vbh + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    u = tl.load(U + h * stride_bias[0] + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    vb = tl.load(VB + h * stride_bias[1] + offs_d, mask=d_ok, other=0.0).to(tl.float32)
     if UPCAST:  # interpreter, bf16: fp32 operands holding bf16 values
         qu = round_bf16(q + u[None, :])
         qv = round_bf16(q + vb[None, :])
@@ -324,49 +354,15 @@ def _rel_attn_fwd_kernel(
         qu = (q + u[None, :]).to(Q.dtype.element_ty)
         qv = (q + vb[None, :]).to(Q.dtype.element_ty)
 
-    # ---- a dense mask that is a band (decided on the device): its window, and no mask loads
-    band_on = 0
-    if HAS_BAND:  # the launcher then sets HAS_WL = HAS_WR = True (unbounded = Lk + Lq)
-        window_left, window_right, band_on = apply_mask_band(BAND, window_left, window_right)
-
     # ---- key range this query tile may see (window / causal), as whole key tiles
     i_last = tl.minimum(i0 + BLOCK_M, Lq) - 1
-    lo = 0
-    hi = Lk
-    if HAS_WL:
-        lo = tl.maximum(i0 + mlen - window_left, 0)
-    if HAS_WR:
-        hi = tl.minimum(i_last + mlen + window_right + 1, Lk)
+    lo, _ = key_range(i0, Lq, Lk, window_left, window_right, HAS_WL, HAS_WR)
+    _, hi = key_range(i_last, Lq, Lk, window_left, window_right, HAS_WL, HAS_WR)
     t_lo = lo // BLOCK_N
-    t_hi = tl.maximum((hi + BLOCK_N - 1) // BLOCK_N, t_lo)
+    t_hi = tl.maximum((hi + BLOCK_N) // BLOCK_N, t_lo)
     per_split = (t_hi - t_lo + num_splits - 1) // num_splits
     t_begin = t_lo + pid_s * per_split
     t_end = tl.minimum(t_begin + per_split, t_hi)
-
-    # ---- base pointers of this (b, h), offset once; tiles add j0 * stride and int32 offsets
-    if USE_DESC and not QUANT_MEM:  # TMA: no pointer math, zero fill replaces row / col masks
-        K_bh = tl.make_tensor_descriptor(K + b * stride_kb + h * stride_kh, shape=[Lk, D],
-                                         strides=[stride_kn, 1],
-                                         block_shape=[BLOCK_N, BLOCK_D])
-        V_bh = tl.make_tensor_descriptor(V + b * stride_vb + h * stride_vh, shape=[Lk, D],
-                                         strides=[stride_vn, 1],
-                                         block_shape=[BLOCK_N, BLOCK_D])
-    else:  # (QUANT_MEM: the current segment's rows, by pointers, and the 8-bit memory's)
-        K_bh = K + b * stride_kb + h * stride_kh
-        V_bh = V + b * stride_vb + h * stride_vh
-    if USE_DESC:
-        R_h = tl.make_tensor_descriptor(R + h * stride_rh, shape=[R_rows, D],
-                                        strides=[stride_rp, 1], block_shape=[BLOCK_N, BLOCK_D])
-    else:
-        R_h = R + h * stride_rh
-    KQ_bh, KS_bh, VQ_bh, VS_bh, kq_off, vq_off = memory_bases(
-        KQ, KS, VQ, VS, b, h, stride_kqb, stride_kqn, stride_kqh, stride_ksb, stride_ksh,
-        stride_vqb, stride_vqn, stride_vqh, stride_vsb, stride_vsh, offs_n0, offs_d)
-    k_off = offs_n0[:, None] * stride_kn + offs_d[None, :]
-    v_off = offs_n0[:, None] * stride_vn + offs_d[None, :]
-    r_off = offs_n0[:, None] * stride_rp + offs_d[None, :]
-    kpm_b = KPM + b * stride_kpm_b
-    mask_b = MASK + b * stride_mb + h * stride_mh
 
     # ---- skew. Tile element (a, c) needs window column w = c + sh_a, sh_a = BM - 1 - a,
     # i.e. chunk w // BN at column w % BN. Row a reads chunk c0_a = sh_a // BN at columns
@@ -379,13 +375,12 @@ def _rel_attn_fwd_kernel(
     first_is_0 = (sh < BLOCK_N)[:, None]
     # ---- prime the window: chunks 0 .. C-2 of the first tile
     base0 = t_begin * BLOCK_N - i0 - (BLOCK_M - 1) + Lq - 1
-    t0 = rotate_rows(_window_chunk(qv, R_h, r_off, stride_rp, base0, R_rows, offs_n0, d_ok,
-                                   EVEN_D, UPCAST, DOT_PREC, USE_DESC), rot, BLOCK_M, BLOCK_N)
+    t0 = rotate_rows(_window_chunk(qv, rel, base0, offs_n0, d_ok, EVEN_D, UPCAST, DOT_PREC,
+                                   USE_DESC), rot, BLOCK_M, BLOCK_N)
     t1 = t0
     if BLOCK_M > BLOCK_N:  # C == 3
-        t1 = rotate_rows(_window_chunk(qv, R_h, r_off, stride_rp, base0 + BLOCK_N, R_rows,
-                                       offs_n0, d_ok, EVEN_D, UPCAST, DOT_PREC, USE_DESC),
-                         rot, BLOCK_M, BLOCK_N)
+        t1 = rotate_rows(_window_chunk(qv, rel, base0 + BLOCK_N, offs_n0, d_ok, EVEN_D, UPCAST,
+                                       DOT_PREC, USE_DESC), rot, BLOCK_M, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -394,6 +389,8 @@ def _rel_attn_fwd_kernel(
     drop_off = 0
     if DROPOUT:
         drop_seed, drop_off = load_dropout_seed(SEED)
+    drop = (pid_bh, Lq, drop_seed, drop_off, drop_thresh)
+    tile = (i0, offs_m, offs_n0, d_ok, rot, take_first, first_is_0, qk_scale)
 
     # ---- interior key tiles [t_in, t_out): every pair allowed by the window, every key < Lk
     # and no padding / dense mask, so they run mask-free; the rest (the band edges) masked.
@@ -410,13 +407,7 @@ def _rel_attn_fwd_kernel(
         if run == 2 or (not (HAS_KPM or HAS_MASK) and (run == 1 or HAS_WL)):
             for t in range(t_first, t_stop):
                 acc, m_i, l_i, t0, t1 = _attend_tile(
-                    acc, m_i, l_i, t0, t1, qu, qv, t, i0, K_bh, k_off, V_bh, v_off, R_h, r_off,
-                    stride_kn, stride_vn, stride_rp, offs_m, offs_n0, m_ok, d_ok, rot,
-                    take_first, first_is_0, Lq, Lk, R_rows, mlen, window_left, window_right,
-                    qk_scale, kpm_b, stride_kpm_n, mask_b, stride_mm, stride_mn, band_on,
-                    drop_seed, drop_off, drop_thresh, pid_bh,
-                    KQ_bh, kq_off, KS_bh, stride_kqn, stride_ksn,
-                    VQ_bh, vq_off, VS_bh, stride_vqn, stride_vsn, mem_m,
+                    acc, m_i, l_i, t0, t1, t, qu, qv, tile, kv, rel, pattern, drop,
                     HAS_WL, HAS_WR, HAS_KPM, HAS_MASK, HAS_BAND, run != 1, EVEN_D, UPCAST,
                     DOT_PREC, USE_DESC, BLOCK_M, BLOCK_N, DROPOUT, QUANT_MEM)
 
@@ -435,14 +426,12 @@ def _rel_attn_fwd_kernel(
                  mask=m_ok)
     else:
         _store_rows(Out, Lse, o, m_i, l_i, b, h, pid_bh, offs_m, offs_d, m_ok, d_ok, Lq,
-                    stride_ob, stride_om, stride_oh, UPCAST)
+                    stride_o, UPCAST)
 
 
 @triton.jit
 def _rel_attn_fwd_combine_kernel(
-    OPart, LPart, Out, Lse,
-    stride_ob, stride_om, stride_oh,
-    H, Lq, D, num_splits,
+    OPart, LPart, Out, Lse, stride_o, H, Lq, D, num_splits,
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Merge split-K partials: out = sum_s 2^(l_s - L) o_s, L = log2 sum_s 2^l_s."""
@@ -472,7 +461,7 @@ def _rel_attn_fwd_combine_kernel(
         den += w
     o = acc / tl.where(den > 0.0, den, 1.0)[:, None]
     _store_rows(Out, Lse, o, m_safe, den, b, h, pid_bh, offs_m, offs_d, m_ok, d_ok, Lq,
-                stride_ob, stride_om, stride_oh, UPCAST)
+                stride_o, UPCAST)
 
 
 # --------------------------------------------------------------------------------------------
@@ -513,20 +502,25 @@ def _prune_configs(configs, named_args, **kwargs):
     table = _family_table(family)
     out = [c for c in configs
            if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in table
-           and _family_config_ok(family, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps,
-                                 c.num_stages, block_d, exact_fp32, wide)]
+           and _config_ok(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages,
+                          block_d, exact_fp32, wide)]
+    default = _default_config(block_d, exact_fp32, wide, family)
     if kwargs["SPLIT"]:  # num_splits was chosen for the default config's BLOCK_M
-        bm = _arch_default_config(family, block_d, exact_fp32, wide)["BLOCK_M"]
-        out = [c for c in out if c.kwargs["BLOCK_M"] == bm]
+        out = [c for c in out if c.kwargs["BLOCK_M"] == default["BLOCK_M"]]
     if not out:
-        cfg = dict(_arch_default_config(family, block_d, exact_fp32, wide))
+        cfg = dict(default)
         nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
         out = [triton.Config(cfg, num_warps=nw, num_stages=ns)]
     return out
 
 
-def _default_config(block_d: int, exact_fp32: bool, wide: bool = False) -> dict:
-    """The config used on GPU when autotuning is off (TXL_KERNELS_AUTOTUNE=0)."""
+def _default_config(block_d: int, exact_fp32: bool, wide: bool = False,
+                    family: str = "sm90") -> dict:
+    """The config used on GPU when autotuning is off (TXL_KERNELS_AUTOTUNE=0), for config
+    family ``family`` (``_arch.config_family``). Every family takes sm_90's rule: sm_100 has
+    the same 227 KiB blocks; on sm_80 the 64 x 64 fallback is also the least-spilling config
+    (BENCHMARKS.md, "Per-architecture compile table"); the 99 KiB families' tables hold the
+    two-stage configs this rule picks."""
     if exact_fp32:
         return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
     if block_d >= 256 or (wide and block_d >= 128):
@@ -542,12 +536,9 @@ _AUTOTUNE_KEYS = ["LQ_BUCKET", "LK_BUCKET", "BLOCK_D", "num_splits", "HAS_WL", "
                   "HAS_KPM", "HAS_MASK", "HAS_BAND", "SPLIT", "DOT_PREC", "EVEN_D", "USE_DESC",
                   "DROPOUT", "QUANT_MEM"]
 
-# Per-architecture tables (txl_kernels._arch config families). sm_90 takes the table, the
-# pruning rule and the default above; so do sm_100 (same 227 KiB blocks) and sm_80 (163 KiB:
-# the autotuner skips a config that does not fit). The 99 KiB blocks of sm_86 / sm_89 /
-# sm_120 take the two-stage configs. The default (64 x 64, 4 warps, 2 stages) is also the
-# least-spilling config compiled for sm_80 (BENCHMARKS.md, "Per-architecture compile
-# table"; 8 warps and 64 x 32 tiles spill more).
+# Per-architecture tables (txl_kernels._arch config families): sm_90, sm_100 (same 227 KiB
+# blocks) and sm_80 (163 KiB: the autotuner skips a config that does not fit) take the whole
+# table; the 99 KiB blocks of sm_86 / sm_89 / sm_120 its two-stage configs.
 _SMALL_SMEM_TABLE = tuple(row for row in _CONFIG_TABLE if row[3] <= 2)
 _ARCH_CONFIG_TABLES = {
     "sm90": _CONFIG_TABLE,
@@ -560,17 +551,6 @@ _ARCH_CONFIG_TABLES = {
 
 def _family_table(family: str):
     return _ARCH_CONFIG_TABLES.get(family, _CONFIG_TABLE)
-
-
-def _family_config_ok(family, bm, bn, nw, ns, block_d, exact_fp32, wide) -> bool:
-    """sm_90's rule (``_config_ok``), for every family."""
-    return _config_ok(bm, bn, nw, ns, block_d, exact_fp32, wide)
-
-
-def _arch_default_config(family: str, block_d: int, exact_fp32: bool,
-                         wide: bool = False) -> dict:
-    """The default config of config family ``family`` (``_default_config`` for sm_90)."""
-    return _default_config(block_d, exact_fp32, wide)
 
 
 def _all_configs():
@@ -590,6 +570,11 @@ _rel_attn_fwd_kernel_tuned = triton.autotune(
 
 # --------------------------------------------------------------------------------------------
 # Launcher
+
+def _bmh(t: torch.Tensor) -> Tuple[int, int, int]:
+    """The (batch, row, head) strides of a [B, L, H, D] tensor, one kernel tuple argument."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
@@ -617,10 +602,6 @@ def choose_num_splits(B: int, H: int, Lq: int, Lk: int, window_left: int, window
         span = min(Lk, Lk - Lq + window_right + 64)
     by_keys = max(1, span // 256)
     return int(max(1, min(triton.cdiv(4 * num_sms, base), by_keys, 64)))
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def rel_attn_fwd(
@@ -684,26 +665,26 @@ def rel_attn_fwd(
         raise ValueError(f"rel_attn_fwd: softmax_scale must be finite and > 0, "
                          f"got {softmax_scale!r}")
     q, k, v, r, u, vb = (last_dim_contiguous(t) for t in (q, k, v, r, r_w_bias, r_r_bias))
-    mem_args, mem_strides = memory_launch_args(memory, k, v)
+    mem_arg = memory_launch_args(memory, k, v)
 
     out = torch.empty((B, Lq, H, D), dtype=dtype, device=q.device)
     lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
 
     has_kpm = key_padding_mask is not None
     kpm = key_padding_mask.view(torch.uint8) if has_kpm else q
-    kpm_strides = (kpm.stride(0), kpm.stride(1)) if has_kpm else (0, 0)
+    kpm_strides = tuple(kpm.stride()) if has_kpm else (0, 0)
     has_mask = attn_mask is not None
     if has_mask:
         am = attn_mask.expand(B, H, Lq, Lk).view(torch.uint8)
-        am_strides = am.stride()
+        am_strides = tuple(am.stride())
     else:
         am, am_strides = q, (0, 0, 0, 0)
 
     dot_prec = dot_precision(dtype)
     exact_fp32 = dtype == torch.float32 and dot_prec == "ieee"
-    block_d = max(16, _next_pow2(D))
+    block_d = max(16, triton.next_power_of_2(D))
     family = config_family(q.device)[0]
-    default = _arch_default_config(family, block_d, exact_fp32, dtype == torch.float32)
+    default = _default_config(block_d, exact_fp32, dtype == torch.float32, family)
     if config is None and INTERPRET:
         config = INTERPRET_CONFIG
     elif config is None and not autotune_enabled():
@@ -735,22 +716,14 @@ def rel_attn_fwd(
         dropout_seed = draw_dropout_seed(q.device)
     seed_arg = dropout_seed if dropout else lse  # unused without dropout
 
-    args = (
-        q, k, v, r, u, vb, out, lse, o_part, l_part, kpm, am, band, seed_arg, *mem_args,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        r.stride(0), r.stride(1),
-        u.stride(0), vb.stride(0),
-        out.stride(0), out.stride(1), out.stride(2),
-        kpm_strides[0], kpm_strides[1],
-        am_strides[0], am_strides[1], am_strides[2], am_strides[3],
-        *mem_strides,
-        H, Lq, Lk, R_rows, D, wl_arg, wr_arg, num_splits,
-        float(softmax_scale) * _LOG2E, mem_m,
-        dropout_threshold(dropout_p) if dropout else 0, 1.0 / (1.0 - dropout_p),
-        _next_pow2(Lq), _next_pow2(Lk),
-    )
+    strides = (_bmh(q), _bmh(k), _bmh(v), tuple(r.stride()[:2]), (u.stride(0), vb.stride(0)),
+               _bmh(out))
+    masks = (wl_arg, wr_arg, kpm, kpm_strides, am, am_strides, band)
+    dropout_arg = (seed_arg, dropout_threshold(dropout_p) if dropout else 0,
+                   1.0 / (1.0 - dropout_p))
+    args = (q, k, v, r, u, vb, out, lse, o_part, l_part, strides, H, Lq, Lk, R_rows, D,
+            float(softmax_scale) * LOG2E.value, num_splits, masks, dropout_arg, mem_arg,
+            length_bucket(Lq), length_bucket(Lk))
     meta = dict(HAS_WL=window_left >= 0 or has_band, HAS_WR=window_right >= 0 or has_band,
                 HAS_KPM=has_kpm, HAS_MASK=has_mask, HAS_BAND=has_band, SPLIT=split, UPCAST=upcast,
                 DOT_PREC=dot_prec, EVEN_D=D == block_d,
@@ -777,9 +750,8 @@ def rel_attn_fwd(
         if split:
             bm_c = 16 if INTERPRET else 64
             _rel_attn_fwd_combine_kernel[(B * H, triton.cdiv(Lq, bm_c))](
-                o_part, l_part, out, lse, out.stride(0), out.stride(1), out.stride(2),
-                H, Lq, D, num_splits, UPCAST=upcast, BLOCK_M=bm_c, BLOCK_D=block_d,
-                num_warps=4)
+                o_part, l_part, out, lse, _bmh(out), H, Lq, D, num_splits, UPCAST=upcast,
+                BLOCK_M=bm_c, BLOCK_D=block_d, num_warps=4)
     return out, lse
 
 
