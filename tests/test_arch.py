@@ -60,7 +60,7 @@ def test_backward_defaults_per_family(monkeypatch):
     for cap, fam in ((80, "sm80"), (89, "sm86"), (90, "sm90"), (100, "sm100"), (120, "sm120")):
         for d in (64, 128, 256):
             for extra in (False, True):
-                cfg = B._arch_default_config(fam, d, False, False, extra)
+                cfg = B._default_config(d, False, False, extra, family=fam)
                 if fam != "sm90":
                     assert cfg["BLOCK"] <= 32, (fam, d, cfg)
                 key = (cfg["BLOCK"], cfg["num_warps"], cfg["num_stages"])
@@ -69,7 +69,7 @@ def test_backward_defaults_per_family(monkeypatch):
                     k = torch.empty(1, dtype=torch.bfloat16, device="meta")
                     kept = B._make_prune(extra)(list(gpu.values()), {"K": k}, BLOCK_D=d)
                 assert gpu[key] in kept, (fam, d, extra, cfg)
-    assert B._arch_default_config("sm90", 64, False) == B._default_config(64, False)
+    assert B._default_config(64, False, family="sm90") == B._default_config(64, False)
 
 
 def test_forward_tables_fit_the_small_blocks():

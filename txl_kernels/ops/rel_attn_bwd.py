@@ -686,9 +686,9 @@ def _make_prune(extra_tiles: bool):
                 and _family_keeps(family, extra_tiles, cfg, block_d, wide)]
         if keep:
             return keep
-        cfg = dict(_arch_default_config(family, block_d, False, wide, extra_tiles,
-                                        named_args.get("Lq", 1 << 30),
-                                        named_args.get("Lk", 1 << 30)))
+        cfg = dict(_default_config(block_d, False, wide, extra_tiles,
+                                   named_args.get("Lq", 1 << 30), named_args.get("Lk", 1 << 30),
+                                   family))
         return [triton.Config({"BLOCK": cfg["BLOCK"]}, num_warps=cfg["num_warps"],
                               num_stages=cfg["num_stages"])]
 
@@ -696,19 +696,25 @@ def _make_prune(extra_tiles: bool):
 
 
 def _default_config(block_d: int, exact_fp32: bool, wide: bool = False,
-                    extra_tiles: bool = False, lq: int = 1 << 30, lk: int = 1 << 30) -> dict:
-    """The config a backward kernel uses on GPU when autotuning is off (TXL_KERNELS_AUTOTUNE=0):
-    the largest kept BLOCK (64 for fp16 / bf16 up to D 128: wgmma-sized tiles), 4 warps,
-    2 stages; exact fp32 products run on the FMA units: BLOCK 32 at most. Always one of
-    _configs() that _make_prune keeps (extra_tiles: the dr kernel)."""
+                    extra_tiles: bool = False, lq: int = 1 << 30, lk: int = 1 << 30,
+                    family: str = "sm90") -> dict:
+    """The config a backward kernel uses on GPU when autotuning is off (TXL_KERNELS_AUTOTUNE=0),
+    for config family ``family`` (``_arch.config_family``). sm_90: the largest kept BLOCK (64
+    for fp16 / bf16 up to D 128: wgmma-sized tiles), 4 warps, 2 stages; exact fp32 products run
+    on the FMA units: BLOCK 32 at most. The small-tile families: _SMALL_TILE_DEFAULTS' warps
+    and stages, its BLOCK at most theirs. Always one of _configs() that _make_prune keeps
+    (extra_tiles: the dr kernel)."""
     block = _max_block(block_d, wide, extra_tiles, lq, lk)
     if exact_fp32:
         block = min(block, 32)
+    if family in _SMALL_TILE_FAMILIES:
+        small, warps, stages = _small_tile_default(family, block_d)
+        return {"BLOCK": min(block, small), "num_warps": warps, "num_stages": stages}
     return {"BLOCK": block, "num_warps": 4, "num_stages": 2}
 
 
 # Per-architecture choices (txl_kernels._arch config families). sm_90 takes _configs(),
-# _make_prune's rule and _default_config above. The other families take smaller tiles, the
+# _make_prune's rule and the first branch of _default_config above. The other families take smaller tiles, the
 # tl.gather skew and the row-major atomic dr (_atomic_dr DR_BY_ROWS), with the default (BLOCK,
 # num_warps, num_stages) of _SMALL_TILE_DEFAULTS per head-dim class (up to 64, above), from
 # compiles for their targets (tools/aot_check --target; BENCHMARKS.md, "Per-architecture
@@ -740,18 +746,6 @@ def _family_keeps(family: str, extra_tiles: bool, cfg, block_d: int, wide: bool)
     """Whether the autotuner tries ``cfg`` on config family ``family`` (beyond the BLOCK
     bound every family shares): BLOCK <= 32 on the small-tile families."""
     return family not in _SMALL_TILE_FAMILIES or cfg.kwargs["BLOCK"] <= 32
-
-
-def _arch_default_config(family: str, block_d: int, exact_fp32: bool, wide: bool = False,
-                         extra_tiles: bool = False, lq: int = 1 << 30,
-                         lk: int = 1 << 30) -> dict:
-    """The default config of config family ``family``: ``_default_config``; on the small-tile
-    families _SMALL_TILE_DEFAULTS' warps and stages, its BLOCK at most theirs."""
-    cfg = _default_config(block_d, exact_fp32, wide, extra_tiles, lq, lk)
-    if family in _SMALL_TILE_FAMILIES:
-        block, warps, stages = _small_tile_default(family, block_d)
-        cfg = {"BLOCK": min(cfg["BLOCK"], block), "num_warps": warps, "num_stages": stages}
-    return cfg
 
 
 _KEY = ["BLOCK_D", "LQ_BUCKET", "LK_BUCKET", "HAS_KPM", "HAS_MASK", "HAS_BAND", "DOT_PREC",
@@ -863,7 +857,7 @@ def rel_attn_bwd(
     elif not autotune_enabled():
         wide = q.dtype == torch.float32
         exact = wide and precision == "ieee"
-        configs = tuple(_arch_default_config(family, block_d, exact, wide, extra, Lq, Lk)
+        configs = tuple(_default_config(block_d, exact, wide, extra, Lq, Lk, family)
                         for extra in (False, False, True))
     else:
         configs = (None,) * 3
