@@ -365,6 +365,28 @@ def _like(t: Tensor, rows: int) -> Tensor:
     return t.new_empty((t.shape[0], rows) + tuple(t.shape[2:]))
 
 
+def _step_pairs(prob: "_Problem", ring: "_Ring", step: int, src: int, wl: int, wr: int):
+    """(a0, A, qoff, b0, Bk, koff) of every (query chunk, key chunk) pair of ring step ``step``
+    (keys of rank ``src``) that the window / causal range lets attend; each pair is logged
+    as a ``block`` or a ``skip`` (the schedule the tests read)."""
+    for a0, A, qoff in prob.q_chunks[ring.rank]:
+        for b0, Bk, koff in prob.k_chunks[src]:
+            if not _pair_may_attend(a0, A, b0, Bk, prob.mem, wl, wr):
+                ring.log("skip", step)
+                continue
+            ring.log("block", step)
+            yield a0, A, qoff, b0, Bk, koff
+
+
+def _boxes(a0: int, A: int, b0: int, Bk: int, prob: "_Problem", wl: int, wr: int):
+    """The kernel calls of one chunk pair: (i_lo, i_hi, j_lo, j_hi) in the chunks, the global
+    (first row, rows, first key, keys) and the kernel's (window_left, window_right)."""
+    for i_lo, i_hi, j_lo, j_hi in _kernel_boxes(a0, A, b0, Bk, prob.mem, wl, wr):
+        ga, n_i, gb, n_j = a0 + i_lo, i_hi - i_lo, b0 + j_lo, j_hi - j_lo
+        yield (i_lo, i_hi, j_lo, j_hi), (ga, n_i, gb, n_j), _kernel_window(ga, n_i, gb, n_j,
+                                                                             prob.mem, wl, wr)
+
+
 def _ring_forward(q, k, v, kpm, r, u, vb, scale, wl, wr, prob: _Problem, ring: _Ring,
                   drop: _Dropout, ops: Optional[_KernelOps]):
     B, Lq, H, D = q.shape
@@ -381,37 +403,30 @@ def _ring_forward(q, k, v, kpm, r, u, vb, scale, wl, wr, prob: _Problem, ring: _
                                                 kpm.new_empty((B, rows))])
         ring.log("compute_begin", step)
         kb, vb_, kpmb = cur
-        for a0, A, qoff in prob.q_chunks[ring.rank]:
+        for a0, A, qoff, b0, Bk, koff in _step_pairs(prob, ring, step, src, wl, wr):
             qc = q[:, qoff:qoff + A]
-            for b0, Bk, koff in prob.k_chunks[src]:
-                if not _pair_may_attend(a0, A, b0, Bk, prob.mem, wl, wr):
-                    ring.log("skip", step)
-                    continue
-                ring.log("block", step)
-                if ops is not None:
-                    for i_lo, i_hi, j_lo, j_hi in _kernel_boxes(a0, A, b0, Bk, prob.mem, wl,
-                                                                wr):
-                        ks = slice(koff + j_lo, koff + j_hi)
-                        ga, n_i, gb, n_j = a0 + i_lo, i_hi - i_lo, b0 + j_lo, j_hi - j_lo
-                        kwl, kwr = _kernel_window(ga, n_i, gb, n_j, prob.mem, wl, wr)
-                        rk = _kernel_r(r, ga, n_i, gb, n_j, prob.lq)[0]
-                        o, blk_lse = ops.fwd(qc[:, i_lo:i_hi], kb[:, ks], vb_[:, ks], rk, u, vb,
-                                             scale, kwl, kwr,
-                                             kpmb[:, ks] if prob.has_kpm else None)
-                        blk_lse = blk_lse.to(acc)  # rows with no key: +inf -> -inf here
-                        blk_lse = blk_lse.masked_fill(blk_lse == float("inf"), float("-inf"))
-                        _merge(out, lse, qoff + i_lo, n_i, o.to(acc), blk_lse)
-                    continue
-                lo, hi, top, bottom = _window(a0, A, b0, Bk, prob, r.shape[0])
-                s = _block_scores(qc, kb[:, koff:koff + Bk], r[lo:hi], (top, bottom), u, vb,
-                                  scale, a0, b0, prob, wl, wr, kpmb[:, koff:koff + Bk])
-                blk_lse = torch.logsumexp(s, dim=-1)
-                p = torch.exp(s - _finite_or_zero(blk_lse)[..., None])
-                z = drop.factor(a0, A, b0, Bk, p.dtype)
-                if z is not None:  # the lse stays that of the undropped scores
-                    p = p * z
-                blk = torch.einsum("bhij,bjhd->bihd", p, vb_[:, koff:koff + Bk].to(acc))
-                _merge(out, lse, qoff, A, blk, blk_lse)
+            if ops is not None:
+                for (i_lo, i_hi, j_lo, j_hi), (ga, n_i, gb, n_j), (kwl, kwr) in _boxes(
+                        a0, A, b0, Bk, prob, wl, wr):
+                    ks = slice(koff + j_lo, koff + j_hi)
+                    rk = _kernel_r(r, ga, n_i, gb, n_j, prob.lq)[0]
+                    o, blk_lse = ops.fwd(qc[:, i_lo:i_hi], kb[:, ks], vb_[:, ks], rk, u, vb,
+                                         scale, kwl, kwr,
+                                         kpmb[:, ks] if prob.has_kpm else None)
+                    blk_lse = blk_lse.to(acc)  # rows with no key: +inf -> -inf here
+                    blk_lse = blk_lse.masked_fill(blk_lse == float("inf"), float("-inf"))
+                    _merge(out, lse, qoff + i_lo, n_i, o.to(acc), blk_lse)
+                continue
+            lo, hi, top, bottom = _window(a0, A, b0, Bk, prob, r.shape[0])
+            s = _block_scores(qc, kb[:, koff:koff + Bk], r[lo:hi], (top, bottom), u, vb,
+                              scale, a0, b0, prob, wl, wr, kpmb[:, koff:koff + Bk])
+            blk_lse = torch.logsumexp(s, dim=-1)
+            p = torch.exp(s - _finite_or_zero(blk_lse)[..., None])
+            z = drop.factor(a0, A, b0, Bk, p.dtype)
+            if z is not None:  # the lse stays that of the undropped scores
+                p = p * z
+            blk = torch.einsum("bhij,bjhd->bihd", p, vb_[:, koff:koff + Bk].to(acc))
+            _merge(out, lse, qoff, A, blk, blk_lse)
         ring.log("compute_end", step)
         if pending is not None:
             cur = ring.wait(step + 1, pending)
@@ -447,42 +462,35 @@ def _ring_backward(dout, q, k, v, kpm, r, u, vb, out, lse, scale, wl, wr, prob: 
         ring.log("compute_begin", step)
         kb, vblk, kpmb = keys
         dkb, dvblk = grads
-        for a0, A, qoff in prob.q_chunks[ring.rank]:
-            for b0, Bk, koff in prob.k_chunks[src]:
-                if not _pair_may_attend(a0, A, b0, Bk, prob.mem, wl, wr):
-                    ring.log("skip", step)
-                    continue
-                ring.log("block", step)
-                if ops is not None:
-                    for i_lo, i_hi, j_lo, j_hi in _kernel_boxes(a0, A, b0, Bk, prob.mem, wl,
-                                                                wr):
-                        qs = slice(qoff + i_lo, qoff + i_hi)
-                        ks = slice(koff + j_lo, koff + j_hi)
-                        ga, n_i, gb, n_j = a0 + i_lo, i_hi - i_lo, b0 + j_lo, j_hi - j_lo
-                        kwl, kwr = _kernel_window(ga, n_i, gb, n_j, prob.mem, wl, wr)
-                        rk, r_lo, top = _kernel_r(r, ga, n_i, gb, n_j, prob.lq)
-                        gq, gk, gv, gr, gu, gvb = ops.bwd(
-                            dout[:, qs], q[:, qs], kb[:, ks], vblk[:, ks], rk, u, vb,
-                            out[:, qs], lse_k[:, :, qs], scale, kwl, kwr,
-                            kpmb[:, ks] if prob.has_kpm else None)
-                        dq[:, qs] += gq
-                        dkb[:, ks] += gk
-                        dvblk[:, ks] += gv
-                        dr[r_lo:r_lo + gr.shape[0] - top] += gr[top:]
-                        du += gu
-                        dvb += gvb
-                    continue
-                gq, gk, gv, gr, lo, hi, gu, gvb = _block_grads(
-                    q[:, qoff:qoff + A], kb[:, koff:koff + Bk], vblk[:, koff:koff + Bk], r, u,
-                    vb, scale, a0, b0, prob, wl, wr, kpmb[:, koff:koff + Bk],
-                    lse_safe[:, :, qoff:qoff + A], delta[:, :, qoff:qoff + A],
-                    dout_a[:, qoff:qoff + A], drop.factor(a0, A, b0, Bk, acc))
-                dq[:, qoff:qoff + A] += gq
-                dkb[:, koff:koff + Bk] += gk
-                dvblk[:, koff:koff + Bk] += gv
-                dr[lo:hi] += gr
-                du += gu
-                dvb += gvb
+        for a0, A, qoff, b0, Bk, koff in _step_pairs(prob, ring, step, src, wl, wr):
+            if ops is not None:
+                for (i_lo, i_hi, j_lo, j_hi), (ga, n_i, gb, n_j), (kwl, kwr) in _boxes(
+                        a0, A, b0, Bk, prob, wl, wr):
+                    qs = slice(qoff + i_lo, qoff + i_hi)
+                    ks = slice(koff + j_lo, koff + j_hi)
+                    rk, r_lo, top = _kernel_r(r, ga, n_i, gb, n_j, prob.lq)
+                    gq, gk, gv, gr, gu, gvb = ops.bwd(
+                        dout[:, qs], q[:, qs], kb[:, ks], vblk[:, ks], rk, u, vb,
+                        out[:, qs], lse_k[:, :, qs], scale, kwl, kwr,
+                        kpmb[:, ks] if prob.has_kpm else None)
+                    dq[:, qs] += gq
+                    dkb[:, ks] += gk
+                    dvblk[:, ks] += gv
+                    dr[r_lo:r_lo + gr.shape[0] - top] += gr[top:]
+                    du += gu
+                    dvb += gvb
+                continue
+            gq, gk, gv, gr, lo, hi, gu, gvb = _block_grads(
+                q[:, qoff:qoff + A], kb[:, koff:koff + Bk], vblk[:, koff:koff + Bk], r, u,
+                vb, scale, a0, b0, prob, wl, wr, kpmb[:, koff:koff + Bk],
+                lse_safe[:, :, qoff:qoff + A], delta[:, :, qoff:qoff + A],
+                dout_a[:, qoff:qoff + A], drop.factor(a0, A, b0, Bk, acc))
+            dq[:, qoff:qoff + A] += gq
+            dkb[:, koff:koff + Bk] += gk
+            dvblk[:, koff:koff + Bk] += gv
+            dr[lo:hi] += gr
+            du += gu
+            dvb += gvb
         ring.log("compute_end", step)
         if ring.world > 1:
             grads = ring.wait(step + 1, ring.post(step + 1, grads, [_like(dkb, rows),
