@@ -115,7 +115,7 @@ def _load_rows(PTR, rows, n_rows, stride_row, offs_d, D, DOT_DTYPE: tl.constexpr
 
 
 @triton.jit
-def _atomic_dr(DR_h, dt, qv_t, rows, R_rows, stride_drp, offs_d, dmask, sm_scale,
+def _atomic_dr(DR_h, dt, qv_t, rows, R_rows, stride_drp, offs_d, d_ok, sm_scale,
                DOT_PREC: tl.constexpr, DR_BY_ROWS: tl.constexpr):
     """dr[rows] += scale * dT^T Qv with fp32 atomics. DR_BY_ROWS: computed as [BLOCK, D]
     (dT^T the A operand, its transpose a layout conversion; the atomics' D-contiguous rows come
@@ -129,11 +129,11 @@ def _atomic_dr(DR_h, dt, qv_t, rows, R_rows, stride_drp, offs_d, dmask, sm_scale
     if DR_BY_ROWS:
         drw = tl.dot(tl.trans(dt), qv_t, input_precision=DOT_PREC) * sm_scale
         tl.atomic_add(DR_h + (rows[:, None] * stride_drp + offs_d[None, :]), drw,
-                      mask=row_ok[:, None] & dmask[None, :])
+                      mask=row_ok[:, None] & d_ok[None, :])
     else:
         drw_t = tl.dot(tl.trans(qv_t), dt, input_precision=DOT_PREC) * sm_scale
         tl.atomic_add(DR_h + (rows[None, :] * stride_drp + offs_d[:, None]), drw_t,
-                      mask=row_ok[None, :] & dmask[:, None])
+                      mask=row_ok[None, :] & d_ok[:, None])
 
 
 @triton.jit
@@ -271,8 +271,8 @@ def _load_query_tile(query, i0, offs_i, offs_d, Lq, D, DOT_DTYPE: tl.constexpr,
 
 
 @triton.jit
-def _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, i0, j0, offs_i, offs_j,
-                    qk_scale, pattern, drop, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
+def _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, i0, j0, offs_i, qk_scale,
+                    pattern, drop, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
                     HAS_BAND: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
                     SKEW_GATHER: tl.constexpr, BLOCK: tl.constexpr, IN_DTYPE: tl.constexpr,
                     UPCAST: tl.constexpr, MASKED: tl.constexpr = True):
@@ -287,7 +287,7 @@ def _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, i0, j0, offs_i, 
     counters (the caller scales dV by 1 / (1 - p) once); dP then becomes dO V^T Z / (1 - p),
     the gradient w.r.t. the undropped P, and
     dS = P (dP - delta) holds as without dropout (delta = rowsum(dO O) = rowsum(P dP)).
-    i0 / j0: the tile's first query row and key (offs_i / offs_j start there); ``drop``: see
+    i0 / j0: the tile's first query row and key (offs_i starts at i0); ``drop``: see
     _program_setup."""
     bd = _skew(t_lo, t_hi, BLOCK, SKEW_GATHER)
     ac = tl.dot(a_t, tl.trans(k_t), input_precision=DOT_PREC)
@@ -327,8 +327,8 @@ def _rel_attn_bwd_preprocess_kernel(
     h = pid_bh % H
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < D
-    msk = (offs_m < Lq)[:, None] & dmask[None, :]
+    d_ok = offs_d < D
+    msk = (offs_m < Lq)[:, None] & d_ok[None, :]
     rows = offs_m.to(tl.int64)[:, None]
     o = tl.load(O + b * stride_ob + h * stride_oh + rows * stride_om + offs_d[None, :],
                 mask=msk, other=0.0).to(tl.float32)
@@ -339,8 +339,8 @@ def _rel_attn_bwd_preprocess_kernel(
              mask=offs_m < Lq)
     q = tl.load(Q + b * stride_qb + h * stride_qh + rows * stride_qm + offs_d[None, :],
                 mask=msk, other=0.0).to(tl.float32)
-    bias_u = tl.load(U + h * stride_uh + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    bias_v = tl.load(VB + h * stride_vbh + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    bias_u = tl.load(U + h * stride_uh + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    bias_v = tl.load(VB + h * stride_vbh + offs_d, mask=d_ok, other=0.0).to(tl.float32)
     w_off = pid_bh * stride_wbh + rows * stride_wm + offs_d[None, :]
     tl.store(A_OP + w_off, _operand(q + bias_u[None, :], Q.dtype.element_ty, UPCAST), mask=msk)
     tl.store(QV_OP + w_off, _operand(q + bias_v[None, :], Q.dtype.element_ty, UPCAST),
@@ -367,8 +367,8 @@ def _rel_attn_bwd_dkdv_kernel(
         A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows, D,
         HAS_BAND, USE_DESC, BLOCK, BLOCK_D)
     offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < D
-    kv_msk = (offs_j < Lk)[:, None] & dmask[None, :]
+    d_ok = offs_d < D
+    kv_msk = (offs_j < Lk)[:, None] & d_ok[None, :]
     k_t, v_t = _load_kv_tile(keys, j0, offs_j, Lk, offs_d, D, DOT_DTYPE, USE_DESC)
 
     # Query rows that may see a key of this tile: d = i + mlen - j in [-window_right,
@@ -394,7 +394,7 @@ def _rel_attn_bwd_dkdv_kernel(
         t_lo, t_hi = _chunks_t(qv_t, r_lo, r_hi, DOT_PREC)
         r_hi = r_lo
         p, ds = _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, i0, j0, offs_i,
-                                offs_j, qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
+                                qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
                                 DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, K.dtype.element_ty, UPCAST)
         dv = tl.dot(tl.trans(p), do, dv, input_precision=DOT_PREC)
         ds_sum += ds
@@ -406,7 +406,7 @@ def _rel_attn_bwd_dkdv_kernel(
                 + h * stride_part[2] + offs_d)
     tl.store(DU_PART + part_off,
              tl.sum(tl.sum(ds_sum, axis=0)[:, None] * k_t.to(tl.float32), axis=0) * sm_scale,
-             mask=dmask)
+             mask=d_ok)
     dk = dk * sm_scale
     if DROPOUT:  # the kept probabilities' 1 / (1 - p) (_recompute_p_ds)
         dv = dv * drop[4]
@@ -426,7 +426,7 @@ def _dq_tile(carry, n, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
     same after it; ``tile`` the query tile's loop invariants (see the kernel). The window's lo
     chunk of r is the last tile's hi chunk, carried: one r tile loaded per key tile."""
     dq, g_prev, p_lo, r_lo = carry
-    (a_t, qv_t, do, lse2, delta, i0, offs_i, offs_d, dmask, lo_part, w, keys, rel, DR_h,
+    (a_t, qv_t, do, lse2, delta, i0, offs_i, offs_d, d_ok, lo_part, w, keys, rel, DR_h,
      stride_drp, pattern, drop, Lk, R_rows, D, sm_scale, qk_scale) = tile
     j0 = n * BLOCK
     offs_j = j0 + tl.arange(0, BLOCK)
@@ -434,7 +434,7 @@ def _dq_tile(carry, n, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
     r_hi = _load_r(rel, p_lo + BLOCK, w, offs_d, D, DOT_DTYPE, USE_DESC)
     t_lo, t_hi = _chunks_t(qv_t, r_lo, r_hi, DOT_PREC)
     p, ds = _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, i0, j0, offs_i,
-                            offs_j, qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
+                            qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
                             DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, IN_DTYPE, UPCAST, MASKED)
     dq = tl.dot(_operand(ds, IN_DTYPE, UPCAST), k_t, dq, input_precision=DOT_PREC)  # dA
     # rows p_lo ..: the lo part of this tile's unskewed dS and the hi part of the previous
@@ -443,7 +443,7 @@ def _dq_tile(carry, n, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
     dt = _operand(tl.where(lo_part, g, g_prev), IN_DTYPE, UPCAST)
     dq = tl.dot(dt, r_lo, dq, input_precision=DOT_PREC)  # dQv
     if ATOMIC_DR:
-        _atomic_dr(DR_h, dt, qv_t, p_lo + w, R_rows, stride_drp, offs_d, dmask, sm_scale,
+        _atomic_dr(DR_h, dt, qv_t, p_lo + w, R_rows, stride_drp, offs_d, d_ok, sm_scale,
                    DOT_PREC, DR_BY_ROWS)
     return dq, g, p_lo + BLOCK, r_hi
 
@@ -476,9 +476,9 @@ def _rel_attn_bwd_dq_kernel(
     offs_i = i0 + tl.arange(0, BLOCK)
     in_i = offs_i < Lq
     offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < D
+    d_ok = offs_d < D
     rows_i = offs_i.to(tl.int64)[:, None]
-    q_msk = in_i[:, None] & dmask[None, :]
+    q_msk = in_i[:, None] & d_ok[None, :]
     a_t, qv_t, do, lse2, delta = _load_query_tile(query, i0, offs_i, offs_d, Lq, D, DOT_DTYPE,
                                                   USE_DESC)
 
@@ -497,7 +497,7 @@ def _rel_attn_bwd_dq_kernel(
     g_prev = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)  # its hi part is pending
     dq = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     carry = (dq, g_prev, p_lo, _load_r(rel, p_lo, w, offs_d, D, DOT_DTYPE, USE_DESC))
-    tile = (a_t, qv_t, do, lse2, delta, i0, offs_i, offs_d, dmask, lo_part, w, keys, rel, DR_h,
+    tile = (a_t, qv_t, do, lse2, delta, i0, offs_i, offs_d, d_ok, lo_part, w, keys, rel, DR_h,
             stride_dr[0], pattern, drop, Lk, R_rows, D, sm_scale, qk_scale)
     # three runs of key tiles, in order (the window chunk is carried), as in the forward:
     # [n_lo, n_a) the left band edge (masked), [n_a, n_b) the interior (mask-free,
@@ -520,7 +520,7 @@ def _rel_attn_bwd_dq_kernel(
     dt = _operand(tl.where(lo_part, 0.0, g_prev), K.dtype.element_ty, UPCAST)
     dq = tl.dot(dt, r_lo, dq, input_precision=DOT_PREC)
     if ATOMIC_DR:
-        _atomic_dr(DR_h, dt, qv_t, p_lo + w, R_rows, stride_dr[0], offs_d, dmask, sm_scale,
+        _atomic_dr(DR_h, dt, qv_t, p_lo + w, R_rows, stride_dr[0], offs_d, d_ok, sm_scale,
                    DOT_PREC, DR_BY_ROWS)
 
     dq = dq * sm_scale
@@ -528,7 +528,7 @@ def _rel_attn_bwd_dq_kernel(
              _output(dq, DQ.dtype.element_ty, UPCAST), mask=q_msk)
     part_off = (b * stride_part[0] + m.to(tl.int64) * stride_part[1] + h * stride_part[2]
                 + offs_d)
-    tl.store(DQ_PART + part_off, tl.sum(dq, axis=0), mask=dmask)
+    tl.store(DQ_PART + part_off, tl.sum(dq, axis=0), mask=d_ok)
 
 
 @triton.jit
@@ -550,7 +550,7 @@ def _dr_tile(carry, m, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
     k_t, v_t = _load_kv_tile(keys, j0, offs_j, Lk, offs_d, D, DOT_DTYPE, USE_DESC)
     t_lo, t_hi = _chunks_t(qv_t, r_lo, r_hi, DOT_PREC)
     p, ds = _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, i0, j0, offs_i,
-                            offs_j, qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
+                            qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
                             DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, IN_DTYPE, UPCAST, MASKED)
     g = _operand(_unskew(ds, BLOCK, SKEW_GATHER), IN_DTYPE, UPCAST)
     dt_lo = tl.where(lo_part, g, 0.0).to(DOT_DTYPE)
@@ -577,7 +577,7 @@ def _rel_attn_bwd_dr_kernel(
     num_n = tl.cdiv(Lk, BLOCK)
     t = num_n - 1 - tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < D
+    d_ok = offs_d < D
     mlen = Lk - Lq
     b, h, window_left, window_right, query, keys, rel, pattern, drop = _program_setup(
         A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows, D,
@@ -627,10 +627,10 @@ def _rel_attn_bwd_dr_kernel(
     Z_bh = Z + b * stride_z[1] + h * stride_z[3] + offs_d[None, :]
     rows = p_lo + w
     tl.store(Z_bh + rows.to(tl.int64)[:, None] * stride_z[2], dr_lo * sm_scale,
-             mask=((rows >= 0) & (rows < R_rows))[:, None] & dmask[None, :])
+             mask=((rows >= 0) & (rows < R_rows))[:, None] & d_ok[None, :])
     rows = p_hi + w
     tl.store(Z_bh + stride_z[0] + rows.to(tl.int64)[:, None] * stride_z[2], dr_hi * sm_scale,
-             mask=((rows >= 0) & (rows < R_rows))[:, None] & dmask[None, :])
+             mask=((rows >= 0) & (rows < R_rows))[:, None] & d_ok[None, :])
 
 
 # ----------------------------------------------------------------------------------------------
