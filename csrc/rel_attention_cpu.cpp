@@ -846,8 +846,12 @@ std::tuple<at::Tensor, at::Tensor> rel_attn_cpu_fwd(
     }
   }
   check_main(q, k, v, r, u, vb, M);
-  const Geometry g = make_geometry(q, M + k.size(1), r, scale, wl, wr, kpm, mask, band,
-                                   dropout_p, seed);
+  Geometry g = make_geometry(q, M + k.size(1), r, scale, wl, wr, kpm, mask, band, dropout_p,
+                             seed);
+  // long key ranges: query blocks of 256 rows, so each block's stream of K, V and r rows
+  // (beyond the L2 cache at these lengths) serves twice the queries (measured: ~5% faster at
+  // T = 4,096, ~3% slower at T = 1,024, whose rows mostly stay in the caches)
+  if (g.Lk >= 2048) g.BM = std::min<int64_t>(256, g.Lq);
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor lse = at::empty({g.B, g.H, g.Lq}, q.options().dtype(acc));

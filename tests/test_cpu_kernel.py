@@ -83,6 +83,8 @@ CASES = [  # (B, Lq, Lk, H, D, mask kind)
     (2, 37, 53, 2, 16, "full"),
     (1, 300, 620, 1, 32, "window"),    # several query blocks, skipped key tiles
     (1, 300, 700, 1, 32, "full"),      # several query blocks and key tiles, partial last ones
+    (1, 300, 2100, 1, 16, "window"),   # long key ranges: the forward's 256-row query blocks
+    (1, 300, 2100, 1, 16, "full"),
     (1, 37, 45, 2, 24, "window2"),
     (2, 37, 53, 2, 16, "padding"),
     (2, 37, 53, 2, 16, "dense"),
