@@ -778,8 +778,9 @@ Geometry make_geometry(const at::Tensor& q, int64_t Lk, const at::Tensor& r, dou
     g.drop.threshold = static_cast<uint32_t>(std::min<double>(std::floor(dropout_p * 256.0), 255.0));
     g.drop.scale = 1.0 / (1.0 - dropout_p);
   }
-  // query blocks of 128 rows, key tiles of 256 (multiples of 16): the BLAS packs each key
-  // tile's rows once per 128 queries, and S, T and the packed panels fit in a 512 KiB L2
+  // query blocks of 128 rows (the forward widens them for long key ranges), key tiles of 256
+  // (multiples of 16): the BLAS packs each key tile's rows once per 128 queries, and S, T and
+  // the packed panels fit in a 512 KiB L2
   g.BM = std::min<int64_t>(128, g.Lq);
   g.BN = 256;
   return g;
