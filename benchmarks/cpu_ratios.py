@@ -6,7 +6,7 @@ on a shared machine hits them alike; the ratios are those of the medians. Prints
 benchmarks/test_bench_cpu_kernel.py --benchmark-only``, which times each provider in a block
 of its own).
 
-    python benchmarks/cpu_ratios.py                      # the shapes (T up to 16,384)
+    python benchmarks/cpu_ratios.py                      # the target shapes (T up to 16,384)
     python benchmarks/cpu_ratios.py --max-t 4096 --threads 1 --clock cpu
 
 ``--clock cpu`` times one-thread cases by the calling thread's CPU time (``time.thread_time``:

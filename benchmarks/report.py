@@ -221,7 +221,7 @@ def run_matrix(cases, device: str, provider_filter, timer, deadline: float, t_st
 
 
 def lm_quant_section(device: str, small: bool, deadline: float) -> str:
-    """The LM with 8-bit against full-precision memory (issue 13; benchmarks/test_bench_lm.py
+    """The LM with 8-bit against full-precision memory (benchmarks/test_bench_lm.py
     ``compare_quant``): Transformer-XL base in bf16 at its evaluation shapes on the GPU, the
     small model at a quarter of them for --cpu-smoke. Skipped when the budget is spent."""
     if time.time() > deadline - 60:

@@ -200,7 +200,7 @@ def test_hf_init_reaches_dropin_parameters(kind, monkeypatch):
     assert all(".parametrizations." in k for k in unstable), unstable
     post_init = model_cls.post_init
 
-    def swapping_post_init(self):  # the swap applied to every model built, as in the issue
+    def swapping_post_init(self):  # the swap applied to every model built
         post_init(self)
         assert swap_rel_pos_attention(self, backend="reference") == n
 
