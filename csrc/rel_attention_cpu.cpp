@@ -16,9 +16,11 @@
 // Backward (FlashAttention-2), per (batch, head): each query block recomputes P from the saved
 // lse; dV += P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO O)); dq_u = dS K, dK += dS^T (q + u);
 // the un-skewed dS accumulates in a window buffer dT laid out like T, and the columns that no
-// later tile touches are flushed: dq_v += dT Rwin, dR[win] += dT^T (q + vb). Gradients of one
-// (batch, head) are owned by one task; dR, du and dvb are summed over the batch afterwards in
-// a fixed order, so results do not depend on the thread count.
+// later tile touches are flushed: dq_v += dT Rwin, dR[win] += dT^T (q + vb). The tasks are
+// (batch, head, split): with fewer (batch, head) pairs than threads each pair's query blocks are
+// dealt to several splits, each with its own dK, dV, dR, du and dvb accumulators; these are
+// summed over the splits, then dR, du and dvb over the batch, in a fixed order. Results depend
+// on the thread count only through the number of splits (1 whenever batch * heads >= threads).
 //
 // GEMMs go to the BLAS that libtorch_cpu carries and exports (sgemm_ / dgemm_, MKL in the x86
 // wheels; ATen's own cpublas::gemm is not exported to extensions), through at::addmm_ on views
@@ -349,6 +351,7 @@ struct Geometry {
   int64_t ms[4] = {0, 0, 0, 0};
   Dropout drop;
   int64_t BM, BN;
+  int64_t splits = 1;  // backward: tasks per (batch, head), each over its share of query blocks
 
   // key range of query rows [i0, i0 + m): [jlo, jhi]
   void key_range(int64_t i0, int64_t m, int64_t* jlo, int64_t* jhi) const {
@@ -406,22 +409,51 @@ struct Head {  // the operands of one (batch, head)
   Rows<scalar_t, acc_t> K, V, Rr;
 };
 
-// T[:, c0:c1) = (q + vb) @ r[P0 + c]^T over the columns whose rows exist (others 0)
+// T[a0:a1, c0:c1) = (q + vb)[a0:a1] @ r[P0 + c]^T over the columns whose rows exist (others 0)
 template <typename scalar_t, typename acc_t>
-void fill_window(const Rows<scalar_t, acc_t>& Rr, int64_t R, const acc_t* qv, int64_t m,
-                 int64_t D, int64_t P0, int64_t c0, int64_t c1, acc_t* T, int64_t tw,
-                 acc_t* rbuf) {
+void fill_window(const Rows<scalar_t, acc_t>& Rr, int64_t R, const acc_t* qv, int64_t a0,
+                 int64_t a1, int64_t D, int64_t P0, int64_t c0, int64_t c1, acc_t* T,
+                 int64_t tw, acc_t* rbuf) {
+  if (a1 <= a0 || c1 <= c0) return;
   const int64_t pa = std::max<int64_t>(P0 + c0, 0), pb = std::min<int64_t>(P0 + c1, R);
   const bool any = pb > pa;
   const int64_t ca = any ? pa - P0 : c1, cb = any ? pb - P0 : c1;
-  for (int64_t a = 0; a < m; ++a) {
+  for (int64_t a = a0; a < a1; ++a) {
     std::fill(T + a * tw + c0, T + a * tw + ca, acc_t(0));
     std::fill(T + a * tw + cb, T + a * tw + c1, acc_t(0));
   }
   if (!any) return;
   int64_t ldr;
   const acc_t* rp = Rr.get(pa, pb - pa, rbuf, &ldr);
-  gemm_rm<acc_t>(false, true, m, pb - pa, D, 1, qv, D, rp, ldr, 0, T + (pa - P0), tw);
+  gemm_rm<acc_t>(false, true, a1 - a0, pb - pa, D, 1, qv + a0 * D, D, rp, ldr, 0,
+                 T + a0 * tw + (pa - P0), tw);
+}
+
+// Advance the window T to the key tile [j0, j0 + n) of query rows [i0, i0 + m): its columns
+// [0, m + n - 1) are r rows P0.., and row a reads columns [m - 1 - a, m - 1 - a + n). Each tile
+// computes the n columns that are new to it (all m + n - 1 on the first tile) for every row,
+// except where no row of the query block will ever read them: on the first tile rows a < a1
+// read no column below m - a1, on the last tile rows a >= a0 none from m - 1 - a0 + n on (the
+// window's two corner triangles, m (m - 1) / 2 products each), skipped by groups of kRowGroup
+// rows (a few percent of the BD products at Lk ~ 8 m).
+constexpr int64_t kRowGroup = 32;
+
+template <typename scalar_t, typename acc_t>
+void advance_window(const Rows<scalar_t, acc_t>& Rr, int64_t R, const acc_t* qv, int64_t m,
+                    int64_t D, int64_t P0, int64_t n, int64_t BN, bool first, bool last,
+                    acc_t* T, int64_t tw, acc_t* rbuf) {
+  if (!first) shift_window(T, m, tw, BN, false, 0);
+  const int64_t c0 = first ? 0 : m - 1, c1 = m - 1 + n;
+  if (!first && !last) {
+    fill_window(Rr, R, qv, 0, m, D, P0, c0, c1, T, tw, rbuf);
+    return;
+  }
+  for (int64_t a0 = 0; a0 < m; a0 += kRowGroup) {
+    const int64_t a1 = std::min(m, a0 + kRowGroup);
+    const int64_t lo = first ? std::max(c0, m - a1) : c0;
+    const int64_t hi = last ? std::min(c1, m - 1 - a0 + n) : c1;
+    fill_window(Rr, R, qv, a0, a1, D, P0, lo, hi, T, tw, rbuf);
+  }
 }
 
 // (q + bias) rounded to the input dtype, as the reference does, then to acc_t and times mult:
@@ -435,25 +467,21 @@ void load_q(const scalar_t* q, int64_t ldq, const scalar_t* bias, int64_t m, int
           static_cast<acc_t>(q[a * ldq + d]) + static_cast<acc_t>(bias[d])));
 }
 
-// The scores tile S = scale * (AC + BD) with -inf at masked pairs, T advanced to this tile.
+// The scores tile S = scale * (AC + BD) with -inf at masked pairs, T advanced to this tile
+// (last: no later key tile for these query rows).
 // qu and qv come multiplied by the softmax scale, so the GEMMs give the scaled terms and one
 // pass adds BD's skewed rows (and takes the row maxima into rmax, when given).
 template <typename scalar_t, typename acc_t>
 void scores_tile(const Geometry& g, const Head<scalar_t, acc_t>& hd, int64_t b, int64_t h,
-                 int64_t i0, int64_t m, int64_t j0, int64_t n, bool first, const acc_t* qu,
-                 const acc_t* qv, acc_t* S, acc_t* T, int64_t tw, acc_t* kbuf, acc_t* rbuf,
-                 acc_t* rmax) {
+                 int64_t i0, int64_t m, int64_t j0, int64_t n, bool first, bool last,
+                 const acc_t* qu, const acc_t* qv, acc_t* S, acc_t* T, int64_t tw, acc_t* kbuf,
+                 acc_t* rbuf, acc_t* rmax) {
   const int64_t D = g.D;
   int64_t ldk;
   const acc_t* kp = hd.K.get(j0, n, kbuf, &ldk);
   gemm_rm<acc_t>(false, true, m, n, D, 1, qu, D, kp, ldk, 0, S, g.BN);
   const int64_t P0 = j0 - (i0 + m - 1) + g.Lq - 1;
-  if (first) {
-    fill_window(hd.Rr, g.R, qv, m, D, P0, 0, m + n - 1, T, tw, rbuf);
-  } else {
-    shift_window(T, m, tw, g.BN, false, 0);
-    fill_window(hd.Rr, g.R, qv, m, D, P0, m - 1, m - 1 + n, T, tw, rbuf);
-  }
+  advance_window(hd.Rr, g.R, qv, m, D, P0, n, g.BN, first, last, T, tw, rbuf);
   if (!g.tile_needs_masks(i0, m, j0, n)) {
     for (int64_t a = 0; a < m; ++a) {
       acc_t* s = S + a * g.BN;
@@ -540,8 +568,8 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
       g.key_range(i0, m, &jlo, &jhi);
       for (int64_t j0 = jlo; j0 <= jhi; j0 += BN) {
         const int64_t n = std::min(BN, jhi + 1 - j0);
-        scores_tile(g, hd, b, h, i0, m, j0, n, j0 == jlo, qu.data(), qv.data(), S.data(),
-                    T.data(), tw, kbuf.data(), rbuf.data(), tmax.data());
+        scores_tile(g, hd, b, h, i0, m, j0, n, j0 == jlo, j0 + BN > jhi, qu.data(), qv.data(),
+                    S.data(), T.data(), tw, kbuf.data(), rbuf.data(), tmax.data());
         if (g.drop.on) g.drop.keep_scale(b * H + h, Lq, i0, m, j0, n, z.data(), BN);
         for (int64_t a = 0; a < m; ++a) {
           acc_t* s = S.data() + a * BN;
@@ -583,8 +611,9 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
   using acc_t = std::conditional_t<std::is_same<scalar_t, double>::value, double, float>;
   const int64_t B = g.B, H = g.H, Lq = g.Lq, Lk = g.Lk, D = g.D, R = g.R, BM = g.BM,
                 BN = g.BN;
-  const int64_t nqb = (Lq + BM - 1) / BM, tw = BM + BN;
-  // per (b, h) fp32 (fp64) accumulators: [B, H, L, D], [B, H, R, D], [B, H, 2, D]
+  const int64_t nqb = (Lq + BM - 1) / BM, tw = BM + BN, S_ = g.splits;
+  // fp32 (fp64) accumulators: dq [B, H, Lq, D]; per (b, h, split) dk / dv [Lk, D], dr [R, D],
+  // du / dvb [D]
   acc_t* dqp = dq.data_ptr<acc_t>();
   acc_t* dkp = dk.data_ptr<acc_t>();
   acc_t* dvp = dv.data_ptr<acc_t>();
@@ -592,19 +621,21 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
   acc_t* dup = du.data_ptr<acc_t>();
   acc_t* dvbp = dvb.data_ptr<acc_t>();
   const acc_t* lsep = lse.data_ptr<acc_t>();
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, B * H * S_, 1, [&](int64_t begin, int64_t end) {
     SequentialBlas one_thread;
     // qu, qv: (q + u), (q + vb) for the gradients; qus, qvs: times the scale, for the scores
     Scratch<acc_t> qu(BM * D), qv(BM * D), qus(BM * D), qvs(BM * D), S(BM * BN), dP(BM * BN),
         T(BM * tw), dT(BM * tw), dqu(BM * D), dqv(BM * D), dO(BM * D), kbuf(BN * D), vbuf(BN * D),
         rbuf((BM + BN) * D), delta(BM), z(g.drop.on ? BM * BN : 0);
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / H, h = bh % H;
+    for (int64_t task = begin; task < end; ++task) {
+      // split sp of (b, h) takes the query blocks qb = sp (mod splits): balanced under causal
+      // masks, and a fixed assignment for a given thread count
+      const int64_t bh = task / S_, sp = task % S_, b = bh / H, h = bh % H;
       const auto hd = head_rows<scalar_t, acc_t>(k, v, r, nullptr, b, h);
-      acc_t* dkh = dkp + bh * Lk * D;
-      acc_t* dvh = dvp + bh * Lk * D;
-      acc_t* drh = drp + bh * R * D;
-      for (int64_t qb = 0; qb < nqb; ++qb) {
+      acc_t* dkh = dkp + task * Lk * D;
+      acc_t* dvh = dvp + task * Lk * D;
+      acc_t* drh = drp + task * R * D;
+      for (int64_t qb = sp; qb < nqb; qb += S_) {
         const int64_t i0 = qb * BM, m = std::min(BM, Lq - i0);
         int64_t jlo, jhi;
         g.key_range(i0, m, &jlo, &jhi);
@@ -636,8 +667,9 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
         for (int64_t j0 = jlo; j0 <= jhi; j0 += BN) {
           const int64_t n = std::min(BN, jhi + 1 - j0);
           const bool last = j0 + BN > jhi;
-          scores_tile(g, hd, b, h, i0, m, j0, n, j0 == jlo, qus.data(), qvs.data(), S.data(),
-                      T.data(), tw, kbuf.data(), rbuf.data(), static_cast<acc_t*>(nullptr));
+          scores_tile(g, hd, b, h, i0, m, j0, n, j0 == jlo, last, qus.data(), qvs.data(),
+                      S.data(), T.data(), tw, kbuf.data(), rbuf.data(),
+                      static_cast<acc_t*>(nullptr));
           for (int64_t a = 0; a < m; ++a) {  // P = exp(S - lse): 0 at masked pairs / rows
             acc_t* s = S.data() + a * BN;
             if (std::isinf(lrow[a])) {
@@ -687,8 +719,8 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
           if (!last) shift_window(dT.data(), m, tw, BN, true, m - 1 + BN);
         }
         acc_t* dqh = dqp + (bh * Lq + i0) * D;
-        acc_t* duh = dup + bh * D;
-        acc_t* dvbh = dvbp + bh * D;
+        acc_t* duh = dup + task * D;
+        acc_t* dvbh = dvbp + task * D;
         for (int64_t a = 0; a < m; ++a)
           for (int64_t d = 0; d < D; ++d) {
             dqh[a * D + d] = dqu[a * D + d] + dqv[a * D + d];
@@ -874,8 +906,12 @@ rel_attn_cpu_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& 
   TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(),
               "rel_attn_cpu: dout and out must have q's shape ", q.sizes(), ", got ",
               dout.sizes(), " and ", out.sizes());
-  const Geometry g = make_geometry(q, k.size(1), r, scale, wl, wr, kpm, mask, band, dropout_p,
-                                   seed);
+  Geometry g = make_geometry(q, k.size(1), r, scale, wl, wr, kpm, mask, band, dropout_p, seed);
+  // enough tasks for every thread: split each (b, h) pair's query blocks when there are fewer
+  // pairs than threads (each split then holds its own [Lk, D] / [R, D] accumulators)
+  const int64_t pairs = g.B * g.H, nqb = (g.Lq + g.BM - 1) / g.BM;
+  g.splits = std::max<int64_t>(
+      1, std::min<int64_t>(nqb, (at::get_num_threads() + pairs - 1) / pairs));
   const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   TORCH_CHECK(lse.scalar_type() == acc && lse.dim() == 3 && lse.size(0) == g.B &&
                   lse.size(1) == g.H && lse.size(2) == g.Lq,
@@ -883,20 +919,29 @@ rel_attn_cpu_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& 
               lse.sizes());
   const at::Tensor lsec = lse.contiguous();
   auto o = q.options().dtype(acc);
-  at::Tensor dq = at::zeros({g.B, g.H, g.Lq, g.D}, o), dk = at::zeros({g.B, g.H, g.Lk, g.D}, o),
-             dv = at::zeros({g.B, g.H, g.Lk, g.D}, o), dr = at::zeros({g.B, g.H, g.R, g.D}, o),
-             du = at::zeros({g.B, g.H, g.D}, o), dvb = at::zeros({g.B, g.H, g.D}, o);
+  const int64_t S = g.splits;
+  at::Tensor dq = at::zeros({g.B, g.H, g.Lq, g.D}, o),
+             dk = at::zeros({g.B, g.H, S, g.Lk, g.D}, o), dv = at::zeros({g.B, g.H, S, g.Lk, g.D}, o),
+             dr = at::zeros({g.B, g.H, S, g.R, g.D}, o), du = at::zeros({g.B, g.H, S, g.D}, o),
+             dvb = at::zeros({g.B, g.H, S, g.D}, o);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rel_attn_cpu_bwd",
                                   [&] {
                                     backward_impl<scalar_t>(g, dout, q, k, v, r, u, vb, out,
                                                             lsec, dq, dk, dv, dr, du, dvb);
                                   });
-  // sum over the batch in a fixed order (the same result for any thread count)
-  auto batch_sum = [](const at::Tensor& t) {
-    at::Tensor s = t[0].clone();
-    for (int64_t b = 1; b < t.size(0); ++b) s.add_(t[b]);
+  // sums over the splits (dim 2), then over the batch (dim 0), in a fixed order
+  auto ordered_sum = [](const at::Tensor& t, int64_t dim) {
+    if (t.size(dim) == 1) return t.select(dim, 0);
+    at::Tensor s = t.select(dim, 0).clone();
+    for (int64_t i = 1; i < t.size(dim); ++i) s.add_(t.select(dim, i));
     return s;
   };
+  auto batch_sum = [&](const at::Tensor& t) { return ordered_sum(t, 0); };
+  dk = ordered_sum(dk, 2);
+  dv = ordered_sum(dv, 2);
+  dr = ordered_sum(dr, 2);
+  du = ordered_sum(du, 2);
+  dvb = ordered_sum(dvb, 2);
   const auto st = q.scalar_type();
   return {dq.transpose(1, 2).to(st).contiguous(), dk.transpose(1, 2).to(st).contiguous(),
           dv.transpose(1, 2).to(st).contiguous(), batch_sum(dr).transpose(0, 1).to(st).contiguous(),
