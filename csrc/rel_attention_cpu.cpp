@@ -547,54 +547,63 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
   const int64_t nqb = (Lq + BM - 1) / BM, tw = BM + BN;
   scalar_t* outp = out.data_ptr<scalar_t>();
   acc_t* lsep = lse.data_ptr<acc_t>();
-  at::parallel_for(0, B * H * nqb, 1, [&](int64_t begin, int64_t end) {
+  // Tasks (b, h, query block) in order, dealt round-robin to one lane per thread (lane p runs
+  // tasks p, p + lanes, ...): the threads work on neighbouring query blocks of one (batch,
+  // head) at a time and share its K, V and r rows in the last-level cache, where contiguous
+  // chunks would have each thread stream another head's (at T = 16,384 two heads' K, V and r
+  // are 32 MB). Each task writes only its own rows: results do not depend on the lanes.
+  const int64_t ntask = B * H * nqb;
+  const int64_t lanes = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntask));
+  at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
     SequentialBlas one_thread;
     Scratch<acc_t> qu(BM * D), qv(BM * D), S(BM * BN), T(BM * tw), acc(BM * D), kbuf(BN * D),
         vbuf(BN * D), rbuf((BM + BN) * D), mx(BM), l(BM), tmax(BM),
         z(g.drop.on ? BM * BN : 0);
     const acc_t sc = static_cast<acc_t>(g.scale);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / (H * nqb), h = (task / nqb) % H, qb = task % nqb;
-      const int64_t i0 = qb * BM, m = std::min(BM, Lq - i0);
-      const auto hd = head_rows<scalar_t, acc_t>(k, v, r, mem, b, h);
-      const scalar_t* qp = q.data_ptr<scalar_t>() + b * q.stride(0) + h * q.stride(2) +
-                           i0 * q.stride(1);
-      load_q(qp, q.stride(1), u.data_ptr<scalar_t>() + h * u.stride(0), m, D, sc, qu.data());
-      load_q(qp, q.stride(1), vb.data_ptr<scalar_t>() + h * vb.stride(0), m, D, sc, qv.data());
-      std::fill(acc.begin(), acc.end(), acc_t(0));
-      std::fill(mx.begin(), mx.end(), -std::numeric_limits<acc_t>::infinity());
-      std::fill(l.begin(), l.end(), acc_t(0));
-      int64_t jlo, jhi;
-      g.key_range(i0, m, &jlo, &jhi);
-      for (int64_t j0 = jlo; j0 <= jhi; j0 += BN) {
-        const int64_t n = std::min(BN, jhi + 1 - j0);
-        scores_tile(g, hd, b, h, i0, m, j0, n, j0 == jlo, j0 + BN > jhi, qu.data(), qv.data(),
-                    S.data(), T.data(), tw, kbuf.data(), rbuf.data(), tmax.data());
-        if (g.drop.on) g.drop.keep_scale(b * H + h, Lq, i0, m, j0, n, z.data(), BN);
-        for (int64_t a = 0; a < m; ++a) {
-          acc_t* s = S.data() + a * BN;
-          const acc_t mnew = std::max(mx[a], tmax[a]);
-          if (mnew == -std::numeric_limits<acc_t>::infinity()) {
-            std::fill(s, s + n, acc_t(0));
-            continue;
+    for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
+      for (int64_t task = lane; task < ntask; task += lanes) {
+        const int64_t b = task / (H * nqb), h = (task / nqb) % H, qb = task % nqb;
+        const int64_t i0 = qb * BM, m = std::min(BM, Lq - i0);
+        const auto hd = head_rows<scalar_t, acc_t>(k, v, r, mem, b, h);
+        const scalar_t* qp = q.data_ptr<scalar_t>() + b * q.stride(0) + h * q.stride(2) +
+                             i0 * q.stride(1);
+        load_q(qp, q.stride(1), u.data_ptr<scalar_t>() + h * u.stride(0), m, D, sc, qu.data());
+        load_q(qp, q.stride(1), vb.data_ptr<scalar_t>() + h * vb.stride(0), m, D, sc, qv.data());
+        std::fill(acc.begin(), acc.end(), acc_t(0));
+        std::fill(mx.begin(), mx.end(), -std::numeric_limits<acc_t>::infinity());
+        std::fill(l.begin(), l.end(), acc_t(0));
+        int64_t jlo, jhi;
+        g.key_range(i0, m, &jlo, &jhi);
+        for (int64_t j0 = jlo; j0 <= jhi; j0 += BN) {
+          const int64_t n = std::min(BN, jhi + 1 - j0);
+          scores_tile(g, hd, b, h, i0, m, j0, n, j0 == jlo, j0 + BN > jhi, qu.data(), qv.data(),
+                      S.data(), T.data(), tw, kbuf.data(), rbuf.data(), tmax.data());
+          if (g.drop.on) g.drop.keep_scale(b * H + h, Lq, i0, m, j0, n, z.data(), BN);
+          for (int64_t a = 0; a < m; ++a) {
+            acc_t* s = S.data() + a * BN;
+            const acc_t mnew = std::max(mx[a], tmax[a]);
+            if (mnew == -std::numeric_limits<acc_t>::infinity()) {
+              std::fill(s, s + n, acc_t(0));
+              continue;
+            }
+            const acc_t alpha = std::exp(mx[a] - mnew);
+            l[a] = l[a] * alpha + exp_sum(s, n, mnew);
+            mx[a] = mnew;
+            if (alpha != acc_t(1)) scale_row(acc.data() + a * D, alpha, D);
+            if (g.drop.on) mul_rows(s, z.data() + a * BN, n);
           }
-          const acc_t alpha = std::exp(mx[a] - mnew);
-          l[a] = l[a] * alpha + exp_sum(s, n, mnew);
-          mx[a] = mnew;
-          if (alpha != acc_t(1)) scale_row(acc.data() + a * D, alpha, D);
-          if (g.drop.on) mul_rows(s, z.data() + a * BN, n);
+          int64_t ldv;
+          const acc_t* vp = hd.V.get(j0, n, vbuf.data(), &ldv);
+          gemm_rm<acc_t>(false, false, m, D, n, 1, S.data(), BN, vp, ldv, 1, acc.data(), D);
         }
-        int64_t ldv;
-        const acc_t* vp = hd.V.get(j0, n, vbuf.data(), &ldv);
-        gemm_rm<acc_t>(false, false, m, D, n, 1, S.data(), BN, vp, ldv, 1, acc.data(), D);
-      }
-      for (int64_t a = 0; a < m; ++a) {
-        scalar_t* o = outp + ((b * Lq + i0 + a) * H + h) * D;
-        const bool any = l[a] > acc_t(0);
-        const acc_t inv = any ? acc_t(1) / l[a] : acc_t(0);
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[a * D + d] * inv);
-        lsep[(b * H + h) * Lq + i0 + a] =
-            any ? mx[a] + std::log(l[a]) : std::numeric_limits<acc_t>::infinity();
+        for (int64_t a = 0; a < m; ++a) {
+          scalar_t* o = outp + ((b * Lq + i0 + a) * H + h) * D;
+          const bool any = l[a] > acc_t(0);
+          const acc_t inv = any ? acc_t(1) / l[a] : acc_t(0);
+          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[a * D + d] * inv);
+          lsep[(b * H + h) * Lq + i0 + a] =
+              any ? mx[a] + std::log(l[a]) : std::numeric_limits<acc_t>::infinity();
+        }
       }
     }
   });
@@ -920,10 +929,10 @@ rel_attn_cpu_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& 
   const at::Tensor lsec = lse.contiguous();
   auto o = q.options().dtype(acc);
   const int64_t S = g.splits;
-  at::Tensor dq = at::zeros({g.B, g.H, g.Lq, g.D}, o),
-             dk = at::zeros({g.B, g.H, S, g.Lk, g.D}, o), dv = at::zeros({g.B, g.H, S, g.Lk, g.D}, o),
+  at::Tensor dq = at::zeros({g.B, g.H, g.Lq, g.D}, o);
+  at::Tensor dk = at::zeros({g.B, g.H, S, g.Lk, g.D}, o), dv = at::zeros_like(dk),
              dr = at::zeros({g.B, g.H, S, g.R, g.D}, o), du = at::zeros({g.B, g.H, S, g.D}, o),
-             dvb = at::zeros({g.B, g.H, S, g.D}, o);
+             dvb = at::zeros_like(du);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rel_attn_cpu_bwd",
                                   [&] {
                                     backward_impl<scalar_t>(g, dout, q, k, v, r, u, vb, out,
