@@ -166,9 +166,9 @@ def _apply_kernel(SEED, X, Out, Keep, Lq, i0, j0, thresh, BM: tl.constexpr, BN: 
     offs = bh * BM * BN + tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
     flags, sel = dropout_flags(seed, off, bh, i0, j0, Lq, thresh, BM, BN, ASM)
     tl.store(Out + offs, dropout_apply(tl.load(X + offs), flags, sel, ASM))
-    # the reference mask: tl.philox and plain shifts and compares
-    flags, sel = dropout_flags(seed, off, bh, i0, j0, Lq, thresh, BM, BN, False)
-    tl.store(Keep + offs, dropout_keep(flags, sel).to(tl.int8))
+    # the reference mask: tl.philox and one compare per byte
+    keep = dropout_keep(seed, off, bh, i0, j0, Lq, thresh, BM, BN)
+    tl.store(Keep + offs, keep.to(tl.int8))
 
 
 ASM_PATHS = [False, pytest.param(True, marks=pytest.mark.skipif(
@@ -179,9 +179,10 @@ ASM_PATHS = [False, pytest.param(True, marks=pytest.mark.skipif(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bm,bn,i0,j0", [(16, 16, 16, 48), (32, 64, 32, 64), (16, 32, 0, 96)])
 def test_dropout_apply_zeroes_exactly_the_dropped_elements(asm, dtype, bm, bn, i0, j0):
-    """dropout_apply keeps an element bit for bit or makes it +0, exactly where the keep-mask
-    (dropout_keep_block, the kernels' global mask) drops it; on the GPU also the PTX path
-    (Philox rounds and the prmt / and mask) against the plain tl one."""
+    """The forward's mask (dropout_flags: four bytes compared at once; dropout_apply) keeps an
+    element bit for bit or makes it +0, exactly where dropout_keep (one compare per byte, the
+    backward's and dropout_keep_mask's form) drops it; on the GPU also the PTX path (Philox
+    rounds by mul.wide, the prmt / and mask)."""
     B, H, Lq, Lk, p = 1, 3, 70, 130, 0.3
     torch.manual_seed(0)
     seed = draw_dropout_seed(DEV)

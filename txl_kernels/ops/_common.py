@@ -338,13 +338,16 @@ def rotate_rows(m, sh, BM: tl.constexpr, BN: tl.constexpr):
 # dropped when its byte is below floor(256 p): the drop rate is p rounded down to a multiple of
 # 1/256 (kept values are scaled by 1 / (1 - p), as FlashAttention-2 does).
 #
-# The per-element work is a few instructions per word, not per element: the four bytes of a
-# word are compared with the threshold at once (``_keep_flags``: bit 7 of each byte becomes its
-# keep bit), and on the GPU the mask is applied with one PTX ``prmt`` (the flag's sign spread
-# over its element's bits, two 16-bit elements at once) and one ``and`` per pair of P / dP
-# values (``dropout_apply``), so no per-element compare, predicate or select is left. The
-# Philox rounds use ``mul.wide.u32`` (one instruction for the high and low product). Under the
-# interpreter the same functions run as plain tl code (``ASM`` False).
+# Two forms of the same mask. ``dropout_keep`` compares each byte on its own (a shift and a
+# compare per element, the mask a predicate per element): the backward kernels use it, whose
+# register budget it suits best, and ``dropout_keep_mask``. The forward uses ``dropout_flags``
+# and ``dropout_apply``: the four bytes of a word are compared with the threshold at once
+# (``_keep_flags``: bit 7 of each byte becomes its keep bit), and on the GPU the mask is
+# applied to the bf16 / fp16 P operand with one PTX ``prmt`` (each flag's sign spread over its
+# 16-bit element) and one ``and`` per pair of elements, with no per-element compare, predicate
+# or select; its Philox rounds use ``mul.wide.u32`` (one instruction for the high and low
+# words of a product). Under the interpreter (``ASM`` False) the same functions run as plain
+# tl code (``tl.philox``, a select).
 
 # (low, high) of the 64-bit product by the Philox round multipliers, one mul.wide.u32 each
 _MUL_ROUND_A = tl.constexpr("{ .reg .b64 p;\nmul.wide.u32 p, $2, 3528531795;\n"
@@ -423,14 +426,12 @@ def _keep_flags(w, threshold):
 
 
 @triton.jit
-def dropout_flags(seed, offset, bh, i0, j0, Lq, threshold, BM: tl.constexpr, BN: tl.constexpr,
-                  ASM: tl.constexpr = not INTERPRET):
-    """The keep-mask of (batch * H + head) ``bh``, query rows i0 + [0, BM) and keys
-    j0 + [0, BN) (BM and BN powers of two >= 16, i0 a multiple of 16, j0 of min(BN, 32)),
-    as two uint32 [BM, BN] tensors for ``dropout_apply`` / ``dropout_keep``: each element's
-    flag word (bit 8 k + 7 = byte k of its Philox word >= ``threshold``) and its selector
-    (8 + k) * 0x11, k its byte (a constant per register: no instruction)."""
-    tl.static_assert(BM >= 16 and BN >= 16, "dropout_flags: tiles of at least 16 x 16")
+def _dropout_words(seed, offset, bh, i0, j0, Lq, BM: tl.constexpr, BN: tl.constexpr,
+                   ASM: tl.constexpr):
+    """The Philox words of (batch * H + head) ``bh``, query rows i0 + [0, BM) and keys
+    j0 + [0, BN) (BM and BN powers of two >= 16, i0 a multiple of 16, j0 of min(BN, 32)):
+    [BM / 16, y, BN / 32, q, u, t] (a 16-key tile: [BM / 16, y, 1, q, t])."""
+    tl.static_assert(BM >= 16 and BN >= 16, "dropout: tiles of at least 16 x 16")
     NX: tl.constexpr = BM // 16
     NH: tl.constexpr = (BN + 31) // 32
     # row pairs (x, y): rows 16 x + y and 16 x + y + 8, numbered 8 x + y per (batch, head)
@@ -449,21 +450,48 @@ def dropout_flags(seed, offset, bh, i0, j0, Lq, threshold, BM: tl.constexpr, BN:
     else:  # a 16-key tile: the words of its half u of the calls
         odd = (j0 // 16) % 2 == 1
         w = tl.join(tl.where(odd, r1, r0), tl.where(odd, r3, r2))  # [NX, y, 1, q, t]
-    f = _keep_flags(w, threshold)
-    z = f * 0
-    f = tl.join(tl.join(f, f), tl.join(f, f))  # [..., e, g]: byte 2 g + e
-    s = tl.join(tl.join(z + 0x88, z + 0x99), tl.join(z + 0xAA, z + 0xBB))
+    return w
+
+
+@triton.jit
+def _to_tile(r, BM: tl.constexpr, BN: tl.constexpr):
+    """[..., e, g] per word of ``_dropout_words`` (byte 2 g + e) -> the [BM, BN] tile."""
     if BN >= 32:  # [NX, y, NH, q, u, t, e, g] -> rows (NX, t, y), keys (NH, u, g, q, e)
-        f = tl.reshape(tl.permute(f, (0, 5, 1, 2, 4, 7, 3, 6)), [BM, BN])
-        s = tl.reshape(tl.permute(s, (0, 5, 1, 2, 4, 7, 3, 6)), [BM, BN])
+        r = tl.reshape(tl.permute(r, (0, 5, 1, 2, 4, 7, 3, 6)), [BM, BN])
     else:  # [NX, y, 1, q, t, e, g] -> rows (NX, t, y), keys (1, g, q, e)
-        f = tl.reshape(tl.permute(f, (0, 4, 1, 2, 6, 3, 5)), [BM, BN])
-        s = tl.reshape(tl.permute(s, (0, 4, 1, 2, 6, 3, 5)), [BM, BN])
+        r = tl.reshape(tl.permute(r, (0, 4, 1, 2, 6, 3, 5)), [BM, BN])
+    return r
+
+
+@triton.jit
+def dropout_keep(seed, offset, bh, i0, j0, Lq, threshold, BM: tl.constexpr,
+                 BN: tl.constexpr):
+    """Keep-mask [BM, BN] of (batch * H + head) ``bh``, query rows i0 + [0, BM) and keys
+    j0 + [0, BN) (see ``_dropout_words``): each byte compared on its own, ``tl.philox`` (the
+    backward kernels, whose register budget this form suits, and ``dropout_keep_mask``)."""
+    w = _dropout_words(seed, offset, bh, i0, j0, Lq, BM, BN, False)
+    # byte 2 g + e of each word at the top (an unsigned compare with threshold << 24 then
+    # reads that byte alone)
+    r = _to_tile(tl.join(tl.join(w << 24, w << 16), tl.join(w << 8, w)), BM, BN)
+    return r >= (tl.to_tensor(threshold).to(tl.uint32) << 24)
+
+
+@triton.jit
+def dropout_flags(seed, offset, bh, i0, j0, Lq, threshold, BM: tl.constexpr, BN: tl.constexpr,
+                  ASM: tl.constexpr = not INTERPRET):
+    """``dropout_keep``'s mask as two uint32 [BM, BN] tensors for ``dropout_apply`` /
+    ``flags_keep``: each element's flag word (bit 8 k + 7 = byte k of its Philox word >=
+    ``threshold``, ``_keep_flags``) and its selector (8 + k) * 0x11, k its byte (a constant
+    per register: no instruction)."""
+    f = _keep_flags(_dropout_words(seed, offset, bh, i0, j0, Lq, BM, BN, ASM), threshold)
+    z = f * 0
+    f = _to_tile(tl.join(tl.join(f, f), tl.join(f, f)), BM, BN)
+    s = _to_tile(tl.join(tl.join(z + 0x88, z + 0x99), tl.join(z + 0xAA, z + 0xBB)), BM, BN)
     return f, s
 
 
 @triton.jit
-def dropout_keep(flags, sel):
+def flags_keep(flags, sel):
     """The boolean keep-mask of ``dropout_flags``' (flags, selectors)."""
     return ((flags >> ((sel & 3) * 8 + 7)) & 1) != 0
 
@@ -484,7 +512,7 @@ def dropout_apply(x, flags, sel, ASM: tl.constexpr = not INTERPRET):
                                           tl.uint32, is_pure=True, pack=1)
         y = y.to(x.dtype, bitcast=True)
     else:
-        y = tl.where(dropout_keep(flags, sel), x, 0.0).to(x.dtype)
+        y = tl.where(flags_keep(flags, sel), x, 0.0).to(x.dtype)
     return y
 
 
@@ -521,8 +549,7 @@ def _dropout_block_kernel(SEED, Keep, H, Lq, I0, J0, A, Bk, drop_thresh,
     offs_m = i0 + tl.arange(0, BLOCK_M)
     offs_n = j0 + tl.arange(0, BLOCK_N)
     seed, off = load_dropout_seed(SEED)
-    flags, sel = dropout_flags(seed, off, pid_bh, i0, j0, Lq, drop_thresh, BLOCK_M, BLOCK_N)
-    keep = dropout_keep(flags, sel)
+    keep = dropout_keep(seed, off, pid_bh, i0, j0, Lq, drop_thresh, BLOCK_M, BLOCK_N)
     li = offs_m - I0
     lj = offs_n - J0
     ptrs = (Keep + pid_bh.to(tl.int64) * A * Bk + li.to(tl.int64)[:, None] * Bk + lj[None, :])

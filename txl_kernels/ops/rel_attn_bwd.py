@@ -30,10 +30,9 @@ import triton.language as tl
 from .._arch import config_family
 from .._utils import describe
 from ._common import (INTERPRET, LOG2E, apply_mask_band, autotune_enabled, descriptors_ok,
-                      dot_precision, dropout_apply, dropout_flags, dropout_threshold,
-                      ensure_scratch_allocator, interior_tiles, last_dim_contiguous,
-                      length_bucket, load_dropout_seed, pair_mask, rotate_rows, round_bf16,
-                      tile_run)
+                      dot_precision, dropout_keep, dropout_threshold, ensure_scratch_allocator,
+                      interior_tiles, last_dim_contiguous, length_bucket, load_dropout_seed,
+                      pair_mask, rotate_rows, round_bf16, tile_run)
 
 __all__ = ["rel_attn_bwd"]
 
@@ -295,19 +294,16 @@ def _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, i0, j0, offs_i, 
     p = _probs(ac, bd, lse2, offs_i, j0, qk_scale, pattern, HAS_KPM, HAS_MASK, HAS_BAND,
                MASKED)
     dp = tl.dot(do, tl.trans(v_t), input_precision=DOT_PREC)
+    pv = p
     if DROPOUT:
         bh, Lq, SEED, drop_thresh, drop_scale = drop
         drop_seed, drop_off = load_dropout_seed(SEED)
-        flags, sel = dropout_flags(drop_seed, drop_off, bh, i0, j0, Lq, drop_thresh, BLOCK,
-                                   BLOCK)
-        # Pv dropped on the rounded operand (dV takes the 1 / (1 - p) once, in the dk/dv
-        # kernel)
-        pv = dropout_apply(_operand(p, IN_DTYPE, UPCAST), flags, sel)
-        ds = p * (dropout_apply(dp, flags, sel) * drop_scale - delta[:, None])
+        keep = dropout_keep(drop_seed, drop_off, bh, i0, j0, Lq, drop_thresh, BLOCK, BLOCK)
+        pv = tl.where(keep, p, 0.0)  # (dV takes the 1 / (1 - p) once, in the dk/dv kernel)
+        ds = p * (tl.where(keep, dp, 0.0) * drop_scale - delta[:, None])
     else:
-        pv = _operand(p, IN_DTYPE, UPCAST)
         ds = p * (dp - delta[:, None])
-    return pv, ds
+    return _operand(pv, IN_DTYPE, UPCAST), ds
 
 
 @triton.jit

@@ -38,10 +38,10 @@ from .._utils import describe
 from ..quant import QuantizedKV
 from ._common import (INTERPRET, LOG2E, apply_mask_band, autotune_enabled, descriptors_ok,
                       dot_precision, draw_dropout_seed, dropout_apply, dropout_flags,
-                      dropout_keep_mask, dropout_threshold, ensure_scratch_allocator, interior_tiles, key_range,
-                      last_dim_contiguous, length_bucket, load_dequant, load_dropout_seed,
-                      memory_bases, memory_launch_args, pair_mask, rotate_rows, round_bf16,
-                      tile_run)
+                      dropout_keep_mask, dropout_threshold, ensure_scratch_allocator,
+                      interior_tiles, key_range, last_dim_contiguous, length_bucket,
+                      load_dequant, load_dropout_seed, memory_bases, memory_launch_args,
+                      pair_mask, rotate_rows, round_bf16, tile_run)
 
 __all__ = ["rel_attn_fwd", "choose_num_splits", "autotune_enabled", "draw_dropout_seed",
            "dropout_keep_mask"]
