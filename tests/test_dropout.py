@@ -269,6 +269,19 @@ def test_split_k_and_block_config_give_the_same_mask():
         torch.testing.assert_close(got, base, rtol=1e-5, atol=1e-6, msg=str(kw))
 
 
+def test_forward_head_dim_over_64_uses_the_same_mask():
+    """Head dims over 64 drop P with the per-byte compare (dropout_keep), smaller ones with
+    the word-at-a-time form: both give dropout_keep_mask's mask."""
+    B, Lq, Lk, H, D, p = 1, 9, 40, 1, 72, 0.3
+    q, k, v, r, u, vb = make_inputs(B, Lq, Lk, H, D, device=DEV, seed=12)
+    seed = draw_dropout_seed(DEV)
+    args = (q, k, v, r, u, vb, D ** -0.5, -1, 0)
+    got, _ = rel_attn_fwd(*args, dropout_p=p, dropout_seed=seed)
+    keep = dropout_keep_mask(seed, B, H, Lq, Lk, p)
+    want = rel_attention_reference(*args, dropout_p=p, dropout_mask=keep)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_reproducible_under_manual_seed_and_consecutive_calls_differ():
     ts = make_inputs(1, 9, 14, 2, 16, device=DEV, seed=8)
     torch.manual_seed(1234)
