@@ -339,15 +339,16 @@ def rotate_rows(m, sh, BM: tl.constexpr, BN: tl.constexpr):
 # 1/256 (kept values are scaled by 1 / (1 - p), as FlashAttention-2 does).
 #
 # Two forms of the same mask. ``dropout_keep`` compares each byte on its own (a shift and a
-# compare per element, the mask a predicate per element): the backward kernels use it, whose
-# register budget it suits best, and ``dropout_keep_mask``. The forward uses ``dropout_flags``
-# and ``dropout_apply``: the four bytes of a word are compared with the threshold at once
+# compare per element, the mask a predicate per element): the backward kernels and the forward
+# above head dim 64 use it, whose register budgets it suits best (the other form spills more
+# there), and ``dropout_keep_mask``. The forward up to head dim 64 uses ``dropout_flags`` and
+# ``dropout_apply``: the four bytes of a word are compared with the threshold at once
 # (``_keep_flags``: bit 7 of each byte becomes its keep bit), and on the GPU the mask is
-# applied to the bf16 / fp16 P operand with one PTX ``prmt`` (each flag's sign spread over its
-# 16-bit element) and one ``and`` per pair of elements, with no per-element compare, predicate
-# or select; its Philox rounds use ``mul.wide.u32`` (one instruction for the high and low
-# words of a product). Under the interpreter (``ASM`` False) the same functions run as plain
-# tl code (``tl.philox``, a select).
+# applied to the rounded P operand with one PTX ``prmt`` (each flag's sign spread over its
+# element) and one ``and`` per register (a pair of bf16 / fp16 elements), with no per-element
+# compare, predicate or select; its Philox rounds use ``mul.wide.u32`` (one instruction for
+# the high and low words of a product). Under the interpreter (``ASM`` False) the same
+# functions run as plain tl code (``tl.philox``, a select).
 
 # (low, high) of the 64-bit product by the Philox round multipliers, one mul.wide.u32 each
 _MUL_ROUND_A = tl.constexpr("{ .reg .b64 p;\nmul.wide.u32 p, $2, 3528531795;\n"
