@@ -13,12 +13,16 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import txl_kernels
 import txl_kernels.ops
 from txl_kernels import FusedRelAttention, rel_attention
 from txl_kernels.modules.conformer import (ESPnetRelPositionMultiHeadedAttention,
                                            NeMoRelPositionMultiHeadAttention)
+from txl_kernels.ops._common import (_keep_flags, dropout_apply, dropout_flags, dropout_keep,
+                                    dropout_keep_block, dropout_threshold, load_dropout_seed)
 from txl_kernels.ops.rel_attn_fwd import dropout_keep_mask, draw_dropout_seed, rel_attn_fwd
 from txl_kernels.reference import rel_attention_reference
 
@@ -129,6 +133,75 @@ def test_keep_mask_is_a_function_of_b_h_i_j_and_seed():
     assert not torch.equal(dropout_keep_mask(other, 2, 2, 21, 70, 0.3), big)
 
 
+@triton.jit
+def _flags_kernel(W, T, F, NW: tl.constexpr, NT: tl.constexpr):
+    w = tl.load(W + tl.arange(0, NW)).to(tl.uint32, bitcast=True)
+    t = tl.load(T + tl.arange(0, NT))
+    f = _keep_flags(w[None, :], t[:, None])
+    tl.store(F + tl.arange(0, NT)[:, None] * NW + tl.arange(0, NW)[None, :],
+             f.to(tl.int32, bitcast=True))
+
+
+def test_keep_flags_compare_every_byte_with_every_threshold():
+    """The four-bytes-at-once compare: bit 8 k + 7 of the flags is (byte k >= threshold), for
+    every byte value in every position and every threshold."""
+    n = torch.arange(256)
+    byte = torch.stack([(n + 64 * k) % 256 for k in range(4)], 1)  # [word, k]
+    words = (byte << (8 * torch.arange(4))).sum(1)
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    thr = torch.arange(256, dtype=torch.int32)
+    flags = torch.empty(256, 256, dtype=torch.int32, device=DEV)
+    _flags_kernel[(1,)](words.to(DEV), thr.to(DEV), flags, NW=256, NT=256)
+    flags = flags.cpu().to(torch.int64) % 2 ** 32  # [threshold, word]
+    got = (flags[:, :, None] >> (8 * torch.arange(4) + 7)) & 1  # [threshold, word, k]
+    want = byte[None, :, :] >= thr[:, None, None]
+    assert torch.equal(got.bool(), want)
+
+
+@triton.jit
+def _apply_kernel(SEED, X, Out, Keep, Lq, i0, j0, thresh, BM: tl.constexpr, BN: tl.constexpr,
+                  ASM: tl.constexpr):
+    bh = tl.program_id(0)
+    seed, off = load_dropout_seed(SEED)
+    offs = bh * BM * BN + tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+    flags, sel = dropout_flags(seed, off, bh, i0, j0, Lq, thresh, BM, BN, ASM)
+    tl.store(Out + offs, dropout_apply(tl.load(X + offs), flags, sel, ASM))
+    # the reference mask: tl.philox and one compare per byte
+    keep = dropout_keep(seed, off, bh, i0, j0, Lq, thresh, BM, BN)
+    tl.store(Keep + offs, keep.to(tl.int8))
+
+
+ASM_PATHS = [False, pytest.param(True, marks=pytest.mark.skipif(
+    DEV != "cuda", reason="the PTX path runs on the GPU only (the interpreter runs ASM=False)"))]
+
+
+@pytest.mark.parametrize("asm", ASM_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bm,bn,i0,j0", [(16, 16, 16, 48), (32, 64, 32, 64), (16, 32, 0, 96)])
+def test_dropout_apply_zeroes_exactly_the_dropped_elements(asm, dtype, bm, bn, i0, j0):
+    """The forward's mask (dropout_flags: four bytes compared at once; dropout_apply) keeps an
+    element bit for bit or makes it +0, exactly where dropout_keep (one compare per byte, the
+    backward's and dropout_keep_mask's form) drops it; on the GPU also the PTX path (Philox
+    rounds by mul.wide, the prmt / and mask)."""
+    B, H, Lq, Lk, p = 1, 3, 70, 130, 0.3
+    torch.manual_seed(0)
+    seed = draw_dropout_seed(DEV)
+    x = torch.randn(B * H, bm, bn).to(dtype).to(DEV)
+    x[0, 0, :4] = -0.0
+    out = torch.empty_like(x)
+    keep = torch.empty(B * H, bm, bn, dtype=torch.int8, device=DEV)
+    _apply_kernel[(B * H,)](seed, x, out, keep, Lq, i0, j0, dropout_threshold(p), BM=bm, BN=bn,
+                            ASM=asm)
+    keep = keep.bool()
+    rows, cols = min(bm, Lq - i0), bn
+    want_keep = dropout_keep_block(seed, B, H, Lq, Lk, p, (i0, rows), (j0, cols))
+    assert torch.equal(keep[:, :rows].cpu(), want_keep.reshape(B * H, rows, cols).cpu())
+    bits = {2: torch.int16, 4: torch.int32}[x.element_size()]
+    want = torch.where(keep, x, torch.zeros_like(x))
+    assert torch.equal(out.view(bits).cpu(), want.view(bits).cpu())
+    assert 0 < keep.float().mean() < 1
+
+
 def test_mean_over_masks_approaches_undropped_output():
     """E[Z / (1 - p)] = 1, so the output averaged over independent masks converges to the
     undropped output. Many masks in few calls: the batch holds copies of one input (each copy
@@ -194,6 +267,19 @@ def test_split_k_and_block_config_give_the_same_mask():
                dict(config={"BLOCK_M": 32, "BLOCK_N": 16})):
         got, _ = rel_attn_fwd(*args, dropout_p=p, dropout_seed=seed, **kw)
         torch.testing.assert_close(got, base, rtol=1e-5, atol=1e-6, msg=str(kw))
+
+
+def test_forward_head_dim_over_64_uses_the_same_mask():
+    """Head dims over 64 drop P with the per-byte compare (dropout_keep), smaller ones with
+    the word-at-a-time form: both give dropout_keep_mask's mask."""
+    B, Lq, Lk, H, D, p = 1, 9, 40, 1, 72, 0.3
+    q, k, v, r, u, vb = make_inputs(B, Lq, Lk, H, D, device=DEV, seed=12)
+    seed = draw_dropout_seed(DEV)
+    args = (q, k, v, r, u, vb, D ** -0.5, -1, 0)
+    got, _ = rel_attn_fwd(*args, dropout_p=p, dropout_seed=seed)
+    keep = dropout_keep_mask(seed, B, H, Lq, Lk, p)
+    want = rel_attention_reference(*args, dropout_p=p, dropout_mask=keep)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_reproducible_under_manual_seed_and_consecutive_calls_differ():

@@ -331,15 +331,48 @@ def rotate_rows(m, sh, BM: tl.constexpr, BN: tl.constexpr):
 # {16 x + y, 16 x + y + 8} by keys 32 h + 2 q + {0, 1, 8, 9, 16, 17, 24, 25}, are ones that one
 # thread holds in the sm_90 wgmma accumulator layout (row bits 0-2 and column bits 1-2 are lane
 # bits, row bit 3 and the other column bits register bits), so the words reach their scores
-# without a layout conversion; the Philox rounds, the cost of dropout, are a sixteenth of a call
-# per element. For one (seed, offset) every element has its own (counter, byte), whatever the
-# tiling (split-K, block sizes: query and key tiles start at multiples of 16; a 16-key tile
-# takes its half of the calls), so the forward and every backward kernel regenerate the same
-# mask. An element is dropped when its byte is below floor(256 p): the drop rate is p rounded
-# down to a multiple of 1/256 (kept values are scaled by 1 / (1 - p), as FlashAttention-2 does).
+# without a layout conversion; the Philox rounds are a sixteenth of a call per element. For
+# one (seed, offset) every element has its own (counter, byte), whatever the tiling (split-K,
+# block sizes: query and key tiles start at multiples of 16; a 16-key tile takes its half of
+# the calls), so the forward and every backward kernel regenerate the same mask. An element is
+# dropped when its byte is below floor(256 p): the drop rate is p rounded down to a multiple of
+# 1/256 (kept values are scaled by 1 / (1 - p), as FlashAttention-2 does).
+#
+# Two forms of the same mask. ``dropout_keep`` compares each byte on its own (a shift and a
+# compare per element, the mask a predicate per element): the backward kernels and the forward
+# above head dim 64 use it, whose register budgets it suits best (the other form spills more
+# there), and ``dropout_keep_mask``. The forward up to head dim 64 uses ``dropout_flags`` and
+# ``dropout_apply``: the four bytes of a word are compared with the threshold at once
+# (``_keep_flags``: bit 7 of each byte becomes its keep bit), and on the GPU the mask is
+# applied to the rounded P operand with one PTX ``prmt`` (each flag's sign spread over its
+# element) and one ``and`` per register (a pair of bf16 / fp16 elements), with no per-element
+# compare, predicate or select; its Philox rounds use ``mul.wide.u32`` (one instruction for
+# the high and low words of a product). Under the interpreter (``ASM`` False) the same
+# functions run as plain tl code (``tl.philox``, a select).
+
+# (low, high) of the 64-bit product by the Philox round multipliers, one mul.wide.u32 each
+_MUL_ROUND_A = tl.constexpr("{ .reg .b64 p;\nmul.wide.u32 p, $2, 3528531795;\n"
+                            "mov.b64 {$0, $1}, p; }")
+_MUL_ROUND_B = tl.constexpr("{ .reg .b64 p;\nmul.wide.u32 p, $2, 3449720151;\n"
+                            "mov.b64 {$0, $1}, p; }")
+_KEY_A = tl.constexpr(0x9E3779B9)
+_KEY_B = tl.constexpr(0xBB67AE85)
+# a pair of 16-bit elements (x_a low, x_b high) with their flag words and selectors: the
+# selector of a's flag byte (sign-replicated) for the low half, b's (bytes 4-7) for the high
+# half; ptxas folds the selector arithmetic on the constants S
+_APPLY_PAIR_PTX = tl.constexpr(
+    "{ .reg .b32 s, t, m;\n"
+    "or.b32 t, $5, 0x44;\nshl.b32 t, t, 8;\nor.b32 s, $4, t;\n"
+    "prmt.b32 m, $2, $3, s;\nand.b32 $0, $1, m; }")
+# one 32-bit element: its flag byte's sign spread over all four bytes
+_APPLY_ONE_PTX = tl.constexpr(
+    "{ .reg .b32 s, m;\n"
+    "shl.b32 s, $3, 8;\nor.b32 s, s, $3;\n"
+    "prmt.b32 m, $2, 0, s;\nand.b32 $0, $1, m; }")
+
 
 def dropout_threshold(p: float) -> int:
-    """The 8-bit threshold of ``dropout_keep``: an element is kept when its Philox byte is
+    """The 8-bit threshold of the keep-mask: an element is kept when its Philox byte is
     ``>= floor(p * 256)``."""
     return min(int(p * 256.0), 255)
 
@@ -351,11 +384,55 @@ def load_dropout_seed(SEED):
 
 
 @triton.jit
-def dropout_keep(seed, offset, bh, i0, j0, Lq, threshold, BM: tl.constexpr,
-                 BN: tl.constexpr):
-    """Keep-mask [BM, BN] of (batch * H + head) ``bh``, query rows i0 + [0, BM) and keys
-    j0 + [0, BN): i0 and j0 multiples of 16, BM and BN powers of two >= 16."""
-    tl.static_assert(BM >= 16 and BN >= 16, "dropout_keep: tiles of at least 16 x 16")
+def _mul_wide(a, PTX: tl.constexpr):
+    """(low, high) words of the 64-bit product of the uint32 ``a`` and a round multiplier
+    (``PTX``: _MUL_ROUND_A / _B): one ``mul.wide.u32`` where ``tl.umulhi`` and ``*`` are two
+    multiplies."""
+    return tl.inline_asm_elementwise(PTX, "=r,=r,r", [a], (tl.uint32, tl.uint32), is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _philox(seed, c0, c1, c2, c3, ASM: tl.constexpr):
+    """Philox-4x32-10 of the uint32 counters (c0, c1, c2, c3) (same shape) keyed by the 64-bit
+    ``seed``: ``tl.philox`` (ASM False) or the same rounds with ``_mul_wide``."""
+    if ASM:
+        seed = seed.to(tl.uint64)
+        k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+        k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        for _ in tl.static_range(10):
+            lo_a, hi_a = _mul_wide(c0, _MUL_ROUND_A)
+            lo_b, hi_b = _mul_wide(c2, _MUL_ROUND_B)
+            c0 = hi_b ^ c1 ^ k0
+            c2 = hi_a ^ c3 ^ k1
+            c1 = lo_b
+            c3 = lo_a
+            k0 = tl.add(k0, _KEY_A, sanitize_overflow=False)
+            k1 = tl.add(k1, _KEY_B, sanitize_overflow=False)
+        return c0, c1, c2, c3
+    else:
+        return tl.philox(seed, c0, c1, c2, c3)
+
+
+@triton.jit
+def _keep_flags(w, threshold):
+    """Bit 7 of each byte of the uint32 words ``w``: that byte >= ``threshold`` (0..255), the
+    four bytes compared at once. With b7 / t7 a byte's / the threshold's low 7 bits,
+    ``(b7 | 0x80) - t7`` cannot borrow from the next byte and has bit 7 = (b7 >= t7); then
+    b >= t = (b's bit 7 > t's) or (equal and b7 >= t7): (b | d) when t < 128, (b & d) else."""
+    t = tl.to_tensor(threshold).to(tl.uint32)
+    d = (w | 0x80808080) - (t & 0x7F) * 0x01010101
+    lo = (0x80 - (t & 0x80)) * 0x01010101  # the bits 7 when t < 128, else 0
+    return (w & d) | ((w | d) & lo)
+
+
+@triton.jit
+def _dropout_words(seed, offset, bh, i0, j0, Lq, BM: tl.constexpr, BN: tl.constexpr,
+                   ASM: tl.constexpr):
+    """The Philox words of (batch * H + head) ``bh``, query rows i0 + [0, BM) and keys
+    j0 + [0, BN) (BM and BN powers of two >= 16, i0 a multiple of 16, j0 of min(BN, 32)):
+    [BM / 16, y, BN / 32, q, u, t] (a 16-key tile: [BM / 16, y, 1, q, t])."""
+    tl.static_assert(BM >= 16 and BN >= 16, "dropout: tiles of at least 16 x 16")
     NX: tl.constexpr = BM // 16
     NH: tl.constexpr = (BN + 31) // 32
     # row pairs (x, y): rows 16 x + y and 16 x + y + 8, numbered 8 x + y per (batch, head)
@@ -367,21 +444,77 @@ def dropout_keep(seed, offset, bh, i0, j0, Lq, threshold, BM: tl.constexpr,
     c0 = (((j0 // 32) + tl.arange(0, NH)) * 4)[:, None] + tl.arange(0, 4)[None, :]
     c0 = c0.to(tl.uint32)[None, None, :, :]
     zero = c0 * c1 * 0  # [NX, 8, NH, 4]
-    r0, r1, r2, r3 = tl.philox(seed, c0 + zero, c1 + zero, offset.to(tl.uint32) + zero,
-                               c3 + zero)
+    r0, r1, r2, r3 = _philox(seed, c0 + zero, c1 + zero, offset.to(tl.uint32) + zero,
+                             c3 + zero, ASM)
     if BN >= 32:
         w = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [NX, y, NH, q, u, t]
     else:  # a 16-key tile: the words of its half u of the calls
         odd = (j0 // 16) % 2 == 1
         w = tl.join(tl.where(odd, r1, r0), tl.where(odd, r3, r2))  # [NX, y, 1, q, t]
-    # byte 2 g + e of each word at the top (an unsigned compare with threshold << 24 then
-    # reads that byte alone)
-    r = tl.join(tl.join(w << 24, w << 16), tl.join(w << 8, w))  # [..., e, g]
+    return w
+
+
+@triton.jit
+def _to_tile(r, BM: tl.constexpr, BN: tl.constexpr):
+    """[..., e, g] per word of ``_dropout_words`` (byte 2 g + e) -> the [BM, BN] tile."""
     if BN >= 32:  # [NX, y, NH, q, u, t, e, g] -> rows (NX, t, y), keys (NH, u, g, q, e)
         r = tl.reshape(tl.permute(r, (0, 5, 1, 2, 4, 7, 3, 6)), [BM, BN])
     else:  # [NX, y, 1, q, t, e, g] -> rows (NX, t, y), keys (1, g, q, e)
         r = tl.reshape(tl.permute(r, (0, 4, 1, 2, 6, 3, 5)), [BM, BN])
+    return r
+
+
+@triton.jit
+def dropout_keep(seed, offset, bh, i0, j0, Lq, threshold, BM: tl.constexpr,
+                 BN: tl.constexpr):
+    """Keep-mask [BM, BN] of (batch * H + head) ``bh``, query rows i0 + [0, BM) and keys
+    j0 + [0, BN) (see ``_dropout_words``): each byte compared on its own, ``tl.philox`` (the
+    backward kernels, whose register budget this form suits, and ``dropout_keep_mask``)."""
+    w = _dropout_words(seed, offset, bh, i0, j0, Lq, BM, BN, False)
+    # byte 2 g + e of each word at the top (an unsigned compare with threshold << 24 then
+    # reads that byte alone)
+    r = _to_tile(tl.join(tl.join(w << 24, w << 16), tl.join(w << 8, w)), BM, BN)
     return r >= (tl.to_tensor(threshold).to(tl.uint32) << 24)
+
+
+@triton.jit
+def dropout_flags(seed, offset, bh, i0, j0, Lq, threshold, BM: tl.constexpr, BN: tl.constexpr,
+                  ASM: tl.constexpr = not INTERPRET):
+    """``dropout_keep``'s mask as two uint32 [BM, BN] tensors for ``dropout_apply`` /
+    ``flags_keep``: each element's flag word (bit 8 k + 7 = byte k of its Philox word >=
+    ``threshold``, ``_keep_flags``) and its selector (8 + k) * 0x11, k its byte (a constant
+    per register: no instruction)."""
+    f = _keep_flags(_dropout_words(seed, offset, bh, i0, j0, Lq, BM, BN, ASM), threshold)
+    z = f * 0
+    f = _to_tile(tl.join(tl.join(f, f), tl.join(f, f)), BM, BN)
+    s = _to_tile(tl.join(tl.join(z + 0x88, z + 0x99), tl.join(z + 0xAA, z + 0xBB)), BM, BN)
+    return f, s
+
+
+@triton.jit
+def flags_keep(flags, sel):
+    """The boolean keep-mask of ``dropout_flags``' (flags, selectors)."""
+    return ((flags >> ((sel & 3) * 8 + 7)) & 1) != 0
+
+
+@triton.jit
+def dropout_apply(x, flags, sel, ASM: tl.constexpr = not INTERPRET):
+    """``x`` (fp32, fp16 or bf16, the shape of ``dropout_flags``' tensors) with its dropped
+    elements set to +0: in PTX a ``prmt`` (the flag spread over the element's bits, a pair of
+    16-bit elements at once) and an ``and`` per register; a select under the interpreter."""
+    if ASM:
+        if x.dtype.primitive_bitwidth == 16:
+            y = tl.inline_asm_elementwise(_APPLY_PAIR_PTX, "=r,r,r,r,r,r",
+                                          [x.to(tl.uint16, bitcast=True), flags, sel],
+                                          tl.uint16, is_pure=True, pack=2)
+        else:
+            y = tl.inline_asm_elementwise(_APPLY_ONE_PTX, "=r,r,r,r",
+                                          [x.to(tl.uint32, bitcast=True), flags, sel],
+                                          tl.uint32, is_pure=True, pack=1)
+        y = y.to(x.dtype, bitcast=True)
+    else:
+        y = tl.where(flags_keep(flags, sel), x, 0.0).to(x.dtype)
+    return y
 
 
 # ---- the (seed, offset) state, and the keep-mask for testing (re-exported by rel_attn_fwd)

@@ -37,11 +37,11 @@ from .._arch import config_family
 from .._utils import describe
 from ..quant import QuantizedKV
 from ._common import (INTERPRET, LOG2E, apply_mask_band, autotune_enabled, descriptors_ok,
-                      dot_precision, draw_dropout_seed, dropout_keep, dropout_keep_mask,
-                      dropout_threshold, ensure_scratch_allocator, interior_tiles, key_range,
-                      last_dim_contiguous, length_bucket, load_dequant, load_dropout_seed,
-                      memory_bases, memory_launch_args, pair_mask, rotate_rows, round_bf16,
-                      tile_run)
+                      dot_precision, draw_dropout_seed, dropout_apply, dropout_flags,
+                      dropout_keep, dropout_keep_mask, dropout_threshold, ensure_scratch_allocator,
+                      interior_tiles, key_range, last_dim_contiguous, length_bucket,
+                      load_dequant, load_dropout_seed, memory_bases, memory_launch_args,
+                      pair_mask, rotate_rows, round_bf16, tile_run)
 
 __all__ = ["rel_attn_fwd", "choose_num_splits", "autotune_enabled", "draw_dropout_seed",
            "dropout_keep_mask"]
@@ -217,8 +217,11 @@ def _attend_tile(acc, m_i, l_i, t0, t1, t, qu, qv, tile, kv, rel, pattern, drop,
     alpha = tl.math.exp2(m_i - m_safe)
     p = tl.math.exp2(s * qk_scale - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if DROPOUT:
-        pid_bh, _, drop_seed, drop_off, drop_thresh = drop
+    pid_bh, _, drop_seed, drop_off, drop_thresh = drop
+    # dropout: head dims <= 64 take the word-at-a-time mask on the rounded operand (a pair of
+    # 16-bit values per mask instruction); larger ones the per-byte compare, which spills less
+    # in their register budget (their loop is L2-bound either way)
+    if DROPOUT and acc.shape[1] > 64:
         p = tl.where(dropout_keep(drop_seed, drop_off, pid_bh, i0, j0, Lq, drop_thresh,
                                   BLOCK_M, BLOCK_N), p, 0.0)
     v = _key_value_tile(v_src, vq_src, j0, mem_m, offs_n, n_ok, d_ok, MASKED, EVEN_D, UPCAST,
@@ -227,6 +230,10 @@ def _attend_tile(acc, m_i, l_i, t0, t1, t, qu, qv, tile, kv, rel, pattern, drop,
         pv = round_bf16(p)
     else:
         pv = p.to(v.dtype)
+    if DROPOUT and acc.shape[1] <= 64:
+        flags, sel = dropout_flags(drop_seed, drop_off, pid_bh, i0, j0, Lq, drop_thresh,
+                                   BLOCK_M, BLOCK_N)
+        pv = dropout_apply(pv, flags, sel)
     if acc.shape[1] <= 64:
         # P @ V in a fresh accumulator: with acc * alpha as the wgmma's accumulator input,
         # ptxas serialises every wgmma of the kernel (C7515)
