@@ -82,9 +82,16 @@ def test_forward_tables_fit_the_small_blocks():
             for c in F._all_configs()}
     for fam in ("sm80", "sm86", "sm90", "sm100", "sm120"):
         for d in (64, 128):
-            cfg = F._default_config(d, False, False, fam)
-            assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"],
-                    cfg["num_stages"]) in rows
+            for dense_mask in (False, True):
+                cfg = F._default_config(d, False, False, fam, dense_mask)
+                key = (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"])
+                assert key in F._family_table(fam) and key in rows, (fam, d, cfg)
+                assert F._config_ok(*key, d, False, False), (fam, d, cfg)
+    # the 32-row tiles (spill-free on the mma.sync families) are not tried on sm_90 / sm_100,
+    # and 16-bit 32-row tiles take 8 warps
+    assert all(row[0] >= 64 or row[2] == 4 for row in F._family_table("sm90"))
+    assert not F._config_ok(32, 32, 4, 2, 64, False)
+    assert F._default_config(64, False, family="sm90")["BLOCK_M"] == 128
 
 
 def test_aot_check_parses_targets():

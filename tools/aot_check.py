@@ -797,20 +797,12 @@ SPILL_BUDGET_HEAD_DIMS = (64, 128)
 # compiled at the current defaults bound it instead, so that a change spilling more still fails:
 # (target, kernel, head dim) -> bytes (BENCHMARKS.md, "Per-architecture compile table").
 SPILL_RECORDED: Dict[Tuple[str, str, int], int] = {
-    ('sm_80', '_rel_attn_fwd_kernel', 64): 1440,
-    ('sm_80', '_rel_attn_fwd_kernel', 128): 5304,
-    ('sm_89', '_rel_attn_fwd_kernel', 64): 1264,
-    ('sm_89', '_rel_attn_fwd_kernel', 128): 5204,
     ('sm_90', '_rel_attn_bwd_dkdv_kernel', 64): 492,
     ('sm_90', '_rel_attn_bwd_dkdv_kernel', 128): 1000,
     ('sm_90', '_rel_attn_bwd_dq_kernel', 64): 408,
     ('sm_90', '_rel_attn_bwd_dq_kernel', 128): 1644,
     ('sm_90', '_rel_attn_bwd_dr_kernel', 64): 124,
     ('sm_90', '_rel_attn_bwd_dr_kernel', 128): 476,
-    ('sm_90', '_rel_attn_fwd_kernel', 64): 56,
-    ('sm_90', '_rel_attn_fwd_kernel', 128): 1284,
-    ('sm_100', '_rel_attn_fwd_kernel', 64): 220,
-    ('sm_100', '_rel_attn_fwd_kernel', 128): 2524,
 }
 
 

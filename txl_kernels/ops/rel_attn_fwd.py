@@ -477,12 +477,17 @@ def _rel_attn_fwd_combine_kernel(
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). Chosen from sm_90 compiles (register use and
 # spills, shared memory): the carried window chunk, the AC / BD accumulators and the output
 # accumulator make this kernel register-heavy, so BLOCK_N 128 is only offered for D <= 64.
-# The BLOCK_M 32 configs serve exact fp32 ("ieee" products run on the FMA units).
+# The BLOCK_M 32 configs with 4 warps serve exact fp32 ("ieee" products run on the FMA
+# units); 64 x 32 with 8 warps is sm_90's / sm_100's default at D 128 with a dense mask.
 _CONFIG_TABLE = (
     (64, 32, 4, 2), (64, 32, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2),
     (64, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3),
-    (32, 16, 4, 2), (32, 32, 4, 2),
+    (32, 16, 4, 2), (32, 32, 4, 2), (64, 32, 8, 2),
 )
+# 32-row tiles with 8 warps (each warp 16 x 16 or 16 x 32 of the scores): the 16-bit defaults
+# of the families whose tensor-core products (mma.sync) keep every operand in registers
+# (sm_80, sm_86 / sm_89, sm_120), where larger tiles spill (docs/gpu-support.md).
+_REGISTER_MMA_ROWS = ((32, 32, 8, 2), (32, 64, 8, 2))
 
 
 def _config_ok(bm, bn, nw, ns, block_d, exact_fp32, wide=False):
@@ -490,7 +495,7 @@ def _config_ok(bm, bn, nw, ns, block_d, exact_fp32, wide=False):
         return False
     if exact_fp32:
         return bm <= 64 and bn <= 32 and ns <= 2
-    if bm < 64:
+    if bm < 64 and (wide or bm < 32 or nw < 8):  # 32 rows: 16-bit, 8 warps only
         return False
     if block_d >= 128 and bn > 64:
         return False
@@ -511,7 +516,7 @@ def _prune_configs(configs, named_args, **kwargs):
            if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in table
            and _config_ok(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages,
                           block_d, exact_fp32, wide)]
-    default = _default_config(block_d, exact_fp32, wide, family)
+    default = _default_config(block_d, exact_fp32, wide, family, kwargs["HAS_MASK"])
     if kwargs["SPLIT"]:  # num_splits was chosen for the default config's BLOCK_M
         out = [c for c in out if c.kwargs["BLOCK_M"] == default["BLOCK_M"]]
     if not out:
@@ -522,21 +527,35 @@ def _prune_configs(configs, named_args, **kwargs):
 
 
 def _default_config(block_d: int, exact_fp32: bool, wide: bool = False,
-                    family: str = "sm90") -> dict:
+                    family: str = "sm90", dense_mask: bool = False) -> dict:
     """The config used on GPU when autotuning is off (TXL_KERNELS_AUTOTUNE=0), for config
-    family ``family`` (``_arch.config_family``). Every family takes sm_90's rule: sm_100 has
-    the same 227 KiB blocks; on sm_80 the 64 x 64 fallback is also the least-spilling config
-    (BENCHMARKS.md, "Per-architecture compile table"); the 99 KiB families' tables hold the
-    two-stage configs this rule picks."""
+    family ``family`` (``_arch.config_family``); ``dense_mask``: the launch loads a dense
+    attn_mask (HAS_MASK). Each 16-bit default at D 64 / 128 compiles without spills for every
+    variant (masks, split-K, dropout, the 8-bit memory) on its family's targets
+    (``tools/aot_check --spill-budget``; BENCHMARKS.md, "Per-architecture compile table")."""
     if exact_fp32:
         return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
     if block_d >= 256 or (wide and block_d >= 128):
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
-    if block_d <= 64 and not wide:
+    if wide:
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    if family not in ("sm90", "sm100"):
+        # mma.sync keeps q + u, q + vb, the K / V / r operands and every accumulator in
+        # registers: 32-row tiles over 8 warps (larger ones spill 0.1-5 KB)
+        bn = 64 if block_d <= 64 else 32
+        return {"BLOCK_M": 32, "BLOCK_N": bn, "num_warps": 8, "num_stages": 2}
+    # sm_90 / sm_100 (wgmma / tcgen05). With a dense mask, its tile of loads on top of the
+    # larger tiles spills: smaller ones then
+    if block_d > 64:
+        # two warpgroups split the [64, 128] output accumulator (with 4 warps it spills 1.3-2.2 KB)
+        bn = 32 if dense_mask else 64
+        return {"BLOCK_M": 64, "BLOCK_N": bn, "num_warps": 8, "num_stages": 2}
+    if family == "sm90" and not dense_mask:
         # 128 query rows (two warpgroups) share each K / V / r tile: 3 bytes of global traffic
         # per (query, key) pair at D 64 against 6 with 64 rows (sm_90 static model, L2 bound)
         return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
-    return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8 if family == "sm100" else 4,
+            "num_stages": 2}
 
 
 _AUTOTUNE_KEYS = ["LQ_BUCKET", "LK_BUCKET", "BLOCK_D", "num_splits", "HAS_WL", "HAS_WR",
@@ -545,12 +564,13 @@ _AUTOTUNE_KEYS = ["LQ_BUCKET", "LK_BUCKET", "BLOCK_D", "num_splits", "HAS_WL", "
 
 # Per-architecture tables (txl_kernels._arch config families): sm_90, sm_100 (same 227 KiB
 # blocks) and sm_80 (163 KiB: the autotuner skips a config that does not fit) take the whole
-# table; the 99 KiB blocks of sm_86 / sm_89 / sm_120 its two-stage configs.
-_SMALL_SMEM_TABLE = tuple(row for row in _CONFIG_TABLE if row[3] <= 2)
+# table; the 99 KiB blocks of sm_86 / sm_89 / sm_120 its two-stage configs. The mma.sync
+# families (sm_80, sm_86, sm_120) add the 32-row configs their defaults use.
+_SMALL_SMEM_TABLE = tuple(row for row in _CONFIG_TABLE if row[3] <= 2) + _REGISTER_MMA_ROWS
 _ARCH_CONFIG_TABLES = {
     "sm90": _CONFIG_TABLE,
     "sm100": _CONFIG_TABLE,
-    "sm80": _CONFIG_TABLE,
+    "sm80": _CONFIG_TABLE + _REGISTER_MMA_ROWS,
     "sm86": _SMALL_SMEM_TABLE,
     "sm120": _SMALL_SMEM_TABLE,
 }
@@ -691,7 +711,8 @@ def rel_attn_fwd(
     exact_fp32 = dtype == torch.float32 and dot_prec == "ieee"
     block_d = max(16, triton.next_power_of_2(D))
     family = config_family(q.device)[0]
-    default = _default_config(block_d, exact_fp32, dtype == torch.float32, family)
+    default = _default_config(block_d, exact_fp32, dtype == torch.float32, family,
+                              attn_mask is not None)
     if config is None and INTERPRET:
         config = INTERPRET_CONFIG
     elif config is None and not autotune_enabled():
