@@ -380,7 +380,12 @@ def _rel_attn_bwd_dkdv_kernel(
 
     dk = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
-    ds_sum = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
+    # column sums of the rounded dS (the dK product's operand) over the query tiles, as one
+    # narrow product: ds^T @ e0 with e0 = [1, 0, ..., 0] per row ([BLOCK, 16]; column 0 holds
+    # the sums, the others 0), 8 registers a thread instead of a carried [BLOCK, BLOCK] tile
+    e0 = (tl.arange(0, 16)[None, :] == 0) & (tl.arange(0, BLOCK)[:, None] >= 0)
+    e0 = e0.to(DOT_DTYPE)
+    ds_cols = tl.zeros([BLOCK, 16], dtype=tl.float32)
     # The window of query tile m is r rows j0 - i0 + Lq - BLOCK + [0, 2 BLOCK): its hi chunk
     # is the previous tile's lo chunk, carried, so one r tile is loaded per query tile.
     w = tl.arange(0, BLOCK)
@@ -397,15 +402,16 @@ def _rel_attn_bwd_dkdv_kernel(
                                 qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
                                 DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, K.dtype.element_ty, UPCAST)
         dv = tl.dot(tl.trans(p), do, dv, input_precision=DOT_PREC)
-        ds_sum += ds
-        dk = tl.dot(tl.trans(_operand(ds, K.dtype.element_ty, UPCAST)), a_t, dk,
-                    input_precision=DOT_PREC)
+        ds_t = tl.trans(_operand(ds, K.dtype.element_ty, UPCAST))
+        dk = tl.dot(ds_t, a_t, dk, input_precision=DOT_PREC)
+        ds_cols = tl.dot(ds_t, e0, ds_cols, input_precision=DOT_PREC)
 
-    # du's part: the fp32 dS tiles were summed over the query tiles; reduce their rows once
+    # du's part: scale * (column sums of dS) . K, once (the sum over ds_cols' columns adds
+    # zeros to column 0: exact)
     part_off = (b * stride_part[0] + tl.program_id(1).to(tl.int64) * stride_part[1]
                 + h * stride_part[2] + offs_d)
     tl.store(DU_PART + part_off,
-             tl.sum(tl.sum(ds_sum, axis=0)[:, None] * k_t.to(tl.float32), axis=0) * sm_scale,
+             tl.sum(tl.sum(ds_cols, axis=1)[:, None] * k_t.to(tl.float32), axis=0) * sm_scale,
              mask=d_ok)
     dk = dk * sm_scale
     if DROPOUT:  # the kept probabilities' 1 / (1 - p) (_recompute_p_ds)
