@@ -155,9 +155,9 @@ def _probs(ac, bd, lse2, offs_i, j0, qk_scale, pattern, HAS_KPM: tl.constexpr,
 # ----------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------
-# The three main kernels take the same inputs: the pointers A_OP, QV_OP, K, V, R, DO, LSE, DELTA,
-# their strides as one tuple ``strides`` ((wbh, wm), (kb, kn, kh), (vb, vn, vh), (rp, rh),
-# (dob, dom, doh), (lb, lh, lm)), the masks as ``masks`` (window_left, window_right, KPM,
+# The three main kernels take the same inputs: the pointers A_OP, QV_OP, Q, U, VB, K, V, R, DO,
+# LSE, DELTA, their strides as one tuple ``strides`` ((wbh, wm), (qb, qm, qh), (uh, vbh),
+# (kb, kn, kh), (vb, vn, vh), (rp, rh), (dob, dom, doh), (lb, lh, lm)), the masks as ``masks`` (window_left, window_right, KPM,
 # (kpm_b, kpm_n), MASK, (mb, mh, mm, mn), BAND) and the dropout as ``dropout`` (SEED,
 # threshold, 1 / (1 - p)); _program_setup turns them into per-(batch, head) tuples that the tile
 # helpers unpack. LQ_BUCKET / LK_BUCKET are autotune keys only. The parameter order (pointers,
@@ -167,18 +167,21 @@ def _probs(ac, bd, lse2, offs_i, j0, qk_scale, pattern, HAS_KPM: tl.constexpr,
 
 
 @triton.jit
-def _program_setup(A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk,
-                   R_rows, D, HAS_BAND: tl.constexpr, USE_DESC: tl.constexpr,
-                   BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+def _program_setup(A_OP, QV_OP, Q, U, VB, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H,
+                   Lq, Lk, R_rows, D, HAS_BAND: tl.constexpr, USE_DESC: tl.constexpr,
+                   BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, FROM_Q: tl.constexpr = False):
     """Every backward program's prologue: its batch and head (grid axis 0 is batch * head),
     the window narrowed by a mask band (band_on: the band replaces the dense mask, nothing to
     load) and the per-(batch, head) base pointers, computed once; with USE_DESC the [BLOCK,
     BLOCK_D] tiles of (q + u), (q + vb), dO, K, V and r come through TMA descriptors made here
-    (zero fill past the rows / D: no pointer math, no masks). Returns (b, h, window_left,
+    (zero fill past the rows / D: no pointer math, no masks). FROM_Q: the query tiles are q
+    itself (one tile for both operands) and the head's biases u and vb, loaded here in fp32;
+    _load_query_tile forms the operands. Returns (b, h, window_left,
     window_right, query, keys, rel, pattern, drop): query / keys / rel are what
     _load_query_tile / _load_kv_tile / _load_r read, pattern what _probs masks with, drop the
     dropout's (batch * head, Lq, SEED, threshold, scale)."""
-    (stride_wbh, stride_wm), stride_k, stride_v, stride_r, stride_do, stride_l = strides
+    ((stride_wbh, stride_wm), stride_q, (stride_uh, stride_vbh), stride_k, stride_v, stride_r,
+     stride_do, stride_l) = strides
     window_left, window_right, KPM, stride_kpm, MASK, stride_m, BAND = masks
     SEED, drop_thresh, drop_scale = dropout
     pid_bh = tl.program_id(0).to(tl.int64)
@@ -187,15 +190,21 @@ def _program_setup(A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout
     band_on = False
     if HAS_BAND:
         window_left, window_right, band_on = apply_mask_band(BAND, window_left, window_right)
-    A_bh, QV_bh = A_OP + pid_bh * stride_wbh, QV_OP + pid_bh * stride_wbh
+    if FROM_Q:
+        A_bh = Q + b * stride_q[0] + h * stride_q[2]
+        QV_bh = A_bh
+        stride_wm = stride_q[1]
+    else:
+        A_bh, QV_bh = A_OP + pid_bh * stride_wbh, QV_OP + pid_bh * stride_wbh
     DO_bh = DO + b * stride_do[0] + h * stride_do[2]
     K_bh, V_bh = K + b * stride_k[0] + h * stride_k[2], V + b * stride_v[0] + h * stride_v[2]
     R_h = R + h * stride_r[1]
     if USE_DESC:
         A_bh = tl.make_tensor_descriptor(A_bh, shape=[Lq, D], strides=[stride_wm, 1],
                                          block_shape=[BLOCK, BLOCK_D])
-        QV_bh = tl.make_tensor_descriptor(QV_bh, shape=[Lq, D], strides=[stride_wm, 1],
-                                          block_shape=[BLOCK, BLOCK_D])
+        if not FROM_Q:
+            QV_bh = tl.make_tensor_descriptor(QV_bh, shape=[Lq, D], strides=[stride_wm, 1],
+                                              block_shape=[BLOCK, BLOCK_D])
         DO_bh = tl.make_tensor_descriptor(DO_bh, shape=[Lq, D], strides=[stride_do[1], 1],
                                           block_shape=[BLOCK, BLOCK_D])
         K_bh = tl.make_tensor_descriptor(K_bh, shape=[Lk, D], strides=[stride_k[1], 1],
@@ -204,8 +213,16 @@ def _program_setup(A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout
                                          block_shape=[BLOCK, BLOCK_D])
         R_h = tl.make_tensor_descriptor(R_h, shape=[R_rows, D], strides=[stride_r[0], 1],
                                         block_shape=[BLOCK, BLOCK_D])
+    bias_u = 0.0
+    bias_v = 0.0
+    if FROM_Q:
+        offs_d = tl.arange(0, BLOCK_D)
+        bias_u = tl.load(U + h * stride_uh + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+        bias_v = tl.load(VB + h * stride_vbh + offs_d, mask=offs_d < D,
+                         other=0.0).to(tl.float32)
     query = (A_bh, QV_bh, DO_bh, LSE + b * stride_l[0] + h * stride_l[1],
-             DELTA + b * stride_l[0] + h * stride_l[1], stride_wm, stride_do[1], stride_l[2])
+             DELTA + b * stride_l[0] + h * stride_l[1], stride_wm, stride_do[1], stride_l[2],
+             bias_u, bias_v)
     keys = (K_bh, V_bh, stride_k[1], stride_v[1])
     rel = (R_h, stride_r[0], R_rows)
     pattern = (b, h, Lq, Lk, window_left, window_right, band_on, KPM, stride_kpm, MASK, stride_m)
@@ -247,23 +264,36 @@ def _chunks_t(qv_t, r_lo, r_hi, DOT_PREC: tl.constexpr):
 
 @triton.jit
 def _load_query_tile(query, i0, offs_i, offs_d, Lq, D, DOT_DTYPE: tl.constexpr,
-                     USE_DESC: tl.constexpr):
+                     USE_DESC: tl.constexpr, FROM_Q: tl.constexpr = False,
+                     IN_DTYPE: tl.constexpr = None, UPCAST: tl.constexpr = False):
     """One query tile's operands (rows i0 + [0, BLOCK); pointers or descriptors pre-offset to
-    the batch and head): (q + u) and (q + vb) as the preprocess kernel rounded them, dO, the
-    log-sum-exp in log2 units (+inf past Lq) and delta."""
-    A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, stride_wm, stride_dom, stride_lm = query
+    the batch and head): (q + u) and (q + vb) as the preprocess kernel rounded them (FROM_Q:
+    formed here from one q tile the same way, in fp32 then rounded to IN_DTYPE: one tile load
+    instead of two), dO, the log-sum-exp in log2 units (+inf past Lq) and delta."""
+    A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, stride_wm, stride_dom, stride_lm, bias_u, bias_v = \
+        query
     in_i = offs_i < Lq
     if USE_DESC:
         a_t = A_bh.load([i0, 0])
-        qv_t = QV_bh.load([i0, 0])
+        if FROM_Q:
+            qv_t = a_t
+        else:
+            qv_t = QV_bh.load([i0, 0])
         do = DO_bh.load([i0, 0]).to(DOT_DTYPE)
     else:
         rows_i = offs_i.to(tl.int64)[:, None]
         q_msk = in_i[:, None] & (offs_d < D)[None, :]
         a_t = tl.load(A_bh + rows_i * stride_wm + offs_d[None, :], mask=q_msk, other=0.0)
-        qv_t = tl.load(QV_bh + rows_i * stride_wm + offs_d[None, :], mask=q_msk, other=0.0)
+        if FROM_Q:
+            qv_t = a_t
+        else:
+            qv_t = tl.load(QV_bh + rows_i * stride_wm + offs_d[None, :], mask=q_msk, other=0.0)
         do = tl.load(DO_bh + rows_i * stride_dom + offs_d[None, :], mask=q_msk,
                      other=0.0).to(DOT_DTYPE)
+    if FROM_Q:
+        q = a_t.to(tl.float32)
+        a_t = _operand(q + bias_u[None, :], IN_DTYPE, UPCAST)
+        qv_t = _operand(q + bias_v[None, :], IN_DTYPE, UPCAST)
     l_off = offs_i.to(tl.int64) * stride_lm
     lse2 = tl.load(LSE_bh + l_off, mask=in_i, other=float("inf")) * LOG2E
     delta = tl.load(DELTA_bh + l_off, mask=in_i, other=0.0)
@@ -349,7 +379,7 @@ def _rel_attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _rel_attn_bwd_dkdv_kernel(
-    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, DK, DV, DU_PART, strides, stride_dk, stride_part,
+    A_OP, QV_OP, Q, U, VB, K, V, R, DO, LSE, DELTA, DK, DV, DU_PART, strides, stride_dk, stride_part,
     H, Lq, Lk, R_rows, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -364,8 +394,8 @@ def _rel_attn_bwd_dkdv_kernel(
     offs_j = j0 + tl.arange(0, BLOCK)
     mlen = Lk - Lq
     b, h, window_left, window_right, query, keys, rel, pattern, drop = _program_setup(
-        A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows, D,
-        HAS_BAND, USE_DESC, BLOCK, BLOCK_D)
+        A_OP, QV_OP, Q, U, VB, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk,
+        R_rows, D, HAS_BAND, USE_DESC, BLOCK, BLOCK_D)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     kv_msk = (offs_j < Lk)[:, None] & d_ok[None, :]
@@ -456,7 +486,7 @@ def _dq_tile(carry, n, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
 
 @triton.jit
 def _rel_attn_bwd_dq_kernel(
-    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, DQ, DQ_PART, DR_ACC,
+    A_OP, QV_OP, Q, U, VB, K, V, R, DO, LSE, DELTA, DQ, DQ_PART, DR_ACC,
     strides, stride_dq, stride_part, stride_dr,
     H, Lq, Lk, R_rows, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
@@ -475,8 +505,8 @@ def _rel_attn_bwd_dq_kernel(
     m = num_m - 1 - tl.program_id(1)  # longest rows (causal) first
     mlen = Lk - Lq
     b, h, window_left, window_right, query, keys, rel, pattern, drop = _program_setup(
-        A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows, D,
-        HAS_BAND, USE_DESC, BLOCK, BLOCK_D)
+        A_OP, QV_OP, Q, U, VB, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk,
+        R_rows, D, HAS_BAND, USE_DESC, BLOCK, BLOCK_D)
 
     i0 = m * BLOCK
     offs_i = i0 + tl.arange(0, BLOCK)
@@ -542,7 +572,7 @@ def _dr_tile(carry, m, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
              HAS_BAND: tl.constexpr, DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr,
              DOT_PREC: tl.constexpr, SKEW_GATHER: tl.constexpr, BLOCK: tl.constexpr,
              DROPOUT: tl.constexpr, USE_DESC: tl.constexpr, MASKED: tl.constexpr,
-             IN_DTYPE: tl.constexpr):
+             IN_DTYPE: tl.constexpr, FROM_Q: tl.constexpr):
     """One tile pair (m, m + t) of the dr kernel's diagonal: carry (dr_lo, dr_hi) -> the same
     after it; ``tile`` the diagonal's loop invariants (see the kernel)."""
     dr_lo, dr_hi = carry
@@ -552,7 +582,8 @@ def _dr_tile(carry, m, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
     offs_i = i0 + tl.arange(0, BLOCK)
     offs_j = j0 + tl.arange(0, BLOCK)
     a_t, qv_t, do, lse2, delta = _load_query_tile(query, i0, offs_i, offs_d, Lq, D, DOT_DTYPE,
-                                                  USE_DESC)
+                                                  USE_DESC, FROM_Q, IN_DTYPE,
+                                                  UPCAST)
     k_t, v_t = _load_kv_tile(keys, j0, offs_j, Lk, offs_d, D, DOT_DTYPE, USE_DESC)
     t_lo, t_hi = _chunks_t(qv_t, r_lo, r_hi, DOT_PREC)
     p, ds = _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, i0, j0, offs_i,
@@ -568,17 +599,19 @@ def _dr_tile(carry, m, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
 
 @triton.jit
 def _rel_attn_bwd_dr_kernel(
-    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, Z, strides, stride_z,
+    A_OP, QV_OP, Q, U, VB, K, V, R, DO, LSE, DELTA, Z, strides, stride_z,
     H, Lq, Lk, R_rows, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     SKEW_GATHER: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
     DROPOUT: tl.constexpr = False, USE_DESC: tl.constexpr = False,
+    FROM_Q: tl.constexpr = False,
 ):
     """One program per (batch * head, block diagonal t = n - m): the dr contributions of the
     tile pairs (m, m + t) of one batch and head, reduced in registers in a fixed order, written
     to Z[0] (lo chunk rows) and Z[1] (hi chunk rows). No two programs write the same row of Z[c].
-    stride_z: (c, b, p, h)."""
+    stride_z: (c, b, p, h). FROM_Q: (q + u) and (q + vb) formed from one q tile per pair
+    (_load_query_tile), a quarter less global traffic per pair (_dr_from_q says where)."""
     num_m = tl.cdiv(Lq, BLOCK)
     num_n = tl.cdiv(Lk, BLOCK)
     t = num_n - 1 - tl.program_id(1)
@@ -586,8 +619,8 @@ def _rel_attn_bwd_dr_kernel(
     d_ok = offs_d < D
     mlen = Lk - Lq
     b, h, window_left, window_right, query, keys, rel, pattern, drop = _program_setup(
-        A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows, D,
-        HAS_BAND, USE_DESC, BLOCK, BLOCK_D)
+        A_OP, QV_OP, Q, U, VB, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk,
+        R_rows, D, HAS_BAND, USE_DESC, BLOCK, BLOCK_D, FROM_Q)
     w = tl.arange(0, BLOCK)
     p_lo = t * BLOCK + Lq - BLOCK
     p_hi = p_lo + BLOCK
@@ -627,7 +660,7 @@ def _rel_attn_bwd_dr_kernel(
             for m in range(m_first, m_stop):
                 carry = _dr_tile(carry, m, tile, HAS_KPM, HAS_MASK, HAS_BAND, DOT_DTYPE,
                                  UPCAST, DOT_PREC, SKEW_GATHER, BLOCK, DROPOUT, USE_DESC,
-                                 run != 1, K.dtype.element_ty)
+                                 run != 1, K.dtype.element_ty, FROM_Q)
     dr_lo, dr_hi = carry
 
     Z_bh = Z + b * stride_z[1] + h * stride_z[3] + offs_d[None, :]
@@ -769,6 +802,17 @@ _dr_kernel = triton.autotune(configs=_configs(), key=_KEY,
                              reset_to_zero=["Z"])(_rel_attn_bwd_dr_kernel)
 
 
+def _dr_from_q(block_d: int, meta: dict) -> bool:
+    """Whether the dr kernel forms (q + u) and (q + vb) from q tiles (FROM_Q) rather than
+    loading both preprocessed operands: one [BLOCK, BLOCK_D] tile load per pair fewer (its
+    loop is bound by global traffic in the static sm_90 model, 1844 -> 1484 cycles at bf16
+    D 64), but the two operands are then register values. Only up to D 64 without masks or
+    dropout: there it spills less than the loaded operands (sm_90 bf16 D 64: 56 B against
+    124 B); with every flag on, or at D 128, it spills 3x more."""
+    return block_d <= 64 and not (meta["HAS_KPM"] or meta["HAS_MASK"] or meta["HAS_BAND"]
+                                  or meta["DROPOUT"])
+
+
 def _atomic_dr_fits(R_rows: int, Lq: int, Lk: int, H: int, D: int) -> bool:
     """Whether _atomic_dr's int32 offsets reach every row it computes in a [R, H, D] buffer:
     a tile's window rows lie within a few BLOCKs of the pair rows j - i + Lq - 1, which are in
@@ -899,8 +943,9 @@ def rel_attn_bwd(
         H, Lq, D, UPCAST=upcast, BLOCK_M=pre_block, BLOCK_D=block_d)
 
     # The main kernels' shared arguments (see "Kernels" above for the tuples' layouts).
-    inputs = (a_op, qv_op, k, v, r, do, lse, delta)
-    strides = (a_op.stride()[:2], _bmh(k), _bmh(v), r.stride()[:2], _bmh(do), lse.stride())
+    inputs = (a_op, qv_op, q, r_w_bias, r_r_bias, k, v, r, do, lse, delta)
+    strides = (a_op.stride()[:2], _bmh(q), (r_w_bias.stride(0), r_r_bias.stride(0)), _bmh(k),
+               _bmh(v), r.stride()[:2], _bmh(do), lse.stride())
     has_band = attn_mask_band is not None and attn_mask is not None
     band = attn_mask_band if has_band else delta  # unused without a band
     masks = (wl, wr, kpm, kpm_strides, am, am_strides, band)
@@ -910,7 +955,7 @@ def rel_attn_bwd(
                 HAS_BAND=has_band, DOT_DTYPE=dot_dtype, UPCAST=upcast, DOT_PREC=precision,
                 SKEW_GATHER=q.dtype == torch.float32 or family in _GATHER_SKEW_FAMILIES,
                 BLOCK_D=block_d, DROPOUT=dropout,
-                USE_DESC=descriptors_ok(a_op, qv_op, do, k, v, r))
+                USE_DESC=descriptors_ok(a_op, qv_op, q, do, k, v, r))
     if meta["USE_DESC"] and dev.type == "cuda" and not INTERPRET:
         ensure_scratch_allocator()
     sizes = (H, Lq, Lk, R_rows, D, scale, scale * LOG2E.value)
@@ -954,8 +999,8 @@ def rel_attn_bwd(
         z = torch.zeros((2, B, R_rows, H, D), device=dev, dtype=torch.float32)
         _launch(_dr_kernel, _rel_attn_bwd_dr_kernel,
                 lambda blk: (B * H, triton.cdiv(Lq, blk) + triton.cdiv(Lk, blk) - 1),
-                (*inputs, z, strides, z.stride()[:4], *sizes, masks, drop, *buckets), meta,
-                configs[2])
+                (*inputs, z, strides, z.stride()[:4], *sizes, masks, drop, *buckets),
+                dict(meta, FROM_Q=_dr_from_q(block_d, meta)), configs[2])
         dr = z.sum(dim=(0, 1)).to(q.dtype)
     else:
         dr = dr_acc.to(q.dtype)
