@@ -807,8 +807,8 @@ def _dr_from_q(block_d: int, meta: dict) -> bool:
     loading both preprocessed operands: one [BLOCK, BLOCK_D] tile load per pair fewer (its
     loop is bound by global traffic in the static sm_90 model, 1844 -> 1484 cycles at bf16
     D 64), but the two operands are then register values. Only up to D 64 without masks or
-    dropout: there it spills less than the loaded operands (sm_90 bf16 D 64: 56 B against
-    124 B); with every flag on, or at D 128, it spills 3x more."""
+    dropout, where that costs 56 B of spills (sm_90 bf16, within the backward's 64 B budget);
+    with every flag on, or at D 128, it spills about 3x more than the loaded operands."""
     return block_d <= 64 and not (meta["HAS_KPM"] or meta["HAS_MASK"] or meta["HAS_BAND"]
                                   or meta["DROPOUT"])
 
