@@ -385,6 +385,7 @@ def _rel_attn_bwd_dkdv_kernel(
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     SKEW_GATHER: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
     DROPOUT: tl.constexpr = False, USE_DESC: tl.constexpr = False,
+    DU_DOT: tl.constexpr = True,
 ):
     """One program per (batch * head, key tile): dk and dv of the tile, looping over the query
     tiles that the window lets see it, and the tile's part of du (scale * column sums of dS .
@@ -410,12 +411,16 @@ def _rel_attn_bwd_dkdv_kernel(
 
     dk = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
-    # column sums of the rounded dS (the dK product's operand) over the query tiles, as one
-    # narrow product: ds^T @ e0 with e0 = [1, 0, ..., 0] per row ([BLOCK, 16]; column 0 holds
-    # the sums, the others 0), 8 registers a thread instead of a carried [BLOCK, BLOCK] tile
+    # du: DU_DOT, the column sums of the rounded dS (the dK product's operand) as one narrow
+    # product ds^T @ e0, e0 = [1, 0, ..., 0] per row ([BLOCK, 16]; column 0 holds the sums,
+    # the others 0): 8 registers a thread at BLOCK 64 where a carried [BLOCK, BLOCK] fp32 tile
+    # takes 32 (sm_90, D <= 64); else the fp32 dS tiles summed elementwise: fewer spills on
+    # the small-tile families' mma.sync / tcgen05 layouts (_DU_DOT_FAMILIES), and at D 128
+    # on sm_90 fewer spills without flags and a faster loop in the static model
     e0 = (tl.arange(0, 16)[None, :] == 0) & (tl.arange(0, BLOCK)[:, None] >= 0)
     e0 = e0.to(DOT_DTYPE)
     ds_cols = tl.zeros([BLOCK, 16], dtype=tl.float32)
+    ds_sum = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
     # The window of query tile m is r rows j0 - i0 + Lq - BLOCK + [0, 2 BLOCK): its hi chunk
     # is the previous tile's lo chunk, carried, so one r tile is loaded per query tile.
     w = tl.arange(0, BLOCK)
@@ -434,15 +439,21 @@ def _rel_attn_bwd_dkdv_kernel(
         dv = tl.dot(tl.trans(p), do, dv, input_precision=DOT_PREC)
         ds_t = tl.trans(_operand(ds, K.dtype.element_ty, UPCAST))
         dk = tl.dot(ds_t, a_t, dk, input_precision=DOT_PREC)
-        ds_cols = tl.dot(ds_t, e0, ds_cols, input_precision=DOT_PREC)
+        if DU_DOT:
+            ds_cols = tl.dot(ds_t, e0, ds_cols, input_precision=DOT_PREC)
+        else:
+            ds_sum += ds
 
     # du's part: scale * (column sums of dS) . K, once (the sum over ds_cols' columns adds
     # zeros to column 0: exact)
     part_off = (b * stride_part[0] + tl.program_id(1).to(tl.int64) * stride_part[1]
                 + h * stride_part[2] + offs_d)
+    if DU_DOT:
+        col_sums = tl.sum(ds_cols, axis=1)
+    else:
+        col_sums = tl.sum(ds_sum, axis=0)
     tl.store(DU_PART + part_off,
-             tl.sum(tl.sum(ds_cols, axis=1)[:, None] * k_t.to(tl.float32), axis=0) * sm_scale,
-             mask=d_ok)
+             tl.sum(col_sums[:, None] * k_t.to(tl.float32), axis=0) * sm_scale, mask=d_ok)
     dk = dk * sm_scale
     if DROPOUT:  # the kept probabilities' 1 / (1 - p) (_recompute_p_ds)
         dv = dv * drop[4]
@@ -775,6 +786,7 @@ _SMALL_TILE_DEFAULTS = {  # family: ((BLOCK, warps, stages) for D <= 64, the sam
 _SMALL_TILE_FAMILIES = tuple(_SMALL_TILE_DEFAULTS)
 _GATHER_SKEW_FAMILIES = _SMALL_TILE_FAMILIES
 _DR_BY_ROWS_FAMILIES = _SMALL_TILE_FAMILIES
+_DU_DOT_FAMILIES = ("sm90",)  # dk/dv kernel: du's column sums as a product (DU_DOT)
 
 
 def _small_tile_default(family: str, block_d: int) -> Tuple[int, int, int]:
@@ -975,7 +987,7 @@ def rel_attn_bwd(
     _launch(_dkdv_kernel, _rel_attn_bwd_dkdv_kernel,
             lambda blk: (B * H, triton.cdiv(Lk, blk)),
             (*inputs, dk, dv, du_part, strides, _bmh(dk), _bmh(du_part), *sizes, masks, drop,
-             *buckets), meta,
+             *buckets), dict(meta, DU_DOT=family in _DU_DOT_FAMILIES and block_d <= 64),
             configs[0])
 
     # dq (+ its row sums; + dr with atomics when not deterministic): one program per query tile
