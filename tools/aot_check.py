@@ -801,7 +801,7 @@ SPILL_RECORDED: Dict[Tuple[str, str, int], int] = {
     ('sm_80', '_rel_attn_fwd_kernel', 128): 5304,
     ('sm_89', '_rel_attn_fwd_kernel', 64): 1264,
     ('sm_89', '_rel_attn_fwd_kernel', 128): 5204,
-    ('sm_90', '_rel_attn_bwd_dkdv_kernel', 64): 492,
+    ('sm_90', '_rel_attn_bwd_dkdv_kernel', 64): 368,
     ('sm_90', '_rel_attn_bwd_dkdv_kernel', 128): 1000,
     ('sm_90', '_rel_attn_bwd_dq_kernel', 64): 408,
     ('sm_90', '_rel_attn_bwd_dq_kernel', 128): 1644,
