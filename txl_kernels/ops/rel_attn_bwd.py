@@ -155,9 +155,9 @@ def _probs(ac, bd, lse2, offs_i, j0, qk_scale, pattern, HAS_KPM: tl.constexpr,
 # ----------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------
-# The three main kernels take the same inputs: the pointers A_OP, QV_OP, Q, U, VB, K, V, R, DO,
-# LSE, DELTA, their strides as one tuple ``strides`` ((wbh, wm), (qb, qm, qh), (uh, vbh),
-# (kb, kn, kh), (vb, vn, vh), (rp, rh), (dob, dom, doh), (lb, lh, lm)), the masks as ``masks`` (window_left, window_right, KPM,
+# The three main kernels take the same inputs: the pointers A_OP, QV_OP, K, V, R, DO, LSE, DELTA,
+# their strides as one tuple ``strides`` ((wbh, wm), (kb, kn, kh), (vb, vn, vh), (rp, rh),
+# (dob, dom, doh), (lb, lh, lm)) (the dr kernel also ``q_args``, see _program_setup), the masks as ``masks`` (window_left, window_right, KPM,
 # (kpm_b, kpm_n), MASK, (mb, mh, mm, mn), BAND) and the dropout as ``dropout`` (SEED,
 # threshold, 1 / (1 - p)); _program_setup turns them into per-(batch, head) tuples that the tile
 # helpers unpack. LQ_BUCKET / LK_BUCKET are autotune keys only. The parameter order (pointers,
@@ -167,21 +167,22 @@ def _probs(ac, bd, lse2, offs_i, j0, qk_scale, pattern, HAS_KPM: tl.constexpr,
 
 
 @triton.jit
-def _program_setup(A_OP, QV_OP, Q, U, VB, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H,
-                   Lq, Lk, R_rows, D, HAS_BAND: tl.constexpr, USE_DESC: tl.constexpr,
-                   BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, FROM_Q: tl.constexpr = False):
+def _program_setup(A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk,
+                   R_rows, D, HAS_BAND: tl.constexpr, USE_DESC: tl.constexpr,
+                   BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, q_args=0,
+                   FROM_Q: tl.constexpr = False):
     """Every backward program's prologue: its batch and head (grid axis 0 is batch * head),
     the window narrowed by a mask band (band_on: the band replaces the dense mask, nothing to
     load) and the per-(batch, head) base pointers, computed once; with USE_DESC the [BLOCK,
     BLOCK_D] tiles of (q + u), (q + vb), dO, K, V and r come through TMA descriptors made here
     (zero fill past the rows / D: no pointer math, no masks). FROM_Q: the query tiles are q
-    itself (one tile for both operands) and the head's biases u and vb, loaded here in fp32;
-    _load_query_tile forms the operands. Returns (b, h, window_left,
+    itself (one tile for both operands) and the head's biases u and vb, loaded here in fp32,
+    from ``q_args`` = (Q, U, VB, (qb, qm, qh), (uh, vbh)); _load_query_tile forms the
+    operands. Returns (b, h, window_left,
     window_right, query, keys, rel, pattern, drop): query / keys / rel are what
     _load_query_tile / _load_kv_tile / _load_r read, pattern what _probs masks with, drop the
     dropout's (batch * head, Lq, SEED, threshold, scale)."""
-    ((stride_wbh, stride_wm), stride_q, (stride_uh, stride_vbh), stride_k, stride_v, stride_r,
-     stride_do, stride_l) = strides
+    (stride_wbh, stride_wm), stride_k, stride_v, stride_r, stride_do, stride_l = strides
     window_left, window_right, KPM, stride_kpm, MASK, stride_m, BAND = masks
     SEED, drop_thresh, drop_scale = dropout
     pid_bh = tl.program_id(0).to(tl.int64)
@@ -191,6 +192,7 @@ def _program_setup(A_OP, QV_OP, Q, U, VB, K, V, R, DO, LSE, DELTA, strides, mask
     if HAS_BAND:
         window_left, window_right, band_on = apply_mask_band(BAND, window_left, window_right)
     if FROM_Q:
+        Q, U, VB, stride_q, (stride_uh, stride_vbh) = q_args
         A_bh = Q + b * stride_q[0] + h * stride_q[2]
         QV_bh = A_bh
         stride_wm = stride_q[1]
@@ -379,7 +381,7 @@ def _rel_attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _rel_attn_bwd_dkdv_kernel(
-    A_OP, QV_OP, Q, U, VB, K, V, R, DO, LSE, DELTA, DK, DV, DU_PART, strides, stride_dk, stride_part,
+    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, DK, DV, DU_PART, strides, stride_dk, stride_part,
     H, Lq, Lk, R_rows, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -395,8 +397,8 @@ def _rel_attn_bwd_dkdv_kernel(
     offs_j = j0 + tl.arange(0, BLOCK)
     mlen = Lk - Lq
     b, h, window_left, window_right, query, keys, rel, pattern, drop = _program_setup(
-        A_OP, QV_OP, Q, U, VB, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk,
-        R_rows, D, HAS_BAND, USE_DESC, BLOCK, BLOCK_D)
+        A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows, D,
+        HAS_BAND, USE_DESC, BLOCK, BLOCK_D)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     kv_msk = (offs_j < Lk)[:, None] & d_ok[None, :]
@@ -497,7 +499,7 @@ def _dq_tile(carry, n, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
 
 @triton.jit
 def _rel_attn_bwd_dq_kernel(
-    A_OP, QV_OP, Q, U, VB, K, V, R, DO, LSE, DELTA, DQ, DQ_PART, DR_ACC,
+    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, DQ, DQ_PART, DR_ACC,
     strides, stride_dq, stride_part, stride_dr,
     H, Lq, Lk, R_rows, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
@@ -516,8 +518,8 @@ def _rel_attn_bwd_dq_kernel(
     m = num_m - 1 - tl.program_id(1)  # longest rows (causal) first
     mlen = Lk - Lq
     b, h, window_left, window_right, query, keys, rel, pattern, drop = _program_setup(
-        A_OP, QV_OP, Q, U, VB, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk,
-        R_rows, D, HAS_BAND, USE_DESC, BLOCK, BLOCK_D)
+        A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows, D,
+        HAS_BAND, USE_DESC, BLOCK, BLOCK_D)
 
     i0 = m * BLOCK
     offs_i = i0 + tl.arange(0, BLOCK)
@@ -610,7 +612,7 @@ def _dr_tile(carry, m, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
 
 @triton.jit
 def _rel_attn_bwd_dr_kernel(
-    A_OP, QV_OP, Q, U, VB, K, V, R, DO, LSE, DELTA, Z, strides, stride_z,
+    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, Z, strides, stride_z, q_args,
     H, Lq, Lk, R_rows, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -630,8 +632,8 @@ def _rel_attn_bwd_dr_kernel(
     d_ok = offs_d < D
     mlen = Lk - Lq
     b, h, window_left, window_right, query, keys, rel, pattern, drop = _program_setup(
-        A_OP, QV_OP, Q, U, VB, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk,
-        R_rows, D, HAS_BAND, USE_DESC, BLOCK, BLOCK_D, FROM_Q)
+        A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows, D,
+        HAS_BAND, USE_DESC, BLOCK, BLOCK_D, q_args, FROM_Q)
     w = tl.arange(0, BLOCK)
     p_lo = t * BLOCK + Lq - BLOCK
     p_hi = p_lo + BLOCK
@@ -955,9 +957,8 @@ def rel_attn_bwd(
         H, Lq, D, UPCAST=upcast, BLOCK_M=pre_block, BLOCK_D=block_d)
 
     # The main kernels' shared arguments (see "Kernels" above for the tuples' layouts).
-    inputs = (a_op, qv_op, q, r_w_bias, r_r_bias, k, v, r, do, lse, delta)
-    strides = (a_op.stride()[:2], _bmh(q), (r_w_bias.stride(0), r_r_bias.stride(0)), _bmh(k),
-               _bmh(v), r.stride()[:2], _bmh(do), lse.stride())
+    inputs = (a_op, qv_op, k, v, r, do, lse, delta)
+    strides = (a_op.stride()[:2], _bmh(k), _bmh(v), r.stride()[:2], _bmh(do), lse.stride())
     has_band = attn_mask_band is not None and attn_mask is not None
     band = attn_mask_band if has_band else delta  # unused without a band
     masks = (wl, wr, kpm, kpm_strides, am, am_strides, band)
@@ -1011,7 +1012,9 @@ def rel_attn_bwd(
         z = torch.zeros((2, B, R_rows, H, D), device=dev, dtype=torch.float32)
         _launch(_dr_kernel, _rel_attn_bwd_dr_kernel,
                 lambda blk: (B * H, triton.cdiv(Lq, blk) + triton.cdiv(Lk, blk) - 1),
-                (*inputs, z, strides, z.stride()[:4], *sizes, masks, drop, *buckets),
+                (*inputs, z, strides, z.stride()[:4],
+                 (q, r_w_bias, r_r_bias, _bmh(q), (r_w_bias.stride(0), r_r_bias.stride(0))),
+                 *sizes, masks, drop, *buckets),
                 dict(meta, FROM_Q=_dr_from_q(block_d, meta)), configs[2])
         dr = z.sum(dim=(0, 1)).to(q.dtype)
     else:
