@@ -319,6 +319,19 @@ def test_deterministic_bitwise(dtype):
         assert torch.equal(a, b), f"{name} differs between two identical backward calls"
 
 
+@pytest.mark.parametrize("du_dot", [False, True], ids=["du-tile-sum", "du-product"])
+def test_du_column_sum_forms_match(monkeypatch, du_dot):
+    """Both forms of the dk/dv kernel's du column sums (DU_DOT: a narrow product on sm_90, a
+    summed fp32 dS tile on the other families), with a padding mask so that masked pairs
+    and an uneven Lk enter the sums."""
+    import txl_kernels.ops.rel_attn_bwd as rb
+    monkeypatch.setattr(rb, "_DU_DOT_FAMILIES", ("sm90",) if du_dot else ())
+    ts = _inputs(2, 21, 37, 2, 16, R=57, seed=23)
+    kpm = torch.zeros(2, 37, dtype=torch.bool, device=FUSED_DEVICE)
+    kpm[1, 30:] = True
+    _check(ts, 0.25, -1, -1, kpm=kpm)
+
+
 @pytest.mark.parametrize("by_rows", [False, True], ids=["dr-d-by-block", "dr-block-by-d"])
 def test_atomic_dr_mode_matches(monkeypatch, by_rows):
     """Both forms of the atomic dr product (_atomic_dr: [D, BLOCK] on sm_90, [BLOCK, D] on

@@ -157,7 +157,7 @@ def _probs(ac, bd, lse2, offs_i, j0, qk_scale, pattern, HAS_KPM: tl.constexpr,
 # ----------------------------------------------------------------------------------------------
 # The three main kernels take the same inputs: the pointers A_OP, QV_OP, K, V, R, DO, LSE, DELTA,
 # their strides as one tuple ``strides`` ((wbh, wm), (kb, kn, kh), (vb, vn, vh), (rp, rh),
-# (dob, dom, doh), (lb, lh, lm)), the masks as ``masks`` (window_left, window_right, KPM,
+# (dob, dom, doh), (lb, lh, lm)) (the dr kernel also ``q_args``, see _program_setup), the masks as ``masks`` (window_left, window_right, KPM,
 # (kpm_b, kpm_n), MASK, (mb, mh, mm, mn), BAND) and the dropout as ``dropout`` (SEED,
 # threshold, 1 / (1 - p)); _program_setup turns them into per-(batch, head) tuples that the tile
 # helpers unpack. LQ_BUCKET / LK_BUCKET are autotune keys only. The parameter order (pointers,
@@ -169,12 +169,16 @@ def _probs(ac, bd, lse2, offs_i, j0, qk_scale, pattern, HAS_KPM: tl.constexpr,
 @triton.jit
 def _program_setup(A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk,
                    R_rows, D, HAS_BAND: tl.constexpr, USE_DESC: tl.constexpr,
-                   BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+                   BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, q_args=0,
+                   FROM_Q: tl.constexpr = False):
     """Every backward program's prologue: its batch and head (grid axis 0 is batch * head),
     the window narrowed by a mask band (band_on: the band replaces the dense mask, nothing to
     load) and the per-(batch, head) base pointers, computed once; with USE_DESC the [BLOCK,
     BLOCK_D] tiles of (q + u), (q + vb), dO, K, V and r come through TMA descriptors made here
-    (zero fill past the rows / D: no pointer math, no masks). Returns (b, h, window_left,
+    (zero fill past the rows / D: no pointer math, no masks). FROM_Q: the query tiles are q
+    itself (one tile for both operands) and the head's biases u and vb, loaded here in fp32,
+    from ``q_args`` = (Q, U, VB, (qb, qm, qh), (uh, vbh)); _load_query_tile forms the
+    operands. Returns (b, h, window_left,
     window_right, query, keys, rel, pattern, drop): query / keys / rel are what
     _load_query_tile / _load_kv_tile / _load_r read, pattern what _probs masks with, drop the
     dropout's (batch * head, Lq, SEED, threshold, scale)."""
@@ -187,15 +191,22 @@ def _program_setup(A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout
     band_on = False
     if HAS_BAND:
         window_left, window_right, band_on = apply_mask_band(BAND, window_left, window_right)
-    A_bh, QV_bh = A_OP + pid_bh * stride_wbh, QV_OP + pid_bh * stride_wbh
+    if FROM_Q:
+        Q, U, VB, stride_q, (stride_uh, stride_vbh) = q_args
+        A_bh = Q + b * stride_q[0] + h * stride_q[2]
+        QV_bh = A_bh
+        stride_wm = stride_q[1]
+    else:
+        A_bh, QV_bh = A_OP + pid_bh * stride_wbh, QV_OP + pid_bh * stride_wbh
     DO_bh = DO + b * stride_do[0] + h * stride_do[2]
     K_bh, V_bh = K + b * stride_k[0] + h * stride_k[2], V + b * stride_v[0] + h * stride_v[2]
     R_h = R + h * stride_r[1]
     if USE_DESC:
         A_bh = tl.make_tensor_descriptor(A_bh, shape=[Lq, D], strides=[stride_wm, 1],
                                          block_shape=[BLOCK, BLOCK_D])
-        QV_bh = tl.make_tensor_descriptor(QV_bh, shape=[Lq, D], strides=[stride_wm, 1],
-                                          block_shape=[BLOCK, BLOCK_D])
+        if not FROM_Q:
+            QV_bh = tl.make_tensor_descriptor(QV_bh, shape=[Lq, D], strides=[stride_wm, 1],
+                                              block_shape=[BLOCK, BLOCK_D])
         DO_bh = tl.make_tensor_descriptor(DO_bh, shape=[Lq, D], strides=[stride_do[1], 1],
                                           block_shape=[BLOCK, BLOCK_D])
         K_bh = tl.make_tensor_descriptor(K_bh, shape=[Lk, D], strides=[stride_k[1], 1],
@@ -204,8 +215,16 @@ def _program_setup(A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout
                                          block_shape=[BLOCK, BLOCK_D])
         R_h = tl.make_tensor_descriptor(R_h, shape=[R_rows, D], strides=[stride_r[0], 1],
                                         block_shape=[BLOCK, BLOCK_D])
+    bias_u = 0.0
+    bias_v = 0.0
+    if FROM_Q:
+        offs_d = tl.arange(0, BLOCK_D)
+        bias_u = tl.load(U + h * stride_uh + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+        bias_v = tl.load(VB + h * stride_vbh + offs_d, mask=offs_d < D,
+                         other=0.0).to(tl.float32)
     query = (A_bh, QV_bh, DO_bh, LSE + b * stride_l[0] + h * stride_l[1],
-             DELTA + b * stride_l[0] + h * stride_l[1], stride_wm, stride_do[1], stride_l[2])
+             DELTA + b * stride_l[0] + h * stride_l[1], stride_wm, stride_do[1], stride_l[2],
+             bias_u, bias_v)
     keys = (K_bh, V_bh, stride_k[1], stride_v[1])
     rel = (R_h, stride_r[0], R_rows)
     pattern = (b, h, Lq, Lk, window_left, window_right, band_on, KPM, stride_kpm, MASK, stride_m)
@@ -247,23 +266,36 @@ def _chunks_t(qv_t, r_lo, r_hi, DOT_PREC: tl.constexpr):
 
 @triton.jit
 def _load_query_tile(query, i0, offs_i, offs_d, Lq, D, DOT_DTYPE: tl.constexpr,
-                     USE_DESC: tl.constexpr):
+                     USE_DESC: tl.constexpr, FROM_Q: tl.constexpr = False,
+                     IN_DTYPE: tl.constexpr = None, UPCAST: tl.constexpr = False):
     """One query tile's operands (rows i0 + [0, BLOCK); pointers or descriptors pre-offset to
-    the batch and head): (q + u) and (q + vb) as the preprocess kernel rounded them, dO, the
-    log-sum-exp in log2 units (+inf past Lq) and delta."""
-    A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, stride_wm, stride_dom, stride_lm = query
+    the batch and head): (q + u) and (q + vb) as the preprocess kernel rounded them (FROM_Q:
+    formed here from one q tile the same way, in fp32 then rounded to IN_DTYPE: one tile load
+    instead of two), dO, the log-sum-exp in log2 units (+inf past Lq) and delta."""
+    A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, stride_wm, stride_dom, stride_lm, bias_u, bias_v = \
+        query
     in_i = offs_i < Lq
     if USE_DESC:
         a_t = A_bh.load([i0, 0])
-        qv_t = QV_bh.load([i0, 0])
+        if FROM_Q:
+            qv_t = a_t
+        else:
+            qv_t = QV_bh.load([i0, 0])
         do = DO_bh.load([i0, 0]).to(DOT_DTYPE)
     else:
         rows_i = offs_i.to(tl.int64)[:, None]
         q_msk = in_i[:, None] & (offs_d < D)[None, :]
         a_t = tl.load(A_bh + rows_i * stride_wm + offs_d[None, :], mask=q_msk, other=0.0)
-        qv_t = tl.load(QV_bh + rows_i * stride_wm + offs_d[None, :], mask=q_msk, other=0.0)
+        if FROM_Q:
+            qv_t = a_t
+        else:
+            qv_t = tl.load(QV_bh + rows_i * stride_wm + offs_d[None, :], mask=q_msk, other=0.0)
         do = tl.load(DO_bh + rows_i * stride_dom + offs_d[None, :], mask=q_msk,
                      other=0.0).to(DOT_DTYPE)
+    if FROM_Q:
+        q = a_t.to(tl.float32)
+        a_t = _operand(q + bias_u[None, :], IN_DTYPE, UPCAST)
+        qv_t = _operand(q + bias_v[None, :], IN_DTYPE, UPCAST)
     l_off = offs_i.to(tl.int64) * stride_lm
     lse2 = tl.load(LSE_bh + l_off, mask=in_i, other=float("inf")) * LOG2E
     delta = tl.load(DELTA_bh + l_off, mask=in_i, other=0.0)
@@ -355,6 +387,7 @@ def _rel_attn_bwd_dkdv_kernel(
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     SKEW_GATHER: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
     DROPOUT: tl.constexpr = False, USE_DESC: tl.constexpr = False,
+    DU_DOT: tl.constexpr = True,
 ):
     """One program per (batch * head, key tile): dk and dv of the tile, looping over the query
     tiles that the window lets see it, and the tile's part of du (scale * column sums of dS .
@@ -380,6 +413,15 @@ def _rel_attn_bwd_dkdv_kernel(
 
     dk = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    # du: DU_DOT, the column sums of the rounded dS (the dK product's operand) as one narrow
+    # product ds^T @ e0, e0 = [1, 0, ..., 0] per row ([BLOCK, 16]; column 0 holds the sums,
+    # the others 0): 8 registers a thread at BLOCK 64 where a carried [BLOCK, BLOCK] fp32 tile
+    # takes 32 (sm_90, D <= 64); else the fp32 dS tiles summed elementwise: fewer spills on
+    # the small-tile families' mma.sync / tcgen05 layouts (_DU_DOT_FAMILIES), and at D 128
+    # on sm_90 fewer spills without flags and a faster loop in the static model
+    e0 = (tl.arange(0, 16)[None, :] == 0) & (tl.arange(0, BLOCK)[:, None] >= 0)
+    e0 = e0.to(DOT_DTYPE)
+    ds_cols = tl.zeros([BLOCK, 16], dtype=tl.float32)
     ds_sum = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
     # The window of query tile m is r rows j0 - i0 + Lq - BLOCK + [0, 2 BLOCK): its hi chunk
     # is the previous tile's lo chunk, carried, so one r tile is loaded per query tile.
@@ -397,16 +439,23 @@ def _rel_attn_bwd_dkdv_kernel(
                                 qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
                                 DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, K.dtype.element_ty, UPCAST)
         dv = tl.dot(tl.trans(p), do, dv, input_precision=DOT_PREC)
-        ds_sum += ds
-        dk = tl.dot(tl.trans(_operand(ds, K.dtype.element_ty, UPCAST)), a_t, dk,
-                    input_precision=DOT_PREC)
+        ds_t = tl.trans(_operand(ds, K.dtype.element_ty, UPCAST))
+        dk = tl.dot(ds_t, a_t, dk, input_precision=DOT_PREC)
+        if DU_DOT:
+            ds_cols = tl.dot(ds_t, e0, ds_cols, input_precision=DOT_PREC)
+        else:
+            ds_sum += ds
 
-    # du's part: the fp32 dS tiles were summed over the query tiles; reduce their rows once
+    # du's part: scale * (column sums of dS) . K, once (the sum over ds_cols' columns adds
+    # zeros to column 0: exact)
     part_off = (b * stride_part[0] + tl.program_id(1).to(tl.int64) * stride_part[1]
                 + h * stride_part[2] + offs_d)
+    if DU_DOT:
+        col_sums = tl.sum(ds_cols, axis=1)
+    else:
+        col_sums = tl.sum(ds_sum, axis=0)
     tl.store(DU_PART + part_off,
-             tl.sum(tl.sum(ds_sum, axis=0)[:, None] * k_t.to(tl.float32), axis=0) * sm_scale,
-             mask=d_ok)
+             tl.sum(col_sums[:, None] * k_t.to(tl.float32), axis=0) * sm_scale, mask=d_ok)
     dk = dk * sm_scale
     if DROPOUT:  # the kept probabilities' 1 / (1 - p) (_recompute_p_ds)
         dv = dv * drop[4]
@@ -536,7 +585,7 @@ def _dr_tile(carry, m, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
              HAS_BAND: tl.constexpr, DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr,
              DOT_PREC: tl.constexpr, SKEW_GATHER: tl.constexpr, BLOCK: tl.constexpr,
              DROPOUT: tl.constexpr, USE_DESC: tl.constexpr, MASKED: tl.constexpr,
-             IN_DTYPE: tl.constexpr):
+             IN_DTYPE: tl.constexpr, FROM_Q: tl.constexpr):
     """One tile pair (m, m + t) of the dr kernel's diagonal: carry (dr_lo, dr_hi) -> the same
     after it; ``tile`` the diagonal's loop invariants (see the kernel)."""
     dr_lo, dr_hi = carry
@@ -546,7 +595,8 @@ def _dr_tile(carry, m, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
     offs_i = i0 + tl.arange(0, BLOCK)
     offs_j = j0 + tl.arange(0, BLOCK)
     a_t, qv_t, do, lse2, delta = _load_query_tile(query, i0, offs_i, offs_d, Lq, D, DOT_DTYPE,
-                                                  USE_DESC)
+                                                  USE_DESC, FROM_Q, IN_DTYPE,
+                                                  UPCAST)
     k_t, v_t = _load_kv_tile(keys, j0, offs_j, Lk, offs_d, D, DOT_DTYPE, USE_DESC)
     t_lo, t_hi = _chunks_t(qv_t, r_lo, r_hi, DOT_PREC)
     p, ds = _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, i0, j0, offs_i,
@@ -562,17 +612,19 @@ def _dr_tile(carry, m, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
 
 @triton.jit
 def _rel_attn_bwd_dr_kernel(
-    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, Z, strides, stride_z,
+    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, Z, strides, stride_z, q_args,
     H, Lq, Lk, R_rows, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     SKEW_GATHER: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
     DROPOUT: tl.constexpr = False, USE_DESC: tl.constexpr = False,
+    FROM_Q: tl.constexpr = False,
 ):
     """One program per (batch * head, block diagonal t = n - m): the dr contributions of the
     tile pairs (m, m + t) of one batch and head, reduced in registers in a fixed order, written
     to Z[0] (lo chunk rows) and Z[1] (hi chunk rows). No two programs write the same row of Z[c].
-    stride_z: (c, b, p, h)."""
+    stride_z: (c, b, p, h). FROM_Q: (q + u) and (q + vb) formed from one q tile per pair
+    (_load_query_tile), a quarter less global traffic per pair (_dr_from_q says where)."""
     num_m = tl.cdiv(Lq, BLOCK)
     num_n = tl.cdiv(Lk, BLOCK)
     t = num_n - 1 - tl.program_id(1)
@@ -581,7 +633,7 @@ def _rel_attn_bwd_dr_kernel(
     mlen = Lk - Lq
     b, h, window_left, window_right, query, keys, rel, pattern, drop = _program_setup(
         A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows, D,
-        HAS_BAND, USE_DESC, BLOCK, BLOCK_D)
+        HAS_BAND, USE_DESC, BLOCK, BLOCK_D, q_args, FROM_Q)
     w = tl.arange(0, BLOCK)
     p_lo = t * BLOCK + Lq - BLOCK
     p_hi = p_lo + BLOCK
@@ -621,7 +673,7 @@ def _rel_attn_bwd_dr_kernel(
             for m in range(m_first, m_stop):
                 carry = _dr_tile(carry, m, tile, HAS_KPM, HAS_MASK, HAS_BAND, DOT_DTYPE,
                                  UPCAST, DOT_PREC, SKEW_GATHER, BLOCK, DROPOUT, USE_DESC,
-                                 run != 1, K.dtype.element_ty)
+                                 run != 1, K.dtype.element_ty, FROM_Q)
     dr_lo, dr_hi = carry
 
     Z_bh = Z + b * stride_z[1] + h * stride_z[3] + offs_d[None, :]
@@ -736,6 +788,7 @@ _SMALL_TILE_DEFAULTS = {  # family: ((BLOCK, warps, stages) for D <= 64, the sam
 _SMALL_TILE_FAMILIES = tuple(_SMALL_TILE_DEFAULTS)
 _GATHER_SKEW_FAMILIES = _SMALL_TILE_FAMILIES
 _DR_BY_ROWS_FAMILIES = _SMALL_TILE_FAMILIES
+_DU_DOT_FAMILIES = ("sm90",)  # dk/dv kernel: du's column sums as a product (DU_DOT)
 
 
 def _small_tile_default(family: str, block_d: int) -> Tuple[int, int, int]:
@@ -761,6 +814,17 @@ _dq_kernel = triton.autotune(configs=_configs(), key=_KEY + ["ATOMIC_DR"],
 _dr_kernel = triton.autotune(configs=_configs(), key=_KEY,
                              prune_configs_by={"early_config_prune": _make_prune(True)},
                              reset_to_zero=["Z"])(_rel_attn_bwd_dr_kernel)
+
+
+def _dr_from_q(block_d: int, meta: dict) -> bool:
+    """Whether the dr kernel forms (q + u) and (q + vb) from q tiles (FROM_Q) rather than
+    loading both preprocessed operands: one [BLOCK, BLOCK_D] tile load per pair fewer (its
+    loop is bound by global traffic in the static sm_90 model, 1844 -> 1484 cycles at bf16
+    D 64), but the two operands are then register values. Only up to D 64 without masks or
+    dropout, where that costs 56 B of spills (sm_90 bf16, within the backward's 64 B budget);
+    with every flag on, or at D 128, it spills about 3x more than the loaded operands."""
+    return block_d <= 64 and not (meta["HAS_KPM"] or meta["HAS_MASK"] or meta["HAS_BAND"]
+                                  or meta["DROPOUT"])
 
 
 def _atomic_dr_fits(R_rows: int, Lq: int, Lk: int, H: int, D: int) -> bool:
@@ -904,7 +968,7 @@ def rel_attn_bwd(
                 HAS_BAND=has_band, DOT_DTYPE=dot_dtype, UPCAST=upcast, DOT_PREC=precision,
                 SKEW_GATHER=q.dtype == torch.float32 or family in _GATHER_SKEW_FAMILIES,
                 BLOCK_D=block_d, DROPOUT=dropout,
-                USE_DESC=descriptors_ok(a_op, qv_op, do, k, v, r))
+                USE_DESC=descriptors_ok(a_op, qv_op, q, do, k, v, r))
     if meta["USE_DESC"] and dev.type == "cuda" and not INTERPRET:
         ensure_scratch_allocator()
     sizes = (H, Lq, Lk, R_rows, D, scale, scale * LOG2E.value)
@@ -924,7 +988,7 @@ def rel_attn_bwd(
     _launch(_dkdv_kernel, _rel_attn_bwd_dkdv_kernel,
             lambda blk: (B * H, triton.cdiv(Lk, blk)),
             (*inputs, dk, dv, du_part, strides, _bmh(dk), _bmh(du_part), *sizes, masks, drop,
-             *buckets), meta,
+             *buckets), dict(meta, DU_DOT=family in _DU_DOT_FAMILIES and block_d <= 64),
             configs[0])
 
     # dq (+ its row sums; + dr with atomics when not deterministic): one program per query tile
@@ -948,8 +1012,10 @@ def rel_attn_bwd(
         z = torch.zeros((2, B, R_rows, H, D), device=dev, dtype=torch.float32)
         _launch(_dr_kernel, _rel_attn_bwd_dr_kernel,
                 lambda blk: (B * H, triton.cdiv(Lq, blk) + triton.cdiv(Lk, blk) - 1),
-                (*inputs, z, strides, z.stride()[:4], *sizes, masks, drop, *buckets), meta,
-                configs[2])
+                (*inputs, z, strides, z.stride()[:4],
+                 (q, r_w_bias, r_r_bias, _bmh(q), (r_w_bias.stride(0), r_r_bias.stride(0))),
+                 *sizes, masks, drop, *buckets),
+                dict(meta, FROM_Q=_dr_from_q(block_d, meta)), configs[2])
         dr = z.sum(dim=(0, 1)).to(q.dtype)
     else:
         dr = dr_acc.to(q.dtype)
