@@ -155,15 +155,16 @@ def _probs(ac, bd, lse2, offs_i, j0, qk_scale, pattern, HAS_KPM: tl.constexpr,
 # ----------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------
-# The three main kernels take the same inputs: the pointers A_OP, QV_OP, K, V, R, DO, LSE, DELTA,
-# their strides as one tuple ``strides`` ((wbh, wm), (kb, kn, kh), (vb, vn, vh), (rp, rh),
-# (dob, dom, doh), (lb, lh, lm)) (the dr kernel also ``q_args``, see _program_setup), the masks as ``masks`` (window_left, window_right, KPM,
-# (kpm_b, kpm_n), MASK, (mb, mh, mm, mn), BAND) and the dropout as ``dropout`` (SEED,
-# threshold, 1 / (1 - p)); _program_setup turns them into per-(batch, head) tuples that the tile
-# helpers unpack. LQ_BUCKET / LK_BUCKET are autotune keys only. The parameter order (pointers,
-# strides, sizes, masks, dropout) matters: LLVM ranks arguments by position when it
-# reassociates index arithmetic, and with the window ahead of Lq / Lk the dk/dv kernel spills
-# 8 B more on sm_90 (the static sm_90 model's --bwd report, sass_profile.py).
+# The three main kernels take the same inputs: the pointers A_OP, QV_OP, K, V, R, DO, LSE,
+# DELTA, their strides as one tuple ``strides`` ((wbh, wm), (kb, kn, kh), (vb, vn, vh), (rp,
+# rh), (dob, dom, doh), (lb, lh, lm)), the masks as ``masks`` (window_left, window_right,
+# KPM, (kpm_b, kpm_n), MASK, (mb, mh, mm, mn), BAND) and the dropout as ``dropout`` (SEED,
+# threshold, 1 / (1 - p)); the dr kernel also ``q_args`` (see _program_setup).
+# _program_setup turns them into per-(batch, head) tuples that the tile helpers unpack.
+# LQ_BUCKET / LK_BUCKET are autotune keys only. The parameter order (pointers, strides,
+# sizes, masks, dropout) matters: LLVM ranks arguments by position when it reassociates
+# index arithmetic, and with the window ahead of Lq / Lk the dk/dv kernel spills 8 B more on
+# sm_90 (the static sm_90 model's --bwd report, sass_profile.py).
 
 
 @triton.jit
@@ -178,10 +179,9 @@ def _program_setup(A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout
     (zero fill past the rows / D: no pointer math, no masks). FROM_Q: the query tiles are q
     itself (one tile for both operands) and the head's biases u and vb, loaded here in fp32,
     from ``q_args`` = (Q, U, VB, (qb, qm, qh), (uh, vbh)); _load_query_tile forms the
-    operands. Returns (b, h, window_left,
-    window_right, query, keys, rel, pattern, drop): query / keys / rel are what
-    _load_query_tile / _load_kv_tile / _load_r read, pattern what _probs masks with, drop the
-    dropout's (batch * head, Lq, SEED, threshold, scale)."""
+    operands. Returns (b, h, window_left, window_right, query, keys, rel, pattern, drop):
+    query / keys / rel are what _load_query_tile / _load_kv_tile / _load_r read, pattern what
+    _probs masks with, drop the dropout's (batch * head, Lq, SEED, threshold, scale)."""
     (stride_wbh, stride_wm), stride_k, stride_v, stride_r, stride_do, stride_l = strides
     window_left, window_right, KPM, stride_kpm, MASK, stride_m, BAND = masks
     SEED, drop_thresh, drop_scale = dropout
