@@ -393,6 +393,13 @@ def rel_attention(
             raise TypeError(f"rel_attention: attn_mask_band must be the int32 [3] tensor of "
                             f"mask_to_band(attn_mask), got {attn_mask_band!r:.80}")
         check_same("rel_attention", "attn_mask_band", attn_mask_band, "q", q, dtype=False)
+        # mask_to_band reads the mask's last two dims as [Lq, Lk]: a mask broadcast over the
+        # queries or keys would give the band of other distances (a different result).
+        if attn_mask.dim() < 2 or tuple(attn_mask.shape[-2:]) != (Lq, Lk):
+            raise ValueError(f"rel_attention: attn_mask_band needs an attn_mask whose last two "
+                             f"dims are [Lq, Lk] = {[Lq, Lk]} (mask_to_band reads them as "
+                             f"query and key positions), got attn_mask "
+                             f"{list(attn_mask.shape)}; pass that mask without attn_mask_band")
     else:
         check_position_rows(Lq, Lk, r.shape[0], wl, wr)
 
