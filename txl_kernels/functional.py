@@ -279,7 +279,8 @@ def rel_attention(
         attn_mask_band: optional int32 ``[3]`` tensor from :func:`mask_to_band` (attn_mask),
             on q's device. Decided on the device, without a host sync: when it says the mask
             is a band, the fused kernel reads no mask and skips the tiles outside the band;
-            otherwise it reads attn_mask densely. The result is the same either way. Rows of r
+            otherwise it reads attn_mask densely. The result is the same either way.
+            attn_mask's last two dims must then be ``[Lq, Lk]`` (not broadcast). Rows of r
             that only pairs outside causal / window_size could need are then not checked on
             the host: rows outside ``[0, R)`` count as zero (the band, when it is one, excludes
             them).
