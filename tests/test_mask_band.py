@@ -185,3 +185,19 @@ def test_band_argument_checks():
         rel_attention(*ts, attn_mask_band=mask_to_band(mask), backend="reference")
     with pytest.raises(TypeError, match="attn_mask_band must be the int32"):
         rel_attention(*ts, attn_mask=mask, attn_mask_band=torch.zeros(3), backend="reference")
+
+
+@pytest.mark.parametrize("shape", [(1, 6), (4, 1), (1, 1, 1, 6), (1, 1)])
+def test_band_of_a_mask_broadcast_over_queries_or_keys_is_rejected(shape):
+    """mask_to_band reads a mask's last two dims as [Lq, Lk]; one broadcast over them (here
+    masking nothing) would describe other distances and change the result, so the pair is
+    refused instead of answering for a different mask."""
+    ts = make_inputs(1, 4, 6, 1, 16, R=9)
+    mask = torch.zeros(shape, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"attn_mask_band needs an attn_mask whose last two "
+                                         r"dims are \[Lq, Lk\] = \[4, 6\]"):
+        rel_attention(*ts, causal=False, attn_mask=mask, attn_mask_band=mask_to_band(mask),
+                      backend="reference")
+    # without the band the broadcast mask is fine
+    got = rel_attention(*ts, causal=False, attn_mask=mask, backend="reference")
+    torch.testing.assert_close(got, rel_attention(*ts, causal=False, backend="reference"))

@@ -279,7 +279,8 @@ def rel_attention(
         attn_mask_band: optional int32 ``[3]`` tensor from :func:`mask_to_band` (attn_mask),
             on q's device. Decided on the device, without a host sync: when it says the mask
             is a band, the fused kernel reads no mask and skips the tiles outside the band;
-            otherwise it reads attn_mask densely. The result is the same either way. Rows of r
+            otherwise it reads attn_mask densely. The result is the same either way.
+            attn_mask's last two dims must then be ``[Lq, Lk]`` (not broadcast). Rows of r
             that only pairs outside causal / window_size could need are then not checked on
             the host: rows outside ``[0, R)`` count as zero (the band, when it is one, excludes
             them).
@@ -393,6 +394,13 @@ def rel_attention(
             raise TypeError(f"rel_attention: attn_mask_band must be the int32 [3] tensor of "
                             f"mask_to_band(attn_mask), got {attn_mask_band!r:.80}")
         check_same("rel_attention", "attn_mask_band", attn_mask_band, "q", q, dtype=False)
+        # mask_to_band reads the mask's last two dims as [Lq, Lk]: a mask broadcast over the
+        # queries or keys would give the band of other distances (a different result).
+        if attn_mask.dim() < 2 or tuple(attn_mask.shape[-2:]) != (Lq, Lk):
+            raise ValueError(f"rel_attention: attn_mask_band needs an attn_mask whose last two "
+                             f"dims are [Lq, Lk] = {[Lq, Lk]} (mask_to_band reads them as "
+                             f"query and key positions), got attn_mask "
+                             f"{list(attn_mask.shape)}; pass that mask without attn_mask_band")
     else:
         check_position_rows(Lq, Lk, r.shape[0], wl, wr)
 
