@@ -766,19 +766,18 @@ def _default_config(block_d: int, exact_fp32: bool, wide: bool = False,
 
 
 # Per-architecture choices (txl_kernels._arch config families). sm_90 takes _configs(),
-# _make_prune's rule and the first branch of _default_config above. The other families take smaller tiles, the
-# tl.gather skew and the row-major atomic dr (_atomic_dr DR_BY_ROWS), with the default (BLOCK,
-# num_warps, num_stages) of _SMALL_TILE_DEFAULTS per head-dim class (up to 64, above), from
-# compiles for their targets (tools/aot_check --target; BENCHMARKS.md, "Per-architecture
-# compile table"; bf16, every mask / dropout flag on). On sm_80 (mma.sync) at D 128 BLOCK 64
-# spills 2.3-27 KB per kernel; BLOCK 32 with 4 warps and 2 stages 0.1-10 KB (ptxas settles some
-# kernels at 32 registers and spills everything), with 8 warps and 1 stage 0-176 B (the atomic
-# dq kernel; 8.7 KB with the [D, BLOCK] dr product); BLOCK 16 with 4 warps none. At D 64,
-# BLOCK 32 with 8 warps and 1 stage spills nothing there. sm_100 (tcgen05) at D 128: BLOCK 16
-# with 4 warps spills 92 B in the dk/dv kernel with 1 stage, 24 B with 2; its dk/dv kernel at
-# BLOCK 64 would need 257 KiB of shared memory (over 227 KiB). The gather skew spills less than
-# the register rotation, which is laid out for the wgmma accumulator. These tiles also fit the
-# 99 KiB blocks of sm_86 / sm_89 / sm_120.
+# _make_prune's rule and the first branch of _default_config above. The other families take smaller
+# tiles, the tl.gather skew and the row-major atomic dr (_atomic_dr DR_BY_ROWS), with the default
+# (BLOCK, num_warps, num_stages) of _SMALL_TILE_DEFAULTS per head-dim class (up to 64, above), from
+# compiles for their targets (tools/aot_check --target; BENCHMARKS.md, "Per-architecture compile
+# table"; bf16, every mask / dropout flag on). On sm_80 (mma.sync) at D 128 BLOCK 64 spills 2.3-27
+# KB per kernel; BLOCK 32 with 4 warps and 2 stages 0.1-10 KB (ptxas settles some kernels at 32
+# registers and spills everything), with 8 warps and 1 stage 0-176 B (the atomic dq kernel; 8.7 KB
+# with the [D, BLOCK] dr product); BLOCK 16 with 4 warps none. At D 64, BLOCK 32 with 8 warps and 1
+# stage spills nothing there. sm_100 (tcgen05) at D 128: BLOCK 16 with 4 warps spills 92 B in the
+# dk/dv kernel with 1 stage, 24 B with 2; its dk/dv kernel at BLOCK 64 would need 257 KiB of shared
+# memory (over 227 KiB). The gather skew spills less than the register rotation, which is laid out
+# for the wgmma accumulator. These tiles also fit the 99 KiB blocks of sm_86 / sm_89 / sm_120.
 _SMALL_TILE_DEFAULTS = {  # family: ((BLOCK, warps, stages) for D <= 64, the same for D > 64)
     "sm80": ((32, 8, 1), (16, 4, 1)),
     "sm86": ((32, 8, 1), (16, 4, 1)),
