@@ -195,9 +195,14 @@ def test_hf_init_reaches_dropin_parameters(kind, monkeypatch):
     want = model_cls.from_pretrained(None, config=config(), state_dict={})
     torch.manual_seed(0)
     again = model_cls.from_pretrained(None, config=config(), state_dict={}).state_dict()
-    # (Wav2Vec2-Conformer's weight-normed position conv differs from run to run by itself)
-    unstable = {k for k, v in want.state_dict().items() if not torch.equal(v, again[k])}
-    assert all(".parametrizations." in k for k in unstable), unstable
+    # Wav2Vec2-Conformer's weight-normed position conv is left uninitialised by transformers
+    # (its _init_weights writes to the computed weight, not to the parametrization's
+    # originals), so those tensors hold whatever memory they got: they differ from run to run,
+    # or happen to match. They are left out of every comparison, whether or not they differ
+    # in this run; anything else that differs between two unswapped builds fails the test.
+    unstable = {k for k in want.state_dict() if ".parametrizations." in k}
+    changed = {k for k, v in want.state_dict().items() if not torch.equal(v, again[k])}
+    assert changed <= unstable, changed - unstable
     post_init = model_cls.post_init
 
     def swapping_post_init(self):  # the swap applied to every model built
