@@ -8,6 +8,12 @@ of its own).
 
     python benchmarks/cpu_ratios.py                      # the target shapes (T up to 16,384)
     python benchmarks/cpu_ratios.py --max-t 4096 --threads 1 --clock cpu
+    python benchmarks/cpu_ratios.py --threads 1 --modes fwd --processes 5
+
+``--processes N`` runs the whole selection N times, each in a fresh process, one after
+another, and judges each target by the median of the N ratios: on a virtual machine the speed
+of one process (where its memory landed) can differ from the next by more than the rounds
+inside one process differ, and interleaving the providers does not cancel that.
 
 ``--clock cpu`` times one-thread cases by the calling thread's CPU time (``time.thread_time``:
 at one thread every provider computes on that thread), which a machine loaded by other
@@ -19,6 +25,7 @@ A dense baseline whose tensors would not fit in memory is skipped with its estim
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -85,7 +92,15 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", nargs="*", default=list(shapes.MODES), choices=shapes.MODES)
     ap.add_argument("--clock", default="wall", choices=("wall", "cpu"),
                     help="wall: time.perf_counter; cpu: the thread's CPU time (one thread only)")
+    ap.add_argument("--processes", type=int, default=1,
+                    help="run the selection in N fresh processes, one after another, and judge "
+                         "each target by the median of their ratios (default 1: this process)")
+    ap.add_argument("--emit-json", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.processes < 1:
+        ap.error(f"--processes must be >= 1, got {args.processes}")
+    if args.processes > 1:
+        return _in_processes(argv if argv is not None else sys.argv[1:], args.processes)
     if args.clock == "cpu" and args.threads != [1]:
         ap.error("--clock cpu needs --threads 1 (it counts the calling thread's CPU time)")
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
@@ -112,8 +127,42 @@ def main(argv=None) -> int:
                              else f"{r['provider']} {r['status']}" for r in recs)
             print(f"#   {case.shape.label} {case.mode}: {line}", flush=True)
         print(f"# {threads} thread(s), after: {uptime()}", flush=True)
+    if args.emit_json:
+        print(json.dumps({"records": records}))
+        return 0
     print()
     print(cpu_suite.summary(records))
+    return 0
+
+
+def _without_processes(argv: List[str]) -> List[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--processes":
+            skip = True
+        elif not a.startswith("--processes="):
+            out.append(a)
+    return out
+
+
+def _in_processes(argv: List[str], n: int) -> int:
+    """``main`` with ``argv`` in ``n`` fresh processes in turn (each printing its records as
+    JSON), then the targets by the median over the processes."""
+    child = _without_processes(argv) + ["--emit-json"]
+    runs: List[List[dict]] = []
+    for i in range(n):
+        print(f"# process {i + 1} of {n}, start: {uptime()}", flush=True)
+        out, why = cpu_suite.run_json_child(__file__, child, timeout_s=4 * 3600)
+        if out is None:
+            print(f"# process {i + 1} gave no result: {why}", file=sys.stderr)
+            return 1
+        runs.append(out["records"])
+        for row in cpu_suite.target_rows(out["records"]):
+            print(f"#   {row[0]} {row[2]} / {row[4]}: {row[6] or row[8]}", flush=True)
+    print()
+    print(cpu_suite.median_summary(runs))
     return 0
 
 

@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -252,14 +253,16 @@ def _ms(rec: dict) -> str:
     return f"{rec['time_s'] * 1e3:.1f} ms x{rec.get('reps', 0)}" if rec.get("time_s") else ""
 
 
-def target_rows(records: List[dict]) -> List[List[str]]:
-    """One row per (case, target): case, dtype, mode, cpu_fused's median, the baseline's, the
-    measured ratio, the target, and whether it is met (or why it could not be measured)."""
+def target_checks(records: List[dict]) -> List[dict]:
+    """One check per (case, target): ``row`` (case, dtype, mode, cpu_fused's median, the
+    baseline, the baseline's median), ``base``, ``kind``, ``bound``, ``target`` (the target as
+    text), and ``value`` (the measured speed-up or time ratio; None with ``why`` when a side
+    did not run)."""
     by_case: Dict[str, Dict[str, dict]] = {}
     for rec in records:
         if rec.get("kind") == "cpu_attention":
             by_case.setdefault(rec["key"], {})[rec["provider"]] = rec
-    rows = []
+    checks = []
     for recs in by_case.values():
         ours = recs.get(OURS)
         if ours is None:
@@ -268,28 +271,72 @@ def target_rows(records: List[dict]) -> List[List[str]]:
             if ours["group"] != group or ours["mode"] != mode:
                 continue
             other = recs.get(base)
-            target = (f"speed-up >= {bound:g}x" if kind == "speedup"
-                      else f"time ratio <= {bound:g}x")
-            row = [f"{ours['group']} {ours['label']}", ours["dtype"], mode, _ms(ours),
-                   base, _ms(other) if other else ""]
+            check = dict(row=[f"{ours['group']} {ours['label']}", ours["dtype"], mode,
+                              _ms(ours), base, _ms(other) if other else ""],
+                         base=base, kind=kind, bound=bound, value=None, why="",
+                         target=(f"speed-up >= {bound:g}x" if kind == "speedup"
+                                 else f"time ratio <= {bound:g}x"))
             if ours.get("status") != "ok" or not ours.get("time_s"):
-                rows.append(row + ["", target, f"cpu_fused {ours.get('status')}: "
-                                                f"{ours.get('reason', '')[:120]}"])
-                continue
-            if other is None or other.get("status") != "ok" or not other.get("time_s"):
-                why = "not run" if other is None else f"{other.get('status')}: " \
-                                                      f"{other.get('reason', '')[:160]}"
-                rows.append(row + ["", target, f"{base} {why}"])
-                continue
-            if kind == "speedup":
-                val = other["time_s"] / ours["time_s"]
-                met = val >= bound
-                shown = f"speed-up {val:.2f}x"
+                check["why"] = f"cpu_fused {ours.get('status')}: {ours.get('reason', '')[:120]}"
+            elif other is None or other.get("status") != "ok" or not other.get("time_s"):
+                check["why"] = f"{base} " + ("not run" if other is None else
+                                             f"{other.get('status')}: "
+                                             f"{other.get('reason', '')[:160]}")
+            elif kind == "speedup":
+                check["value"] = other["time_s"] / ours["time_s"]
             else:
-                val = ours["time_s"] / other["time_s"]
-                met = val <= bound
-                shown = f"time ratio {val:.2f}x"
-            rows.append(row + [shown, target, "met" if met else "NOT met"])
+                check["value"] = ours["time_s"] / other["time_s"]
+            checks.append(check)
+    return checks
+
+
+def _shown(kind: str, value: float) -> str:
+    return f"speed-up {value:.2f}x" if kind == "speedup" else f"time ratio {value:.2f}x"
+
+
+def _met(kind: str, value: float, bound: float) -> bool:
+    return value >= bound if kind == "speedup" else value <= bound
+
+
+def target_rows(records: List[dict]) -> List[List[str]]:
+    """One row per (case, target): case, dtype, mode, cpu_fused's median, the baseline, the
+    baseline's median, the measured ratio, the target, and whether it is met (or why it could
+    not be measured)."""
+    rows = []
+    for c in target_checks(records):
+        if c["value"] is None:
+            rows.append(c["row"] + ["", c["target"], c["why"]])
+        else:
+            rows.append(c["row"] + [_shown(c["kind"], c["value"]), c["target"],
+                                    "met" if _met(c["kind"], c["value"], c["bound"])
+                                    else "NOT met"])
+    return rows
+
+
+def median_rows(runs: List[List[dict]]) -> List[List[str]]:
+    """The targets over several runs (each a list of records, e.g. one per fresh process): one
+    row per (case, target) with every run's ratio, their median, the target, and whether the
+    median meets it (runs where a side did not run are left out; none measured: not judged)."""
+    order: List[Tuple[str, ...]] = []
+    seen: Dict[Tuple[str, ...], dict] = {}
+    for records in runs:
+        for c in target_checks(records):
+            key = (c["row"][0], c["row"][1], c["row"][2], c["base"])
+            if key not in seen:
+                order.append(key)
+                seen[key] = dict(c, values=[])
+            if c["value"] is not None:
+                seen[key]["values"].append(c["value"])
+    rows = []
+    for key in order:
+        c, vals = seen[key], seen[key]["values"]
+        each = ", ".join(f"{v:.2f}" for v in vals)
+        if not vals:
+            rows.append(list(key) + ["", "", c["target"], "not measured"])
+            continue
+        med = statistics.median(vals)
+        rows.append(list(key) + [each, _shown(c["kind"], med), c["target"],
+                                 "met" if _met(c["kind"], med, c["bound"]) else "NOT met"])
     return rows
 
 
@@ -309,5 +356,19 @@ def summary(records: List[dict]) -> str:
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "|".join(["---"] * 3 + ["---:", "---", "---:", "---:", "---", "---"]) + "|")
     for row in target_rows(records):
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def median_summary(runs: List[List[dict]]) -> str:
+    """Markdown: the machine, then :func:`median_rows` as a table."""
+    lines = [f"- {ln}" for ln in machine_lines()]
+    lines.append(f"- {len(runs)} runs, each in a fresh process; each target is judged by the "
+                 f"median of the runs' ratios")
+    lines.append("")
+    head = ["case", "dtype", "mode", "baseline", "each run", "median", "target", ""]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "|".join(["---"] * 4 + ["---", "---:", "---", "---"]) + "|")
+    for row in median_rows(runs):
         lines.append("| " + " | ".join(c.replace("|", "/") for c in row) + " |")
     return "\n".join(lines) + "\n"

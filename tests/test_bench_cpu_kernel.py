@@ -211,6 +211,28 @@ def test_target_rows():
     assert "| cpu_conformer B1 T1024 1 thread | fp32 | fwd |" in text and "CPU:" in text
 
 
+def test_median_rows_judge_each_target_by_the_median_of_the_runs():
+    runs = [[_rec("cpu_fused", t), _rec("sdpa_plain", 0.10), _rec("reference", 0.60)]
+            for t in (0.15, 0.17, 0.16)]
+    runs[1].append(_rec("nemo_eager", None, status="skipped", reason="does not fit"))
+    rows = {r[3]: r for r in cpu_suite.median_rows(runs)}
+    assert rows["sdpa_plain"][4:] == ["1.50, 1.70, 1.60", "time ratio 1.60x",
+                                      "time ratio <= 1.6x", "met"]
+    assert rows["reference"][4:6] == ["4.00, 3.53, 3.75", "speed-up 3.75x"]
+    assert rows["reference"][7] == "NOT met"
+    assert rows["nemo_eager"][4:] == ["", "", "speed-up >= 5x", "not measured"]
+    text = cpu_suite.median_summary(runs)
+    assert "3 runs, each in a fresh process" in text and "| 1.50, 1.70, 1.60 |" in text
+
+
+def test_cpu_ratios_children_get_the_arguments_without_processes():
+    from benchmarks import cpu_ratios
+
+    assert cpu_ratios._without_processes(
+        ["--threads", "1", "--processes", "5", "--modes", "fwd", "--processes=2"]) == \
+        ["--threads", "1", "--modes", "fwd"]
+
+
 # ---------------------------------------------------------------------------------------------
 # The scripts, in this process at tiny sizes
 
