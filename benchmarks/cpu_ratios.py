@@ -160,7 +160,7 @@ def _in_processes(argv: List[str], n: int) -> int:
             return 1
         runs.append(out["records"])
         for row in cpu_suite.target_rows(out["records"]):
-            print(f"#   {row[0]} {row[2]} / {row[4]}: {row[6] or row[8]}", flush=True)
+            print(f"#   {row[0]} {row[2]} / {row[4]}: {row[6] or row[8][:80]}", flush=True)
     print()
     print(cpu_suite.median_summary(runs))
     return 0

@@ -316,7 +316,8 @@ def target_rows(records: List[dict]) -> List[List[str]]:
 def median_rows(runs: List[List[dict]]) -> List[List[str]]:
     """The targets over several runs (each a list of records, e.g. one per fresh process): one
     row per (case, target) with every run's ratio, their median, the target, and whether the
-    median meets it (runs where a side did not run are left out; none measured: not judged)."""
+    median meets it (runs where a side did not run are left out; where none measured it, why
+    the first run could not)."""
     order: List[Tuple[str, ...]] = []
     seen: Dict[Tuple[str, ...], dict] = {}
     for records in runs:
@@ -332,7 +333,7 @@ def median_rows(runs: List[List[dict]]) -> List[List[str]]:
         c, vals = seen[key], seen[key]["values"]
         each = ", ".join(f"{v:.2f}" for v in vals)
         if not vals:
-            rows.append(list(key) + ["", "", c["target"], "not measured"])
+            rows.append(list(key) + ["", "", c["target"], c["why"]])
             continue
         med = statistics.median(vals)
         rows.append(list(key) + [each, _shown(c["kind"], med), c["target"],
