@@ -81,7 +81,7 @@ def run_case(case: shapes.Case, size: str, clock=time.perf_counter) -> List[dict
     return list(records.values())
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="issue", choices=shapes.CPU_KERNEL_SIZES,
                     help="the preset of benchmarks/shapes.py (default: issue)")
@@ -96,13 +96,19 @@ def main(argv=None) -> int:
                     help="run the selection in N fresh processes, one after another, and judge "
                          "each target by the median of their ratios (default 1: this process)")
     ap.add_argument("--emit-json", action="store_true", help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
+    if args.clock == "cpu" and args.threads != [1]:
+        ap.error("--clock cpu needs --threads 1 (it counts the calling thread's CPU time)")
     if args.processes < 1:
         ap.error(f"--processes must be >= 1, got {args.processes}")
     if args.processes > 1:
-        return _in_processes(argv if argv is not None else sys.argv[1:], args.processes)
-    if args.clock == "cpu" and args.threads != [1]:
-        ap.error("--clock cpu needs --threads 1 (it counts the calling thread's CPU time)")
+        return _in_processes(child_argv(argv if argv is not None else sys.argv[1:]),
+                             args.processes)
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     from benchmarks.providers import cpu_fused_unavailable
 
@@ -135,22 +141,15 @@ def main(argv=None) -> int:
     return 0
 
 
-def _without_processes(argv: List[str]) -> List[str]:
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--processes":
-            skip = True
-        elif not a.startswith("--processes="):
-            out.append(a)
-    return out
+def child_argv(argv: List[str]) -> List[str]:
+    """The arguments of each child of ``--processes``: the same selection, one process each
+    (the last ``--processes`` wins, whatever spelling came before), records out as JSON."""
+    return list(argv) + ["--processes", "1", "--emit-json"]
 
 
-def _in_processes(argv: List[str], n: int) -> int:
-    """``main`` with ``argv`` in ``n`` fresh processes in turn (each printing its records as
-    JSON), then the targets by the median over the processes."""
-    child = _without_processes(argv) + ["--emit-json"]
+def _in_processes(child: List[str], n: int) -> int:
+    """``main`` with the arguments ``child`` in ``n`` fresh processes in turn (each printing its
+    records as JSON), then the targets by the median over the processes."""
     runs: List[List[dict]] = []
     for i in range(n):
         print(f"# process {i + 1} of {n}, start: {uptime()}", flush=True)

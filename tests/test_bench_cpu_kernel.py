@@ -225,12 +225,14 @@ def test_median_rows_judge_each_target_by_the_median_of_the_runs():
     assert "3 runs, each in a fresh process" in text and "| 1.50, 1.70, 1.60 |" in text
 
 
-def test_cpu_ratios_children_get_the_arguments_without_processes():
+def test_cpu_ratios_children_run_one_process_each():
     from benchmarks import cpu_ratios
 
-    assert cpu_ratios._without_processes(
-        ["--threads", "1", "--processes", "5", "--modes", "fwd", "--processes=2"]) == \
-        ["--threads", "1", "--modes", "fwd"]
+    argv = ["--threads", "1", "--proc", "5", "--modes", "fwd"]  # (an abbreviation argparse takes)
+    assert cpu_ratios.parser().parse_args(argv).processes == 5
+    child = cpu_ratios.parser().parse_args(cpu_ratios.child_argv(argv))
+    assert child.processes == 1 and child.emit_json and child.threads == [1]
+    assert child.modes == ["fwd"]
 
 
 # ---------------------------------------------------------------------------------------------
