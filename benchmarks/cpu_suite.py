@@ -294,8 +294,8 @@ def _shown(kind: str, value: float) -> str:
     return f"speed-up {value:.2f}x" if kind == "speedup" else f"time ratio {value:.2f}x"
 
 
-def _met(kind: str, value: float, bound: float) -> bool:
-    return value >= bound if kind == "speedup" else value <= bound
+def _verdict(kind: str, value: float, bound: float) -> str:
+    return "met" if (value >= bound if kind == "speedup" else value <= bound) else "NOT met"
 
 
 def target_rows(records: List[dict]) -> List[List[str]]:
@@ -308,8 +308,7 @@ def target_rows(records: List[dict]) -> List[List[str]]:
             rows.append(c["row"] + ["", c["target"], c["why"]])
         else:
             rows.append(c["row"] + [_shown(c["kind"], c["value"]), c["target"],
-                                    "met" if _met(c["kind"], c["value"], c["bound"])
-                                    else "NOT met"])
+                                    _verdict(c["kind"], c["value"], c["bound"])])
     return rows
 
 
@@ -318,26 +317,22 @@ def median_rows(runs: List[List[dict]]) -> List[List[str]]:
     row per (case, target) with every run's ratio, their median, the target, and whether the
     median meets it (runs where a side did not run are left out; where none measured it, why
     the first run could not)."""
-    order: List[Tuple[str, ...]] = []
-    seen: Dict[Tuple[str, ...], dict] = {}
+    first: Dict[Tuple[str, ...], dict] = {}  # each target as first seen, in that order
     for records in runs:
         for c in target_checks(records):
             key = (c["row"][0], c["row"][1], c["row"][2], c["base"])
-            if key not in seen:
-                order.append(key)
-                seen[key] = dict(c, values=[])
+            first.setdefault(key, dict(c, values=[]))
             if c["value"] is not None:
-                seen[key]["values"].append(c["value"])
+                first[key]["values"].append(c["value"])
     rows = []
-    for key in order:
-        c, vals = seen[key], seen[key]["values"]
-        each = ", ".join(f"{v:.2f}" for v in vals)
+    for key, c in first.items():
+        vals = c["values"]
         if not vals:
             rows.append(list(key) + ["", "", c["target"], c["why"]])
             continue
         med = statistics.median(vals)
-        rows.append(list(key) + [each, _shown(c["kind"], med), c["target"],
-                                 "met" if _met(c["kind"], med, c["bound"]) else "NOT met"])
+        rows.append(list(key) + [", ".join(f"{v:.2f}" for v in vals), _shown(c["kind"], med),
+                                 c["target"], _verdict(c["kind"], med, c["bound"])])
     return rows
 
 
@@ -354,11 +349,15 @@ def summary(records: List[dict]) -> str:
     lines.append("")
     head = ["case", "dtype", "mode", "cpu_fused (median)", "baseline", "baseline (median)",
             "measured", "target", ""]
-    lines.append("| " + " | ".join(head) + " |")
-    lines.append("|" + "|".join(["---"] * 3 + ["---:", "---", "---:", "---:", "---", "---"]) + "|")
-    for row in target_rows(records):
-        lines.append("| " + " | ".join(c.replace("|", "/") for c in row) + " |")
+    lines += _table(head, ["---"] * 3 + ["---:", "---", "---:", "---:", "---", "---"],
+                    target_rows(records))
     return "\n".join(lines) + "\n"
+
+
+def _table(head: List[str], align: List[str], rows: List[List[str]]) -> List[str]:
+    """Markdown table lines ("|" inside a cell becomes "/")."""
+    return (["| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
+            + ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in rows])
 
 
 def median_summary(runs: List[List[dict]]) -> str:
@@ -368,8 +367,5 @@ def median_summary(runs: List[List[dict]]) -> str:
                  f"median of the runs' ratios")
     lines.append("")
     head = ["case", "dtype", "mode", "baseline", "each run", "median", "target", ""]
-    lines.append("| " + " | ".join(head) + " |")
-    lines.append("|" + "|".join(["---"] * 4 + ["---", "---:", "---", "---"]) + "|")
-    for row in median_rows(runs):
-        lines.append("| " + " | ".join(c.replace("|", "/") for c in row) + " |")
+    lines += _table(head, ["---"] * 5 + ["---:", "---", "---"], median_rows(runs))
     return "\n".join(lines) + "\n"
