@@ -60,24 +60,22 @@ TXL_ALWAYS_INLINE inline float hmax8(v8f v) {
   return m;
 }
 
-// exp(x) for 8 floats x <= 0, the softmax's s - max (Cephes' expf: x = n ln2 + r,
-// |r| <= ln2 / 2, a degree-6 polynomial in r, 2^n built in the exponent bits; about 1 ulp).
-// Exactly 0 below -87.3 (and at -inf, the masked scores); NaN gives NaN through the arithmetic.
-// Positive x is not clamped (there is no overflow select): callers pass x <= 0.
-TXL_ALWAYS_INLINE inline v8f exp8_nonpos(v8f x) {
-  const v8i32 under = x < -87.3f;
-  const v8f c = x < -87.3f ? v8f{} - 87.3f : x;
+// 2^x for 8 floats x <= 0, the softmax's s - max in log2 units: x = n + f with n = round(x),
+// |f| <= 1 / 2, 2^f from a degree-5 polynomial (relative error 1.7e-7 in fp32 arithmetic,
+// about 1.5 ulp), 2^n built in the exponent bits. Exactly 0 below -126.5 (and at -inf, the
+// masked scores); NaN gives NaN through the arithmetic. Positive x is not clamped (there is no
+// overflow select): callers pass x <= 0.
+TXL_ALWAYS_INLINE inline v8f exp2_8_nonpos(v8f x) {
+  const v8i32 under = x < -126.5f;
   const v8f big = v8f{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const v8f n = (c * 1.44269504088896341f + big) - big;
-  v8f r = c - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  v8f p = v8f{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
+  const v8f n = (x + big) - big;
+  const v8f f = x - n;
+  v8f p = v8f{} + 1.3264713e-3f;
+  p = p * f + 9.6715121e-3f;
+  p = p * f + 5.5507340e-2f;
+  p = p * f + 2.4022242e-1f;
+  p = p * f + 6.9314700e-1f;
+  p = p * f + 1.0f;
   const v8i32 e = (__builtin_convertvector(n, v8i32) + 127) << 23;
   v8f scale;
   std::memcpy(&scale, &e, sizeof scale);

@@ -12,7 +12,8 @@
 // T = (q + vb) Rwin^T is one GEMM whose row a, read from column m - 1 - a on, is BD's row a
 // (the skew is a pointer offset). Consecutive tiles' windows overlap in m - 1 rows: T is kept
 // and shifted, so each tile computes only its n new columns (BD costs one QK-sized GEMM).
-// Then the online softmax in fp32 (fp64 for fp64 inputs), P @ V, and the row log-sum-exp.
+// Then the online softmax in fp32 (fp64 for fp64 inputs) in log2 units, P @ V, and the row
+// log-sum-exp (natural log).
 // Backward (FlashAttention-2), per (batch, head): each query block recomputes P from the saved
 // lse; dV += P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO O)); dq_u = dS K, dK += dS^T (q + u);
 // the un-skewed dS accumulates in a window buffer dT laid out like T, and the columns that no
@@ -72,6 +73,10 @@ struct SequentialBlas {
 };
 
 constexpr int64_t kInf = std::numeric_limits<int64_t>::max() / 4;
+// The softmax runs in log2 units: the scores come scaled by scale * log2(e) and go through
+// 2^x (cheaper than e^x: no Cody-Waite reduction); the lse goes back to natural log.
+constexpr double kLog2e = 1.4426950408889634;
+constexpr double kLn2 = 0.6931471805599453;
 
 // Row-major C[M, N] = alpha * op(A) op(B) + beta * C (op: transpose when ta / tb).
 template <typename T>
@@ -127,10 +132,10 @@ T row_max(const T* s, int64_t n) {
   return m;
 }
 template <typename T>
-T exp_sum(T* s, int64_t n, T mx) {  // s = exp(s - mx) (0 at -inf); returns the sum
+T exp2_sum(T* s, int64_t n, T mx) {  // s = 2^(s - mx) (0 at -inf); returns the sum
   T sum = 0;
   for (int64_t x = 0; x < n; ++x) {
-    s[x] = std::exp(s[x] - mx);
+    s[x] = std::exp2(s[x] - mx);
     sum += s[x];
   }
   return sum;
@@ -185,17 +190,17 @@ TXL_CLONES float row_max(const float* s, int64_t n) {
   for (; x < n; ++x) m = s[x] > m ? s[x] : m;
   return m;
 }
-TXL_CLONES float exp_sum(float* s, int64_t n, float mx) {
+TXL_CLONES float exp2_sum(float* s, int64_t n, float mx) {
   v8f acc = {};
   int64_t x = 0;
   for (; x + 8 <= n; x += 8) {
-    const v8f e = exp8_nonpos(loadu8(s + x) - mx);
+    const v8f e = exp2_8_nonpos(loadu8(s + x) - mx);
     storeu8(s + x, e);
     acc += e;
   }
   float sum = hsum8(acc);
   for (; x < n; ++x) {
-    s[x] = std::exp(s[x] - mx);
+    s[x] = std::exp2(s[x] - mx);
     sum += s[x];
   }
   return sum;
@@ -480,10 +485,10 @@ void load_q(const scalar_t* q, int64_t ldq, const scalar_t* bias, int64_t m, int
           static_cast<acc_t>(q[a * ldq + d]) + static_cast<acc_t>(bias[d])));
 }
 
-// The scores tile S = scale * (AC + BD) with -inf at masked pairs, T advanced to this tile
-// (last: no later key tile for these query rows).
-// qu and qv come multiplied by the softmax scale, so the GEMMs give the scaled terms and one
-// pass adds BD's skewed rows (and takes the row maxima into rmax, when given).
+// The scores tile S = scale * log2(e) * (AC + BD) with -inf at masked pairs, T advanced to
+// this tile (last: no later key tile for these query rows). qu and qv come multiplied by
+// scale * log2(e), so the GEMMs give the scaled terms in log2 units and one pass adds BD's
+// skewed rows (and takes the row maxima into rmax, when given).
 template <typename scalar_t, typename acc_t>
 void scores_tile(const Geometry& g, const Head<scalar_t, acc_t>& hd, int64_t b, int64_t h,
                  int64_t i0, int64_t m, int64_t j0, int64_t n, bool first, bool last,
@@ -572,7 +577,7 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
     Scratch<acc_t> qu(BM * D), qv(BM * D), S(BM * BN), T(BM * tw + kWindowPad), acc(BM * D),
         kbuf(BN * D), vbuf(BN * D), rbuf((BM + BN) * D), mx(BM), l(BM), tmax(BM),
         z(g.drop.on ? BM * BN : 0);
-    const acc_t sc = static_cast<acc_t>(g.scale);
+    const acc_t sc = static_cast<acc_t>(g.scale * kLog2e);
     for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
       for (int64_t task = lane; task < ntask; task += lanes) {
         const int64_t b = task / (H * nqb), h = (task / nqb) % H, qb = task % nqb;
@@ -600,8 +605,8 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
               std::fill(s, s + n, acc_t(0));
               continue;
             }
-            const acc_t alpha = std::exp(mx[a] - mnew);
-            l[a] = l[a] * alpha + exp_sum(s, n, mnew);
+            const acc_t alpha = std::exp2(mx[a] - mnew);
+            l[a] = l[a] * alpha + exp2_sum(s, n, mnew);
             mx[a] = mnew;
             if (alpha != acc_t(1)) scale_row(acc.data() + a * D, alpha, D);
             if (g.drop.on) mul_rows(s, z.data() + a * BN, n);
@@ -616,7 +621,8 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
           const acc_t inv = any ? acc_t(1) / l[a] : acc_t(0);
           for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[a * D + d] * inv);
           lsep[(b * H + h) * Lq + i0 + a] =
-              any ? mx[a] + std::log(l[a]) : std::numeric_limits<acc_t>::infinity();
+              any ? (mx[a] + std::log2(l[a])) * static_cast<acc_t>(kLn2)
+                  : std::numeric_limits<acc_t>::infinity();
         }
       }
     }
@@ -646,7 +652,8 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
   const acc_t* lsep = lse.data_ptr<acc_t>();
   at::parallel_for(0, B * H * S_, 1, [&](int64_t begin, int64_t end) {
     SequentialBlas one_thread;
-    // qu, qv: (q + u), (q + vb) for the gradients; qus, qvs: times the scale, for the scores
+    // qu, qv: (q + u), (q + vb) for the gradients; qus, qvs: times scale * log2(e), for the
+    // scores in log2 units
     Scratch<acc_t> qu(BM * D), qv(BM * D), qus(BM * D), qvs(BM * D), S(BM * BN), dP(BM * BN),
         T(BM * tw + kWindowPad), dT(BM * tw), dqu(BM * D), dqv(BM * D), dO(BM * D),
         kbuf(BN * D), vbuf(BN * D), rbuf((BM + BN) * D), delta(BM),
@@ -670,8 +677,8 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
         const scalar_t* vbp = vb.data_ptr<scalar_t>() + h * vb.stride(0);
         load_q(qp, q.stride(1), up, m, D, acc_t(1), qu.data());
         load_q(qp, q.stride(1), vbp, m, D, acc_t(1), qv.data());
-        load_q(qp, q.stride(1), up, m, D, static_cast<acc_t>(g.scale), qus.data());
-        load_q(qp, q.stride(1), vbp, m, D, static_cast<acc_t>(g.scale), qvs.data());
+        load_q(qp, q.stride(1), up, m, D, static_cast<acc_t>(g.scale * kLog2e), qus.data());
+        load_q(qp, q.stride(1), vbp, m, D, static_cast<acc_t>(g.scale * kLog2e), qvs.data());
         for (int64_t a = 0; a < m; ++a) {
           const scalar_t* go = dout.data_ptr<scalar_t>() + b * dout.stride(0) +
                                (i0 + a) * dout.stride(1) + h * dout.stride(2);
@@ -699,7 +706,7 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
             if (std::isinf(lrow[a])) {
               std::fill(s, s + n, acc_t(0));
             } else {
-              exp_sum(s, n, lrow[a]);
+              exp2_sum(s, n, lrow[a] * static_cast<acc_t>(kLog2e));
             }
           }
           int64_t ldk, ldv;
