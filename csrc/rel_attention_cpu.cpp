@@ -658,6 +658,10 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
         T(BM * tw + kWindowPad), dT(BM * tw), dqu(BM * D), dqv(BM * D), dO(BM * D),
         kbuf(BN * D), vbuf(BN * D), rbuf((BM + BN) * D), delta(BM),
         z(g.drop.on ? BM * BN : 0);
+    // sc: the scores' factor, scale * log2(e) (log2 units); ds_scale: the softmax scale alone,
+    // for dS = scale * P (dP - delta)
+    const acc_t sc = static_cast<acc_t>(g.scale * kLog2e);
+    const acc_t ds_scale = static_cast<acc_t>(g.scale);
     for (int64_t task = begin; task < end; ++task) {
       // split sp of (b, h) takes the query blocks qb = sp (mod splits): balanced under causal
       // masks, and a fixed assignment for a given thread count
@@ -677,8 +681,8 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
         const scalar_t* vbp = vb.data_ptr<scalar_t>() + h * vb.stride(0);
         load_q(qp, q.stride(1), up, m, D, acc_t(1), qu.data());
         load_q(qp, q.stride(1), vbp, m, D, acc_t(1), qv.data());
-        load_q(qp, q.stride(1), up, m, D, static_cast<acc_t>(g.scale * kLog2e), qus.data());
-        load_q(qp, q.stride(1), vbp, m, D, static_cast<acc_t>(g.scale * kLog2e), qvs.data());
+        load_q(qp, q.stride(1), up, m, D, sc, qus.data());
+        load_q(qp, q.stride(1), vbp, m, D, sc, qvs.data());
         for (int64_t a = 0; a < m; ++a) {
           const scalar_t* go = dout.data_ptr<scalar_t>() + b * dout.stride(0) +
                                (i0 + a) * dout.stride(1) + h * dout.stride(2);
@@ -722,7 +726,7 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
           for (int64_t a = 0; a < m; ++a) {
             acc_t* s = S.data() + a * BN;
             acc_t* dp = dP.data() + a * BN;
-            ds_row(dp, s, n, static_cast<acc_t>(g.scale), delta[a]);
+            ds_row(dp, s, n, ds_scale, delta[a]);
             if (g.drop.on) mul_rows(s, z.data() + a * BN, n);
           }
           // dV += Pd^T dO ; dq_u += dS K ; dK += dS^T (q + u)
