@@ -5,16 +5,18 @@ Contract. Given the forward's inputs (layouts as in rel_attn_fwd.py: q / do / ou
 fp16 / bf16 / fp32, head dim 16..256, Lk >= Lq), its out and lse (``[B, H, Lq]`` fp32, natural
 log, +inf for empty rows) and the same masks, returns dq, dk, dv, dr, du, dvb, each with its
 input's shape and dtype, contiguous. Any strides with ``stride(-1) == 1`` (others copied);
-int64 batch / head offsets (the atomic dr's offsets within a head are int32, where they fit).
+int64 batch / head offsets (the atomics' offsets within a head are int32, where they fit).
 Kernels: preprocess (delta = dO . O, and q + u / q + vb rounded once per row into workspaces),
-dk/dv (+ du partials), dq (+ its row sums for dvb, + atomic dr), dr (deterministic mode only).
+dk/dv (+ du partials; ATOMIC: + dq and dr by fp32 atomics, no dq kernel), dq (+ its row sums
+for dvb; + atomic dr on the families without ATOMIC), dr (deterministic mode only).
 
 Invariants. P is recomputed from lse, never stored; the recomputed S uses exactly the
 forward's rounded operands; skew and unskew are one per-row rotation each (the forward's
 register rotation; a same-shape ``tl.gather`` for fp32 inputs); r rows outside [0, R) are never
 read or written. ``deterministic=True`` gives bitwise-equal gradients across
-calls (no atomics); ``deterministic=False`` (``rel_attention``'s default) reduces dr with fp32
-atomics. Without autotuning each kernel runs its fixed ``_default_config``.
+calls (no atomics); ``deterministic=False`` (``rel_attention``'s default) reduces dr (and,
+where _fused_dq, dq) with fp32 atomics. Without autotuning each kernel runs its fixed
+``_default_config``.
 
 Derivations: docs/DESIGN.md, sections "Backward", "Window reuse in the backward",
 "dr: atomic (the default) or deterministic", "Masks and memory in the backward", "Precision".
@@ -115,25 +117,18 @@ def _load_rows(PTR, rows, n_rows, stride_row, offs_d, D, DOT_DTYPE: tl.constexpr
 
 
 @triton.jit
-def _atomic_dr(DR_h, dt, qv_t, rows, R_rows, stride_drp, offs_d, d_ok, sm_scale,
-               DOT_PREC: tl.constexpr, DR_BY_ROWS: tl.constexpr):
-    """dr[rows] += scale * dT^T Qv with fp32 atomics. DR_BY_ROWS: computed as [BLOCK, D]
-    (dT^T the A operand, its transpose a layout conversion; the atomics' D-contiguous rows come
-    straight from the accumulator), the choice of the mma.sync / tcgen05 families, where the
-    other form keeps a transposed pointer tile live (sm_80, bf16 D 128, BLOCK 32, 8 warps:
-    8.7 KB of spills against 176 B); else as (Qv^T dT)^T ([D, BLOCK]: dT is the B operand as
-    it is, no transpose of a register tile; sm_90 spills less this way). The offsets within the
-    head are int32 (64-bit ones cost the loop ~60 integer instructions per tile): the launcher
-    takes this path only while every row's offset fits (_atomic_dr_fits)."""
+def _dr_add(DR_h, x, rows, R_rows, stride_drp, offs_d, d_ok, sm_scale):
+    """dr[rows] += scale * x ([BLOCK, D], from products dT^T Qv) with fp32 atomics; rows
+    outside [0, R) are skipped. The offsets within the head are int32 (64-bit ones cost a loop
+    ~60 integer instructions per tile): the launcher takes the atomic paths only while every
+    row's offset fits (_atomic_dr_fits). [BLOCK, D] rather than its transpose: the atomics'
+    D-contiguous rows come straight from the accumulator, where the transposed form keeps a
+    transposed pointer tile live (sm_80, bf16 D 128, BLOCK 32, 8 warps: 8.7 KB of spills
+    against 176 B in the dq kernel; sm_90 dk/dv kernel with ATOMIC: 448 B against 536 B and
+    2932 against 3024 cycles per tile in the static model)."""
     row_ok = (rows >= 0) & (rows < R_rows)
-    if DR_BY_ROWS:
-        drw = tl.dot(tl.trans(dt), qv_t, input_precision=DOT_PREC) * sm_scale
-        tl.atomic_add(DR_h + (rows[:, None] * stride_drp + offs_d[None, :]), drw,
-                      mask=row_ok[:, None] & d_ok[None, :])
-    else:
-        drw_t = tl.dot(tl.trans(qv_t), dt, input_precision=DOT_PREC) * sm_scale
-        tl.atomic_add(DR_h + (rows[None, :] * stride_drp + offs_d[:, None]), drw_t,
-                      mask=row_ok[None, :] & d_ok[:, None])
+    tl.atomic_add(DR_h + (rows[:, None] * stride_drp + offs_d[None, :]), x * sm_scale,
+                  mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
 
 
 @triton.jit
@@ -380,14 +375,37 @@ def _rel_attn_bwd_preprocess_kernel(
 
 
 @triton.jit
+def _dq_dr_atomics(ds_op, ds, k_t, r_lo, r_hi, qv_t, dr_pend, DQ_bh, DR_h, offs_i, rows_hi, Lq,
+                   R_rows, stride_dqm, stride_drp, offs_d, d_ok, lo_part, sm_scale,
+                   DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+                   SKEW_GATHER: tl.constexpr, BLOCK: tl.constexpr, IN_DTYPE: tl.constexpr):
+    """The dk/dv kernel's ATOMIC part for one query tile: its dq terms, dA + dQv = dS K +
+    [G_lo | G_hi] [r_lo; r_hi] (G the unskewed dS, split into its window chunks), added
+    unscaled to DQ_ACC (fp32 atomics; the launcher scales), and dr: the hi chunk's rows
+    ``rows_hi`` get dr_pend (the previous query tile's lo-chunk part: the same rows) plus this
+    tile's G_hi^T Qv; returns this tile's G_lo^T Qv, pending for the next tile."""
+    g = _operand(_unskew(ds, BLOCK, SKEW_GATHER), IN_DTYPE, UPCAST)
+    dt_lo = tl.where(lo_part, g, 0.0).to(DOT_DTYPE)
+    dt_hi = tl.where(lo_part, 0.0, g).to(DOT_DTYPE)
+    dq = tl.dot(ds_op, k_t, input_precision=DOT_PREC)
+    dq = tl.dot(dt_lo, r_lo, dq, input_precision=DOT_PREC)
+    dq = tl.dot(dt_hi, r_hi, dq, input_precision=DOT_PREC)
+    tl.atomic_add(DQ_bh + (offs_i[:, None] * stride_dqm + offs_d[None, :]), dq,
+                  mask=(offs_i < Lq)[:, None] & d_ok[None, :], sem="relaxed")
+    _dr_add(DR_h, tl.dot(tl.trans(dt_hi), qv_t, dr_pend, input_precision=DOT_PREC), rows_hi,
+            R_rows, stride_drp, offs_d, d_ok, sm_scale)
+    return tl.dot(tl.trans(dt_lo), qv_t, input_precision=DOT_PREC)
+
+
+@triton.jit
 def _rel_attn_bwd_dkdv_kernel(
     A_OP, QV_OP, K, V, R, DO, LSE, DELTA, DK, DV, DU_PART, strides, stride_dk, stride_part,
-    H, Lq, Lk, R_rows, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
+    atomics, H, Lq, Lk, R_rows, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     SKEW_GATHER: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
     DROPOUT: tl.constexpr = False, USE_DESC: tl.constexpr = False,
-    DU_DOT: tl.constexpr = True,
+    DU_DOT: tl.constexpr = True, ATOMIC: tl.constexpr = False,
 ):
     """One program per (batch * head, key tile): dk and dv of the tile, looping over the query
     tiles that the window lets see it, and the tile's part of du (scale * column sums of dS .
@@ -427,24 +445,43 @@ def _rel_attn_bwd_dkdv_kernel(
     # is the previous tile's lo chunk, carried, so one r tile is loaded per query tile.
     w = tl.arange(0, BLOCK)
     r_hi = _load_r(rel, j0 - m_lo * BLOCK + Lq, w, offs_d, D, DOT_DTYPE, USE_DESC)
+    if ATOMIC:
+        DQ_ACC, stride_dqa, DR_ACC, stride_dr = atomics
+        DQ_bh = DQ_ACC + b * stride_dqa[0] + h * stride_dqa[2]
+        DR_h = DR_ACC + h * stride_dr[1]
+        lo_part = _lo_part(BLOCK)
+        # dr of the current tile's hi window chunk, pending its lo-chunk part from the
+        # previous query tile (the same r rows: see the loop)
+        dr_pend = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     for m in range(m_lo, m_hi):
         i0 = m * BLOCK
         offs_i = i0 + tl.arange(0, BLOCK)
         a_t, qv_t, do, lse2, delta = _load_query_tile(query, i0, offs_i, offs_d, Lq, D,
                                                       DOT_DTYPE, USE_DESC)
-        r_lo = _load_r(rel, j0 - i0 + Lq - BLOCK, w, offs_d, D, DOT_DTYPE, USE_DESC)
+        p_lo = j0 - i0 + Lq - BLOCK
+        r_lo = _load_r(rel, p_lo, w, offs_d, D, DOT_DTYPE, USE_DESC)
         t_lo, t_hi = _chunks_t(qv_t, r_lo, r_hi, DOT_PREC)
-        r_hi = r_lo
         p, ds = _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, i0, j0, offs_i,
                                 qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
                                 DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, K.dtype.element_ty, UPCAST)
         dv = tl.dot(tl.trans(p), do, dv, input_precision=DOT_PREC)
-        ds_t = tl.trans(_operand(ds, K.dtype.element_ty, UPCAST))
+        ds_op = _operand(ds, K.dtype.element_ty, UPCAST)
+        ds_t = tl.trans(ds_op)
         dk = tl.dot(ds_t, a_t, dk, input_precision=DOT_PREC)
         if DU_DOT:
             ds_cols = tl.dot(ds_t, e0, ds_cols, input_precision=DOT_PREC)
         else:
             ds_sum += ds
+        if ATOMIC:
+            dr_pend = _dq_dr_atomics(ds_op, ds, k_t, r_lo, r_hi, qv_t, dr_pend, DQ_bh, DR_h,
+                                     offs_i, p_lo + BLOCK + w, Lq, R_rows, stride_dqa[1],
+                                     stride_dr[0], offs_d, d_ok, lo_part, sm_scale, DOT_DTYPE,
+                                     UPCAST, DOT_PREC, SKEW_GATHER, BLOCK,
+                                     K.dtype.element_ty)
+        r_hi = r_lo
+    if ATOMIC:  # the last tile's lo chunk
+        _dr_add(DR_h, dr_pend, j0 - m_hi * BLOCK + Lq + w, R_rows, stride_dr[0], offs_d, d_ok,
+                sm_scale)
 
     # du's part: scale * (column sums of dS) . K, once (the sum over ds_cols' columns adds
     # zeros to column 0: exact)
@@ -470,7 +507,7 @@ def _dq_tile(carry, n, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
              HAS_BAND: tl.constexpr, ATOMIC_DR: tl.constexpr, DOT_DTYPE: tl.constexpr,
              UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, SKEW_GATHER: tl.constexpr,
              BLOCK: tl.constexpr, DROPOUT: tl.constexpr, USE_DESC: tl.constexpr,
-             MASKED: tl.constexpr, IN_DTYPE: tl.constexpr, DR_BY_ROWS: tl.constexpr):
+             MASKED: tl.constexpr, IN_DTYPE: tl.constexpr):
     """One key tile n of the dq kernel's loop: carry (dq, g_prev, p_lo, r_lo) -> the
     same after it; ``tile`` the query tile's loop invariants (see the kernel). The window's lo
     chunk of r is the last tile's hi chunk, carried: one r tile loaded per key tile."""
@@ -492,8 +529,8 @@ def _dq_tile(carry, n, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
     dt = _operand(tl.where(lo_part, g, g_prev), IN_DTYPE, UPCAST)
     dq = tl.dot(dt, r_lo, dq, input_precision=DOT_PREC)  # dQv
     if ATOMIC_DR:
-        _atomic_dr(DR_h, dt, qv_t, p_lo + w, R_rows, stride_drp, offs_d, d_ok, sm_scale,
-                   DOT_PREC, DR_BY_ROWS)
+        _dr_add(DR_h, tl.dot(tl.trans(dt), qv_t, input_precision=DOT_PREC), p_lo + w, R_rows,
+                stride_drp, offs_d, d_ok, sm_scale)
     return dq, g, p_lo + BLOCK, r_hi
 
 
@@ -507,7 +544,6 @@ def _rel_attn_bwd_dq_kernel(
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     SKEW_GATHER: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
     DROPOUT: tl.constexpr = False, USE_DESC: tl.constexpr = False,
-    DR_BY_ROWS: tl.constexpr = False,
 ):
     """One program per (batch * head, query tile): dq of the tile (dA + dQv, in one
     accumulator) and its row sum (DQ_PART: dvb = sum(dq) - du, du from the dk/dv kernel),
@@ -563,14 +599,14 @@ def _rel_attn_bwd_dq_kernel(
             for n in range(n_first, n_stop):
                 carry = _dq_tile(carry, n, tile, HAS_KPM, HAS_MASK, HAS_BAND, ATOMIC_DR,
                                  DOT_DTYPE, UPCAST, DOT_PREC, SKEW_GATHER, BLOCK, DROPOUT,
-                                 USE_DESC, run != 1, K.dtype.element_ty, DR_BY_ROWS)
+                                 USE_DESC, run != 1, K.dtype.element_ty)
     dq, g_prev, p_lo, r_lo = carry
     # flush the hi part of the last tile (rows p_lo ..: its hi r chunk)
     dt = _operand(tl.where(lo_part, 0.0, g_prev), K.dtype.element_ty, UPCAST)
     dq = tl.dot(dt, r_lo, dq, input_precision=DOT_PREC)
     if ATOMIC_DR:
-        _atomic_dr(DR_h, dt, qv_t, p_lo + w, R_rows, stride_dr[0], offs_d, d_ok, sm_scale,
-                   DOT_PREC, DR_BY_ROWS)
+        _dr_add(DR_h, tl.dot(tl.trans(dt), qv_t, input_precision=DOT_PREC), p_lo + w, R_rows,
+                stride_dr[0], offs_d, d_ok, sm_scale)
 
     dq = dq * sm_scale
     tl.store(DQ + b * stride_dq[0] + h * stride_dq[2] + rows_i * stride_dq[1] + offs_d[None, :],
@@ -766,18 +802,18 @@ def _default_config(block_d: int, exact_fp32: bool, wide: bool = False,
 
 
 # Per-architecture choices (txl_kernels._arch config families). sm_90 takes _configs(),
-# _make_prune's rule and the first branch of _default_config above. The other families take smaller
-# tiles, the tl.gather skew and the row-major atomic dr (_atomic_dr DR_BY_ROWS), with the default
-# (BLOCK, num_warps, num_stages) of _SMALL_TILE_DEFAULTS per head-dim class (up to 64, above), from
-# compiles for their targets (tools/aot_check --target; BENCHMARKS.md, "Per-architecture compile
-# table"; bf16, every mask / dropout flag on). On sm_80 (mma.sync) at D 128 BLOCK 64 spills 2.3-27
-# KB per kernel; BLOCK 32 with 4 warps and 2 stages 0.1-10 KB (ptxas settles some kernels at 32
-# registers and spills everything), with 8 warps and 1 stage 0-176 B (the atomic dq kernel; 8.7 KB
-# with the [D, BLOCK] dr product); BLOCK 16 with 4 warps none. At D 64, BLOCK 32 with 8 warps and 1
-# stage spills nothing there. sm_100 (tcgen05) at D 128: BLOCK 16 with 4 warps spills 92 B in the
-# dk/dv kernel with 1 stage, 24 B with 2; its dk/dv kernel at BLOCK 64 would need 257 KiB of shared
-# memory (over 227 KiB). The gather skew spills less than the register rotation, which is laid out
-# for the wgmma accumulator. These tiles also fit the 99 KiB blocks of sm_86 / sm_89 / sm_120.
+# _make_prune's rule and the first branch of _default_config above. The other families take
+# smaller tiles and the tl.gather skew, with the default (BLOCK, num_warps, num_stages) of
+# _SMALL_TILE_DEFAULTS per head-dim class (up to 64, above), from compiles for their targets
+# (tools/aot_check --target; BENCHMARKS.md, "Per-architecture compile table"; bf16, every mask /
+# dropout flag on). On sm_80 (mma.sync) at D 128 BLOCK 64 spills 2.3-27 KB per kernel; BLOCK 32
+# with 4 warps and 2 stages 0.1-10 KB (ptxas settles some kernels at 32 registers and spills
+# everything), with 8 warps and 1 stage 0-176 B (the atomic dq kernel); BLOCK 16 with 4 warps
+# none. At D 64, BLOCK 32 with 8 warps and 1 stage spills nothing there. sm_100 (tcgen05) at D
+# 128: BLOCK 16 with 4 warps spills 92 B in the dk/dv kernel with 1 stage, 24 B with 2; its dk/dv
+# kernel at BLOCK 64 would need 257 KiB of shared memory (over 227 KiB). The gather skew spills
+# less than the register rotation, which is laid out for the wgmma accumulator. These tiles also
+# fit the 99 KiB blocks of sm_86 / sm_89 / sm_120.
 _SMALL_TILE_DEFAULTS = {  # family: ((BLOCK, warps, stages) for D <= 64, the same for D > 64)
     "sm80": ((32, 8, 1), (16, 4, 1)),
     "sm86": ((32, 8, 1), (16, 4, 1)),
@@ -785,9 +821,23 @@ _SMALL_TILE_DEFAULTS = {  # family: ((BLOCK, warps, stages) for D <= 64, the sam
     "sm120": ((32, 8, 1), (16, 4, 1)),
 }
 _SMALL_TILE_FAMILIES = tuple(_SMALL_TILE_DEFAULTS)
+# deterministic=False: the families whose dk/dv kernel also takes dq and dr by fp32 atomics
+# (ATOMIC: one recompute of P and dS per tile pair instead of two, no dq kernel). Their default
+# configs stay within the spill budget, or (sm_90) the static model prefers it despite the
+# spills: bf16 D 64 causal, 2.25x the tutorial's backward against 2.62 with the two kernels
+# (its loop bound by L2 and shared memory about evenly). sm_100 / sm_120 at their small tiles
+# spill 96-372 B with ATOMIC (bf16, flags on): they keep the dq kernel and its atomic dr.
+_FUSED_DQ_FAMILIES = ("sm90", "sm80", "sm86")
 _GATHER_SKEW_FAMILIES = _SMALL_TILE_FAMILIES
-_DR_BY_ROWS_FAMILIES = _SMALL_TILE_FAMILIES
 _DU_DOT_FAMILIES = ("sm90",)  # dk/dv kernel: du's column sums as a product (DU_DOT)
+
+
+def _fused_dq(family: str, wide: bool) -> bool:
+    """Whether deterministic=False takes dq and dr in the dk/dv kernel (ATOMIC): on the
+    _FUSED_DQ_FAMILIES, for fp16 / bf16 inputs. fp32 inputs keep the two kernels: on sm_90
+    ATOMIC spills 2.1 KB (TF32, D 64) and 12.5 KB (D 128) with every flag on, against 0.7 +
+    1.5 KB and 7.7 + 1.2 KB for the dk/dv and dq kernels."""
+    return family in _FUSED_DQ_FAMILIES and not wide
 
 
 def _small_tile_default(family: str, block_d: int) -> Tuple[int, int, int]:
@@ -800,11 +850,21 @@ def _family_keeps(family: str, extra_tiles: bool, cfg, block_d: int, wide: bool)
     return family not in _SMALL_TILE_FAMILIES or cfg.kwargs["BLOCK"] <= 32
 
 
+def _zero_atomics(nargs, reset_only=False):
+    """The dk/dv autotuner's hook, before each trial and before the chosen config's run:
+    ATOMIC adds into the dq and dr buffers of its ``atomics`` tuple, so each run starts them
+    from zero (reset_to_zero takes only top-level tensor arguments)."""
+    if nargs.get("ATOMIC"):
+        nargs["atomics"][0].zero_()
+        nargs["atomics"][2].zero_()
+
+
 _KEY = ["BLOCK_D", "LQ_BUCKET", "LK_BUCKET", "HAS_KPM", "HAS_MASK", "HAS_BAND", "DOT_PREC",
         "DROPOUT", "USE_DESC"]
 
-_dkdv_kernel = triton.autotune(configs=_configs(), key=_KEY,
-                               prune_configs_by={"early_config_prune": _make_prune(False)})(
+_dkdv_kernel = triton.autotune(configs=_configs(), key=_KEY + ["ATOMIC"],
+                               prune_configs_by={"early_config_prune": _make_prune(False)},
+                               pre_hook=_zero_atomics)(
     _rel_attn_bwd_dkdv_kernel)
 _dq_kernel = triton.autotune(configs=_configs(), key=_KEY + ["ATOMIC_DR"],
                              prune_configs_by={"early_config_prune": _make_prune(False)},
@@ -827,9 +887,11 @@ def _dr_from_q(block_d: int, meta: dict) -> bool:
 
 
 def _atomic_dr_fits(R_rows: int, Lq: int, Lk: int, H: int, D: int) -> bool:
-    """Whether _atomic_dr's int32 offsets reach every row it computes in a [R, H, D] buffer:
-    a tile's window rows lie within a few BLOCKs of the pair rows j - i + Lq - 1, which are in
-    (-BLOCK, Lq + Lk); otherwise the deterministic dr kernel runs instead."""
+    """Whether the atomics' int32 offsets (_dr_add, and the dq atomics of _dq_dr_atomics)
+    reach every row they compute: in the [R, H, D] dr buffer a tile's window rows lie within a
+    few BLOCKs of the pair rows j - i + Lq - 1, which are in (-BLOCK, Lq + Lk); in the
+    [B, Lq, H, D] dq buffer (per batch) the rows are below Lq + BLOCK. Otherwise the
+    deterministic kernels run instead."""
     return (max(R_rows, Lq + Lk) + 4 * 64) * H * D < 2 ** 31
 
 
@@ -869,8 +931,9 @@ def rel_attn_bwd(
     for rows with no allowed key). Masks as in ``rel_attn_fwd``: causal folded into
     ``window_right = 0``, ``key_padding_mask`` bool [B, Lk] or None, ``attn_mask`` bool
     [B, H, Lq, Lk] (any strides) or None, True = masked. ``deterministic=False`` reduces dr
-    with fp32 atomics in the dq kernel (faster; not bitwise reproducible), unless its int32 row
-    offsets could overflow (dr near 2**31 elements: _atomic_dr_fits). ``dropout_p`` > 0:
+    (and, where _fused_dq, dq, in the dk/dv kernel) with fp32 atomics (faster; not bitwise
+    reproducible), unless their int32 row offsets could overflow (dr near 2**31 elements:
+    _atomic_dr_fits). ``dropout_p`` > 0:
     the forward's dropout, with the same (seed, offset) tensor ``dropout_seed`` (the keep-mask
     is regenerated, never stored). The arguments are validated by ``rel_attention``; here they
     are only asserted.
@@ -974,37 +1037,46 @@ def rel_attn_bwd(
     buckets = (length_bucket(Lq), length_bucket(Lk))  # autotune keys only
 
     # du and dvb: the dk/dv kernel writes scale (column sums of dS) . K of each key tile (its
-    # part of du = sum of dA over the rows), the dq kernel the row sums of each dq tile; then
-    # dvb = sum(dq) - du, all in fp32, summed in a fixed order
+    # part of du = sum of dA over the rows); dvb = sum(dq) - du, all in fp32 (the dq kernel
+    # writes the row sums of each dq tile, summed in a fixed order; with ATOMIC they are summed
+    # from the fp32 dq)
     du_part = torch.zeros((B, triton.cdiv(Lk, _MIN_BLOCK), H, D), device=dev,
                           dtype=torch.float32)
-    dq_part = torch.zeros((B, triton.cdiv(Lq, _MIN_BLOCK), H, D), device=dev,
-                          dtype=torch.float32)
+    if not deterministic:
+        dr_acc = torch.zeros((R_rows, H, D), device=dev, dtype=torch.float32)
+    fused_dq = not deterministic and _fused_dq(family, q.dtype == torch.float32)
+    dq_acc = torch.zeros((B, Lq, H, D), device=dev, dtype=torch.float32) if fused_dq else None
 
-    # dk, dv (+ du partials): one program per key tile
+    # dk, dv (+ du partials; ATOMIC: + dq and dr by fp32 atomics): one program per key tile
     dk = torch.empty((B, Lk, H, D), device=dev, dtype=q.dtype)
     dv = torch.empty((B, Lk, H, D), device=dev, dtype=q.dtype)
+    atomics = (dq_acc, _bmh(dq_acc), dr_acc, dr_acc.stride()[:2]) if fused_dq else 0  # unused
     _launch(_dkdv_kernel, _rel_attn_bwd_dkdv_kernel,
             lambda blk: (B * H, triton.cdiv(Lk, blk)),
-            (*inputs, dk, dv, du_part, strides, _bmh(dk), _bmh(du_part), *sizes, masks, drop,
-             *buckets), dict(meta, DU_DOT=family in _DU_DOT_FAMILIES and block_d <= 64),
+            (*inputs, dk, dv, du_part, strides, _bmh(dk), _bmh(du_part), atomics, *sizes, masks,
+             drop, *buckets),
+            dict(meta, DU_DOT=family in _DU_DOT_FAMILIES and block_d <= 64, ATOMIC=fused_dq),
             configs[0])
-
-    # dq (+ its row sums; + dr with atomics when not deterministic): one program per query tile
-    dq = torch.empty((B, Lq, H, D), device=dev, dtype=q.dtype)
-    if deterministic:
-        dr_acc = dq_part  # unused (ATOMIC_DR=False)
-    else:
-        dr_acc = torch.zeros((R_rows, H, D), device=dev, dtype=torch.float32)
-    _launch(_dq_kernel, _rel_attn_bwd_dq_kernel,
-            lambda blk: (B * H, triton.cdiv(Lq, blk)),
-            (*inputs, dq, dq_part, dr_acc, strides, _bmh(dq), _bmh(dq_part),
-             dr_acc.stride()[:2], *sizes, masks, drop, *buckets),
-            dict(meta, ATOMIC_DR=not deterministic,
-                 DR_BY_ROWS=family in _DR_BY_ROWS_FAMILIES), configs[1])
     du32 = du_part.sum(dim=(0, 1))
     du = du32.to(q.dtype)
-    dvb = (dq_part.sum(dim=(0, 1)) - du32).to(q.dtype)
+
+    if fused_dq:
+        dq32 = dq_acc.mul_(scale)
+        dq = dq32.to(q.dtype)
+        dvb = (dq32.sum(dim=(0, 1)) - du32).to(q.dtype)
+    else:
+        # dq (+ its row sums; + dr with atomics when not deterministic): one program per
+        # query tile
+        dq = torch.empty((B, Lq, H, D), device=dev, dtype=q.dtype)
+        dq_part = torch.zeros((B, triton.cdiv(Lq, _MIN_BLOCK), H, D), device=dev,
+                              dtype=torch.float32)
+        dr_arg = dq_part if deterministic else dr_acc  # dq_part: unused (ATOMIC_DR=False)
+        _launch(_dq_kernel, _rel_attn_bwd_dq_kernel,
+                lambda blk: (B * H, triton.cdiv(Lq, blk)),
+                (*inputs, dq, dq_part, dr_arg, strides, _bmh(dq), _bmh(dq_part),
+                 dr_arg.stride()[:2], *sizes, masks, drop, *buckets),
+                dict(meta, ATOMIC_DR=not deterministic), configs[1])
+        dvb = (dq_part.sum(dim=(0, 1)) - du32).to(q.dtype)
 
     if deterministic:
         # dr: one program per block diagonal; Z[0] holds the lo chunks, Z[1] the hi chunks.
