@@ -2,7 +2,7 @@
 
 The first time a process runs a fused-kernel *variant* through ``rel_attention`` (backend
 ``"auto"`` or ``"triton"``) -- a (device, dtype, head dim, fp32 product precision, window sides,
-key padding, dense mask, mask band, dropout, 8-bit memory, gradients recorded, deterministic dr)
+key padding, dense mask, mask band, dropout, 8-bit memory, gradients recorded, deterministic mode)
 combination, each of which compiles its own kernels -- a tiny random problem of that variant runs
 on the fused path and on the reference path (forward, and the backward of all six inputs when
 the call records gradients) and the two are compared with a float64 reference run as the judge.
@@ -62,7 +62,7 @@ class Variant:
     dropout: bool
     memory: str            # 8-bit memory dtype ("int8", "float8_e4m3fn") or ""
     grad: bool             # the call records gradients: the backward is checked too
-    deterministic: bool    # the backward's dr mode (with grad)
+    deterministic: bool    # the backward's mode (with grad): atomics for dr (and dq) or not
 
     def describe(self) -> str:
         parts = [f"{self.device} {self.dtype}" + (f" ({self.products} products)"
@@ -80,7 +80,7 @@ class Variant:
         if self.memory:
             parts.append(f"{self.memory} memory")
         parts.append("forward + backward (" + ("deterministic" if self.deterministic
-                                               else "atomic") + " dr)"
+                                               else "atomic") + ")"
                      if self.grad else "forward")
         return ", ".join(parts)
 
