@@ -305,9 +305,10 @@ def rel_attention(
             run; else, on CPU tensors, the C++ kernel, or the reference with a one-time
             warning when the extension cannot be built; else the reference).
         deterministic: fused backward only. False (default, as in FlashAttention): the
-            gradient of r is accumulated with fp32 atomics (run-to-run bit differences). True:
-            it is reduced in a fixed order by a third pass (about 1.3-1.5x the backward time),
-            so two backward passes give bitwise-equal gradients.
+            gradient of r (and, for fp16 / bf16 on sm_80 .. sm_90, of q) is accumulated with
+            fp32 atomics (run-to-run bit differences). True: they are reduced in a fixed order
+            by separate passes (about 1.5x the backward time in the static sm_90 model), so
+            two backward passes give bitwise-equal gradients.
         memory: optional 8-bit memory, a :class:`txl_kernels.quant.QuantizedKV` (int8 or
             float8_e4m3fn keys / values ``[B, M, H, D]`` with one scale per (token, head),
             ``[B, M, H]``). The keys and values are then the memory's ``M`` rows followed by
