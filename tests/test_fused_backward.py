@@ -572,10 +572,10 @@ def test_autotuned_atomic_runs_start_from_zero():
     rb._zero_atomics({"ATOMIC": False, "atomics": 0})  # no buffers without ATOMIC
 
 
-def test_atomic_dr_only_where_its_int32_offsets_fit(monkeypatch):
-    """The atomic dr indexes its [R, H, D] buffer with int32 offsets: where they could
-    overflow, deterministic=False runs the deterministic dr kernel instead (launches recorded
-    on meta tensors; nothing runs)."""
+def test_atomics_only_where_their_int32_offsets_fit(monkeypatch):
+    """The atomics index their dr [R, H, D] (and dq [B, Lq, H, D]) buffers with int32 offsets:
+    where they could overflow, deterministic=False runs the deterministic kernels instead, on
+    both atomic paths (launches recorded on meta tensors; nothing runs)."""
     import txl_kernels.ops.rel_attn_bwd as rb
 
     launched = []
@@ -605,14 +605,14 @@ def test_atomic_dr_only_where_its_int32_offsets_fit(monkeypatch):
         atomic_launches = ([("preprocess", None), ("dkdv", True)] if fused else
                            [("preprocess", None), ("dkdv", False), ("dq", True)])
         for R, atomic in ((L, True), (2 ** 31 // (H * D) - 200, False), (2 ** 21, False)):
-            assert rb._atomic_dr_fits(R, L, L, H, D) is atomic
+            assert rb._atomic_offsets_fit(R, L, L, H, D) is atomic
             launched.clear()
             rb.rel_attn_bwd(t(B, L, H, D), t(B, L, H, D), t(B, L, H, D), t(B, L, H, D),
                             t(R, H, D), t(H, D), t(H, D), t(B, L, H, D),
                             t(B, H, L, dtype=torch.float32), D ** -0.5, -1, 0,
                             deterministic=False)
             assert launched == (atomic_launches if atomic else deterministic), (R, launched)
-    assert rb._atomic_dr_fits(2 ** 31 // (H * D) - 300, L, L, H, D)
+    assert rb._atomic_offsets_fit(2 ** 31 // (H * D) - 300, L, L, H, D)
 
 
 def test_public_deterministic_flag():

@@ -121,7 +121,7 @@ def _dr_add(DR_h, x, rows, R_rows, stride_drp, offs_d, d_ok, sm_scale):
     """dr[rows] += scale * x ([BLOCK, D], from products dT^T Qv) with fp32 atomics; rows
     outside [0, R) are skipped. The offsets within the head are int32 (64-bit ones cost a loop
     ~60 integer instructions per tile): the launcher takes the atomic paths only while every
-    row's offset fits (_atomic_dr_fits). [BLOCK, D] rather than its transpose: the atomics'
+    row's offset fits (_atomic_offsets_fit). [BLOCK, D] rather than its transpose: the atomics'
     D-contiguous rows come straight from the accumulator, where the transposed form keeps a
     transposed pointer tile live (sm_80, bf16 D 128, BLOCK 32, 8 warps: 8.7 KB of spills
     against 176 B in the dq kernel; sm_90 dk/dv kernel with ATOMIC: 448 B against 536 B and
@@ -886,7 +886,7 @@ def _dr_from_q(block_d: int, meta: dict) -> bool:
                                   or meta["DROPOUT"])
 
 
-def _atomic_dr_fits(R_rows: int, Lq: int, Lk: int, H: int, D: int) -> bool:
+def _atomic_offsets_fit(R_rows: int, Lq: int, Lk: int, H: int, D: int) -> bool:
     """Whether the atomics' int32 offsets (_dr_add, and the dq atomics of _dq_dr_atomics)
     reach every row they compute: in the [R, H, D] dr buffer a tile's window rows lie within a
     few BLOCKs of the pair rows j - i + Lq - 1, which are in (-BLOCK, Lq + Lk); in the
@@ -933,7 +933,7 @@ def rel_attn_bwd(
     [B, H, Lq, Lk] (any strides) or None, True = masked. ``deterministic=False`` reduces dr
     (and, where _fused_dq, dq, in the dk/dv kernel) with fp32 atomics (faster; not bitwise
     reproducible), unless their int32 row offsets could overflow (dr near 2**31 elements:
-    _atomic_dr_fits). ``dropout_p`` > 0:
+    _atomic_offsets_fit). ``dropout_p`` > 0:
     the forward's dropout, with the same (seed, offset) tensor ``dropout_seed`` (the keep-mask
     is regenerated, never stored). The arguments are validated by ``rel_attention``; here they
     are only asserted.
@@ -954,7 +954,7 @@ def rel_attn_bwd(
             tuple(t.shape) == shape and t.dtype == dtype and t.device == dev), \
             f"rel_attn_bwd: {name} must be {list(shape)} {dtype} on {dev}, got {describe(t)}"
     assert R_rows >= 1, f"rel_attn_bwd: r {describe(r)}"
-    deterministic = deterministic or not _atomic_dr_fits(R_rows, Lq, Lk, H, D)
+    deterministic = deterministic or not _atomic_offsets_fit(R_rows, Lq, Lk, H, D)
     dropout = dropout_p > 0.0
     assert not dropout or (dropout_seed is not None and dropout_seed.dtype == torch.int64
                            and dropout_seed.numel() == 2 and dropout_seed.device == dev), \
