@@ -332,20 +332,20 @@ def test_du_column_sum_forms_match(monkeypatch, du_dot):
     _check(ts, 0.25, -1, -1, kpm=kpm)
 
 
-@pytest.mark.parametrize("fused", [True, False],
-                         ids=["dkdv-atomic-dq-dr", "dq-kernel-atomic-dr"])
+@pytest.mark.parametrize("fused,det", [(True, False), (True, True), (False, False)],
+                         ids=["dkdv-atomic-dq-dr", "dkdv-ordered-dq-dr", "dq-kernel-atomic-dr"])
 @pytest.mark.parametrize("case", [
     dict(L=(37, 50), R=86, win=(20, 3)),       # window, r shorter than the pair distances
     dict(L=(1, 1), R=1, win=(-1, 0)),          # one query, one key
     dict(L=(37, 37), R=37, win=(-1, -1)),      # non-causal, r rows 0 .. 36 only
     dict(L=(21, 53), R=120, win=(-1, 0), kpm=True),
 ], ids=["window", "len1", "noncausal-shortR", "memory-kpm"])
-def test_atomic_modes_match(monkeypatch, fused, case):
-    """deterministic=False on both of its paths (_fused_dq): the dk/dv kernel with dq and dr
-    by atomics (ATOMIC: fp16 / bf16 on the _FUSED_DQ_FAMILIES) and the dq kernel with the
-    atomic dr (fp32, and the other families), both forced here in fp32 (the tightest check);
-    the fp16 / bf16 tests below take ATOMIC on their own (the interpreter runs sm_90's
-    family)."""
+def test_atomic_modes_match(monkeypatch, fused, det, case):
+    """The atomic paths (_fused_dq): the dk/dv kernel with dq and dr by atomics (ATOMIC: fp16
+    / bf16 on the _FUSED_DQ_FAMILIES), in any order (deterministic=False) or in key-tile
+    order (ORDERED, deterministic=True), and the dq kernel with the atomic dr (fp32, and the
+    other families), all forced here in fp32 (the tightest check); the fp16 / bf16 tests
+    take ATOMIC on their own (the interpreter runs sm_90's family)."""
     import txl_kernels.ops.rel_attn_bwd as rb
     monkeypatch.setattr(rb, "_fused_dq", lambda family, wide: fused)
     (lq, lk), (wl, wr) = case["L"], case["win"]
@@ -354,7 +354,7 @@ def test_atomic_modes_match(monkeypatch, fused, case):
     if case.get("kpm"):
         kpm = torch.zeros(2, lk, dtype=torch.bool, device=FUSED_DEVICE)
         kpm[1, lk - 9:] = True
-    _check(ts, 0.25, wl, wr, kpm=kpm, deterministic=False)
+    _check(ts, 0.25, wl, wr, kpm=kpm, deterministic=det)
 
 
 # --------------------------------------------------------------------------------------------
@@ -543,39 +543,47 @@ def test_autotune_switch_is_honoured(monkeypatch, autotune):
     def t(*shape, dtype=torch.bfloat16):
         return torch.empty(*shape, dtype=dtype, device="meta")
 
-    q = t(B, L, H, D)
-    rb.rel_attn_bwd(t(B, L, H, D), q, t(B, L, H, D), t(B, L, H, D), t(L, H, D), t(H, D),
-                    t(H, D), t(B, L, H, D), t(B, H, L, dtype=torch.float32), D ** -0.5, -1, 0)
-    names = [n for n, _ in launched]
-    if autotune == "0":
-        assert names == ["_rel_attn_bwd_preprocess_kernel", "_rel_attn_bwd_dkdv_kernel",
-                         "_rel_attn_bwd_dq_kernel", "_rel_attn_bwd_dr_kernel"]
-        for _, kw in launched[1:]:
-            assert (kw["BLOCK"], kw["num_warps"], kw["num_stages"]) == (64, 4, 2)
-    else:
-        assert names == ["_rel_attn_bwd_preprocess_kernel", "_dkdv_kernel", "_dq_kernel",
-                         "_dr_kernel"]
-        assert all("BLOCK" not in kw for _, kw in launched[1:])
+    # bf16: the dk/dv kernel with dq and dr (ORDERED: deterministic); fp32: the three kernels
+    for dtype, kernels, cfg in ((torch.bfloat16, ("dkdv",), (64, 4, 2)),
+                                (torch.float32, ("dkdv", "dq", "dr"), (32, 4, 2))):
+        launched.clear()
+        rb.rel_attn_bwd(*(t(*s, dtype=dtype) for s in ((B, L, H, D),) * 4
+                          + ((L, H, D), (H, D), (H, D), (B, L, H, D))),
+                        t(B, H, L, dtype=torch.float32), D ** -0.5, -1, 0)
+        names = [n for n, _ in launched]
+        if autotune == "0":
+            assert names == ["_rel_attn_bwd_preprocess_kernel"] + [
+                f"_rel_attn_bwd_{k}_kernel" for k in kernels]
+            for _, kw in launched[1:]:
+                assert (kw["BLOCK"], kw["num_warps"], kw["num_stages"]) == cfg
+        else:
+            assert names == ["_rel_attn_bwd_preprocess_kernel"] + [f"_{k}_kernel"
+                                                                   for k in kernels]
+            assert all("BLOCK" not in kw for _, kw in launched[1:])
+        assert launched[1][1]["ORDERED"] is (dtype == torch.bfloat16)
 
 
 def test_autotuned_atomic_runs_start_from_zero():
-    """The dk/dv autotuner zeroes the ATOMIC dq / dr buffers (inside its ``atomics`` tuple,
-    out of reach of reset_to_zero) before each trial and before the chosen config's run."""
+    """The dk/dv autotuner zeroes the ATOMIC dq / dr buffers and the ORDERED progress slots
+    (inside its ``atomics`` tuple, out of reach of reset_to_zero) before each trial and before
+    the chosen config's run: a trial left with published progress would let the next run's
+    programs add out of order."""
     import txl_kernels.ops.rel_attn_bwd as rb
     assert rb._dkdv_kernel.pre_hook is rb._zero_atomics
-    dq, dr = torch.ones(2, 3), torch.ones(4)
+    dq, dr, sems = torch.ones(2, 3), torch.ones(4), torch.ones(5, dtype=torch.int32)
     for reset_only in (False, True):
-        dq.fill_(1.0)
-        dr.fill_(1.0)
-        rb._zero_atomics({"ATOMIC": True, "atomics": (dq, (3, 1, 1), dr, (1, 1))}, reset_only)
-        assert not dq.any() and not dr.any()
+        for buf in (dq, dr, sems):
+            buf.fill_(1)
+        rb._zero_atomics({"ATOMIC": True,
+                          "atomics": (dq, (3, 1, 1), dr, (0, 1, 1), sems, 5)}, reset_only)
+        assert not dq.any() and not dr.any() and not sems.any()
     rb._zero_atomics({"ATOMIC": False, "atomics": 0})  # no buffers without ATOMIC
 
 
 def test_atomics_only_where_their_int32_offsets_fit(monkeypatch):
     """The atomics index their dr [R, H, D] (and dq [B, Lq, H, D]) buffers with int32 offsets:
-    where they could overflow, deterministic=False runs the deterministic kernels instead, on
-    both atomic paths (launches recorded on meta tensors; nothing runs)."""
+    where they could overflow, the deterministic kernels run instead, on every atomic path
+    (the ORDERED one too: launches recorded on meta tensors; nothing runs)."""
     import txl_kernels.ops.rel_attn_bwd as rb
 
     launched = []
@@ -587,7 +595,7 @@ def test_atomics_only_where_their_int32_offsets_fit(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kw: launched.append(
                 (self.name[len("_rel_attn_bwd_"):-len("_kernel")],
-                 kw.get("ATOMIC", kw.get("ATOMIC_DR"))))
+                 kw.get("ATOMIC", kw.get("ATOMIC_DR")), kw.get("ORDERED")))
 
     for name in ("_rel_attn_bwd_preprocess_kernel", "_rel_attn_bwd_dkdv_kernel",
                  "_rel_attn_bwd_dq_kernel", "_rel_attn_bwd_dr_kernel"):
@@ -595,22 +603,24 @@ def test_atomics_only_where_their_int32_offsets_fit(monkeypatch):
     monkeypatch.setattr(rb, "INTERPRET", False)
     monkeypatch.setenv("TXL_KERNELS_AUTOTUNE", "0")
     B, L, H, D = 1, 64, 16, 64
-    deterministic = [("preprocess", None), ("dkdv", False), ("dq", False), ("dr", None)]
+    deterministic = [("preprocess", None, None), ("dkdv", False, False), ("dq", False, None),
+                     ("dr", None, None)]
 
     def t(*shape, dtype=torch.bfloat16):
         return torch.empty(*shape, dtype=dtype, device="meta")
 
-    for fused in (True, False):
+    for fused, det in ((True, False), (True, True), (False, False)):
         monkeypatch.setattr(rb, "_fused_dq", lambda family, wide, fused=fused: fused)
-        atomic_launches = ([("preprocess", None), ("dkdv", True)] if fused else
-                           [("preprocess", None), ("dkdv", False), ("dq", True)])
+        atomic_launches = ([("preprocess", None, None), ("dkdv", True, det)] if fused else
+                           [("preprocess", None, None), ("dkdv", False, False),
+                            ("dq", True, None)])
         for R, atomic in ((L, True), (2 ** 31 // (H * D) - 200, False), (2 ** 21, False)):
             assert rb._atomic_offsets_fit(R, L, L, H, D) is atomic
             launched.clear()
             rb.rel_attn_bwd(t(B, L, H, D), t(B, L, H, D), t(B, L, H, D), t(B, L, H, D),
                             t(R, H, D), t(H, D), t(H, D), t(B, L, H, D),
                             t(B, H, L, dtype=torch.float32), D ** -0.5, -1, 0,
-                            deterministic=False)
+                            deterministic=det)
             assert launched == (atomic_launches if atomic else deterministic), (R, launched)
     assert rb._atomic_offsets_fit(2 ** 31 // (H * D) - 300, L, L, H, D)
 

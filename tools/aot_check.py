@@ -422,8 +422,11 @@ def _shapes(sc: Scenario) -> dict:
     """Launch shapes on meta tensors. Flags off: a square training segment whose sizes are
     multiples of 16. Flags on: odd lengths with a memory (Lk > Lq), a causal + left window,
     key padding, a dense mask (with its band descriptor unless "on-noband"), 4 key splits,
-    deterministic and atomic dr; attention dropout with "on" only, so the full set also compiles
-    the masked kernels without dropout ("on-noband")."""
+    deterministic and atomic dr, and the deterministic backward once more with an r too long
+    for the atomics' int32 offsets (``long_r``: on the families whose backward takes dq
+    and dr by atomics, the only way to the dq and dr kernels in fp16 / bf16); attention
+    dropout with "on" only, so the full set also compiles the masked kernels without dropout
+    ("on-noband")."""
     if sc.flags == "off":
         return dict(B=2, H=8, Lq=1024, Lk=1024, R=1024, wl=-1, wr=-1, kpm=False, mask=False,
                     band=False, splits=1, deterministic=(True,))
@@ -432,7 +435,7 @@ def _shapes(sc: Scenario) -> dict:
                     band=False, splits=4, deterministic=(), mem8=700)
     return dict(B=2, H=8, Lq=300, Lk=1000, R=1000, wl=256, wr=0, kpm=True, mask=True,
                 band=sc.flags == "on", splits=4, deterministic=(True, False),
-                dropout=0.1 if sc.flags == "on" else 0.0)
+                dropout=0.1 if sc.flags == "on" else 0.0, long_r=True)
 
 
 def _meta_inputs(sc: Scenario, s: dict):
@@ -489,8 +492,12 @@ def _drive_bwd(module, sc: Scenario) -> None:
     out = torch.empty_like(q)
     do = torch.empty_like(q)
     lse = torch.empty(s["B"], s["H"], s["Lq"], dtype=torch.float32, device="meta")
-    for det in s["deterministic"]:
-        module.rel_attn_bwd(do, q, k, v, r, u, vb, out, lse, sc.head_dim ** -0.5, s["wl"],
+    runs = [(det, r) for det in s["deterministic"]]
+    if s.get("long_r"):
+        H, D = r.shape[1:]
+        runs.append((True, torch.empty(2 ** 31 // (H * D), H, D, dtype=r.dtype, device="meta")))
+    for det, r_run in runs:
+        module.rel_attn_bwd(do, q, k, v, r_run, u, vb, out, lse, sc.head_dim ** -0.5, s["wl"],
                             s["wr"], key_padding_mask=kpm, attn_mask=mask, deterministic=det,
                             **extra)
 
@@ -797,8 +804,8 @@ SPILL_BUDGET_HEAD_DIMS = (64, 128)
 # compiled at the current defaults bound it instead, so that a change spilling more still fails:
 # (target, kernel, head dim) -> bytes (BENCHMARKS.md, "Per-architecture compile table").
 SPILL_RECORDED: Dict[Tuple[str, str, int], int] = {
-    ('sm_90', '_rel_attn_bwd_dkdv_kernel', 64): 700,
-    ('sm_90', '_rel_attn_bwd_dkdv_kernel', 128): 2660,
+    ('sm_90', '_rel_attn_bwd_dkdv_kernel', 64): 696,
+    ('sm_90', '_rel_attn_bwd_dkdv_kernel', 128): 3216,
     ('sm_90', '_rel_attn_bwd_dq_kernel', 64): 320,
     ('sm_90', '_rel_attn_bwd_dq_kernel', 128): 1248,
     ('sm_90', '_rel_attn_bwd_dr_kernel', 64): 124,

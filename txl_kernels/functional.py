@@ -306,9 +306,13 @@ def rel_attention(
             warning when the extension cannot be built; else the reference).
         deterministic: fused backward only. False (default, as in FlashAttention): the
             gradient of r (and, for fp16 / bf16 on sm_80 .. sm_90, of q) is accumulated with
-            fp32 atomics (run-to-run bit differences). True: they are reduced in a fixed order
-            by separate passes (about 1.5x the backward time in the static sm_90 model), so
-            two backward passes give bitwise-equal gradients.
+            fp32 atomics in whatever order they arrive (run-to-run bit differences). True:
+            two backward passes give bitwise-equal gradients; for fp16 / bf16 on sm_80 ..
+            sm_90 the same atomics are taken in a fixed order (each key tile's program
+            waits for the one before it, as FlashAttention-3's deterministic mode does;
+            about the atomic backward's time in the static sm_90 model, which does not
+            charge the waits), elsewhere a separate pass reduces them in a fixed order
+            (about 1.3x the atomic backward's time in the model).
         memory: optional 8-bit memory, a :class:`txl_kernels.quant.QuantizedKV` (int8 or
             float8_e4m3fn keys / values ``[B, M, H, D]`` with one scale per (token, head),
             ``[B, M, H]``). The keys and values are then the memory's ``M`` rows followed by

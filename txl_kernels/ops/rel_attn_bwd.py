@@ -7,16 +7,17 @@ log, +inf for empty rows) and the same masks, returns dq, dk, dv, dr, du, dvb, e
 input's shape and dtype, contiguous. Any strides with ``stride(-1) == 1`` (others copied);
 int64 batch / head offsets (the atomics' offsets within a head are int32, where they fit).
 Kernels: preprocess (delta = dO . O, and q + u / q + vb rounded once per row into workspaces),
-dk/dv (+ du partials; ATOMIC: + dq and dr by fp32 atomics, no dq kernel), dq (+ its row sums
-for dvb; + atomic dr on the families without ATOMIC), dr (deterministic mode only).
+dk/dv (+ du partials; ATOMIC: + dq and dr by fp32 atomics, no dq kernel; ORDERED: those adds in
+key-tile order), dq (+ its row sums for dvb; + atomic dr on the families without ATOMIC), dr
+(deterministic mode without ATOMIC).
 
 Invariants. P is recomputed from lse, never stored; the recomputed S uses exactly the
 forward's rounded operands; skew and unskew are one per-row rotation each (the forward's
 register rotation; a same-shape ``tl.gather`` for fp32 inputs); r rows outside [0, R) are never
-read or written. ``deterministic=True`` gives bitwise-equal gradients across
-calls (no atomics); ``deterministic=False`` (``rel_attention``'s default) reduces dr (and,
-where _fused_dq, dq) with fp32 atomics. Without autotuning each kernel runs its fixed
-``_default_config``.
+read or written. ``deterministic=True`` gives bitwise-equal gradients across calls (where
+_fused_dq, the atomics in key-tile order; elsewhere no atomics); ``deterministic=False``
+(``rel_attention``'s default) reduces dr (and, where _fused_dq, dq) with fp32 atomics in any
+order. Without autotuning each kernel runs its fixed ``_default_config``.
 
 Derivations: docs/DESIGN.md, sections "Backward", "Window reuse in the backward",
 "dr: atomic (the default) or deterministic", "Masks and memory in the backward", "Precision".
@@ -374,26 +375,70 @@ def _rel_attn_bwd_preprocess_kernel(
              mask=msk)
 
 
+# ORDERED: the progress a program has published once its adds are all done
+_DONE = tl.constexpr(1 << 30)
+_SPIN = tl.constexpr(not INTERPRET)
+
+
+# Spin until the int32 at $1 is >= $2, with acquire loads (each thread, so that its own adds
+# come after): one asm block, not a loop in the kernel's IR, which would stop Triton from
+# pipelining the loop around it (only innermost loops are pipelined). The label is local to the
+# braces (CUTLASS's barrier waits have the same shape).
+_SPIN_PTX = tl.constexpr("{ .reg .pred p;\n.reg .b32 v;\nTXL_SPIN:\n"
+                         "ld.acquire.gpu.global.b32 v, [$1];\nsetp.lt.s32 p, v, $2;\n"
+                         "@p bra TXL_SPIN;\nmov.b32 $0, v; }")
+
+
+@triton.jit
+def _turn_wait(PROG, target, n):
+    """ORDERED: wait until the previous key tile's program (PROG - 1; none for n = 0) has
+    published progress >= target. (The interpreter runs the programs one after another, in
+    key-tile order: there it always has.)"""
+    if _SPIN:
+        prev = tl.where(n > 0, PROG - 1, PROG)
+        target = tl.where(n > 0, target, 0)
+        tl.inline_asm_elementwise(_SPIN_PTX, "=r,l,r", [prev.to(tl.int64, bitcast=True), target],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _turn_pass(PROG, progress):
+    """ORDERED: once every thread's adds are issued (a CTA barrier, as asm: Triton does not
+    pipeline a loop around its own barrier op), publish ``progress`` (one thread, release)."""
+    if _SPIN:
+        tl.inline_asm_elementwise("bar.sync 0;\nmov.b32 $0, 0;", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+    tl.atomic_xchg(PROG, progress, sem="release")
+
+
 @triton.jit
 def _dq_dr_atomics(ds_op, ds, k_t, r_lo, r_hi, qv_t, dr_pend, DQ_bh, DR_h, offs_i, rows_hi, Lq,
-                   R_rows, stride_dqm, stride_drp, offs_d, d_ok, lo_part, sm_scale,
+                   R_rows, stride_dqm, stride_drp, offs_d, d_ok, lo_part, sm_scale, order,
                    DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-                   SKEW_GATHER: tl.constexpr, BLOCK: tl.constexpr, IN_DTYPE: tl.constexpr):
+                   SKEW_GATHER: tl.constexpr, BLOCK: tl.constexpr, IN_DTYPE: tl.constexpr,
+                   ORDERED: tl.constexpr):
     """The dk/dv kernel's ATOMIC part for one query tile: its dq terms, dA + dQv = dS K +
     [G_lo | G_hi] [r_lo; r_hi] (G the unskewed dS, split into its window chunks), added
     unscaled to DQ_ACC (fp32 atomics; the launcher scales), and dr: the hi chunk's rows
     ``rows_hi`` get dr_pend (the previous query tile's lo-chunk part: the same rows) plus this
-    tile's G_hi^T Qv; returns this tile's G_lo^T Qv, pending for the next tile."""
+    tile's G_hi^T Qv; returns this tile's G_lo^T Qv, pending for the next tile. ORDERED:
+    ``order`` = (this program's progress slot, its key tile n, this query tile's progress):
+    the adds wait for the previous key tile's program to get as far, then publish it."""
     g = _operand(_unskew(ds, BLOCK, SKEW_GATHER), IN_DTYPE, UPCAST)
     dt_lo = tl.where(lo_part, g, 0.0).to(DOT_DTYPE)
     dt_hi = tl.where(lo_part, 0.0, g).to(DOT_DTYPE)
     dq = tl.dot(ds_op, k_t, input_precision=DOT_PREC)
     dq = tl.dot(dt_lo, r_lo, dq, input_precision=DOT_PREC)
     dq = tl.dot(dt_hi, r_hi, dq, input_precision=DOT_PREC)
+    if ORDERED:
+        PROG, n, progress = order
+        _turn_wait(PROG, progress, n)
     tl.atomic_add(DQ_bh + (offs_i[:, None] * stride_dqm + offs_d[None, :]), dq,
                   mask=(offs_i < Lq)[:, None] & d_ok[None, :], sem="relaxed")
     _dr_add(DR_h, tl.dot(tl.trans(dt_hi), qv_t, dr_pend, input_precision=DOT_PREC), rows_hi,
             R_rows, stride_drp, offs_d, d_ok, sm_scale)
+    if ORDERED:
+        _turn_pass(PROG, progress)
     return tl.dot(tl.trans(dt_lo), qv_t, input_precision=DOT_PREC)
 
 
@@ -405,12 +450,15 @@ def _rel_attn_bwd_dkdv_kernel(
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     SKEW_GATHER: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
     DROPOUT: tl.constexpr = False, USE_DESC: tl.constexpr = False,
-    DU_DOT: tl.constexpr = True, ATOMIC: tl.constexpr = False,
+    DU_DOT: tl.constexpr = True, ATOMIC: tl.constexpr = False, ORDERED: tl.constexpr = False,
 ):
     """One program per (batch * head, key tile): dk and dv of the tile, looping over the query
     tiles that the window lets see it, and the tile's part of du (scale * column sums of dS .
     K: the row sums of dA = scale dS K) in DU_PART[b, key tile, h]. stride_dk: (b, n, h),
-    shared by DK and DV; stride_part: (b, n, h)."""
+    shared by DK and DV; stride_part: (b, n, h). ATOMIC: also dq and dr, added to ``atomics``
+    = (DQ_ACC, its (b, m, h) strides, DR_ACC, its (b, p, h) strides, SEMS, its row per batch
+    * head); ORDERED: every dq and dr row takes the key tiles' adds in key-tile order (SEMS:
+    each program's progress), so the sums are the same from run to run."""
     j0 = tl.program_id(1) * BLOCK
     offs_j = j0 + tl.arange(0, BLOCK)
     mlen = Lk - Lq
@@ -446,13 +494,21 @@ def _rel_attn_bwd_dkdv_kernel(
     w = tl.arange(0, BLOCK)
     r_hi = _load_r(rel, j0 - m_lo * BLOCK + Lq, w, offs_d, D, DOT_DTYPE, USE_DESC)
     if ATOMIC:
-        DQ_ACC, stride_dqa, DR_ACC, stride_dr = atomics
+        DQ_ACC, stride_dqa, DR_ACC, stride_dr, SEMS, sem_row = atomics
         DQ_bh = DQ_ACC + b * stride_dqa[0] + h * stride_dqa[2]
-        DR_h = DR_ACC + h * stride_dr[1]
+        DR_h = DR_ACC + b * stride_dr[0] + h * stride_dr[2]
         lo_part = _lo_part(BLOCK)
         # dr of the current tile's hi window chunk, pending its lo-chunk part from the
         # previous query tile (the same r rows: see the loop)
         dr_pend = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+        # ORDERED: key tile n publishes in PROG[n] how far its adds have got (m + 1 after query
+        # tile m's, _DONE after the last flush); query tile m's adds (dq tile m, dr block
+        # n - m) wait until PROG[n - 1] >= m + 1, the last flush until it is _DONE. By
+        # induction on n, every key tile before n then has made all its adds to those rows
+        # (dq tile m at its query tile m, the dr block at an earlier one: the tile ranges
+        # only move up with n), so each row takes its adds in key-tile order.
+        n = tl.program_id(1)
+        PROG = SEMS + (b * H + h) * sem_row + n
     for m in range(m_lo, m_hi):
         i0 = m * BLOCK
         offs_i = i0 + tl.arange(0, BLOCK)
@@ -473,15 +529,22 @@ def _rel_attn_bwd_dkdv_kernel(
         else:
             ds_sum += ds
         if ATOMIC:
+            order = 0
+            if ORDERED:
+                order = (PROG, n, m + 1)
             dr_pend = _dq_dr_atomics(ds_op, ds, k_t, r_lo, r_hi, qv_t, dr_pend, DQ_bh, DR_h,
                                      offs_i, p_lo + BLOCK + w, Lq, R_rows, stride_dqa[1],
-                                     stride_dr[0], offs_d, d_ok, lo_part, sm_scale, DOT_DTYPE,
-                                     UPCAST, DOT_PREC, SKEW_GATHER, BLOCK,
-                                     K.dtype.element_ty)
+                                     stride_dr[1], offs_d, d_ok, lo_part, sm_scale, order,
+                                     DOT_DTYPE, UPCAST, DOT_PREC, SKEW_GATHER, BLOCK,
+                                     K.dtype.element_ty, ORDERED)
         r_hi = r_lo
     if ATOMIC:  # the last tile's lo chunk
-        _dr_add(DR_h, dr_pend, j0 - m_hi * BLOCK + Lq + w, R_rows, stride_dr[0], offs_d, d_ok,
+        if ORDERED:
+            _turn_wait(PROG, _DONE, n)
+        _dr_add(DR_h, dr_pend, j0 - m_hi * BLOCK + Lq + w, R_rows, stride_dr[1], offs_d, d_ok,
                 sm_scale)
+        if ORDERED:
+            _turn_pass(PROG, _DONE)
 
     # du's part: scale * (column sums of dS) . K, once (the sum over ds_cols' columns adds
     # zeros to column 0: exact)
@@ -855,14 +918,14 @@ def _zero_atomics(nargs, reset_only=False):
     ATOMIC adds into the dq and dr buffers of its ``atomics`` tuple, so each run starts them
     from zero (reset_to_zero takes only top-level tensor arguments)."""
     if nargs.get("ATOMIC"):
-        nargs["atomics"][0].zero_()
-        nargs["atomics"][2].zero_()
+        for buf in nargs["atomics"][0:5:2]:  # dq, dr and (ORDERED) the turns
+            buf.zero_()
 
 
 _KEY = ["BLOCK_D", "LQ_BUCKET", "LK_BUCKET", "HAS_KPM", "HAS_MASK", "HAS_BAND", "DOT_PREC",
         "DROPOUT", "USE_DESC"]
 
-_dkdv_kernel = triton.autotune(configs=_configs(), key=_KEY + ["ATOMIC"],
+_dkdv_kernel = triton.autotune(configs=_configs(), key=_KEY + ["ATOMIC", "ORDERED"],
                                prune_configs_by={"early_config_prune": _make_prune(False)},
                                pre_hook=_zero_atomics)(
     _rel_attn_bwd_dkdv_kernel)
@@ -932,8 +995,10 @@ def rel_attn_bwd(
     ``window_right = 0``, ``key_padding_mask`` bool [B, Lk] or None, ``attn_mask`` bool
     [B, H, Lq, Lk] (any strides) or None, True = masked. ``deterministic=False`` reduces dr
     (and, where _fused_dq, dq, in the dk/dv kernel) with fp32 atomics (faster; not bitwise
-    reproducible), unless their int32 row offsets could overflow (dr near 2**31 elements:
-    _atomic_offsets_fit). ``dropout_p`` > 0:
+    reproducible); ``deterministic=True`` takes the same atomics in key-tile order where
+    _fused_dq (ORDERED), else the dq and dr kernels; both need the atomics' int32 row offsets
+    to fit (dr near 2**31 elements: _atomic_offsets_fit), else the dq and dr kernels run.
+    ``dropout_p`` > 0:
     the forward's dropout, with the same (seed, offset) tensor ``dropout_seed`` (the keep-mask
     is regenerated, never stored). The arguments are validated by ``rel_attention``; here they
     are only asserted.
@@ -954,7 +1019,12 @@ def rel_attn_bwd(
             tuple(t.shape) == shape and t.dtype == dtype and t.device == dev), \
             f"rel_attn_bwd: {name} must be {list(shape)} {dtype} on {dev}, got {describe(t)}"
     assert R_rows >= 1, f"rel_attn_bwd: r {describe(r)}"
-    deterministic = deterministic or not _atomic_offsets_fit(R_rows, Lq, Lk, H, D)
+    family = config_family(dev)[0]
+    fits = _atomic_offsets_fit(R_rows, Lq, Lk, H, D)
+    # ATOMIC: dq and dr in the dk/dv kernel; deterministic, with their adds in a fixed order
+    fused_dq = fits and _fused_dq(family, q.dtype == torch.float32)
+    ordered = fused_dq and deterministic
+    deterministic = deterministic or not fits
     dropout = dropout_p > 0.0
     assert not dropout or (dropout_seed is not None and dropout_seed.dtype == torch.int64
                            and dropout_seed.numel() == 2 and dropout_seed.device == dev), \
@@ -977,7 +1047,6 @@ def rel_attn_bwd(
         dot_dtype = _TL_DTYPES[q.dtype]
     precision = dot_precision(q.dtype)
     block_d = max(16, triton.next_power_of_2(D))
-    family = config_family(dev)[0]
     if INTERPRET:
         configs = (INTERPRET_CONFIG,) * 3
     elif not autotune_enabled():
@@ -1042,20 +1111,29 @@ def rel_attn_bwd(
     # from the fp32 dq)
     du_part = torch.zeros((B, triton.cdiv(Lk, _MIN_BLOCK), H, D), device=dev,
                           dtype=torch.float32)
-    if not deterministic:
-        dr_acc = torch.zeros((R_rows, H, D), device=dev, dtype=torch.float32)
-    fused_dq = not deterministic and _fused_dq(family, q.dtype == torch.float32)
-    dq_acc = torch.zeros((B, Lq, H, D), device=dev, dtype=torch.float32) if fused_dq else None
+    if fused_dq or not deterministic:
+        # ordered: one dr buffer per batch (a fixed order per batch * head), summed below
+        dr_acc = torch.zeros((B if ordered else 1, R_rows, H, D), device=dev,
+                             dtype=torch.float32)
+    atomics = 0  # unused without ATOMIC
+    if fused_dq:
+        dq_acc = torch.zeros((B, Lq, H, D), device=dev, dtype=torch.float32)
+        # ordered: each key tile's progress, per batch * head (sized for the smallest BLOCK)
+        sem_row = triton.cdiv(Lk, _MIN_BLOCK)
+        sems = torch.zeros(B * H * sem_row if ordered else 1, device=dev, dtype=torch.int32)
+        atomics = (dq_acc, _bmh(dq_acc), dr_acc,
+                   (dr_acc.stride(0) if ordered else 0, dr_acc.stride(1), dr_acc.stride(2)),
+                   sems, sem_row)
 
     # dk, dv (+ du partials; ATOMIC: + dq and dr by fp32 atomics): one program per key tile
     dk = torch.empty((B, Lk, H, D), device=dev, dtype=q.dtype)
     dv = torch.empty((B, Lk, H, D), device=dev, dtype=q.dtype)
-    atomics = (dq_acc, _bmh(dq_acc), dr_acc, dr_acc.stride()[:2]) if fused_dq else 0  # unused
     _launch(_dkdv_kernel, _rel_attn_bwd_dkdv_kernel,
             lambda blk: (B * H, triton.cdiv(Lk, blk)),
             (*inputs, dk, dv, du_part, strides, _bmh(dk), _bmh(du_part), atomics, *sizes, masks,
              drop, *buckets),
-            dict(meta, DU_DOT=family in _DU_DOT_FAMILIES and block_d <= 64, ATOMIC=fused_dq),
+            dict(meta, DU_DOT=family in _DU_DOT_FAMILIES and block_d <= 64, ATOMIC=fused_dq,
+                 ORDERED=ordered),
             configs[0])
     du32 = du_part.sum(dim=(0, 1))
     du = du32.to(q.dtype)
@@ -1070,7 +1148,7 @@ def rel_attn_bwd(
         dq = torch.empty((B, Lq, H, D), device=dev, dtype=q.dtype)
         dq_part = torch.zeros((B, triton.cdiv(Lq, _MIN_BLOCK), H, D), device=dev,
                               dtype=torch.float32)
-        dr_arg = dq_part if deterministic else dr_acc  # dq_part: unused (ATOMIC_DR=False)
+        dr_arg = dq_part if deterministic else dr_acc[0]  # dq_part: unused (ATOMIC_DR=False)
         _launch(_dq_kernel, _rel_attn_bwd_dq_kernel,
                 lambda blk: (B * H, triton.cdiv(Lq, blk)),
                 (*inputs, dq, dq_part, dr_arg, strides, _bmh(dq), _bmh(dq_part),
@@ -1078,7 +1156,9 @@ def rel_attn_bwd(
                 dict(meta, ATOMIC_DR=not deterministic), configs[1])
         dvb = (dq_part.sum(dim=(0, 1)) - du32).to(q.dtype)
 
-    if deterministic:
+    if fused_dq:
+        dr = (dr_acc.sum(dim=0) if ordered else dr_acc[0]).to(q.dtype)
+    elif deterministic:
         # dr: one program per block diagonal; Z[0] holds the lo chunks, Z[1] the hi chunks.
         z = torch.zeros((2, B, R_rows, H, D), device=dev, dtype=torch.float32)
         _launch(_dr_kernel, _rel_attn_bwd_dr_kernel,
@@ -1089,5 +1169,5 @@ def rel_attn_bwd(
                 dict(meta, FROM_Q=_dr_from_q(block_d, meta)), configs[2])
         dr = z.sum(dim=(0, 1)).to(q.dtype)
     else:
-        dr = dr_acc.to(q.dtype)
+        dr = dr_acc[0].to(q.dtype)
     return dq, dk, dv, dr, du, dvb
