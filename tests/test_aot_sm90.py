@@ -211,3 +211,67 @@ def test_summary_fails_on_uncovered_kernel_and_unfittable_launch():
     assert not ok and any("k2: not launched" in ln for ln in lines)
     lines, ok = A._summary([ok_row], {"m": ["k1"]}, ["m: launcher failed"], {})
     assert not ok
+
+
+_ORDERED_DRIVER = textwrap.dedent('''
+    import json, re, torch, triton
+    from triton.compiler import ASTSource
+    from tools import aot_check as A
+    from txl_kernels.ops import rel_attn_bwd as rb
+
+    def t(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    B, L, H, D = 1, 1024, 2, 64
+    out = {}
+    for det in (False, True):
+        log = []
+        with A._recording(rb, log):
+            rb.rel_attn_bwd(t(B, L, H, D), t(B, L, H, D), t(B, L, H, D), t(B, L, H, D),
+                            t(L, H, D), t(H, D), t(H, D), t(B, L, H, D),
+                            t(B, H, L, dtype=torch.float32), D ** -0.5, -1, 0,
+                            deterministic=det)
+        (launch,) = [x for x in log if "dkdv" in getattr(x.obj, "__name__", "")]
+        from triton.compiler import make_backend
+        job = A.jobs_from_launch(make_backend(A._target(90)), rb.__name__, launch)[0]
+        k = triton.compile(ASTSource(rb._rel_attn_bwd_dkdv_kernel, job.signature,
+                                     job.constexprs, job.attrs), target=A._target(90),
+                           options=dict(num_warps=job.num_warps, num_stages=job.num_stages))
+        ptx = k.asm["ptx"]
+        ops = [m.group(0) for m in re.finditer(
+            r"ld\\.acquire\\.gpu\\.global\\.b32|atom\\.global\\.gpu\\.relaxed\\.add\\.v4\\.f32"
+            r"|bar\\.sync 0;|atom\\.global\\.gpu\\.release\\.exch\\.b32", ptx)]
+        out[str(det)] = dict(shared=k.metadata.shared, ops=ops,
+                             ordered=job.constexprs.get(
+                                 (list(job.signature).index("ORDERED"),)))
+    print("RESULTS " + json.dumps(out))
+''')
+
+
+@pytest.mark.slow  # compiles the dk/dv kernel for sm_90 twice in a new process
+def test_ordered_backward_waits_adds_then_publishes_and_stays_pipelined():
+    """deterministic=True (ORDERED, bf16 sm_90): in the compiled PTX each wait (acquire
+    loads) comes before the dq / dr atomics it orders, and a CTA barrier and one release
+    exchange after them; and the loop keeps the unordered kernel's multi-buffered tile loads
+    (the same shared memory: a loop or a barrier op in the kernel's IR would stop Triton's
+    pipelining)."""
+    proc = subprocess.run([sys.executable, "-c", _ORDERED_DRIVER], cwd=ROOT,
+                          env=dict(_compile_env(), TXL_KERNELS_AUTOTUNE="0"),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads([ln for ln in proc.stdout.splitlines()
+                      if ln.startswith("RESULTS ")][-1][len("RESULTS "):])
+    free, ordered = res["False"], res["True"]
+    assert free["ordered"] is False and ordered["ordered"] is True
+    assert ordered["shared"] == free["shared"], (ordered["shared"], free["shared"])
+    assert not any("acquire" in op or "release" in op for op in free["ops"])
+    # in the loop and after it: wait, adds, barrier, publish
+    ops = [{"ld.acquire.gpu.global.b32": "wait", "bar.sync 0;": "bar",
+            "atom.global.gpu.release.exch.b32": "pass"}.get(op, "add") for op in ordered["ops"]]
+    seq = [op for i, op in enumerate(ops) if op != "bar" or (i + 1 < len(ops)
+                                                             and ops[i + 1] == "pass")]
+    seq = [op for i, op in enumerate(seq) if op != "add" or i == 0 or seq[i - 1] != "add"]
+    waits = [i for i, op in enumerate(seq) if op == "wait"]
+    assert len(waits) == 2, seq
+    for w in waits:
+        assert seq[w:w + 4] == ["wait", "add", "bar", "pass"], seq
