@@ -390,13 +390,14 @@ _SPIN_PTX = tl.constexpr("{ .reg .pred p;\n.reg .b32 v;\nTXL_SPIN:\n"
 
 
 @triton.jit
-def _turn_wait(PROG, target, n):
-    """ORDERED: wait until the previous key tile's program (PROG - 1; none for n = 0) has
-    published progress >= target. (The interpreter runs the programs one after another, in
-    key-tile order: there it always has.)"""
+def _turn_wait(PROG, target, last):
+    """ORDERED: wait until the program of the key tile after this one (PROG + 1; none for the
+    ``last``) has published progress >= target. (The interpreter runs the programs one after
+    another, in grid order, which ORDERED maps to descending key tiles: there it always
+    has.)"""
     if _SPIN:
-        prev = tl.where(n > 0, PROG - 1, PROG)
-        target = tl.where(n > 0, target, 0)
+        prev = tl.where(last, PROG, PROG + 1)
+        target = tl.where(last, 0, target)
         tl.inline_asm_elementwise(_SPIN_PTX, "=r,l,r", [prev.to(tl.int64, bitcast=True), target],
                                   dtype=tl.int32, is_pure=False, pack=1)
 
@@ -412,7 +413,7 @@ def _turn_pass(PROG, progress):
 
 
 @triton.jit
-def _dq_dr_atomics(ds_op, ds, k_t, r_lo, r_hi, qv_t, dr_pend, DQ_bh, DR_h, offs_i, rows_hi, Lq,
+def _dq_dr_atomics(ds_op, ds, k_t, r_lo, r_hi, qv_t, dr_pend, DQ_bh, DR_h, offs_i, rows, Lq,
                    R_rows, stride_dqm, stride_drp, offs_d, d_ok, lo_part, sm_scale, order,
                    DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
                    SKEW_GATHER: tl.constexpr, BLOCK: tl.constexpr, IN_DTYPE: tl.constexpr,
@@ -420,26 +421,30 @@ def _dq_dr_atomics(ds_op, ds, k_t, r_lo, r_hi, qv_t, dr_pend, DQ_bh, DR_h, offs_
     """The dk/dv kernel's ATOMIC part for one query tile: its dq terms, dA + dQv = dS K +
     [G_lo | G_hi] [r_lo; r_hi] (G the unskewed dS, split into its window chunks), added
     unscaled to DQ_ACC (fp32 atomics; the launcher scales), and dr: the hi chunk's rows
-    ``rows_hi`` get dr_pend (the previous query tile's lo-chunk part: the same rows) plus this
-    tile's G_hi^T Qv; returns this tile's G_lo^T Qv, pending for the next tile. ORDERED:
-    ``order`` = (this program's progress slot, its key tile n, this query tile's progress):
-    the adds wait for the previous key tile's program to get as far, then publish it."""
+    ``rows`` get dr_pend (the previous query tile's lo-chunk part: the same rows) plus this
+    tile's G_hi^T Qv; returns this tile's G_lo^T Qv, pending for the next tile. ORDERED (the
+    query tiles go down): the same with lo and hi swapped, and ``order`` = (this program's
+    progress slot, whether it is the last key tile, this query tile's progress): the adds
+    wait for the next key tile's program to get as far, then publish it."""
     g = _operand(_unskew(ds, BLOCK, SKEW_GATHER), IN_DTYPE, UPCAST)
     dt_lo = tl.where(lo_part, g, 0.0).to(DOT_DTYPE)
     dt_hi = tl.where(lo_part, 0.0, g).to(DOT_DTYPE)
     dq = tl.dot(ds_op, k_t, input_precision=DOT_PREC)
     dq = tl.dot(dt_lo, r_lo, dq, input_precision=DOT_PREC)
     dq = tl.dot(dt_hi, r_hi, dq, input_precision=DOT_PREC)
-    if ORDERED:
-        PROG, n, progress = order
-        _turn_wait(PROG, progress, n)
+    if ORDERED:  # query tiles going down: flush the lo chunk's rows, carry the hi chunk's
+        PROG, last, progress = order
+        _turn_wait(PROG, progress, last)
+        flush, carry = dt_lo, dt_hi
+    else:
+        flush, carry = dt_hi, dt_lo
     tl.atomic_add(DQ_bh + (offs_i[:, None] * stride_dqm + offs_d[None, :]), dq,
                   mask=(offs_i < Lq)[:, None] & d_ok[None, :], sem="relaxed")
-    _dr_add(DR_h, tl.dot(tl.trans(dt_hi), qv_t, dr_pend, input_precision=DOT_PREC), rows_hi,
+    _dr_add(DR_h, tl.dot(tl.trans(flush), qv_t, dr_pend, input_precision=DOT_PREC), rows,
             R_rows, stride_drp, offs_d, d_ok, sm_scale)
     if ORDERED:
         _turn_pass(PROG, progress)
-    return tl.dot(tl.trans(dt_lo), qv_t, input_precision=DOT_PREC)
+    return tl.dot(tl.trans(carry), qv_t, input_precision=DOT_PREC)
 
 
 @triton.jit
@@ -459,7 +464,11 @@ def _rel_attn_bwd_dkdv_kernel(
     = (DQ_ACC, its (b, m, h) strides, DR_ACC, its (b, p, h) strides, SEMS, its row per batch
     * head); ORDERED: every dq and dr row takes the key tiles' adds in key-tile order (SEMS:
     each program's progress), so the sums are the same from run to run."""
-    j0 = tl.program_id(1) * BLOCK
+    # ORDERED: key tiles in reverse grid order (n + 1, which n waits for, starts first)
+    n = tl.program_id(1)
+    if ORDERED:
+        n = tl.num_programs(1) - 1 - n
+    j0 = n * BLOCK
     offs_j = j0 + tl.arange(0, BLOCK)
     mlen = Lk - Lq
     b, h, window_left, window_right, query, keys, rel, pattern, drop = _program_setup(
@@ -491,8 +500,12 @@ def _rel_attn_bwd_dkdv_kernel(
     ds_sum = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
     # The window of query tile m is r rows j0 - i0 + Lq - BLOCK + [0, 2 BLOCK): its hi chunk
     # is the previous tile's lo chunk, carried, so one r tile is loaded per query tile.
+    # (ORDERED walks the query tiles down: its lo chunk is the previous tile's hi chunk.)
     w = tl.arange(0, BLOCK)
-    r_hi = _load_r(rel, j0 - m_lo * BLOCK + Lq, w, offs_d, D, DOT_DTYPE, USE_DESC)
+    if ORDERED:
+        r_lo = _load_r(rel, j0 - m_hi * BLOCK + Lq, w, offs_d, D, DOT_DTYPE, USE_DESC)
+    else:
+        r_hi = _load_r(rel, j0 - m_lo * BLOCK + Lq, w, offs_d, D, DOT_DTYPE, USE_DESC)
     if ATOMIC:
         DQ_ACC, stride_dqa, DR_ACC, stride_dr, SEMS, sem_row = atomics
         DQ_bh = DQ_ACC + b * stride_dqa[0] + h * stride_dqa[2]
@@ -501,21 +514,33 @@ def _rel_attn_bwd_dkdv_kernel(
         # dr of the current tile's hi window chunk, pending its lo-chunk part from the
         # previous query tile (the same r rows: see the loop)
         dr_pend = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
-        # ORDERED: key tile n publishes in PROG[n] how far its adds have got (m + 1 after query
-        # tile m's, _DONE after the last flush); query tile m's adds (dq tile m, dr block
-        # n - m) wait until PROG[n - 1] >= m + 1, the last flush until it is _DONE. By
-        # induction on n, every key tile before n then has made all its adds to those rows
-        # (dq tile m at its query tile m, the dr block at an earlier one: the tile ranges
-        # only move up with n), so each row takes its adds in key-tile order.
-        n = tl.program_id(1)
+        # ORDERED: the query tiles go down, m = m_hi - 1 .. m_lo, and key tile n publishes in
+        # PROG[n] how far it has got (Mq - m once query tile m's adds are issued, Mq =
+        # cdiv(Lq, BLOCK); _DONE after the last flush). Query tile m's adds (dq tile m, dr
+        # block rows from p_lo) wait until PROG[n + 1] >= Mq - m, the last flush until it is
+        # _DONE. By induction down from the last key tile, every key tile after n then has
+        # made all its adds to those rows (dq tile m at its query tile m, the dr rows at query
+        # tile m + 1: the tile ranges only move up with n), so every row takes its adds in
+        # key-tile order (descending). Where the query range ends at the same tile for n and
+        # n + 1 (causal, or no left window), n + 1 reaches dq tile m at the same step and the
+        # dr rows a step earlier, so n hardly waits (docs/DESIGN.md: the other directions
+        # make each level of the chain a step later).
+        Mq = tl.cdiv(Lq, BLOCK)
+        last = n == tl.num_programs(1) - 1
         PROG = SEMS + (b * H + h) * sem_row + n
-    for m in range(m_lo, m_hi):
+    m_first, m_stop, m_step = m_lo, m_hi, 1
+    if ORDERED:
+        m_first, m_stop, m_step = m_hi - 1, m_lo - 1, -1
+    for m in range(m_first, m_stop, m_step):
         i0 = m * BLOCK
         offs_i = i0 + tl.arange(0, BLOCK)
         a_t, qv_t, do, lse2, delta = _load_query_tile(query, i0, offs_i, offs_d, Lq, D,
                                                       DOT_DTYPE, USE_DESC)
         p_lo = j0 - i0 + Lq - BLOCK
-        r_lo = _load_r(rel, p_lo, w, offs_d, D, DOT_DTYPE, USE_DESC)
+        if ORDERED:
+            r_hi = _load_r(rel, p_lo + BLOCK, w, offs_d, D, DOT_DTYPE, USE_DESC)
+        else:
+            r_lo = _load_r(rel, p_lo, w, offs_d, D, DOT_DTYPE, USE_DESC)
         t_lo, t_hi = _chunks_t(qv_t, r_lo, r_hi, DOT_PREC)
         p, ds = _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, i0, j0, offs_i,
                                 qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
@@ -530,25 +555,32 @@ def _rel_attn_bwd_dkdv_kernel(
             ds_sum += ds
         if ATOMIC:
             order = 0
+            rows = p_lo + BLOCK + w  # the hi chunk's rows (ORDERED: the lo chunk's)
             if ORDERED:
-                order = (PROG, n, m + 1)
+                order = (PROG, last, Mq - m)
+                rows = p_lo + w
             dr_pend = _dq_dr_atomics(ds_op, ds, k_t, r_lo, r_hi, qv_t, dr_pend, DQ_bh, DR_h,
-                                     offs_i, p_lo + BLOCK + w, Lq, R_rows, stride_dqa[1],
-                                     stride_dr[1], offs_d, d_ok, lo_part, sm_scale, order,
-                                     DOT_DTYPE, UPCAST, DOT_PREC, SKEW_GATHER, BLOCK,
-                                     K.dtype.element_ty, ORDERED)
-        r_hi = r_lo
-    if ATOMIC:  # the last tile's lo chunk
+                                     offs_i, rows, Lq, R_rows, stride_dqa[1], stride_dr[1],
+                                     offs_d, d_ok, lo_part, sm_scale, order, DOT_DTYPE,
+                                     UPCAST, DOT_PREC, SKEW_GATHER, BLOCK, K.dtype.element_ty,
+                                     ORDERED)
         if ORDERED:
-            _turn_wait(PROG, _DONE, n)
-        _dr_add(DR_h, dr_pend, j0 - m_hi * BLOCK + Lq + w, R_rows, stride_dr[1], offs_d, d_ok,
-                sm_scale)
+            r_lo = r_hi
+        else:
+            r_hi = r_lo
+    if ATOMIC:  # the last tile's lo chunk (ORDERED: hi chunk)
         if ORDERED:
+            _turn_wait(PROG, _DONE, last)
+            _dr_add(DR_h, dr_pend, j0 - m_lo * BLOCK + Lq + w, R_rows, stride_dr[1], offs_d,
+                    d_ok, sm_scale)
             _turn_pass(PROG, _DONE)
+        else:
+            _dr_add(DR_h, dr_pend, j0 - m_hi * BLOCK + Lq + w, R_rows, stride_dr[1], offs_d,
+                    d_ok, sm_scale)
 
     # du's part: scale * (column sums of dS) . K, once (the sum over ds_cols' columns adds
     # zeros to column 0: exact)
-    part_off = (b * stride_part[0] + tl.program_id(1).to(tl.int64) * stride_part[1]
+    part_off = (b * stride_part[0] + n.to(tl.int64) * stride_part[1]
                 + h * stride_part[2] + offs_d)
     if DU_DOT:
         col_sums = tl.sum(ds_cols, axis=1)
