@@ -947,10 +947,11 @@ def _family_keeps(family: str, extra_tiles: bool, cfg, block_d: int, wide: bool)
 
 def _zero_atomics(nargs, reset_only=False):
     """The dk/dv autotuner's hook, before each trial and before the chosen config's run:
-    ATOMIC adds into the dq and dr buffers of its ``atomics`` tuple, so each run starts them
-    from zero (reset_to_zero takes only top-level tensor arguments)."""
+    ATOMIC adds into the dq and dr buffers of its ``atomics`` tuple and ORDERED publishes
+    progress in its slots, so each run starts them from zero (a slot left at _DONE would let
+    the next run's adds go out of order; reset_to_zero takes only top-level tensors)."""
     if nargs.get("ATOMIC"):
-        for buf in nargs["atomics"][0:5:2]:  # dq, dr and (ORDERED) the turns
+        for buf in nargs["atomics"][0:5:2]:  # dq, dr, the progress slots
             buf.zero_()
 
 
