@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from txl_kernels._utils import interpreting
 
-from .shapes import PROVIDER_ORDER
+from .shapes import FWD_BWD, PROVIDER_ORDER
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
           "fp64": torch.float64}
@@ -160,6 +160,14 @@ def fused(inp: AttnInputs) -> torch.Tensor:
     return rel_attention(inp.q, inp.k, inp.v, inp.r, inp.u, inp.vb, causal=inp.causal,
                          key_padding_mask=inp.key_padding_mask, softmax_scale=inp.scale,
                          backend="triton")
+
+
+def fused_deterministic(inp: AttnInputs) -> torch.Tensor:
+    from txl_kernels import rel_attention
+
+    return rel_attention(inp.q, inp.k, inp.v, inp.r, inp.u, inp.vb, causal=inp.causal,
+                         key_padding_mask=inp.key_padding_mask, softmax_scale=inp.scale,
+                         backend="triton", deterministic=True)
 
 
 def reference(inp: AttnInputs) -> torch.Tensor:
@@ -343,6 +351,7 @@ class Provider:
     cuda_only: bool
     cuda_only_reason: str = ""
     description: str = ""
+    modes: tuple = ()  # the modes it is timed in (empty: all)
 
 
 ATTN_PROVIDERS: Dict[str, Provider] = {
@@ -350,6 +359,11 @@ ATTN_PROVIDERS: Dict[str, Provider] = {
         Provider("fused", fused, True,
                  "the fused Triton path is timed only on CUDA, never under the Triton "
                  "interpreter", "txl_kernels.rel_attention(backend='triton')"),
+        Provider("fused_deterministic", fused_deterministic, True,
+                 "the fused Triton path is timed only on CUDA, never under the Triton "
+                 "interpreter", "the same with deterministic=True (bitwise-reproducible "
+                 "gradients: the backward's atomics in key-tile order); forward + backward "
+                 "only, its forward is the fused one", modes=(FWD_BWD,)),
         Provider("reference", reference, False, "",
                  "txl_kernels.rel_attention(backend='reference'): einsum + rel_shift"),
         Provider("sdpa_bias", sdpa_bias, False, "",
@@ -371,7 +385,8 @@ def skip_reason(provider: Provider, device) -> Optional[str]:
         return "needs a CUDA device (none here)"
     if provider.cuda_only and device.type != "cuda":
         return provider.cuda_only_reason
-    if provider.name in ("fused", "nemo_fused", "espnet_fused") and interpreting():
+    if provider.name in ("fused", "fused_deterministic", "nemo_fused",
+                         "espnet_fused") and interpreting():
         return "TRITON_INTERPRET=1 is set: the fused path is never timed under the interpreter"
     if provider.name == "cpu_fused":
         if device.type != "cpu":

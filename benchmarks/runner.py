@@ -52,7 +52,10 @@ def provider_for(case: Case, name: str) -> P.Provider:
 
 
 def skip_reason(case: Case, name: str) -> Optional[str]:
-    reason = P.skip_reason(provider_for(case, name), case.device)
+    provider = provider_for(case, name)
+    if provider.modes and case.mode not in provider.modes:
+        return f"timed in {', '.join(provider.modes)} only"
+    reason = P.skip_reason(provider, case.device)
     if reason is None and case.kind == "cpu_attention":
         from .cpu_suite import memory_skip_reason
 

@@ -447,15 +447,18 @@ def cpu_kernel_cases(size: Optional[str] = None,
 
 # ---------------------------------------------------------------------------------------------
 # Provider names per kind, in table order (implemented in providers.py, which checks that its
-# tables match). The first of each kind is this library; the others are the baselines the
-# tables compare against.
+# tables match). The first of each kind is this library (with OURS, its other modes); the
+# others are the baselines the tables compare against.
 
 PROVIDER_ORDER = {
-    "attention": ("fused", "reference", "sdpa_bias", "flex", "sdpa_plain"),
+    "attention": ("fused", "fused_deterministic", "reference", "sdpa_bias", "flex",
+                  "sdpa_plain"),
     "conformer_module": ("nemo_fused", "nemo_reference", "nemo_sdpa_bias", "espnet_fused",
                          "espnet_reference"),
     "update_mems": ("update_mems", "torch_cat"),
     "cpu_attention": ("cpu_fused", "reference", "sdpa_bias", "nemo_eager", "sdpa_plain"),
 }
-BASELINES = {kind: names[1:] for kind, names in PROVIDER_ORDER.items()}
+OURS = {"attention": ("fused", "fused_deterministic")}
+BASELINES = {kind: tuple(n for n in names if n not in OURS.get(kind, names[:1]))
+             for kind, names in PROVIDER_ORDER.items()}
 KIND_ORDER = ("attention", "conformer_module", "update_mems")

@@ -219,9 +219,10 @@ def test_sdpa_bias_matches_reference_cuda(cfg):
 
 
 @requires_cuda
+@pytest.mark.parametrize("fn", [P.fused, P.fused_deterministic], ids=["atomic", "ordered"])
 @pytest.mark.parametrize("cfg", CONFIGS[:2], ids=["txl", "conformer"])
-def test_fused_provider_matches_reference_cuda(cfg):
-    _check_against_reference(P.fused, cfg, torch.bfloat16, device="cuda")
+def test_fused_provider_matches_reference_cuda(cfg, fn):
+    _check_against_reference(fn, cfg, torch.bfloat16, device="cuda")
 
 
 @pytest.mark.parametrize("key_padding", [True, False])
@@ -305,9 +306,21 @@ def test_runner_times_and_records():
     assert rec["peak_bytes"] is None  # CPU: no peak memory
 
 
+def test_deterministic_provider_runs_forward_backward_only():
+    """fused_deterministic differs from fused only in the backward: not timed forward-only,
+    and not a baseline (the tables compare both of ours against the others)."""
+    shape = shapes.attention_shapes("cuda")[0]
+    fwd = shapes.Case("attention", shape, "bf16", shapes.FWD)
+    assert runner.skip_reason(fwd, "fused_deterministic") == "timed in fwd+bwd only"
+    both = shapes.Case("attention", shape, "bf16", shapes.FWD_BWD)
+    assert runner.skip_reason(both, "fused_deterministic") == runner.skip_reason(both, "fused")
+    assert "fused_deterministic" not in shapes.BASELINES["attention"]
+    assert shapes.BASELINES["attention"] == ("reference", "sdpa_bias", "flex", "sdpa_plain")
+
+
 def test_runner_skips_gpu_only_providers_on_cpu():
-    case = _cpu_case()
-    for name in ("fused", "flex"):
+    for case, name in ((_cpu_case(), "fused"), (_cpu_case(), "flex"),
+                       (_cpu_case(shapes.FWD_BWD), "fused_deterministic")):
         rec = runner.run_case(case, name, lambda s, t: pytest.fail("must not be timed"))
         assert rec["status"] == "skipped" and "CUDA" in rec["reason"]
     gpu_case = shapes.Case("attention", shapes.attention_shapes("cuda")[0], "bf16", shapes.FWD)
@@ -408,9 +421,11 @@ def test_format_markdown():
     sdpa = next(ln for ln in lines if "| sdpa_bias |" in ln)
     assert [c.strip() for c in sdpa.split("|")[1:-1]][4] == "OOM"
     assert "2.5 x forward" in text and "needs CUDA" in text
-    # rows follow the provider order
+    # rows follow the provider order (the synthetic case has every provider but the
+    # deterministic one)
     order = [ln.split("|")[4].strip() for ln in lines if ln.startswith("| conformer")]
-    assert order == list(shapes.PROVIDER_ORDER["attention"])
+    assert order == [p for p in shapes.PROVIDER_ORDER["attention"]
+                     if p != "fused_deterministic"]
 
 
 def test_update_mems_table_uses_bandwidth():
@@ -455,8 +470,8 @@ def test_report_cpu_smoke_end_to_end(tmp_path):
     assert rc == 0
     data = json.loads((tmp_path / "results-cpu-smoke.json").read_text())
     st = {r["provider"]: r["status"] for r in data["records"]}
-    assert st == {"fused": "skipped", "reference": "ok", "sdpa_bias": "ok", "flex": "skipped",
-                  "sdpa_plain": "ok"}
+    assert st == {"fused": "skipped", "fused_deterministic": "skipped", "reference": "ok",
+                  "sdpa_bias": "ok", "flex": "skipped", "sdpa_plain": "ok"}
     text = md.read_text()
     assert "No GPU numbers yet" not in text and "CPU SMOKE RUN" in text
     assert (tmp_path / "results-cpu-smoke.png").exists()
