@@ -339,7 +339,8 @@ def test_du_column_sum_forms_match(monkeypatch, du_dot):
     dict(L=(1, 1), R=1, win=(-1, 0)),          # one query, one key
     dict(L=(37, 37), R=37, win=(-1, -1)),      # non-causal, r rows 0 .. 36 only
     dict(L=(21, 53), R=120, win=(-1, 0), kpm=True),
-], ids=["window", "len1", "noncausal-shortR", "memory-kpm"])
+    dict(L=(20, 70), R=100, win=(5, 0)),       # key tiles no query sees: programs with no tile
+], ids=["window", "len1", "noncausal-shortR", "memory-kpm", "memory-past-window"])
 def test_atomic_modes_match(monkeypatch, fused, det, case):
     """The atomic paths (_fused_dq): the dk/dv kernel with dq and dr by atomics (ATOMIC: fp16
     / bf16 on the _FUSED_DQ_FAMILIES), in any order (deterministic=False) or in key-tile
