@@ -309,7 +309,7 @@ def rel_attention(
             fp32 atomics in whatever order they arrive (run-to-run bit differences). True:
             two backward passes give bitwise-equal gradients; for fp16 / bf16 on sm_80 ..
             sm_90 the same atomics are taken in a fixed order (each key tile's program
-            waits for the one before it, as FlashAttention-3's deterministic mode does;
+            waits for the next one's, as FlashAttention-3's deterministic mode does;
             about the atomic backward's time in the static sm_90 model, which does not
             charge the waits), elsewhere a separate pass reduces them in a fixed order
             (about 1.3x the atomic backward's time in the model).
