@@ -575,7 +575,7 @@ def test_autotuned_atomic_runs_start_from_zero():
     for reset_only in (False, True):
         for buf in (dq, dr, sems):
             buf.fill_(1)
-        rb._zero_atomics({"ATOMIC": True,
+        rb._zero_atomics({"ATOMIC": True, "ORDERED": True,
                           "atomics": (dq, (3, 1, 1), dr, (0, 1, 1), sems, 5)}, reset_only)
         assert not dq.any() and not dr.any() and not sems.any()
     rb._zero_atomics({"ATOMIC": False, "atomics": 0})  # no buffers without ATOMIC

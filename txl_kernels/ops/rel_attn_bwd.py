@@ -396,9 +396,9 @@ def _turn_wait(PROG, target, last):
     another, in grid order, which ORDERED maps to descending key tiles: there it always
     has.)"""
     if _SPIN:
-        prev = tl.where(last, PROG, PROG + 1)
+        nxt = tl.where(last, PROG, PROG + 1)
         target = tl.where(last, 0, target)
-        tl.inline_asm_elementwise(_SPIN_PTX, "=r,l,r", [prev.to(tl.int64, bitcast=True), target],
+        tl.inline_asm_elementwise(_SPIN_PTX, "=r,l,r", [nxt.to(tl.int64, bitcast=True), target],
                                   dtype=tl.int32, is_pure=False, pack=1)
 
 
@@ -568,15 +568,14 @@ def _rel_attn_bwd_dkdv_kernel(
             r_lo = r_hi
         else:
             r_hi = r_lo
-    if ATOMIC:  # the last tile's lo chunk (ORDERED: hi chunk)
+    if ATOMIC:  # the last tile's lo chunk (ORDERED: the hi chunk of tile m_lo)
+        rows = j0 - m_hi * BLOCK + Lq + w
         if ORDERED:
+            rows = j0 - m_lo * BLOCK + Lq + w
             _turn_wait(PROG, _DONE, last)
-            _dr_add(DR_h, dr_pend, j0 - m_lo * BLOCK + Lq + w, R_rows, stride_dr[1], offs_d,
-                    d_ok, sm_scale)
+        _dr_add(DR_h, dr_pend, rows, R_rows, stride_dr[1], offs_d, d_ok, sm_scale)
+        if ORDERED:
             _turn_pass(PROG, _DONE)
-        else:
-            _dr_add(DR_h, dr_pend, j0 - m_hi * BLOCK + Lq + w, R_rows, stride_dr[1], offs_d,
-                    d_ok, sm_scale)
 
     # du's part: scale * (column sums of dS) . K, once (the sum over ds_cols' columns adds
     # zeros to column 0: exact)
@@ -951,8 +950,10 @@ def _zero_atomics(nargs, reset_only=False):
     progress in its slots, so each run starts them from zero (a slot left at _DONE would let
     the next run's adds go out of order; reset_to_zero takes only top-level tensors)."""
     if nargs.get("ATOMIC"):
-        for buf in nargs["atomics"][0:5:2]:  # dq, dr, the progress slots
-            buf.zero_()
+        nargs["atomics"][0].zero_()  # dq
+        nargs["atomics"][2].zero_()  # dr
+    if nargs.get("ORDERED"):
+        nargs["atomics"][4].zero_()  # the progress slots
 
 
 _KEY = ["BLOCK_D", "LQ_BUCKET", "LK_BUCKET", "HAS_KPM", "HAS_MASK", "HAS_BAND", "DOT_PREC",
@@ -1151,9 +1152,11 @@ def rel_attn_bwd(
     atomics = 0  # unused without ATOMIC
     if fused_dq:
         dq_acc = torch.zeros((B, Lq, H, D), device=dev, dtype=torch.float32)
-        # ordered: each key tile's progress, per batch * head (sized for the smallest BLOCK)
+        # ordered: each key tile's progress, per batch * head (sized for the smallest BLOCK);
+        # else unused (dq_acc stands in: no allocation on the default path)
         sem_row = triton.cdiv(Lk, _MIN_BLOCK)
-        sems = torch.zeros(B * H * sem_row if ordered else 1, device=dev, dtype=torch.int32)
+        sems = (torch.zeros(B * H * sem_row, device=dev, dtype=torch.int32) if ordered
+                else dq_acc)
         atomics = (dq_acc, _bmh(dq_acc), dr_acc,
                    (dr_acc.stride(0) if ordered else 0, dr_acc.stride(1), dr_acc.stride(2)),
                    sems, sem_row)
