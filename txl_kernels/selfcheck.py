@@ -62,7 +62,7 @@ class Variant:
     dropout: bool
     memory: str            # 8-bit memory dtype ("int8", "float8_e4m3fn") or ""
     grad: bool             # the call records gradients: the backward is checked too
-    deterministic: bool    # the backward's mode (with grad): atomics for dr (and dq) or not
+    deterministic: bool    # the backward's mode (with grad): reproducible sums or not
 
     def describe(self) -> str:
         parts = [f"{self.device} {self.dtype}" + (f" ({self.products} products)"
