@@ -239,7 +239,7 @@ _ORDERED_DRIVER = textwrap.dedent('''
                            options=dict(num_warps=job.num_warps, num_stages=job.num_stages))
         ptx = k.asm["ptx"]
         ops = [m.group(0) for m in re.finditer(
-            r"ld\\.acquire\\.gpu\\.global\\.b32|atom\\.global\\.gpu\\.relaxed\\.add\\.v4\\.f32"
+            r"ld\\.acquire\\.gpu\\.global\\.b32|atom\\.relaxed\\.gpu\\.global\\.add\\.f32"
             r"|bar\\.sync 0;|atom\\.global\\.gpu\\.release\\.exch\\.b32", ptx)]
         out[str(det)] = dict(shared=k.metadata.shared, ops=ops,
                              ordered=job.constexprs.get(
@@ -275,3 +275,60 @@ def test_ordered_backward_waits_adds_then_publishes_and_stays_pipelined():
     assert len(waits) == 2, seq
     for w in waits:
         assert seq[w:w + 4] == ["wait", "add", "bar", "pass"], seq
+
+
+_ATOMICS_DRIVER = textwrap.dedent('''
+    import json, re, torch, triton
+    from triton.compiler import ASTSource, make_backend
+    from tools import aot_check as A
+    from txl_kernels.ops import rel_attn_bwd as rb
+
+    def t(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    B, L, H, D = 1, 1024, 2, 64
+    log = []
+    with A._recording(rb, log):
+        rb.rel_attn_bwd(t(B, L, H, D), t(B, L, H, D), t(B, L, H, D), t(B, L, H, D),
+                        t(L, H, D), t(H, D), t(H, D), t(B, L, H, D),
+                        t(B, H, L, dtype=torch.float32), D ** -0.5, -1, 0,
+                        deterministic=False)
+    (launch,) = [x for x in log if "dkdv" in getattr(x.obj, "__name__", "")]
+    job = A.jobs_from_launch(make_backend(A._target(90)), rb.__name__, launch)[0]
+    k = triton.compile(ASTSource(rb._rel_attn_bwd_dkdv_kernel, job.signature, job.constexprs,
+                                 job.attrs), target=A._target(90),
+                       options=dict(num_warps=job.num_warps, num_stages=job.num_stages))
+    defs, values = {}, []
+    for ln in k.asm["ptx"].splitlines():
+        m = re.match(r"(?:@%?\\w+\\s+)?([a-z][\\w.:]*)\\s+(.*?);", ln.strip())
+        if not m:
+            continue
+        op, args = m.groups()
+        if op.startswith("atom") and ".add" in op and op.endswith("f32"):
+            values += re.findall(r"%\\w+", args[args.index("]"):])
+        elif args.startswith("{"):
+            defs.update(dict.fromkeys(re.findall(r"%\\w+", args[:args.index("}")]), op))
+        elif not op.startswith(("st.", "red")):
+            defs.update(dict.fromkeys(re.findall(r"%\\w+", args.split(",")[0]), op))
+    print("RESULTS " + json.dumps(dict(values=len(values),
+                                       defs=sorted({defs.get(v, "?") for v in values}))))
+''')
+
+
+@pytest.mark.slow  # compiles the dk/dv kernel for sm_90 in a new process
+def test_atomic_adds_read_the_accumulators_in_registers():
+    """deterministic=False (ATOMIC, bf16 D 64, sm_90): each fp32 atomic add of dq and dr
+    takes its value straight from the products' registers (the wgmma accumulator, or its
+    product with the scale), not from a shared-memory round trip into another layout, which
+    tl.atomic_add makes (16 + 16 KB of shared-memory traffic and a barrier per tile); one add
+    per element of the loop's two [64, 64] tiles and of the last dr flush, 32 per thread
+    each."""
+    proc = subprocess.run([sys.executable, "-c", _ATOMICS_DRIVER], cwd=ROOT,
+                          env=dict(_compile_env(), TXL_KERNELS_AUTOTUNE="0"),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads([ln for ln in proc.stdout.splitlines()
+                      if ln.startswith("RESULTS ")][-1][len("RESULTS "):])
+    assert res["values"] == 3 * 32, res
+    assert res["defs"] and not any(d.startswith(("ld.shared", "ld.local", "?"))
+                                   for d in res["defs"]), res

@@ -40,6 +40,9 @@ from ._common import (INTERPRET, LOG2E, apply_mask_band, autotune_enabled, descr
 __all__ = ["rel_attn_bwd"]
 
 _MIN_BLOCK = 16  # smallest BLOCK of any config; sizes the du / dq row-sum partial buffers
+# The inline PTX below (atomic adds, ORDERED's spin and barrier) runs on the GPU only: the
+# interpreter runs tl.atomic_add and no spin (see _turn_wait)
+_PTX = tl.constexpr(not INTERPRET)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -117,6 +120,35 @@ def _load_rows(PTR, rows, n_rows, stride_row, offs_d, D, DOT_DTYPE: tl.constexpr
     return tl.load(ptrs, mask=msk, other=0.0).to(DOT_DTYPE)
 
 
+# On the GPU: one fp32 atomic add per element as inline PTX (relaxed, gpu scope: what
+# tl.atomic_add emits). An asm operand keeps the layout it has, so the adds read the dot's
+# accumulator registers as they are, as FlashAttention-2 adds its dQ; tl.atomic_add first
+# moves the tile through shared memory into a coalesced layout (16 + 16 KB of shared-memory
+# traffic per tile at BLOCK 64, D 64, and a CTA barrier). The sectors touched are the same.
+_ATOMIC_ADD_PTX = tl.constexpr("{ .reg .pred p;\n.reg .b32 o;\n.reg .b64 a;\n"
+                               "setp.ne.b32 p, $4, 0;\nsetp.ne.and.b32 p, $5, 0, p;\n"
+                               "add.s32 o, $1, $2;\nmad.wide.s32 a, o, 4, $6;\n"
+                               "mov.b32 $0, 0f00000000;\n"
+                               "@p atom.relaxed.gpu.global.add.f32 $0, [a], $3; }")
+
+
+@triton.jit
+def _atomic_add(BASE, row_off, cols, x, row_ok, col_ok):
+    """BASE[row_off[a] + cols[c]] += x[a, c] where row_ok[a] and col_ok[c] (x [BLOCK, BLOCK_D]
+    fp32; int32 offsets), relaxed, in any order. The row and column parts enter the asm
+    separately, as broadcasts (no offset or mask per element held in registers). Under the
+    interpreter, tl.atomic_add."""
+    if _PTX:
+        tl.inline_asm_elementwise(_ATOMIC_ADD_PTX, "=f,r,r,f,r,r,l",
+                                  [row_off[:, None], cols[None, :], x,
+                                   row_ok.to(tl.int32)[:, None], col_ok.to(tl.int32)[None, :],
+                                   BASE.to(tl.int64, bitcast=True)],
+                                  dtype=tl.float32, is_pure=False, pack=1)
+    else:
+        tl.atomic_add(BASE + (row_off[:, None] + cols[None, :]), x,
+                      mask=row_ok[:, None] & col_ok[None, :], sem="relaxed")
+
+
 @triton.jit
 def _dr_add(DR_h, x, rows, R_rows, stride_drp, offs_d, d_ok, sm_scale):
     """dr[rows] += scale * x ([BLOCK, D], from products dT^T Qv) with fp32 atomics; rows
@@ -125,11 +157,9 @@ def _dr_add(DR_h, x, rows, R_rows, stride_drp, offs_d, d_ok, sm_scale):
     row's offset fits (_atomic_offsets_fit). [BLOCK, D] rather than its transpose: the atomics'
     D-contiguous rows come straight from the accumulator, where the transposed form keeps a
     transposed pointer tile live (sm_80, bf16 D 128, BLOCK 32, 8 warps: 8.7 KB of spills
-    against 176 B in the dq kernel; sm_90 dk/dv kernel with ATOMIC: 448 B against 536 B and
-    2932 against 3024 cycles per tile in the static model)."""
+    against 176 B in the dq kernel)."""
     row_ok = (rows >= 0) & (rows < R_rows)
-    tl.atomic_add(DR_h + (rows[:, None] * stride_drp + offs_d[None, :]), x * sm_scale,
-                  mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
+    _atomic_add(DR_h, rows * stride_drp, offs_d, x * sm_scale, row_ok, d_ok)
 
 
 @triton.jit
@@ -377,7 +407,6 @@ def _rel_attn_bwd_preprocess_kernel(
 
 # ORDERED: the progress a program has published once its adds are all done
 _DONE = tl.constexpr(1 << 30)
-_SPIN = tl.constexpr(not INTERPRET)
 
 
 # Spin until the int32 at $1 is >= $2, with acquire loads (each thread, so that its own adds
@@ -395,7 +424,7 @@ def _turn_wait(PROG, target, last):
     ``last``) has published progress >= target. (The interpreter runs the programs one after
     another, in grid order, which ORDERED maps to descending key tiles: there it always
     has.)"""
-    if _SPIN:
+    if _PTX:
         nxt = tl.where(last, PROG, PROG + 1)
         target = tl.where(last, 0, target)
         tl.inline_asm_elementwise(_SPIN_PTX, "=r,l,r", [nxt.to(tl.int64, bitcast=True), target],
@@ -406,7 +435,7 @@ def _turn_wait(PROG, target, last):
 def _turn_pass(PROG, progress):
     """ORDERED: once every thread's adds are issued (a CTA barrier, as asm: Triton does not
     pipeline a loop around its own barrier op), publish ``progress`` (one thread, release)."""
-    if _SPIN:
+    if _PTX:
         tl.inline_asm_elementwise("bar.sync 0;\nmov.b32 $0, 0;", "=r", [], dtype=tl.int32,
                                   is_pure=False, pack=1)
     tl.atomic_xchg(PROG, progress, sem="release")
@@ -438,8 +467,7 @@ def _dq_dr_atomics(ds_op, ds, k_t, r_lo, r_hi, qv_t, dr_pend, DQ_bh, DR_h, offs_
         flush, carry = dt_lo, dt_hi
     else:
         flush, carry = dt_hi, dt_lo
-    tl.atomic_add(DQ_bh + (offs_i[:, None] * stride_dqm + offs_d[None, :]), dq,
-                  mask=(offs_i < Lq)[:, None] & d_ok[None, :], sem="relaxed")
+    _atomic_add(DQ_bh, offs_i * stride_dqm, offs_d, dq, offs_i < Lq, d_ok)
     _dr_add(DR_h, tl.dot(tl.trans(flush), qv_t, dr_pend, input_precision=DOT_PREC), rows,
             R_rows, stride_drp, offs_d, d_ok, sm_scale)
     if ORDERED:
