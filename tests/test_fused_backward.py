@@ -332,8 +332,11 @@ def test_du_column_sum_forms_match(monkeypatch, du_dot):
     _check(ts, 0.25, -1, -1, kpm=kpm)
 
 
-@pytest.mark.parametrize("fused,det", [(True, False), (True, True), (False, False)],
-                         ids=["dkdv-atomic-dq-dr", "dkdv-ordered-dq-dr", "dq-kernel-atomic-dr"])
+@pytest.mark.parametrize("fused,det,q_only", [
+    (True, False, True), (True, False, False), (True, True, True), (True, True, False),
+    (False, False, False),
+], ids=["dkdv-atomic-dq-dr", "dkdv-atomic-dq-dr-operands", "dkdv-ordered-dq-dr",
+        "dkdv-ordered-dq-dr-operands", "dq-kernel-atomic-dr"])
 @pytest.mark.parametrize("case", [
     dict(L=(37, 50), R=86, win=(20, 3)),       # window, r shorter than the pair distances
     dict(L=(1, 1), R=1, win=(-1, 0)),          # one query, one key
@@ -341,14 +344,16 @@ def test_du_column_sum_forms_match(monkeypatch, du_dot):
     dict(L=(21, 53), R=120, win=(-1, 0), kpm=True),
     dict(L=(20, 70), R=100, win=(5, 0)),       # key tiles no query sees: programs with no tile
 ], ids=["window", "len1", "noncausal-shortR", "memory-kpm", "memory-past-window"])
-def test_atomic_modes_match(monkeypatch, fused, det, case):
+def test_atomic_modes_match(monkeypatch, fused, det, case, q_only):
     """The atomic paths (_fused_dq): the dk/dv kernel with dq and dr by atomics (ATOMIC: fp16
     / bf16 on the _FUSED_DQ_FAMILIES), in any order (deterministic=False) or in key-tile
-    order (ORDERED, deterministic=True), and the dq kernel with the atomic dr (fp32, and the
-    other families), all forced here in fp32 (the tightest check); the fp16 / bf16 tests
-    take ATOMIC on their own (the interpreter runs sm_90's family)."""
+    order (ORDERED, deterministic=True), from q tiles with the bias terms apart (Q_ONLY: sm_90
+    up to D 64) or from the preprocessed operands, and the dq kernel with the atomic dr (fp32,
+    and the other families), all forced here in fp32 (the tightest check); the fp16 / bf16
+    tests take ATOMIC and Q_ONLY on their own (the interpreter runs sm_90's family)."""
     import txl_kernels.ops.rel_attn_bwd as rb
     monkeypatch.setattr(rb, "_fused_dq", lambda family, wide: fused)
+    monkeypatch.setattr(rb, "_q_only", lambda family, block_d: q_only)
     (lq, lk), (wl, wr) = case["L"], case["win"]
     ts = _inputs(2, lq, lk, 2, 16, R=case["R"], seed=16)
     kpm = None

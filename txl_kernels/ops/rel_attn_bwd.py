@@ -6,9 +6,9 @@ fp16 / bf16 / fp32, head dim 16..256, Lk >= Lq), its out and lse (``[B, H, Lq]``
 log, +inf for empty rows) and the same masks, returns dq, dk, dv, dr, du, dvb, each with its
 input's shape and dtype, contiguous. Any strides with ``stride(-1) == 1`` (others copied);
 int64 batch / head offsets (the atomics' offsets within a head are int32, where they fit).
-Kernels: preprocess (delta = dO . O, and q + u / q + vb rounded once per row into workspaces),
-dk/dv (+ du partials; ATOMIC: + dq and dr by fp32 atomics, no dq kernel; ORDERED: those adds in
-key-tile order), dq (+ its row sums for dvb; + atomic dr on the families without ATOMIC), dr
+Kernels: preprocess (delta = dO . O, and q + u / q + vb rounded once per row into workspaces,
+unless Q_ONLY), dk/dv (+ du partials; ATOMIC: + dq and dr by fp32 atomics, no dq kernel;
+ORDERED: those adds in key-tile order; Q_ONLY: one q tile per pair, see _q_only), dq (+ its row sums for dvb; + atomic dr on the families without ATOMIC), dr
 (deterministic mode without ATOMIC).
 
 Invariants. P is recomputed from lse, never stored; the recomputed S uses exactly the
@@ -293,11 +293,13 @@ def _chunks_t(qv_t, r_lo, r_hi, DOT_PREC: tl.constexpr):
 @triton.jit
 def _load_query_tile(query, i0, offs_i, offs_d, Lq, D, DOT_DTYPE: tl.constexpr,
                      USE_DESC: tl.constexpr, FROM_Q: tl.constexpr = False,
-                     IN_DTYPE: tl.constexpr = None, UPCAST: tl.constexpr = False):
+                     IN_DTYPE: tl.constexpr = None, UPCAST: tl.constexpr = False,
+                     ROUND: tl.constexpr = True):
     """One query tile's operands (rows i0 + [0, BLOCK); pointers or descriptors pre-offset to
     the batch and head): (q + u) and (q + vb) as the preprocess kernel rounded them (FROM_Q:
     formed here from one q tile the same way, in fp32 then rounded to IN_DTYPE: one tile load
-    instead of two), dO, the log-sum-exp in log2 units (+inf past Lq) and delta."""
+    instead of two; with ROUND False both are the q tile itself, for the caller to form), dO,
+    the log-sum-exp in log2 units (+inf past Lq) and delta."""
     A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, stride_wm, stride_dom, stride_lm, bias_u, bias_v = \
         query
     in_i = offs_i < Lq
@@ -318,10 +320,13 @@ def _load_query_tile(query, i0, offs_i, offs_d, Lq, D, DOT_DTYPE: tl.constexpr,
             qv_t = tl.load(QV_bh + rows_i * stride_wm + offs_d[None, :], mask=q_msk, other=0.0)
         do = tl.load(DO_bh + rows_i * stride_dom + offs_d[None, :], mask=q_msk,
                      other=0.0).to(DOT_DTYPE)
-    if FROM_Q:
+    if FROM_Q and ROUND:
         q = a_t.to(tl.float32)
         a_t = _operand(q + bias_u[None, :], IN_DTYPE, UPCAST)
         qv_t = _operand(q + bias_v[None, :], IN_DTYPE, UPCAST)
+    elif FROM_Q:
+        a_t = a_t.to(DOT_DTYPE)
+        qv_t = a_t
     l_off = offs_i.to(tl.int64) * stride_lm
     lse2 = tl.load(LSE_bh + l_off, mask=in_i, other=float("inf")) * LOG2E
     delta = tl.load(DELTA_bh + l_off, mask=in_i, other=0.0)
@@ -375,10 +380,12 @@ def _rel_attn_bwd_preprocess_kernel(
     stride_wbh, stride_wm,
     H, Lq, D,
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    OPERANDS: tl.constexpr = True,
 ):
     """Per query row, once: delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] in fp32, and
-    the tensor-core operands (q + u) and (q + vb) rounded to the input dtype exactly as the
-    forward rounds them, into [B * H, Lq, D] workspaces (the later kernels load them as is)."""
+    (OPERANDS) the tensor-core operands (q + u) and (q + vb) rounded to the input dtype exactly
+    as the forward rounds them, into [B * H, Lq, D] workspaces (the later kernels load them as
+    is)."""
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_m = tl.program_id(1)
     b = pid_bh // H
@@ -395,6 +402,16 @@ def _rel_attn_bwd_preprocess_kernel(
     delta = tl.sum(o * do, axis=1)
     tl.store(DELTA + b * stride_lb + h * stride_lh + offs_m.to(tl.int64) * stride_lm, delta,
              mask=offs_m < Lq)
+    if OPERANDS:
+        _preprocess_operands(Q, U, VB, A_OP, QV_OP, b, h, pid_bh, rows, offs_d, d_ok, msk,
+                             stride_qb, stride_qm, stride_qh, stride_uh, stride_vbh,
+                             stride_wbh, stride_wm, UPCAST)
+
+
+@triton.jit
+def _preprocess_operands(Q, U, VB, A_OP, QV_OP, b, h, pid_bh, rows, offs_d, d_ok, msk,
+                         stride_qb, stride_qm, stride_qh, stride_uh, stride_vbh, stride_wbh,
+                         stride_wm, UPCAST: tl.constexpr):
     q = tl.load(Q + b * stride_qb + h * stride_qh + rows * stride_qm + offs_d[None, :],
                 mask=msk, other=0.0).to(tl.float32)
     bias_u = tl.load(U + h * stride_uh + offs_d, mask=d_ok, other=0.0).to(tl.float32)
@@ -442,11 +459,48 @@ def _turn_pass(PROG, progress):
 
 
 @triton.jit
+def _dr_product(dt, qv_b, pend, e0, Q_ONLY: tl.constexpr, DOT_PREC: tl.constexpr):
+    """dt^T (q + vb) for the r rows of one window chunk (dt: its part of the unskewed dS),
+    accumulated onto ``pend`` (None: a new sum). Q_ONLY: qv_b is the q tile itself and the
+    result the pair (dt^T q, dt^T e0), whose second's column 0 holds dt's column sums: the
+    vb term, added by _dr_value."""
+    if Q_ONLY:
+        if pend is None:
+            out = (tl.dot(tl.trans(dt), qv_b, input_precision=DOT_PREC),
+                   tl.dot(tl.trans(dt), e0, input_precision=DOT_PREC))
+        else:
+            out = (tl.dot(tl.trans(dt), qv_b, pend[0], input_precision=DOT_PREC),
+                   tl.dot(tl.trans(dt), e0, pend[1], input_precision=DOT_PREC))
+    else:
+        out = tl.dot(tl.trans(dt), qv_b, pend, input_precision=DOT_PREC)
+    return out
+
+
+@triton.jit
+def _dr_value(part, v16, Q_ONLY: tl.constexpr, DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr,
+              DOT_PREC: tl.constexpr):
+    """The [BLOCK, D] dr rows of a _dr_product sum. Q_ONLY: dt^T q + (column sums) vb^T,
+    the outer product as two narrow products with v16 (row 0: vb), the sums split into a
+    rounded head and its remainder (fp32 precision)."""
+    if Q_ONLY:
+        x, c = part
+        if UPCAST:
+            c_hi = round_bf16(c)
+        else:
+            c_hi = c.to(DOT_DTYPE)
+        x = tl.dot(c_hi, v16, x, input_precision=DOT_PREC)
+        x = tl.dot((c - c_hi.to(tl.float32)).to(DOT_DTYPE), v16, x, input_precision=DOT_PREC)
+    else:
+        x = part
+    return x
+
+
+@triton.jit
 def _dq_dr_atomics(ds_op, ds, k_t, r_lo, r_hi, qv_t, dr_pend, DQ_bh, DR_h, offs_i, rows, Lq,
                    R_rows, stride_dqm, stride_drp, offs_d, d_ok, lo_part, sm_scale, order,
-                   DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+                   vterm, DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
                    SKEW_GATHER: tl.constexpr, BLOCK: tl.constexpr, IN_DTYPE: tl.constexpr,
-                   ORDERED: tl.constexpr):
+                   ORDERED: tl.constexpr, Q_ONLY: tl.constexpr):
     """The dk/dv kernel's ATOMIC part for one query tile: its dq terms, dA + dQv = dS K +
     [G_lo | G_hi] [r_lo; r_hi] (G the unskewed dS, split into its window chunks), added
     unscaled to DQ_ACC (fp32 atomics; the launcher scales), and dr: the hi chunk's rows
@@ -468,22 +522,25 @@ def _dq_dr_atomics(ds_op, ds, k_t, r_lo, r_hi, qv_t, dr_pend, DQ_bh, DR_h, offs_
     else:
         flush, carry = dt_hi, dt_lo
     _atomic_add(DQ_bh, offs_i * stride_dqm, offs_d, dq, offs_i < Lq, d_ok)
-    _dr_add(DR_h, tl.dot(tl.trans(flush), qv_t, dr_pend, input_precision=DOT_PREC), rows,
-            R_rows, stride_drp, offs_d, d_ok, sm_scale)
+    e0, v16 = vterm
+    x = _dr_value(_dr_product(flush, qv_t, dr_pend, e0, Q_ONLY, DOT_PREC), v16, Q_ONLY,
+                  DOT_DTYPE, UPCAST, DOT_PREC)
+    _dr_add(DR_h, x, rows, R_rows, stride_drp, offs_d, d_ok, sm_scale)
     if ORDERED:
         _turn_pass(PROG, progress)
-    return tl.dot(tl.trans(carry), qv_t, input_precision=DOT_PREC)
+    return _dr_product(carry, qv_t, None, e0, Q_ONLY, DOT_PREC)
 
 
 @triton.jit
 def _rel_attn_bwd_dkdv_kernel(
     A_OP, QV_OP, K, V, R, DO, LSE, DELTA, DK, DV, DU_PART, strides, stride_dk, stride_part,
-    atomics, H, Lq, Lk, R_rows, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
-    HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
+    atomics, q_args, H, Lq, Lk, R_rows, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET,
+    LK_BUCKET, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     SKEW_GATHER: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
     DROPOUT: tl.constexpr = False, USE_DESC: tl.constexpr = False,
     DU_DOT: tl.constexpr = True, ATOMIC: tl.constexpr = False, ORDERED: tl.constexpr = False,
+    Q_ONLY: tl.constexpr = False,
 ):
     """One program per (batch * head, key tile): dk and dv of the tile, looping over the query
     tiles that the window lets see it, and the tile's part of du (scale * column sums of dS .
@@ -491,7 +548,11 @@ def _rel_attn_bwd_dkdv_kernel(
     shared by DK and DV; stride_part: (b, n, h). ATOMIC: also dq and dr, added to ``atomics``
     = (DQ_ACC, its (b, m, h) strides, DR_ACC, its (b, p, h) strides, SEMS, its row per batch
     * head); ORDERED: every dq and dr row takes the key tiles' adds in key-tile order (SEMS:
-    each program's progress), so the sums are the same from run to run."""
+    each program's progress), so the sums are the same from run to run. Q_ONLY (with ATOMIC):
+    one q tile per query tile instead of the two preprocessed operands (``q_args`` as in
+    _program_setup): (q + u) and (q + vb) are rounded here as the forward rounds them, for the
+    products that recompute S, and the gradient products take q itself plus the bias terms in
+    fp32: dK = dS^T q + (column sums of dS) u, dr = G^T q + (column sums of G) vb."""
     # ORDERED: key tiles in reverse grid order (n + 1, which n waits for, starts first)
     n = tl.program_id(1)
     if ORDERED:
@@ -501,7 +562,7 @@ def _rel_attn_bwd_dkdv_kernel(
     mlen = Lk - Lq
     b, h, window_left, window_right, query, keys, rel, pattern, drop = _program_setup(
         A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows, D,
-        HAS_BAND, USE_DESC, BLOCK, BLOCK_D)
+        HAS_BAND, USE_DESC, BLOCK, BLOCK_D, q_args, Q_ONLY)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     kv_msk = (offs_j < Lk)[:, None] & d_ok[None, :]
@@ -534,6 +595,11 @@ def _rel_attn_bwd_dkdv_kernel(
         r_lo = _load_r(rel, j0 - m_hi * BLOCK + Lq, w, offs_d, D, DOT_DTYPE, USE_DESC)
     else:
         r_hi = _load_r(rel, j0 - m_lo * BLOCK + Lq, w, offs_d, D, DOT_DTYPE, USE_DESC)
+    vterm = (e0, 0)  # Q_ONLY: e0 and v16 = [vb; 0; ...] ([16, BLOCK_D]), for _dr_value
+    if Q_ONLY:  # the biases in the operand dtype (exact: they are stored in the input dtype)
+        bias_u, bias_v = query[8].to(DOT_DTYPE), query[9].to(DOT_DTYPE)
+        vterm = (e0, tl.where(tl.arange(0, 16)[:, None] == 0, bias_v[None, :],
+                              0.0).to(DOT_DTYPE))
     if ATOMIC:
         DQ_ACC, stride_dqa, DR_ACC, stride_dr, SEMS, sem_row = atomics
         DQ_bh = DQ_ACC + b * stride_dqa[0] + h * stride_dqa[2]
@@ -542,6 +608,8 @@ def _rel_attn_bwd_dkdv_kernel(
         # dr of the current tile's hi window chunk, pending its lo-chunk part from the
         # previous query tile (the same r rows: see the loop)
         dr_pend = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+        if Q_ONLY:
+            dr_pend = (dr_pend, tl.zeros([BLOCK, 16], dtype=tl.float32))
         # ORDERED: the query tiles go down, m = m_hi - 1 .. m_lo, and key tile n publishes in
         # PROG[n] how far it has got (Mq - m once query tile m's adds are issued, Mq =
         # cdiv(Lq, BLOCK); _DONE after the last flush). Query tile m's adds (dq tile m, dr
@@ -563,7 +631,12 @@ def _rel_attn_bwd_dkdv_kernel(
         i0 = m * BLOCK
         offs_i = i0 + tl.arange(0, BLOCK)
         a_t, qv_t, do, lse2, delta = _load_query_tile(query, i0, offs_i, offs_d, Lq, D,
-                                                      DOT_DTYPE, USE_DESC)
+                                                      DOT_DTYPE, USE_DESC, Q_ONLY,
+                                                      K.dtype.element_ty, UPCAST, False)
+        q_t = a_t
+        if Q_ONLY:  # rounded as the forward rounds them (exact sums of 16-bit values)
+            a_t = _operand(q_t + bias_u[None, :], K.dtype.element_ty, UPCAST)
+            qv_t = _operand(q_t + bias_v[None, :], K.dtype.element_ty, UPCAST)
         p_lo = j0 - i0 + Lq - BLOCK
         if ORDERED:
             r_hi = _load_r(rel, p_lo + BLOCK, w, offs_d, D, DOT_DTYPE, USE_DESC)
@@ -576,7 +649,7 @@ def _rel_attn_bwd_dkdv_kernel(
         dv = tl.dot(tl.trans(p), do, dv, input_precision=DOT_PREC)
         ds_op = _operand(ds, K.dtype.element_ty, UPCAST)
         ds_t = tl.trans(ds_op)
-        dk = tl.dot(ds_t, a_t, dk, input_precision=DOT_PREC)
+        dk = tl.dot(ds_t, q_t, dk, input_precision=DOT_PREC)  # (+ column sums x u below)
         if DU_DOT:
             ds_cols = tl.dot(ds_t, e0, ds_cols, input_precision=DOT_PREC)
         else:
@@ -587,11 +660,14 @@ def _rel_attn_bwd_dkdv_kernel(
             if ORDERED:
                 order = (PROG, last, Mq - m)
                 rows = p_lo + w
-            dr_pend = _dq_dr_atomics(ds_op, ds, k_t, r_lo, r_hi, qv_t, dr_pend, DQ_bh, DR_h,
+            qv_b = qv_t
+            if Q_ONLY:
+                qv_b = q_t
+            dr_pend = _dq_dr_atomics(ds_op, ds, k_t, r_lo, r_hi, qv_b, dr_pend, DQ_bh, DR_h,
                                      offs_i, rows, Lq, R_rows, stride_dqa[1], stride_dr[1],
-                                     offs_d, d_ok, lo_part, sm_scale, order, DOT_DTYPE,
+                                     offs_d, d_ok, lo_part, sm_scale, order, vterm, DOT_DTYPE,
                                      UPCAST, DOT_PREC, SKEW_GATHER, BLOCK, K.dtype.element_ty,
-                                     ORDERED)
+                                     ORDERED, Q_ONLY)
         if ORDERED:
             r_lo = r_hi
         else:
@@ -601,7 +677,8 @@ def _rel_attn_bwd_dkdv_kernel(
         if ORDERED:
             rows = j0 - m_lo * BLOCK + Lq + w
             _turn_wait(PROG, _DONE, last)
-        _dr_add(DR_h, dr_pend, rows, R_rows, stride_dr[1], offs_d, d_ok, sm_scale)
+        _dr_add(DR_h, _dr_value(dr_pend, vterm[1], Q_ONLY, DOT_DTYPE, UPCAST, DOT_PREC), rows,
+                R_rows, stride_dr[1], offs_d, d_ok, sm_scale)
         if ORDERED:
             _turn_pass(PROG, _DONE)
 
@@ -615,6 +692,11 @@ def _rel_attn_bwd_dkdv_kernel(
         col_sums = tl.sum(ds_sum, axis=0)
     tl.store(DU_PART + part_off,
              tl.sum(col_sums[:, None] * k_t.to(tl.float32), axis=0) * sm_scale, mask=d_ok)
+    if Q_ONLY:  # dS^T (q + u) = dS^T q + (column sums of dS) u; u loaded again here (held
+        # through the loop, its fp32 copy would take registers from it)
+        _, U, _, _, (stride_uh, _) = q_args
+        dk += col_sums[:, None] * tl.load(U + h * stride_uh + offs_d, mask=d_ok,
+                                          other=0.0).to(tl.float32)[None, :]
     dk = dk * sm_scale
     if DROPOUT:  # the kept probabilities' 1 / (1 - p) (_recompute_p_ds)
         dv = dv * drop[4]
@@ -1000,6 +1082,16 @@ _dr_kernel = triton.autotune(configs=_configs(), key=_KEY,
                              reset_to_zero=["Z"])(_rel_attn_bwd_dr_kernel)
 
 
+def _q_only(family: str, block_d: int) -> bool:
+    """Whether the dk/dv kernel with ATOMIC (fp16 / bf16) takes Q_ONLY: one q tile per pair
+    instead of the preprocessed (q + u) and (q + vb), and no workspaces. On sm_90 up to D 64,
+    where the static sm_90 model puts its loop at the L2 bound (bf16 D 64, causal: 2923 cycles
+    per tile, 65 KB, against 2204 of shared memory): 57 KB per tile, 2564 cycles of L2, 2784 of
+    shared memory (the rounded operands and the bias terms' narrow products). At D 128 the loop
+    is shared-memory bound already; the other families are not modelled."""
+    return family == "sm90" and block_d <= 64
+
+
 def _dr_from_q(block_d: int, meta: dict) -> bool:
     """Whether the dr kernel forms (q + u) and (q + vb) from q tiles (FROM_Q) rather than
     loading both preprocessed operands: one [BLOCK, BLOCK_D] tile load per pair fewer (its
@@ -1082,10 +1174,12 @@ def rel_attn_bwd(
             f"rel_attn_bwd: {name} must be {list(shape)} {dtype} on {dev}, got {describe(t)}"
     assert R_rows >= 1, f"rel_attn_bwd: r {describe(r)}"
     family = config_family(dev)[0]
+    block_d = max(16, triton.next_power_of_2(D))
     fits = _atomic_offsets_fit(R_rows, Lq, Lk, H, D)
     # ATOMIC: dq and dr in the dk/dv kernel; deterministic, with their adds in a fixed order
     fused_dq = fits and _fused_dq(family, q.dtype == torch.float32)
     ordered = fused_dq and deterministic
+    q_only = fused_dq and _q_only(family, block_d)
     deterministic = deterministic or not fits
     dropout = dropout_p > 0.0
     assert not dropout or (dropout_seed is not None and dropout_seed.dtype == torch.int64
@@ -1108,7 +1202,6 @@ def rel_attn_bwd(
     else:
         dot_dtype = _TL_DTYPES[q.dtype]
     precision = dot_precision(q.dtype)
-    block_d = max(16, triton.next_power_of_2(D))
     if INTERPRET:
         configs = (INTERPRET_CONFIG,) * 3
     elif not autotune_enabled():
@@ -1136,8 +1229,13 @@ def rel_attn_bwd(
     # rows padded to 16 bytes, so that these workspaces can always be TMA descriptors' bases
     per16 = 16 // torch.empty(0, dtype=op_dtype).element_size()
     d_pad = triton.cdiv(D, per16) * per16
-    a_op = torch.empty((B * H, Lq, d_pad), device=dev, dtype=op_dtype)[..., :D]
-    qv_op = torch.empty((B * H, Lq, d_pad), device=dev, dtype=op_dtype)[..., :D]
+    if q_only:  # the dk/dv kernel forms them from q tiles: no workspaces (q stands in)
+        a_op = qv_op = q
+        w_strides = (0, q.stride(1))
+    else:
+        a_op = torch.empty((B * H, Lq, d_pad), device=dev, dtype=op_dtype)[..., :D]
+        qv_op = torch.empty((B * H, Lq, d_pad), device=dev, dtype=op_dtype)[..., :D]
+        w_strides = a_op.stride()[:2]
     pre_block = 16 if INTERPRET else 64
     _rel_attn_bwd_preprocess_kernel[(B * H, triton.cdiv(Lq, pre_block))](
         out, do, q, r_w_bias, r_r_bias, delta, a_op, qv_op,
@@ -1146,12 +1244,12 @@ def rel_attn_bwd(
         q.stride(0), q.stride(1), q.stride(2),
         r_w_bias.stride(0), r_r_bias.stride(0),
         delta.stride(0), delta.stride(1), delta.stride(2),
-        a_op.stride(0), a_op.stride(1),
-        H, Lq, D, UPCAST=upcast, BLOCK_M=pre_block, BLOCK_D=block_d)
+        *w_strides, H, Lq, D, UPCAST=upcast, BLOCK_M=pre_block, BLOCK_D=block_d,
+        OPERANDS=not q_only)
 
     # The main kernels' shared arguments (see "Kernels" above for the tuples' layouts).
     inputs = (a_op, qv_op, k, v, r, do, lse, delta)
-    strides = (a_op.stride()[:2], _bmh(k), _bmh(v), r.stride()[:2], _bmh(do), lse.stride())
+    strides = (w_strides, _bmh(k), _bmh(v), r.stride()[:2], _bmh(do), lse.stride())
     has_band = attn_mask_band is not None and attn_mask is not None
     band = attn_mask_band if has_band else delta  # unused without a band
     masks = (wl, wr, kpm, kpm_strides, am, am_strides, band)
@@ -1189,15 +1287,16 @@ def rel_attn_bwd(
                    (dr_acc.stride(0) if ordered else 0, dr_acc.stride(1), dr_acc.stride(2)),
                    sems, sem_row)
 
+    q_args = (q, r_w_bias, r_r_bias, _bmh(q), (r_w_bias.stride(0), r_r_bias.stride(0)))
     # dk, dv (+ du partials; ATOMIC: + dq and dr by fp32 atomics): one program per key tile
     dk = torch.empty((B, Lk, H, D), device=dev, dtype=q.dtype)
     dv = torch.empty((B, Lk, H, D), device=dev, dtype=q.dtype)
     _launch(_dkdv_kernel, _rel_attn_bwd_dkdv_kernel,
             lambda blk: (B * H, triton.cdiv(Lk, blk)),
-            (*inputs, dk, dv, du_part, strides, _bmh(dk), _bmh(du_part), atomics, *sizes, masks,
-             drop, *buckets),
+            (*inputs, dk, dv, du_part, strides, _bmh(dk), _bmh(du_part), atomics, q_args,
+             *sizes, masks, drop, *buckets),
             dict(meta, DU_DOT=family in _DU_DOT_FAMILIES and block_d <= 64, ATOMIC=fused_dq,
-                 ORDERED=ordered),
+                 ORDERED=ordered, Q_ONLY=q_only),
             configs[0])
     du32 = du_part.sum(dim=(0, 1))
     du = du32.to(q.dtype)
