@@ -8,8 +8,9 @@ input's shape and dtype, contiguous. Any strides with ``stride(-1) == 1`` (other
 int64 batch / head offsets (the atomics' offsets within a head are int32, where they fit).
 Kernels: preprocess (delta = dO . O, and q + u / q + vb rounded once per row into workspaces,
 unless Q_ONLY), dk/dv (+ du partials; ATOMIC: + dq and dr by fp32 atomics, no dq kernel;
-ORDERED: those adds in key-tile order; Q_ONLY: one q tile per pair, see _q_only), dq (+ its row sums for dvb; + atomic dr on the families without ATOMIC), dr
-(deterministic mode without ATOMIC).
+ORDERED: those adds in key-tile order; Q_ONLY: one q tile per pair, see _q_only), dq (+ its
+row sums for dvb; + atomic dr on the families without ATOMIC), dr (deterministic mode without
+ATOMIC).
 
 Invariants. P is recomputed from lse, never stored; the recomputed S uses exactly the
 forward's rounded operands; skew and unskew are one per-row rotation each (the forward's
@@ -533,9 +534,9 @@ def _dq_dr_atomics(ds_op, ds, k_t, r_lo, r_hi, qv_t, dr_pend, DQ_bh, DR_h, offs_
 
 @triton.jit
 def _rel_attn_bwd_dkdv_kernel(
-    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, DK, DV, DU_PART, strides, stride_dk, stride_part,
-    atomics, q_args, H, Lq, Lk, R_rows, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET,
-    LK_BUCKET, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
+    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, outs, strides, atomics, q_args, H, Lq, Lk, R_rows, D,
+    sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
+    HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     SKEW_GATHER: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
     DROPOUT: tl.constexpr = False, USE_DESC: tl.constexpr = False,
@@ -544,15 +545,17 @@ def _rel_attn_bwd_dkdv_kernel(
 ):
     """One program per (batch * head, key tile): dk and dv of the tile, looping over the query
     tiles that the window lets see it, and the tile's part of du (scale * column sums of dS .
-    K: the row sums of dA = scale dS K) in DU_PART[b, key tile, h]. stride_dk: (b, n, h),
-    shared by DK and DV; stride_part: (b, n, h). ATOMIC: also dq and dr, added to ``atomics``
-    = (DQ_ACC, its (b, m, h) strides, DR_ACC, its (b, p, h) strides, SEMS, its row per batch
-    * head); ORDERED: every dq and dr row takes the key tiles' adds in key-tile order (SEMS:
-    each program's progress), so the sums are the same from run to run. Q_ONLY (with ATOMIC):
-    one q tile per query tile instead of the two preprocessed operands (``q_args`` as in
-    _program_setup): (q + u) and (q + vb) are rounded here as the forward rounds them, for the
-    products that recompute S, and the gradient products take q itself plus the bias terms in
-    fp32: dK = dS^T q + (column sums of dS) u, dr = G^T q + (column sums of G) vb."""
+    K: the row sums of dA = scale dS K) in DU_PART[b, key tile, h]; ``outs`` = (DK, DV,
+    DU_PART, the (b, n, h) strides of DK and DV, those of DU_PART). ATOMIC: also dq and dr,
+    added to ``atomics`` = (DQ_ACC, its (b, m, h) strides, DR_ACC, its (b, p, h) strides, SEMS,
+    its row per batch * head); ORDERED: every dq and dr row takes the key tiles' adds in
+    key-tile order (SEMS: each program's progress), so the sums are the same from run to run.
+    Q_ONLY (with ATOMIC): one q tile per query tile instead of the two preprocessed operands
+    (``q_args`` as in _program_setup): (q + u) and (q + vb) are rounded here as the forward
+    rounds them, for the products that recompute S, and the gradient products take q itself
+    plus the bias terms in fp32: dK = dS^T q + (column sums of dS) u, dr = G^T q + (column
+    sums of G) vb."""
+    DK, DV, DU_PART, stride_dk, stride_part = outs
     # ORDERED: key tiles in reverse grid order (n + 1, which n waits for, starts first)
     n = tl.program_id(1)
     if ORDERED:
@@ -1028,8 +1031,8 @@ _SMALL_TILE_FAMILIES = tuple(_SMALL_TILE_DEFAULTS)
 # deterministic=False: the families whose dk/dv kernel also takes dq and dr by fp32 atomics
 # (ATOMIC: one recompute of P and dS per tile pair instead of two, no dq kernel). Their default
 # configs stay within the spill budget, or (sm_90) the static model prefers it despite the
-# spills: bf16 D 64 causal, 2.25x the tutorial's backward against 2.62 with the two kernels
-# (its loop bound by L2 and shared memory about evenly). sm_100 / sm_120 at their small tiles
+# spills: bf16 D 64 causal, 2.12x the tutorial's backward against 2.62 with the two kernels
+# (with Q_ONLY; its loop bound by shared memory, L2 next). sm_100 / sm_120 at their small tiles
 # spill 96-372 B with ATOMIC (bf16, flags on): they keep the dq kernel and its atomic dr.
 _FUSED_DQ_FAMILIES = ("sm90", "sm80", "sm86")
 _GATHER_SKEW_FAMILIES = _SMALL_TILE_FAMILIES
@@ -1069,7 +1072,7 @@ def _zero_atomics(nargs, reset_only=False):
 _KEY = ["BLOCK_D", "LQ_BUCKET", "LK_BUCKET", "HAS_KPM", "HAS_MASK", "HAS_BAND", "DOT_PREC",
         "DROPOUT", "USE_DESC"]
 
-_dkdv_kernel = triton.autotune(configs=_configs(), key=_KEY + ["ATOMIC", "ORDERED"],
+_dkdv_kernel = triton.autotune(configs=_configs(), key=_KEY + ["ATOMIC", "ORDERED", "Q_ONLY"],
                                prune_configs_by={"early_config_prune": _make_prune(False)},
                                pre_hook=_zero_atomics)(
     _rel_attn_bwd_dkdv_kernel)
@@ -1293,7 +1296,7 @@ def rel_attn_bwd(
     dv = torch.empty((B, Lk, H, D), device=dev, dtype=q.dtype)
     _launch(_dkdv_kernel, _rel_attn_bwd_dkdv_kernel,
             lambda blk: (B * H, triton.cdiv(Lk, blk)),
-            (*inputs, dk, dv, du_part, strides, _bmh(dk), _bmh(du_part), atomics, q_args,
+            (*inputs, (dk, dv, du_part, _bmh(dk), _bmh(du_part)), strides, atomics, q_args,
              *sizes, masks, drop, *buckets),
             dict(meta, DU_DOT=family in _DU_DOT_FAMILIES and block_d <= 64, ATOMIC=fused_dq,
                  ORDERED=ordered, Q_ONLY=q_only),
