@@ -213,18 +213,19 @@ def test_summary_fails_on_uncovered_kernel_and_unfittable_launch():
     assert not ok
 
 
-_ORDERED_DRIVER = textwrap.dedent('''
+# The drivers compile the dk/dv kernel for sm_90 as rel_attn_bwd launches it (bf16, D 64,
+# causal), in a new process without TRITON_INTERPRET, and print "RESULTS <json>".
+_DKDV_PRELUDE = textwrap.dedent('''
     import json, re, torch, triton
-    from triton.compiler import ASTSource
+    from triton.compiler import ASTSource, make_backend
     from tools import aot_check as A
     from txl_kernels.ops import rel_attn_bwd as rb
 
     def t(*shape, dtype=torch.bfloat16):
         return torch.empty(*shape, dtype=dtype, device="meta")
 
-    B, L, H, D = 1, 1024, 2, 64
-    out = {}
-    for det in (False, True):
+    def compile_dkdv(det):
+        B, L, H, D = 1, 1024, 2, 64
         log = []
         with A._recording(rb, log):
             rb.rel_attn_bwd(t(B, L, H, D), t(B, L, H, D), t(B, L, H, D), t(B, L, H, D),
@@ -232,20 +233,35 @@ _ORDERED_DRIVER = textwrap.dedent('''
                             t(B, H, L, dtype=torch.float32), D ** -0.5, -1, 0,
                             deterministic=det)
         (launch,) = [x for x in log if "dkdv" in getattr(x.obj, "__name__", "")]
-        from triton.compiler import make_backend
         job = A.jobs_from_launch(make_backend(A._target(90)), rb.__name__, launch)[0]
         k = triton.compile(ASTSource(rb._rel_attn_bwd_dkdv_kernel, job.signature,
                                      job.constexprs, job.attrs), target=A._target(90),
                            options=dict(num_warps=job.num_warps, num_stages=job.num_stages))
-        ptx = k.asm["ptx"]
+        return k, job
+''')
+
+
+def _run_driver(body: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", _DKDV_PRELUDE + textwrap.dedent(body)],
+                          cwd=ROOT, env=dict(_compile_env(), TXL_KERNELS_AUTOTUNE="0"),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads([ln for ln in proc.stdout.splitlines()
+                       if ln.startswith("RESULTS ")][-1][len("RESULTS "):])
+
+
+_ORDERED_DRIVER = '''
+    out = {}
+    for det in (False, True):
+        k, job = compile_dkdv(det)
         ops = [m.group(0) for m in re.finditer(
             r"ld\\.acquire\\.gpu\\.global\\.b32|atom\\.relaxed\\.gpu\\.global\\.add\\.f32"
-            r"|bar\\.sync 0;|atom\\.global\\.gpu\\.release\\.exch\\.b32", ptx)]
+            r"|bar\\.sync 0;|atom\\.global\\.gpu\\.release\\.exch\\.b32", k.asm["ptx"])]
         out[str(det)] = dict(shared=k.metadata.shared, ops=ops,
                              ordered=job.constexprs.get(
                                  (list(job.signature).index("ORDERED"),)))
     print("RESULTS " + json.dumps(out))
-''')
+'''
 
 
 @pytest.mark.slow  # compiles the dk/dv kernel for sm_90 twice in a new process
@@ -255,12 +271,7 @@ def test_ordered_backward_waits_adds_then_publishes_and_stays_pipelined():
     exchange after them; and the loop keeps the unordered kernel's multi-buffered tile loads
     (the same shared memory: a loop or a barrier op in the kernel's IR would stop Triton's
     pipelining)."""
-    proc = subprocess.run([sys.executable, "-c", _ORDERED_DRIVER], cwd=ROOT,
-                          env=dict(_compile_env(), TXL_KERNELS_AUTOTUNE="0"),
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads([ln for ln in proc.stdout.splitlines()
-                      if ln.startswith("RESULTS ")][-1][len("RESULTS "):])
+    res = _run_driver(_ORDERED_DRIVER)
     free, ordered = res["False"], res["True"]
     assert free["ordered"] is False and ordered["ordered"] is True
     assert ordered["shared"] == free["shared"], (ordered["shared"], free["shared"])
@@ -277,27 +288,8 @@ def test_ordered_backward_waits_adds_then_publishes_and_stays_pipelined():
         assert seq[w:w + 4] == ["wait", "add", "bar", "pass"], seq
 
 
-_ATOMICS_DRIVER = textwrap.dedent('''
-    import json, re, torch, triton
-    from triton.compiler import ASTSource, make_backend
-    from tools import aot_check as A
-    from txl_kernels.ops import rel_attn_bwd as rb
-
-    def t(*shape, dtype=torch.bfloat16):
-        return torch.empty(*shape, dtype=dtype, device="meta")
-
-    B, L, H, D = 1, 1024, 2, 64
-    log = []
-    with A._recording(rb, log):
-        rb.rel_attn_bwd(t(B, L, H, D), t(B, L, H, D), t(B, L, H, D), t(B, L, H, D),
-                        t(L, H, D), t(H, D), t(H, D), t(B, L, H, D),
-                        t(B, H, L, dtype=torch.float32), D ** -0.5, -1, 0,
-                        deterministic=False)
-    (launch,) = [x for x in log if "dkdv" in getattr(x.obj, "__name__", "")]
-    job = A.jobs_from_launch(make_backend(A._target(90)), rb.__name__, launch)[0]
-    k = triton.compile(ASTSource(rb._rel_attn_bwd_dkdv_kernel, job.signature, job.constexprs,
-                                 job.attrs), target=A._target(90),
-                       options=dict(num_warps=job.num_warps, num_stages=job.num_stages))
+_ATOMICS_DRIVER = '''
+    k, job = compile_dkdv(False)
     defs, values = {}, []
     for ln in k.asm["ptx"].splitlines():
         m = re.match(r"(?:@%?\\w+\\s+)?([a-z][\\w.:]*)\\s+(.*?);", ln.strip())
@@ -312,7 +304,7 @@ _ATOMICS_DRIVER = textwrap.dedent('''
             defs.update(dict.fromkeys(re.findall(r"%\\w+", args.split(",")[0]), op))
     print("RESULTS " + json.dumps(dict(values=len(values),
                                        defs=sorted({defs.get(v, "?") for v in values}))))
-''')
+'''
 
 
 @pytest.mark.slow  # compiles the dk/dv kernel for sm_90 in a new process
@@ -323,12 +315,7 @@ def test_atomic_adds_read_the_accumulators_in_registers():
     tl.atomic_add makes (16 + 16 KB of shared-memory traffic and a barrier per tile); one add
     per element of the loop's two [64, 64] tiles and of the last dr flush, 32 per thread
     each."""
-    proc = subprocess.run([sys.executable, "-c", _ATOMICS_DRIVER], cwd=ROOT,
-                          env=dict(_compile_env(), TXL_KERNELS_AUTOTUNE="0"),
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads([ln for ln in proc.stdout.splitlines()
-                      if ln.startswith("RESULTS ")][-1][len("RESULTS "):])
+    res = _run_driver(_ATOMICS_DRIVER)
     assert res["values"] == 3 * 32, res
     assert res["defs"] and not any(d.startswith(("ld.shared", "ld.local", "?"))
                                    for d in res["defs"]), res
