@@ -509,7 +509,9 @@ def _dq_dr_atomics(ds_op, ds, k_t, r_lo, r_hi, qv_t, dr_pend, DQ_bh, DR_h, offs_
     tile's G_hi^T Qv; returns this tile's G_lo^T Qv, pending for the next tile. ORDERED (the
     query tiles go down): the same with lo and hi swapped, and ``order`` = (this program's
     progress slot, whether it is the last key tile, this query tile's progress): the adds
-    wait for the next key tile's program to get as far, then publish it."""
+    wait for the next key tile's program to get as far, then publish it. Q_ONLY: ``qv_t`` is
+    the q tile and the dr sums carry the vb term apart (_dr_product, _dr_value; ``vterm`` =
+    (e0, v16))."""
     g = _operand(_unskew(ds, BLOCK, SKEW_GATHER), IN_DTYPE, UPCAST)
     dt_lo = tl.where(lo_part, g, 0.0).to(DOT_DTYPE)
     dt_hi = tl.where(lo_part, 0.0, g).to(DOT_DTYPE)
