@@ -63,6 +63,15 @@ def _operand(x, IN_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _bias_operands(q, bias_u, bias_v, IN_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
+    """(q + u, q + vb) rounded to the input dtype, as the forward rounds them (q [BLOCK,
+    BLOCK_D], the biases [BLOCK_D]; both in fp32, or both in the 16-bit input dtype: the exact
+    sum of two 16-bit values rounds the same either way)."""
+    return (_operand(q + bias_u[None, :], IN_DTYPE, UPCAST),
+            _operand(q + bias_v[None, :], IN_DTYPE, UPCAST))
+
+
+@triton.jit
 def _output(x, OUT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
     """fp32 -> output dtype, rounding to nearest also under the interpreter."""
     if UPCAST:
@@ -322,9 +331,7 @@ def _load_query_tile(query, i0, offs_i, offs_d, Lq, D, DOT_DTYPE: tl.constexpr,
         do = tl.load(DO_bh + rows_i * stride_dom + offs_d[None, :], mask=q_msk,
                      other=0.0).to(DOT_DTYPE)
     if FROM_Q and ROUND:
-        q = a_t.to(tl.float32)
-        a_t = _operand(q + bias_u[None, :], IN_DTYPE, UPCAST)
-        qv_t = _operand(q + bias_v[None, :], IN_DTYPE, UPCAST)
+        a_t, qv_t = _bias_operands(a_t.to(tl.float32), bias_u, bias_v, IN_DTYPE, UPCAST)
     elif FROM_Q:
         a_t = a_t.to(DOT_DTYPE)
         qv_t = a_t
@@ -417,10 +424,10 @@ def _preprocess_operands(Q, U, VB, A_OP, QV_OP, b, h, pid_bh, rows, offs_d, d_ok
                 mask=msk, other=0.0).to(tl.float32)
     bias_u = tl.load(U + h * stride_uh + offs_d, mask=d_ok, other=0.0).to(tl.float32)
     bias_v = tl.load(VB + h * stride_vbh + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    a_op, qv_op = _bias_operands(q, bias_u, bias_v, Q.dtype.element_ty, UPCAST)
     w_off = pid_bh * stride_wbh + rows * stride_wm + offs_d[None, :]
-    tl.store(A_OP + w_off, _operand(q + bias_u[None, :], Q.dtype.element_ty, UPCAST), mask=msk)
-    tl.store(QV_OP + w_off, _operand(q + bias_v[None, :], Q.dtype.element_ty, UPCAST),
-             mask=msk)
+    tl.store(A_OP + w_off, a_op, mask=msk)
+    tl.store(QV_OP + w_off, qv_op, mask=msk)
 
 
 # ORDERED: the progress a program has published once its adds are all done
@@ -639,9 +646,8 @@ def _rel_attn_bwd_dkdv_kernel(
                                                       DOT_DTYPE, USE_DESC, Q_ONLY,
                                                       K.dtype.element_ty, UPCAST, False)
         q_t = a_t
-        if Q_ONLY:  # rounded as the forward rounds them (exact sums of 16-bit values)
-            a_t = _operand(q_t + bias_u[None, :], K.dtype.element_ty, UPCAST)
-            qv_t = _operand(q_t + bias_v[None, :], K.dtype.element_ty, UPCAST)
+        if Q_ONLY:  # summed in the operand dtype: fewer registers than fp32 sums
+            a_t, qv_t = _bias_operands(q_t, bias_u, bias_v, K.dtype.element_ty, UPCAST)
         p_lo = j0 - i0 + Lq - BLOCK
         if ORDERED:
             r_hi = _load_r(rel, p_lo + BLOCK, w, offs_d, D, DOT_DTYPE, USE_DESC)
@@ -1230,14 +1236,14 @@ def rel_attn_bwd(
 
     # delta = rowsum(dO * O); the operands q + u and q + vb, rounded once
     delta = torch.empty((B, H, Lq), device=dev, dtype=torch.float32)
-    op_dtype = torch.float32 if upcast else q.dtype
-    # rows padded to 16 bytes, so that these workspaces can always be TMA descriptors' bases
-    per16 = 16 // torch.empty(0, dtype=op_dtype).element_size()
-    d_pad = triton.cdiv(D, per16) * per16
     if q_only:  # the dk/dv kernel forms them from q tiles: no workspaces (q stands in)
         a_op = qv_op = q
         w_strides = (0, q.stride(1))
     else:
+        op_dtype = torch.float32 if upcast else q.dtype
+        # rows padded to 16 bytes, so that these workspaces can always be TMA descriptors' bases
+        per16 = 16 // torch.empty(0, dtype=op_dtype).element_size()
+        d_pad = triton.cdiv(D, per16) * per16
         a_op = torch.empty((B * H, Lq, d_pad), device=dev, dtype=op_dtype)[..., :D]
         qv_op = torch.empty((B * H, Lq, d_pad), device=dev, dtype=op_dtype)[..., :D]
         w_strides = a_op.stride()[:2]
@@ -1268,6 +1274,8 @@ def rel_attn_bwd(
     if meta["USE_DESC"] and dev.type == "cuda" and not INTERPRET:
         ensure_scratch_allocator()
     sizes = (H, Lq, Lk, R_rows, D, scale, scale * LOG2E.value)
+    # q and the biases, for the kernels that form q + u and q + vb themselves (FROM_Q, Q_ONLY)
+    q_args = (q, r_w_bias, r_r_bias, _bmh(q), (r_w_bias.stride(0), r_r_bias.stride(0)))
     buckets = (length_bucket(Lq), length_bucket(Lk))  # autotune keys only
 
     # du and dvb: the dk/dv kernel writes scale (column sums of dS) . K of each key tile (its
@@ -1292,7 +1300,6 @@ def rel_attn_bwd(
                    (dr_acc.stride(0) if ordered else 0, dr_acc.stride(1), dr_acc.stride(2)),
                    sems, sem_row)
 
-    q_args = (q, r_w_bias, r_r_bias, _bmh(q), (r_w_bias.stride(0), r_r_bias.stride(0)))
     # dk, dv (+ du partials; ATOMIC: + dq and dr by fp32 atomics): one program per key tile
     dk = torch.empty((B, Lk, H, D), device=dev, dtype=q.dtype)
     dv = torch.empty((B, Lk, H, D), device=dev, dtype=q.dtype)
@@ -1331,9 +1338,7 @@ def rel_attn_bwd(
         z = torch.zeros((2, B, R_rows, H, D), device=dev, dtype=torch.float32)
         _launch(_dr_kernel, _rel_attn_bwd_dr_kernel,
                 lambda blk: (B * H, triton.cdiv(Lq, blk) + triton.cdiv(Lk, blk) - 1),
-                (*inputs, z, strides, z.stride()[:4],
-                 (q, r_w_bias, r_r_bias, _bmh(q), (r_w_bias.stride(0), r_r_bias.stride(0))),
-                 *sizes, masks, drop, *buckets),
+                (*inputs, z, strides, z.stride()[:4], q_args, *sizes, masks, drop, *buckets),
                 dict(meta, FROM_Q=_dr_from_q(block_d, meta)), configs[2])
         dr = z.sum(dim=(0, 1)).to(q.dtype)
     else:
