@@ -41,6 +41,53 @@ def round_bf16(x):
 _INTERP = tl.constexpr(INTERPRET)
 
 
+# ---- the tensor-core operands (q + u) and (q + vb)
+
+@triton.jit
+def to_operand(x, IN_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
+    """Round x to the input dtype, the precision of the tensor-core operands. UPCAST
+    (interpreter, bf16): the rounded value is kept in fp32 for tl.dot."""
+    if UPCAST:
+        y = round_bf16(x)
+    else:
+        y = x.to(IN_DTYPE)
+    return y
+
+
+@triton.jit
+def bias_operands(q, bias_u, bias_v, IN_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
+    """(q + u, q + vb) rounded once to the input dtype, the operands of the AC and BD products
+    in every kernel (q [BLOCK, BLOCK_D], the biases [BLOCK_D]; both in fp32, or both in the
+    16-bit input dtype: the exact sum of two 16-bit values rounds the same either way)."""
+    return (to_operand(q + bias_u[None, :], IN_DTYPE, UPCAST),
+            to_operand(q + bias_v[None, :], IN_DTYPE, UPCAST))
+
+
+@triton.jit
+def store_bias_operands(Q_bh, U_h, VB_h, A_bh, QV_bh, rows, offs_d, d_ok, msk, stride_qm,
+                        stride_wm, UPCAST: tl.constexpr):
+    """Rows ``rows`` ([BLOCK, 1], int64) of ``bias_operands`` for one (batch, head), from q
+    (``Q_bh``, row stride stride_qm) and the biases, into the workspaces A_bh / QV_bh (row
+    stride stride_wm; ``operand_workspace``)."""
+    q = tl.load(Q_bh + rows * stride_qm + offs_d[None, :], mask=msk, other=0.0).to(tl.float32)
+    bias_u = tl.load(U_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    bias_v = tl.load(VB_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    a_op, qv_op = bias_operands(q, bias_u, bias_v, Q_bh.dtype.element_ty, UPCAST)
+    w_off = rows * stride_wm + offs_d[None, :]
+    tl.store(A_bh + w_off, a_op, mask=msk)
+    tl.store(QV_bh + w_off, qv_op, mask=msk)
+
+
+def operand_workspace(B: int, H: int, Lq: int, D: int, dtype: torch.dtype, upcast: bool,
+                      device) -> torch.Tensor:
+    """One ``[B * H, Lq, D]`` workspace for ``store_bias_operands`` (fp32 under ``upcast``),
+    its rows padded to 16 bytes so that it can always be a TMA descriptor's base."""
+    op_dtype = torch.float32 if upcast else dtype
+    per16 = 16 // torch.empty(0, dtype=op_dtype).element_size()
+    d_pad = (D + per16 - 1) // per16 * per16
+    return torch.empty((B * H, Lq, d_pad), device=device, dtype=op_dtype)[..., :D]
+
+
 @triton.jit
 def interior_tiles(i_first, i_last, BLOCK_N: tl.constexpr, t_begin, t_end, Lk, mlen,
                    window_left, window_right, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr):

@@ -33,10 +33,11 @@ import triton.language as tl
 
 from .._arch import config_family
 from .._utils import describe
-from ._common import (INTERPRET, LOG2E, apply_mask_band, autotune_enabled, descriptors_ok,
-                      dot_precision, dropout_keep, dropout_threshold, ensure_scratch_allocator,
-                      interior_tiles, last_dim_contiguous, length_bucket, load_dropout_seed,
-                      pair_mask, rotate_rows, round_bf16, tile_run)
+from ._common import (INTERPRET, LOG2E, apply_mask_band, autotune_enabled, bias_operands,
+                      descriptors_ok, dot_precision, dropout_keep, dropout_threshold,
+                      ensure_scratch_allocator, interior_tiles, last_dim_contiguous,
+                      length_bucket, load_dropout_seed, operand_workspace, pair_mask,
+                      rotate_rows, round_bf16, store_bias_operands, tile_run, to_operand)
 
 __all__ = ["rel_attn_bwd"]
 
@@ -49,26 +50,6 @@ _PTX = tl.constexpr(not INTERPRET)
 # ----------------------------------------------------------------------------------------------
 # Tile helpers
 # ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _operand(x, IN_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
-    """Round x to the input dtype, the precision of the tensor-core operands (as the forward
-    does). UPCAST (interpreter, bf16): the rounded value is kept in fp32 for tl.dot."""
-    if UPCAST:
-        y = round_bf16(x)
-    else:
-        y = x.to(IN_DTYPE)
-    return y
-
-
-@triton.jit
-def _bias_operands(q, bias_u, bias_v, IN_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
-    """(q + u, q + vb) rounded to the input dtype, as the forward rounds them (q [BLOCK,
-    BLOCK_D], the biases [BLOCK_D]; both in fp32, or both in the 16-bit input dtype: the exact
-    sum of two 16-bit values rounds the same either way)."""
-    return (_operand(q + bias_u[None, :], IN_DTYPE, UPCAST),
-            _operand(q + bias_v[None, :], IN_DTYPE, UPCAST))
 
 
 @triton.jit
@@ -331,7 +312,7 @@ def _load_query_tile(query, i0, offs_i, offs_d, Lq, D, DOT_DTYPE: tl.constexpr,
         do = tl.load(DO_bh + rows_i * stride_dom + offs_d[None, :], mask=q_msk,
                      other=0.0).to(DOT_DTYPE)
     if FROM_Q and ROUND:
-        a_t, qv_t = _bias_operands(a_t.to(tl.float32), bias_u, bias_v, IN_DTYPE, UPCAST)
+        a_t, qv_t = bias_operands(a_t.to(tl.float32), bias_u, bias_v, IN_DTYPE, UPCAST)
     elif FROM_Q:
         a_t = a_t.to(DOT_DTYPE)
         qv_t = a_t
@@ -374,7 +355,7 @@ def _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, i0, j0, offs_i, 
         ds = p * (tl.where(keep, dp, 0.0) * drop_scale - delta[:, None])
     else:
         ds = p * (dp - delta[:, None])
-    return _operand(pv, IN_DTYPE, UPCAST), ds
+    return to_operand(pv, IN_DTYPE, UPCAST), ds
 
 
 @triton.jit
@@ -411,23 +392,10 @@ def _rel_attn_bwd_preprocess_kernel(
     tl.store(DELTA + b * stride_lb + h * stride_lh + offs_m.to(tl.int64) * stride_lm, delta,
              mask=offs_m < Lq)
     if OPERANDS:
-        _preprocess_operands(Q, U, VB, A_OP, QV_OP, b, h, pid_bh, rows, offs_d, d_ok, msk,
-                             stride_qb, stride_qm, stride_qh, stride_uh, stride_vbh,
-                             stride_wbh, stride_wm, UPCAST)
-
-
-@triton.jit
-def _preprocess_operands(Q, U, VB, A_OP, QV_OP, b, h, pid_bh, rows, offs_d, d_ok, msk,
-                         stride_qb, stride_qm, stride_qh, stride_uh, stride_vbh, stride_wbh,
-                         stride_wm, UPCAST: tl.constexpr):
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows * stride_qm + offs_d[None, :],
-                mask=msk, other=0.0).to(tl.float32)
-    bias_u = tl.load(U + h * stride_uh + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    bias_v = tl.load(VB + h * stride_vbh + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    a_op, qv_op = _bias_operands(q, bias_u, bias_v, Q.dtype.element_ty, UPCAST)
-    w_off = pid_bh * stride_wbh + rows * stride_wm + offs_d[None, :]
-    tl.store(A_OP + w_off, a_op, mask=msk)
-    tl.store(QV_OP + w_off, qv_op, mask=msk)
+        store_bias_operands(Q + b * stride_qb + h * stride_qh, U + h * stride_uh,
+                            VB + h * stride_vbh, A_OP + pid_bh * stride_wbh,
+                            QV_OP + pid_bh * stride_wbh, rows, offs_d, d_ok, msk, stride_qm,
+                            stride_wm, UPCAST)
 
 
 # ORDERED: the progress a program has published once its adds are all done
@@ -519,7 +487,7 @@ def _dq_dr_atomics(ds_op, ds, k_t, r_lo, r_hi, qv_t, dr_pend, DQ_bh, DR_h, offs_
     wait for the next key tile's program to get as far, then publish it. Q_ONLY: ``qv_t`` is
     the q tile and the dr sums carry the vb term apart (_dr_product, _dr_value; ``vterm`` =
     (e0, v16))."""
-    g = _operand(_unskew(ds, BLOCK, SKEW_GATHER), IN_DTYPE, UPCAST)
+    g = to_operand(_unskew(ds, BLOCK, SKEW_GATHER), IN_DTYPE, UPCAST)
     dt_lo = tl.where(lo_part, g, 0.0).to(DOT_DTYPE)
     dt_hi = tl.where(lo_part, 0.0, g).to(DOT_DTYPE)
     dq = tl.dot(ds_op, k_t, input_precision=DOT_PREC)
@@ -647,7 +615,7 @@ def _rel_attn_bwd_dkdv_kernel(
                                                       K.dtype.element_ty, UPCAST, False)
         q_t = a_t
         if Q_ONLY:  # summed in the operand dtype: fewer registers than fp32 sums
-            a_t, qv_t = _bias_operands(q_t, bias_u, bias_v, K.dtype.element_ty, UPCAST)
+            a_t, qv_t = bias_operands(q_t, bias_u, bias_v, K.dtype.element_ty, UPCAST)
         p_lo = j0 - i0 + Lq - BLOCK
         if ORDERED:
             r_hi = _load_r(rel, p_lo + BLOCK, w, offs_d, D, DOT_DTYPE, USE_DESC)
@@ -658,7 +626,7 @@ def _rel_attn_bwd_dkdv_kernel(
                                 qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
                                 DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, K.dtype.element_ty, UPCAST)
         dv = tl.dot(tl.trans(p), do, dv, input_precision=DOT_PREC)
-        ds_op = _operand(ds, K.dtype.element_ty, UPCAST)
+        ds_op = to_operand(ds, K.dtype.element_ty, UPCAST)
         ds_t = tl.trans(ds_op)
         dk = tl.dot(ds_t, q_t, dk, input_precision=DOT_PREC)  # (+ column sums x u below)
         if DU_DOT:
@@ -737,11 +705,11 @@ def _dq_tile(carry, n, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
     p, ds = _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, i0, j0, offs_i,
                             qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
                             DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, IN_DTYPE, UPCAST, MASKED)
-    dq = tl.dot(_operand(ds, IN_DTYPE, UPCAST), k_t, dq, input_precision=DOT_PREC)  # dA
+    dq = tl.dot(to_operand(ds, IN_DTYPE, UPCAST), k_t, dq, input_precision=DOT_PREC)  # dA
     # rows p_lo ..: the lo part of this tile's unskewed dS and the hi part of the previous
     # tile's have disjoint supports: one merge, one product with the shared rows.
     g = _unskew(ds, BLOCK, SKEW_GATHER)
-    dt = _operand(tl.where(lo_part, g, g_prev), IN_DTYPE, UPCAST)
+    dt = to_operand(tl.where(lo_part, g, g_prev), IN_DTYPE, UPCAST)
     dq = tl.dot(dt, r_lo, dq, input_precision=DOT_PREC)  # dQv
     if ATOMIC_DR:
         _dr_add(DR_h, tl.dot(tl.trans(dt), qv_t, input_precision=DOT_PREC), p_lo + w, R_rows,
@@ -817,7 +785,7 @@ def _rel_attn_bwd_dq_kernel(
                                  USE_DESC, run != 1, K.dtype.element_ty)
     dq, g_prev, p_lo, r_lo = carry
     # flush the hi part of the last tile (rows p_lo ..: its hi r chunk)
-    dt = _operand(tl.where(lo_part, 0.0, g_prev), K.dtype.element_ty, UPCAST)
+    dt = to_operand(tl.where(lo_part, 0.0, g_prev), K.dtype.element_ty, UPCAST)
     dq = tl.dot(dt, r_lo, dq, input_precision=DOT_PREC)
     if ATOMIC_DR:
         _dr_add(DR_h, tl.dot(tl.trans(dt), qv_t, input_precision=DOT_PREC), p_lo + w, R_rows,
@@ -853,7 +821,7 @@ def _dr_tile(carry, m, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
     p, ds = _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, i0, j0, offs_i,
                             qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
                             DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, IN_DTYPE, UPCAST, MASKED)
-    g = _operand(_unskew(ds, BLOCK, SKEW_GATHER), IN_DTYPE, UPCAST)
+    g = to_operand(_unskew(ds, BLOCK, SKEW_GATHER), IN_DTYPE, UPCAST)
     dt_lo = tl.where(lo_part, g, 0.0).to(DOT_DTYPE)
     dt_hi = tl.where(lo_part, 0.0, g).to(DOT_DTYPE)
     dr_lo = tl.dot(tl.trans(dt_lo), qv_t, dr_lo, input_precision=DOT_PREC)
@@ -1240,12 +1208,7 @@ def rel_attn_bwd(
         a_op = qv_op = q
         w_strides = (0, q.stride(1))
     else:
-        op_dtype = torch.float32 if upcast else q.dtype
-        # rows padded to 16 bytes, so that these workspaces can always be TMA descriptors' bases
-        per16 = 16 // torch.empty(0, dtype=op_dtype).element_size()
-        d_pad = triton.cdiv(D, per16) * per16
-        a_op = torch.empty((B * H, Lq, d_pad), device=dev, dtype=op_dtype)[..., :D]
-        qv_op = torch.empty((B * H, Lq, d_pad), device=dev, dtype=op_dtype)[..., :D]
+        a_op, qv_op = (operand_workspace(B, H, Lq, D, q.dtype, upcast, dev) for _ in range(2))
         w_strides = a_op.stride()[:2]
     pre_block = 16 if INTERPRET else 64
     _rel_attn_bwd_preprocess_kernel[(B * H, triton.cdiv(Lq, pre_block))](
