@@ -82,6 +82,11 @@ def test_kernel_sources_define_kernels():
     assert len(_kernel_names(KERNEL_FILES["txl_kernels.ops.rel_attn_decode"])) >= 2
 
 
+# kernels launched for some dtypes only: the forward's OP_TILES (its operand workspaces) is
+# fp16 / bf16 only (rel_attn_fwd._operand_tiles)
+_KERNEL_DTYPES = {"_rel_attn_fwd_operands_kernel": ("fp16", "bf16")}
+
+
 @pytest.mark.slow  # compiles kernels for sm_90 in a new process
 def test_quick_aot_check_compiles_every_kernel(tmp_path):
     report_path = tmp_path / "aot.json"
@@ -104,9 +109,9 @@ def test_quick_aot_check_compiles_every_kernel(tmp_path):
             ok_rows = [r for r in rows if r["status"] == "OK"]
             assert ok_rows, f"{module}.{name} was not compiled OK for sm_90:\n{tail}"
             assert not [r for r in rows if r["status"] == "FAIL"], tail
-            # each kernel at least once per dtype
+            # each kernel at least once per dtype it runs in
             cases = " ".join(c for r in ok_rows for c in r["cases"])
-            for dtype in ("fp16", "bf16", "fp32"):
+            for dtype in _KERNEL_DTYPES.get(name, ("fp16", "bf16", "fp32")):
                 assert dtype in cases, f"{name}: no {dtype} case compiled OK ({cases})"
             # the ptxas report was read (registers are what the tuning report is about)
             assert all(isinstance(r["regs"], int) and r["regs"] > 0 for r in ok_rows), rows

@@ -38,8 +38,10 @@ def test_default_configs_compile_fit_and_stay_within_the_spill_budget(tmp_path):
         info = arch_info(int(target[3:]))
         rows = [r for r in results if r["target"] == target]
         kernels = {r["kernel"] for r in rows}
-        for names in report["kernels"].values():
-            assert set(names) <= kernels, (target, set(names) - kernels)
+        cap = int(target[3:])
+        for names in report["kernels"].values():  # every kernel this target's launches take
+            expected = {n for n in names if cap in A.TARGET_KERNELS.get(n, (cap,))}
+            assert expected <= kernels, (target, expected - kernels)
         for r in rows:
             assert r["status"] == "OK", r
             assert r["shared"] <= info.max_shared, r

@@ -36,12 +36,13 @@ import triton.language as tl
 from .._arch import config_family
 from .._utils import describe
 from ..quant import QuantizedKV
-from ._common import (INTERPRET, LOG2E, apply_mask_band, autotune_enabled, descriptors_ok,
-                      dot_precision, draw_dropout_seed, dropout_apply, dropout_flags,
-                      dropout_keep, dropout_keep_mask, dropout_threshold, ensure_scratch_allocator,
-                      interior_tiles, key_range, last_dim_contiguous, length_bucket,
-                      load_dequant, load_dropout_seed, memory_bases, memory_launch_args,
-                      pair_mask, rotate_rows, round_bf16, tile_run)
+from ._common import (INTERPRET, LOG2E, apply_mask_band, autotune_enabled, bias_operands,
+                      descriptors_ok, dot_precision, draw_dropout_seed, dropout_apply,
+                      dropout_flags, dropout_keep, dropout_keep_mask, dropout_threshold,
+                      ensure_scratch_allocator, interior_tiles, key_range, last_dim_contiguous,
+                      length_bucket, load_dequant, load_dropout_seed, memory_bases,
+                      memory_launch_args, operand_workspace, pair_mask, rotate_rows, round_bf16,
+                      store_bias_operands, tile_run)
 
 __all__ = ["rel_attn_fwd", "choose_num_splits", "autotune_enabled", "draw_dropout_seed",
            "dropout_keep_mask"]
@@ -260,6 +261,36 @@ def _store_rows(Out, Lse, o, m2, den, b, h, pid_bh, offs_m, offs_d, m_ok, d_ok, 
     tl.store(Lse + pid_bh.to(tl.int64) * Lq + offs_m, lse, mask=m_ok)
 
 
+@triton.jit
+def _operand_tile(W, pid_bh, stride_w, i0, Lq, D, BLOCK_M: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    """Rows i0.. of one ``_rel_attn_fwd_operands_kernel`` workspace for this (batch, head),
+    through a TMA descriptor (rows past Lq and columns past D read as 0)."""
+    W_bh = tl.make_tensor_descriptor(W + pid_bh.to(tl.int64) * stride_w[0], shape=[Lq, D],
+                                     strides=[stride_w[1], 1], block_shape=[BLOCK_M, BLOCK_D])
+    return W_bh.load([i0, 0])
+
+
+@triton.jit
+def _rel_attn_fwd_operands_kernel(Q, U, VB, A_OP, QV_OP, stride_q, stride_bias, stride_w, H,
+                                  Lq, D, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+                                  BLOCK_D: tl.constexpr):
+    """(q + u) and (q + vb) for the forward's OP_TILES launches, rounded once
+    (``_common.store_bias_operands``), into [B * H, Lq, D] workspaces: one program per
+    (batch * head, BLOCK_M rows)."""
+    pid_bh = tl.program_id(0).to(tl.int64)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    store_bias_operands(Q + b * stride_q[0] + h * stride_q[2], U + h * stride_bias[0],
+                        VB + h * stride_bias[1], A_OP + pid_bh * stride_w[0],
+                        QV_OP + pid_bh * stride_w[0], offs_m.to(tl.int64)[:, None], offs_d,
+                        d_ok, (offs_m < Lq)[:, None] & d_ok[None, :], stride_q[1], stride_w[1],
+                        UPCAST)
+
+
 # The forward kernel's inputs, in the backward kernels' layout: the pointers, their strides as
 # one tuple ``strides`` ((qb, qm, qh), (kb, kn, kh), (vb, vn, vh), (rp, rh), (uh, vbh),
 # (ob, om, oh)), the sizes, the masks as ``masks`` (window_left, window_right, KPM,
@@ -319,17 +350,19 @@ def _program_setup(K, V, R, strides, masks, memory, H, Lq, Lk, R_rows, D,
 
 @triton.jit
 def _rel_attn_fwd_kernel(
-    Q, K, V, R, U, VB, Out, Lse, OPart, LPart, strides, H, Lq, Lk, R_rows, D, qk_scale,
+    Q, K, V, R, operands, Out, Lse, OPart, LPart, strides, H, Lq, Lk, R_rows, D, qk_scale,
     num_splits, masks, dropout, memory, LQ_BUCKET, LK_BUCKET,
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_BAND: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     EVEN_D: tl.constexpr, USE_DESC: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DROPOUT: tl.constexpr = False,
-    QUANT_MEM: tl.constexpr = False,
+    QUANT_MEM: tl.constexpr = False, OP_TILES: tl.constexpr = False,
 ):
     """One program per (batch * head, query tile, key split): the online softmax over the
     key tiles of the split that the window lets the query tile see; the output rows and lse
-    (SPLIT: a normalised partial and its log2-sum-exp, merged by the combine kernel)."""
+    (SPLIT: a normalised partial and its log2-sum-exp, merged by the combine kernel).
+    ``operands``: (U, VB, A_OP, QV_OP, (wbh, wm)): the biases, and with OP_TILES the
+    ``_rel_attn_fwd_operands_kernel`` workspaces of (q + u) and (q + vb) with their strides."""
     stride_q, _, _, _, stride_bias, stride_o = strides
     SEED, drop_thresh, drop_scale = dropout
     pid_bh, b, h, window_left, window_right, kv, rel, pattern = _program_setup(
@@ -347,19 +380,19 @@ def _rel_attn_fwd_kernel(
     m_ok = offs_m < Lq
     d_ok = offs_d < D
 
-    # ---- query tiles: (q + u) for AC and (q + vb) for BD, rounded to the input dtype
-    q_ptrs = (Q + b * stride_q[0] + h * stride_q[2] + offs_m.to(tl.int64)[:, None] * stride_q[1]
-              + offs_d[None, :])
-    # (sums in fp32, rounded once: also sidesteps the interpreter's bf16 arithmetic)
-    q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    u = tl.load(U + h * stride_bias[0] + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    vb = tl.load(VB + h * stride_bias[1] + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    if UPCAST:  # interpreter, bf16: fp32 operands holding bf16 values
-        qu = round_bf16(q + u[None, :])
-        qv = round_bf16(q + vb[None, :])
-    else:
-        qu = (q + u[None, :]).to(Q.dtype.element_ty)
-        qv = (q + vb[None, :]).to(Q.dtype.element_ty)
+    # ---- query tiles: (q + u) for AC and (q + vb) for BD, rounded to the input dtype (sums
+    # in fp32, rounded once: also sidesteps the interpreter's bf16 arithmetic)
+    U, VB, A_OP, QV_OP, stride_w = operands
+    if OP_TILES:  # TMA tiles of the workspaces: the products read them from shared memory
+        qu = _operand_tile(A_OP, pid_bh, stride_w, i0, Lq, D, BLOCK_M, BLOCK_D)
+        qv = _operand_tile(QV_OP, pid_bh, stride_w, i0, Lq, D, BLOCK_M, BLOCK_D)
+    else:  # formed in registers
+        q_ptrs = (Q + b * stride_q[0] + h * stride_q[2]
+                  + offs_m.to(tl.int64)[:, None] * stride_q[1] + offs_d[None, :])
+        q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        u = tl.load(U + h * stride_bias[0] + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        vb = tl.load(VB + h * stride_bias[1] + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        qu, qv = bias_operands(q, u, vb, Q.dtype.element_ty, UPCAST)
 
     # ---- key range this query tile may see (window / causal), as whole key tiles
     i_last = tl.minimum(i0 + BLOCK_M, Lq) - 1
@@ -516,7 +549,8 @@ def _prune_configs(configs, named_args, **kwargs):
            if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in table
            and _config_ok(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages,
                           block_d, exact_fp32, wide)]
-    default = _default_config(block_d, exact_fp32, wide, family, kwargs["HAS_MASK"])
+    default = _default_config(block_d, exact_fp32, wide, family, kwargs["HAS_MASK"],
+                              kwargs["OP_TILES"])
     if kwargs["SPLIT"]:  # num_splits was chosen for the default config's BLOCK_M
         out = [c for c in out if c.kwargs["BLOCK_M"] == default["BLOCK_M"]]
     if not out:
@@ -526,11 +560,29 @@ def _prune_configs(configs, named_args, **kwargs):
     return out
 
 
+def _operand_tiles(family: str, block_d: int, dtype: torch.dtype, use_desc: bool = True,
+                   dense_mask: bool = False, quant_mem: bool = False) -> bool:
+    """Whether a launch reads (q + u) and (q + vb) as TMA tiles of workspaces (OP_TILES)
+    rather than forming them in registers: on sm_90 at fp16 / bf16, head dims 65..128, where
+    the two wgmma A operands in registers (64 per thread at D 128, 8 warps) are what keeps
+    128-row query tiles from compiling without spills (sm_90 static model: forward 3.00 ->
+    1.48 of the plain kernel at D 128). At D 64 the registers fit either way, and the model
+    gives the same time (1.79 / 1.80), so the workspaces' extra pass is not taken; nor with a
+    dense mask, whose 64 x 32 tiles keep their operands in registers (from shared memory the
+    8 warps' N-split products read them once per warp: 3.84 against 3.00 at 64 x 64), nor
+    with an 8-bit memory, whose dequantisation in registers spills 176 B at 128 rows."""
+    return (family == "sm90" and block_d == 128 and dtype != torch.float32 and use_desc
+            and not dense_mask and not quant_mem)
+
+
 def _default_config(block_d: int, exact_fp32: bool, wide: bool = False,
-                    family: str = "sm90", dense_mask: bool = False) -> dict:
+                    family: str = "sm90", dense_mask: bool = False,
+                    operand_tiles: Optional[bool] = None) -> dict:
     """The config used on GPU when autotuning is off (TXL_KERNELS_AUTOTUNE=0), for config
     family ``family`` (``_arch.config_family``); ``dense_mask``: the launch loads a dense
-    attn_mask (HAS_MASK). Each 16-bit default at D 64 / 128 compiles without spills for every
+    attn_mask (HAS_MASK); ``operand_tiles``: the launch's OP_TILES (default: as
+    ``_operand_tiles`` decides for a launch with TMA descriptors).
+    Each 16-bit default at D 64 / 128 compiles without spills for every
     variant (masks, split-K, dropout, the 8-bit memory) on its family's targets
     (``tools/aot_check --spill-budget``; BENCHMARKS.md, "Per-architecture compile table")."""
     if exact_fp32:
@@ -546,7 +598,15 @@ def _default_config(block_d: int, exact_fp32: bool, wide: bool = False,
         return {"BLOCK_M": 32, "BLOCK_N": bn, "num_warps": 8, "num_stages": 2}
     # sm_90 / sm_100 (wgmma / tcgen05). With a dense mask, its tile of loads on top of the
     # larger tiles spills: smaller ones then
+    if operand_tiles is None:
+        operand_tiles = _operand_tiles(family, block_d,
+                                       torch.float32 if wide else torch.bfloat16,
+                                       dense_mask=dense_mask)
     if block_d > 64:
+        if operand_tiles:
+            # 128 query rows share each K / V / r tile (global traffic per pair halves), with
+            # (q + u) and (q + vb) in shared memory (in registers the tile spills 144 B)
+            return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
         # two warpgroups split the [64, 128] output accumulator (with 4 warps it spills 1.3-2.2 KB)
         bn = 32 if dense_mask else 64
         return {"BLOCK_M": 64, "BLOCK_N": bn, "num_warps": 8, "num_stages": 2}
@@ -560,7 +620,7 @@ def _default_config(block_d: int, exact_fp32: bool, wide: bool = False,
 
 _AUTOTUNE_KEYS = ["LQ_BUCKET", "LK_BUCKET", "BLOCK_D", "num_splits", "HAS_WL", "HAS_WR",
                   "HAS_KPM", "HAS_MASK", "HAS_BAND", "SPLIT", "DOT_PREC", "EVEN_D", "USE_DESC",
-                  "DROPOUT", "QUANT_MEM"]
+                  "DROPOUT", "QUANT_MEM", "OP_TILES"]
 
 # Per-architecture tables (txl_kernels._arch config families): sm_90, sm_100 (same 227 KiB
 # blocks) and sm_80 (163 KiB: the autotuner skips a config that does not fit) take the whole
@@ -640,7 +700,7 @@ def rel_attn_fwd(
     *, attn_mask_band: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0, dropout_seed: Optional[torch.Tensor] = None,
     num_splits: Optional[int] = None, config: Optional[dict] = None,
-    memory: Optional[QuantizedKV] = None,
+    memory: Optional[QuantizedKV] = None, operand_tiles: Optional[bool] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Fused forward. Returns ``out [B, Lq, H, D]`` (q's dtype, contiguous) and
     ``lse [B, H, Lq]`` (fp32, natural log, ``+inf`` for rows with no allowed key).
@@ -661,7 +721,9 @@ def rel_attn_fwd(
     Keywords (testing / tuning): ``num_splits`` forces the split-K factor (1 = no split;
     default: chosen from the SM count on GPU, 1 under the interpreter); ``config`` =
     ``{"BLOCK_M": .., "BLOCK_N": .., "num_warps": .., "num_stages": ..}`` bypasses the
-    autotuner (BLOCK_M <= 2 * BLOCK_N, powers of two >= 16).
+    autotuner (BLOCK_M <= 2 * BLOCK_N, powers of two >= 16); ``operand_tiles`` forces
+    (True, needs TMA descriptors) or stops the (q + u) / (q + vb) workspaces that the kernel
+    then reads as TMA tiles (default ``_operand_tiles``: sm_90, fp16 / bf16, head dims 65..128).
 
     ``memory``: an 8-bit memory (``txl_kernels.quant.QuantizedKV``, k / v ``[B, M, H, D]``
     int8 or float8_e4m3fn, scales ``[B, M, H]`` fp32 / fp16, any strides with a contiguous
@@ -711,8 +773,15 @@ def rel_attn_fwd(
     exact_fp32 = dtype == torch.float32 and dot_prec == "ieee"
     block_d = max(16, triton.next_power_of_2(D))
     family = config_family(q.device)[0]
+    use_desc = descriptors_ok(r) if quant else descriptors_ok(k, v, r)
+    if operand_tiles is None:
+        operand_tiles = _operand_tiles(family, block_d, dtype, use_desc, attn_mask is not None,
+                                       quant)
+    elif operand_tiles and not use_desc:
+        raise ValueError("rel_attn_fwd: operand_tiles=True needs TMA descriptors (sm_90 or "
+                         "newer, 16-byte aligned tensors); this launch loads through pointers")
     default = _default_config(block_d, exact_fp32, dtype == torch.float32, family,
-                              attn_mask is not None)
+                              attn_mask is not None, operand_tiles)
     if config is None and INTERPRET:
         config = INTERPRET_CONFIG
     elif config is None and not autotune_enabled():
@@ -749,14 +818,19 @@ def rel_attn_fwd(
     masks = (wl_arg, wr_arg, kpm, kpm_strides, am, am_strides, band)
     dropout_arg = (seed_arg, dropout_threshold(dropout_p) if dropout else 0,
                    1.0 / (1.0 - dropout_p))
-    args = (q, k, v, r, u, vb, out, lse, o_part, l_part, strides, H, Lq, Lk, R_rows, D,
+    if operand_tiles:
+        a_op, qv_op = (operand_workspace(B, H, Lq, D, dtype, upcast, q.device) for _ in range(2))
+        stride_w = tuple(a_op.stride()[:2])
+    else:
+        a_op, qv_op, stride_w = q, q, (0, 0)  # unused
+    operands = (u, vb, a_op, qv_op, stride_w)
+    args = (q, k, v, r, operands, out, lse, o_part, l_part, strides, H, Lq, Lk, R_rows, D,
             float(softmax_scale) * LOG2E.value, num_splits, masks, dropout_arg, mem_arg,
             length_bucket(Lq), length_bucket(Lk))
     meta = dict(HAS_WL=window_left >= 0 or has_band, HAS_WR=window_right >= 0 or has_band,
                 HAS_KPM=has_kpm, HAS_MASK=has_mask, HAS_BAND=has_band, SPLIT=split, UPCAST=upcast,
-                DOT_PREC=dot_prec, EVEN_D=D == block_d,
-                USE_DESC=descriptors_ok(r) if quant else descriptors_ok(k, v, r),
-                BLOCK_D=block_d, DROPOUT=dropout, QUANT_MEM=quant)
+                DOT_PREC=dot_prec, EVEN_D=D == block_d, USE_DESC=use_desc,
+                BLOCK_D=block_d, DROPOUT=dropout, QUANT_MEM=quant, OP_TILES=operand_tiles)
 
     def grid(META):
         return (B * H, triton.cdiv(Lq, META["BLOCK_M"]), num_splits)
@@ -764,6 +838,11 @@ def rel_attn_fwd(
     if meta["USE_DESC"] and q.device.type == "cuda" and not INTERPRET:
         ensure_scratch_allocator()
     with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
+        if operand_tiles:
+            bm_o = 16 if INTERPRET else 64
+            _rel_attn_fwd_operands_kernel[(B * H, triton.cdiv(Lq, bm_o))](
+                q, u, vb, a_op, qv_op, _bmh(q), (u.stride(0), vb.stride(0)), stride_w, H, Lq, D,
+                UPCAST=upcast, BLOCK_M=bm_o, BLOCK_D=block_d, num_warps=4)
         if config is not None:
             cfg = dict(config)
             bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
