@@ -269,10 +269,12 @@ def test_split_k_and_block_config_give_the_same_mask():
         torch.testing.assert_close(got, base, rtol=1e-5, atol=1e-6, msg=str(kw))
 
 
-def test_forward_head_dim_over_64_uses_the_same_mask():
-    """Head dims over 64 drop P with the per-byte compare (dropout_keep), smaller ones with
-    the word-at-a-time form: both give dropout_keep_mask's mask."""
-    B, Lq, Lk, H, D, p = 1, 9, 40, 1, 72, 0.3
+@pytest.mark.parametrize("D", [72, 160])
+def test_forward_head_dims_over_64_use_the_same_mask(D):
+    """The forward drops P with the word-at-a-time form up to head dim 128 (D 72: BLOCK_D
+    128) and with the per-byte compare (dropout_keep) above (D 160: BLOCK_D 256): both give
+    dropout_keep_mask's mask."""
+    B, Lq, Lk, H, p = 1, 9, 40, 1, 0.3
     q, k, v, r, u, vb = make_inputs(B, Lq, Lk, H, D, device=DEV, seed=12)
     seed = draw_dropout_seed(DEV)
     args = (q, k, v, r, u, vb, D ** -0.5, -1, 0)

@@ -387,8 +387,8 @@ def rotate_rows(m, sh, BM: tl.constexpr, BN: tl.constexpr):
 #
 # Two forms of the same mask. ``dropout_keep`` compares each byte on its own (a shift and a
 # compare per element, the mask a predicate per element): the backward kernels and the forward
-# above head dim 64 use it, whose register budgets it suits best (the other form spills more
-# there), and ``dropout_keep_mask``. The forward up to head dim 64 uses ``dropout_flags`` and
+# above head dim 128 use it, whose register budgets it suits best (the other form spills more
+# there), and ``dropout_keep_mask``. The forward up to head dim 128 uses ``dropout_flags`` and
 # ``dropout_apply``: the four bytes of a word are compared with the threshold at once
 # (``_keep_flags``: bit 7 of each byte becomes its keep bit), and on the GPU the mask is
 # applied to the rounded P operand with one PTX ``prmt`` (each flag's sign spread over its

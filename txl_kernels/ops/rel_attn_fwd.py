@@ -166,6 +166,17 @@ def _key_value_tile(src, qsrc, j0, mem_m, offs_n, n_ok, d_ok, MASKED: tl.constex
 
 
 @triton.jit
+def _p_operand(p, OP_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
+    """P rounded for the P @ V product: to OP_DTYPE, or under UPCAST (interpreter, bf16) to
+    bf16 values kept in fp32."""
+    if UPCAST:
+        pv = round_bf16(p)
+    else:
+        pv = p.to(OP_DTYPE)
+    return pv
+
+
+@triton.jit
 def _attend_tile(acc, m_i, l_i, t0, t1, t, qu, qv, tile, kv, rel, pattern, drop,
                  HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_KPM: tl.constexpr,
                  HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr, MASKED: tl.constexpr,
@@ -219,22 +230,23 @@ def _attend_tile(acc, m_i, l_i, t0, t1, t, qu, qv, tile, kv, rel, pattern, drop,
     p = tl.math.exp2(s * qk_scale - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     pid_bh, _, drop_seed, drop_off, drop_thresh = drop
-    # dropout: head dims <= 64 take the word-at-a-time mask on the rounded operand (a pair of
-    # 16-bit values per mask instruction); larger ones the per-byte compare, which spills less
-    # in their register budget (their loop is L2-bound either way)
-    if DROPOUT and acc.shape[1] > 64:
+    # dropout: head dims <= 128 take the word-at-a-time mask on the rounded operand (a pair of
+    # 16-bit values per mask instruction), applied before V's tile is loaded (loaded first, it
+    # stays live across the mask: sm_90's D 128 tile spills 8 B); D 256 the per-byte compare,
+    # which spills less in its register budget
+    if DROPOUT and acc.shape[1] > 128:
         p = tl.where(dropout_keep(drop_seed, drop_off, pid_bh, i0, j0, Lq, drop_thresh,
                                   BLOCK_M, BLOCK_N), p, 0.0)
-    v = _key_value_tile(v_src, vq_src, j0, mem_m, offs_n, n_ok, d_ok, MASKED, EVEN_D, UPCAST,
-                        USE_DESC, QUANT_MEM)
-    if UPCAST:
-        pv = round_bf16(p)
-    else:
-        pv = p.to(v.dtype)
-    if DROPOUT and acc.shape[1] <= 64:
+    if DROPOUT and acc.shape[1] <= 128:
         flags, sel = dropout_flags(drop_seed, drop_off, pid_bh, i0, j0, Lq, drop_thresh,
                                    BLOCK_M, BLOCK_N)
-        pv = dropout_apply(pv, flags, sel)
+        pv = dropout_apply(_p_operand(p, qu.dtype, UPCAST), flags, sel)
+        v = _key_value_tile(v_src, vq_src, j0, mem_m, offs_n, n_ok, d_ok, MASKED, EVEN_D,
+                            UPCAST, USE_DESC, QUANT_MEM)
+    else:
+        v = _key_value_tile(v_src, vq_src, j0, mem_m, offs_n, n_ok, d_ok, MASKED, EVEN_D,
+                            UPCAST, USE_DESC, QUANT_MEM)
+        pv = _p_operand(p, v.dtype, UPCAST)
     if acc.shape[1] <= 64:
         # P @ V in a fresh accumulator: with acc * alpha as the wgmma's accumulator input,
         # ptxas serialises every wgmma of the kernel (C7515)
