@@ -42,7 +42,7 @@ from ._common import (INTERPRET, LOG2E, apply_mask_band, autotune_enabled, bias_
                       ensure_scratch_allocator, interior_tiles, key_range, last_dim_contiguous,
                       length_bucket, load_dequant, load_dropout_seed, memory_bases,
                       memory_launch_args, operand_workspace, pair_mask, rotate_rows, round_bf16,
-                      store_bias_operands, tile_run)
+                      store_bias_operands, tile_run, to_operand)
 
 __all__ = ["rel_attn_fwd", "choose_num_splits", "autotune_enabled", "draw_dropout_seed",
            "dropout_keep_mask"]
@@ -166,17 +166,6 @@ def _key_value_tile(src, qsrc, j0, mem_m, offs_n, n_ok, d_ok, MASKED: tl.constex
 
 
 @triton.jit
-def _p_operand(p, OP_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
-    """P rounded for the P @ V product: to OP_DTYPE, or under UPCAST (interpreter, bf16) to
-    bf16 values kept in fp32."""
-    if UPCAST:
-        pv = round_bf16(p)
-    else:
-        pv = p.to(OP_DTYPE)
-    return pv
-
-
-@triton.jit
 def _attend_tile(acc, m_i, l_i, t0, t1, t, qu, qv, tile, kv, rel, pattern, drop,
                  HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_KPM: tl.constexpr,
                  HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr, MASKED: tl.constexpr,
@@ -240,13 +229,13 @@ def _attend_tile(acc, m_i, l_i, t0, t1, t, qu, qv, tile, kv, rel, pattern, drop,
     if DROPOUT and acc.shape[1] <= 128:
         flags, sel = dropout_flags(drop_seed, drop_off, pid_bh, i0, j0, Lq, drop_thresh,
                                    BLOCK_M, BLOCK_N)
-        pv = dropout_apply(_p_operand(p, qu.dtype, UPCAST), flags, sel)
+        pv = dropout_apply(to_operand(p, qu.dtype, UPCAST), flags, sel)
         v = _key_value_tile(v_src, vq_src, j0, mem_m, offs_n, n_ok, d_ok, MASKED, EVEN_D,
                             UPCAST, USE_DESC, QUANT_MEM)
     else:
         v = _key_value_tile(v_src, vq_src, j0, mem_m, offs_n, n_ok, d_ok, MASKED, EVEN_D,
                             UPCAST, USE_DESC, QUANT_MEM)
-        pv = _p_operand(p, v.dtype, UPCAST)
+        pv = to_operand(p, v.dtype, UPCAST)
     if acc.shape[1] <= 64:
         # P @ V in a fresh accumulator: with acc * alpha as the wgmma's accumulator input,
         # ptxas serialises every wgmma of the kernel (C7515)
