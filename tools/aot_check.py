@@ -431,7 +431,8 @@ def _shapes(sc: Scenario) -> dict:
     for the atomics' int32 offsets (``long_r``: on the families whose backward takes dq
     and dr by atomics, the only way to the dq and dr kernels in fp16 / bf16); attention
     dropout with "on" only, so the full set also compiles the masked kernels without dropout
-    ("on-noband")."""
+    ("on-noband"). "on-mem8" and "on-nomask": the same window, padding and splits with an int8
+    memory, or with dropout and no dense mask; forward (and decode) launches only."""
     if sc.flags == "off":
         return dict(B=2, H=8, Lq=1024, Lk=1024, R=1024, wl=-1, wr=-1, kpm=False, mask=False,
                     band=False, splits=1, deterministic=(True,))
