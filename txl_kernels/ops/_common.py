@@ -64,15 +64,24 @@ def bias_operands(q, bias_u, bias_v, IN_DTYPE: tl.constexpr, UPCAST: tl.constexp
 
 
 @triton.jit
-def store_bias_operands(Q_bh, U_h, VB_h, A_bh, QV_bh, rows, offs_d, d_ok, msk, stride_qm,
-                        stride_wm, UPCAST: tl.constexpr):
-    """Rows ``rows`` ([BLOCK, 1], int64) of ``bias_operands`` for one (batch, head), from q
-    (``Q_bh``, row stride stride_qm) and the biases, into the workspaces A_bh / QV_bh (row
-    stride stride_wm; ``operand_workspace``)."""
+def load_bias_operands(Q_bh, U_h, VB_h, rows, offs_d, d_ok, msk, stride_qm,
+                       UPCAST: tl.constexpr):
+    """``bias_operands`` of rows ``rows`` ([BLOCK, 1], int64) of one (batch, head), loaded
+    from q (``Q_bh``, row stride stride_qm; ``msk`` the rows and columns in range) and this
+    head's biases ``U_h`` / ``VB_h``."""
     q = tl.load(Q_bh + rows * stride_qm + offs_d[None, :], mask=msk, other=0.0).to(tl.float32)
     bias_u = tl.load(U_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
     bias_v = tl.load(VB_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    a_op, qv_op = bias_operands(q, bias_u, bias_v, Q_bh.dtype.element_ty, UPCAST)
+    return bias_operands(q, bias_u, bias_v, Q_bh.dtype.element_ty, UPCAST)
+
+
+@triton.jit
+def store_bias_operands(Q_bh, U_h, VB_h, A_bh, QV_bh, rows, offs_d, d_ok, msk, stride_qm,
+                        stride_wm, UPCAST: tl.constexpr):
+    """``load_bias_operands`` stored into the workspaces A_bh / QV_bh (row stride stride_wm;
+    ``operand_workspace``)."""
+    a_op, qv_op = load_bias_operands(Q_bh, U_h, VB_h, rows, offs_d, d_ok, msk, stride_qm,
+                                     UPCAST)
     w_off = rows * stride_wm + offs_d[None, :]
     tl.store(A_bh + w_off, a_op, mask=msk)
     tl.store(QV_bh + w_off, qv_op, mask=msk)

@@ -460,10 +460,7 @@ def _dr_value(part, v16, Q_ONLY: tl.constexpr, DOT_DTYPE: tl.constexpr, UPCAST: 
     rounded head and its remainder (fp32 precision)."""
     if Q_ONLY:
         x, c = part
-        if UPCAST:
-            c_hi = round_bf16(c)
-        else:
-            c_hi = c.to(DOT_DTYPE)
+        c_hi = to_operand(c, DOT_DTYPE, UPCAST)
         x = tl.dot(c_hi, v16, x, input_precision=DOT_PREC)
         x = tl.dot((c - c_hi.to(tl.float32)).to(DOT_DTYPE), v16, x, input_precision=DOT_PREC)
     else:

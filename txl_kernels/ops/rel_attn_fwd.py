@@ -36,11 +36,11 @@ import triton.language as tl
 from .._arch import config_family
 from .._utils import describe
 from ..quant import QuantizedKV
-from ._common import (INTERPRET, LOG2E, apply_mask_band, autotune_enabled, bias_operands,
-                      descriptors_ok, dot_precision, draw_dropout_seed, dropout_apply,
+from ._common import (INTERPRET, LOG2E, apply_mask_band, autotune_enabled, descriptors_ok, dot_precision, draw_dropout_seed, dropout_apply,
                       dropout_flags, dropout_keep, dropout_keep_mask, dropout_threshold,
                       ensure_scratch_allocator, interior_tiles, key_range, last_dim_contiguous,
-                      length_bucket, load_dequant, load_dropout_seed, memory_bases,
+                      length_bucket, load_bias_operands, load_dequant, load_dropout_seed,
+                      memory_bases,
                       memory_launch_args, operand_workspace, pair_mask, rotate_rows, round_bf16,
                       store_bias_operands, tile_run, to_operand)
 
@@ -223,18 +223,17 @@ def _attend_tile(acc, m_i, l_i, t0, t1, t, qu, qv, tile, kv, rel, pattern, drop,
     # 16-bit values per mask instruction), applied before V's tile is loaded (loaded first, it
     # stays live across the mask: sm_90's D 128 tile spills 8 B); D 256 the per-byte compare,
     # which spills less in its register budget
-    if DROPOUT and acc.shape[1] > 128:
+    WORD_MASK: tl.constexpr = DROPOUT and acc.shape[1] <= 128
+    if DROPOUT and not WORD_MASK:
         p = tl.where(dropout_keep(drop_seed, drop_off, pid_bh, i0, j0, Lq, drop_thresh,
                                   BLOCK_M, BLOCK_N), p, 0.0)
-    if DROPOUT and acc.shape[1] <= 128:
+    if WORD_MASK:
         flags, sel = dropout_flags(drop_seed, drop_off, pid_bh, i0, j0, Lq, drop_thresh,
                                    BLOCK_M, BLOCK_N)
         pv = dropout_apply(to_operand(p, qu.dtype, UPCAST), flags, sel)
-        v = _key_value_tile(v_src, vq_src, j0, mem_m, offs_n, n_ok, d_ok, MASKED, EVEN_D,
-                            UPCAST, USE_DESC, QUANT_MEM)
-    else:
-        v = _key_value_tile(v_src, vq_src, j0, mem_m, offs_n, n_ok, d_ok, MASKED, EVEN_D,
-                            UPCAST, USE_DESC, QUANT_MEM)
+    v = _key_value_tile(v_src, vq_src, j0, mem_m, offs_n, n_ok, d_ok, MASKED, EVEN_D, UPCAST,
+                        USE_DESC, QUANT_MEM)
+    if not WORD_MASK:  # (rounded after V's load: before it, sm_100's 8-bit memory spills)
         pv = to_operand(p, v.dtype, UPCAST)
     if acc.shape[1] <= 64:
         # P @ V in a fresh accumulator: with acc * alpha as the wgmma's accumulator input,
@@ -388,12 +387,10 @@ def _rel_attn_fwd_kernel(
         qu = _operand_tile(A_OP, pid_bh, stride_w, i0, Lq, D, BLOCK_M, BLOCK_D)
         qv = _operand_tile(QV_OP, pid_bh, stride_w, i0, Lq, D, BLOCK_M, BLOCK_D)
     else:  # formed in registers
-        q_ptrs = (Q + b * stride_q[0] + h * stride_q[2]
-                  + offs_m.to(tl.int64)[:, None] * stride_q[1] + offs_d[None, :])
-        q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        u = tl.load(U + h * stride_bias[0] + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-        vb = tl.load(VB + h * stride_bias[1] + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-        qu, qv = bias_operands(q, u, vb, Q.dtype.element_ty, UPCAST)
+        qu, qv = load_bias_operands(Q + b * stride_q[0] + h * stride_q[2],
+                                    U + h * stride_bias[0], VB + h * stride_bias[1],
+                                    offs_m.to(tl.int64)[:, None], offs_d, d_ok,
+                                    m_ok[:, None] & d_ok[None, :], stride_q[1], UPCAST)
 
     # ---- key range this query tile may see (window / causal), as whole key tiles
     i_last = tl.minimum(i0 + BLOCK_M, Lq) - 1
