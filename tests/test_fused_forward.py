@@ -347,8 +347,8 @@ def test_operand_tiles_match_registers(case, dtype):
 
 def test_operand_tiles_default_and_bad_request():
     """The launch takes OP_TILES where ``_operand_tiles`` says (sm_90 family, 16-bit, head
-    dims 65..128, TMA descriptors, no dense mask, no 8-bit memory), and forcing it where tiles load through
-    pointers is a clear error, not a wrong answer."""
+    dims 65..128, TMA descriptors, no dense mask, no 8-bit memory), and forcing it where tiles
+    load through pointers is a clear error, not a wrong answer."""
     assert fwd_mod._operand_tiles("sm90", 128, torch.bfloat16, True)
     assert not fwd_mod._operand_tiles("sm90", 64, torch.bfloat16, True)
     assert not fwd_mod._operand_tiles("sm90", 128, torch.float32, True)

@@ -36,11 +36,11 @@ import triton.language as tl
 from .._arch import config_family
 from .._utils import describe
 from ..quant import QuantizedKV
-from ._common import (INTERPRET, LOG2E, apply_mask_band, autotune_enabled, descriptors_ok, dot_precision, draw_dropout_seed, dropout_apply,
-                      dropout_flags, dropout_keep, dropout_keep_mask, dropout_threshold,
-                      ensure_scratch_allocator, interior_tiles, key_range, last_dim_contiguous,
-                      length_bucket, load_bias_operands, load_dequant, load_dropout_seed,
-                      memory_bases,
+from ._common import (INTERPRET, LOG2E, apply_mask_band, autotune_enabled, descriptors_ok,
+                      dot_precision, draw_dropout_seed, dropout_apply, dropout_flags,
+                      dropout_keep, dropout_keep_mask, dropout_threshold, ensure_scratch_allocator,
+                      interior_tiles, key_range, last_dim_contiguous, length_bucket,
+                      load_bias_operands, load_dequant, load_dropout_seed, memory_bases,
                       memory_launch_args, operand_workspace, pair_mask, rotate_rows, round_bf16,
                       store_bias_operands, tile_run, to_operand)
 
