@@ -436,14 +436,12 @@ def _shapes(sc: Scenario) -> dict:
     if sc.flags == "off":
         return dict(B=2, H=8, Lq=1024, Lk=1024, R=1024, wl=-1, wr=-1, kpm=False, mask=False,
                     band=False, splits=1, deterministic=(True,))
+    on = dict(B=2, H=8, Lq=300, Lk=1000, R=1000, wl=256, wr=0, kpm=True, splits=4)
     if sc.flags == "on-mem8":  # Lk = 700 memory rows (int8) + 300 current rows
-        return dict(B=2, H=8, Lq=300, Lk=1000, R=1000, wl=256, wr=0, kpm=True, mask=False,
-                    band=False, splits=4, deterministic=(), mem8=700)
+        return dict(on, mask=False, band=False, deterministic=(), mem8=700)
     if sc.flags == "on-nomask":  # (no backward runs: deterministic=())
-        return dict(B=2, H=8, Lq=300, Lk=1000, R=1000, wl=256, wr=0, kpm=True, mask=False,
-                    band=False, splits=4, deterministic=(), dropout=0.1)
-    return dict(B=2, H=8, Lq=300, Lk=1000, R=1000, wl=256, wr=0, kpm=True, mask=True,
-                band=sc.flags == "on", splits=4, deterministic=(True, False),
+        return dict(on, mask=False, band=False, deterministic=(), dropout=0.1)
+    return dict(on, mask=True, band=sc.flags == "on", deterministic=(True, False),
                 dropout=0.1 if sc.flags == "on" else 0.0, long_r=True)
 
 
