@@ -132,3 +132,46 @@ def test_shared_module_replaced_once_everywhere():
 def test_model_that_is_itself_an_original_is_refused():
     with pytest.raises(ValueError, match="model itself.*from_module"):
         swap_rel_pos_attention(ESPnetFake(N_HEAD, N_FEAT, 0.0))
+
+
+def _same_parent_layouts():
+    """Models that reach one original under several names of one parent (the names
+    ``named_children`` yields once)."""
+    def two_attrs():
+        m = nn.Module()
+        m.a = NeMoFake(N_HEAD, N_FEAT, 0.0, None, None)
+        m.b = m.a
+        return m, lambda m: [m.a, m.b]
+
+    def sequential():
+        x = NeMoFake(N_HEAD, N_FEAT, 0.0, None, None)
+        return nn.Sequential(x, x), lambda m: list(m)
+
+    def module_list():
+        layer = NeMoFake(N_HEAD, N_FEAT, 0.0, None, None)
+        return nn.ModuleList([layer] * 3), lambda m: list(m)
+
+    return {"two_attrs": two_attrs, "sequential": sequential, "module_list": module_list}
+
+
+@pytest.mark.parametrize("layout", sorted(_same_parent_layouts()))
+def test_module_under_several_names_of_one_parent_gets_one_dropin(layout):
+    model, refs = _same_parent_layouts()[layout]()
+    original = refs(model)[0]
+    assert swap_rel_pos_attention(model, backend="reference") == 1  # one module swapped
+    new = refs(model)
+    assert all(isinstance(m, NeMoRelPositionMultiHeadAttention) for m in new), new
+    assert all(m is new[0] for m in new)  # the same drop-in: shared weights stay shared
+    assert new[0].linear_q is original.linear_q
+    assert not any(m is original for m in model.modules())
+
+
+def test_count_is_of_modules_not_references():
+    """Two originals, one of them reached three times: 2 modules swapped."""
+    shared = NeMoFake(N_HEAD, N_FEAT, 0.0, None, None)
+    other = NeMoFake(N_HEAD, N_FEAT, 0.0, None, None)
+    model = nn.Sequential(shared, other, shared)
+    model.extra = shared
+    assert swap_rel_pos_attention(model, backend="reference") == 2
+    assert model[0] is model[2] is model.extra and model[0] is not model[1]
+    assert all(isinstance(m, NeMoRelPositionMultiHeadAttention) for m in model)

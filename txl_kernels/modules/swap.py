@@ -119,9 +119,13 @@ def swap_rel_pos_attention(model: nn.Module, backend: str = "auto",
             ``"regular"`` style encoder.
 
     Every match is converted before any is replaced, so an error leaves the model untouched.
-    A module reached under several names (shared) is replaced by one drop-in everywhere.
-    Returns the number of distinct modules replaced. The Parameter objects stay the same, so
-    it can be called before or after building the optimizer.
+    A module reached under several names (shared between parents, or held twice by one:
+    ``m.b = m.a``, ``nn.Sequential(x, x)``, ``nn.ModuleList([layer] * n)``) is converted
+    once, and every reference to it gets that same drop-in, so shared weights stay shared.
+
+    Returns the number of original modules swapped (distinct objects), not the number of
+    references replaced: ``nn.ModuleList([layer] * 6)`` counts 1. The Parameter objects stay
+    the same, so it can be called before or after building the optimizer.
 
     Raises ValueError when ``model`` itself is an original (it has no parent to put the
     drop-in in: use the drop-in's ``from_module``).
@@ -131,11 +135,15 @@ def swap_rel_pos_attention(model: nn.Module, backend: str = "auto",
     if root is not None and (root.accepts is None or root.accepts(model)):
         raise ValueError(f"swap_rel_pos_attention: the model itself is a {class_path(model)}; "
                          f"use {root.dropin.__name__}.from_module(model) instead")
-    # pass 1: find and convert every candidate (nothing is modified)
+    # pass 1: find and convert every candidate (nothing is modified). Every parent is read
+    # once, through its _modules dict: named_children() yields a module held under several
+    # names of one parent (m.b = m.a, nn.Sequential(x, x)) under the first name only.
     new_by_id: Dict[int, nn.Module] = {}
     sites: List[Tuple[nn.Module, str, int]] = []
-    for parent_name, parent in model.named_modules(remove_duplicate=False):
-        for name, child in parent.named_children():
+    for parent_name, parent in model.named_modules():
+        for name, child in parent._modules.items():
+            if child is None:
+                continue
             entry = SWAP_TABLE.get(class_path(child))
             if entry is None or (entry.accepts is not None and not entry.accepts(child)):
                 continue
