@@ -340,6 +340,36 @@ def test_extension_backend_is_checked_where_it_is_set():
         model.new_cache(2)
 
 
+def test_memory_backend_is_the_deprecated_name_of_extension_backend():
+    """MemTransformerLM(memory_backend=...) and TransfoXLCache(memory_backend=...), the names
+    extension_backend had before, still work with a DeprecationWarning naming the new one;
+    both names at once raise TypeError; the new name warns nothing."""
+    with pytest.warns(DeprecationWarning, match=r"MemTransformerLM: memory_backend= is "
+                                                r"deprecated.*extension_backend="):
+        model = make_model("plain", memory_backend="torch")
+    assert model.extension_backend == "torch"
+    assert model.new_cache(2).extension_backend == "torch"
+    with pytest.raises(TypeError, match="got both extension_backend= and memory_backend="):
+        make_model("plain", memory_backend="torch", extension_backend="torch")
+    # the old name is checked as the new one is
+    with pytest.warns(DeprecationWarning), \
+            pytest.raises(ValueError, match="extension_backend must be one of"):
+        make_model("plain", memory_backend="cuda")
+    args = (1, 2, 3, 0, 4, 8, torch.float32, "cpu")
+    with pytest.warns(DeprecationWarning, match=r"TransfoXLCache: memory_backend= is "
+                                                r"deprecated.*extension_backend="):
+        cache = TransfoXLCache(*args, memory_backend="torch")
+    assert cache.extension_backend == "torch"
+    for both in (dict(extension_backend="auto"), {}):  # by keyword, by position
+        pos = () if both else ("auto",)
+        with pytest.raises(TypeError, match="TransfoXLCache: got both extension_backend="):
+            TransfoXLCache(*args, *pos, memory_backend="torch", **both)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert make_model("plain", extension_backend="torch").extension_backend == "torch"
+        assert TransfoXLCache(*args, "torch").extension_backend == "torch"
+
+
 def test_bad_inputs():
     model = make_model("adaptive2")
     data, tgt = tokens(5, 2), tokens(5, 2, seed=2)

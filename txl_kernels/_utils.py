@@ -1,19 +1,23 @@
 """Small helpers shared by every layer of the package (no triton import here).
 
 One place for: describing a tensor in error messages, checking int arguments, whether Triton
-runs interpreted, and the dtypes / head dims the fused kernels support.
+runs interpreted, the dtypes / head dims the fused kernels support, and the old names of renamed
+keywords.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import operator
 import os
 import sys
+import warnings
 
 import torch
 
 __all__ = ["describe", "check_same", "as_len", "interpreting", "interpret_requested",
            "no_interpreter_reason", "FUSED_DTYPES", "REF_DTYPES", "FUSED_MIN_HEADDIM",
-           "FUSED_MAX_HEADDIM"]
+           "FUSED_MAX_HEADDIM", "renamed_keywords"]
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REF_DTYPES = FUSED_DTYPES + (torch.float64,)
@@ -110,3 +114,29 @@ def assume_constant_result(fn):
         return torch.compiler.assume_constant_result(fn)
     fn._dynamo_marked_constant = True
     return fn
+
+
+def renamed_keywords(who: str, **renames: str):
+    """Decorate a function (or ``__init__``) whose keywords were renamed, ``old="new"``: a
+    call that passes ``old=`` still works, with a ``DeprecationWarning`` naming ``new``; a
+    call that passes both (``new`` by keyword or by position) raises ``TypeError``. The
+    signature the wrapper shows (``inspect.signature``) is the new one."""
+    def decorate(fn):
+        sig = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            for old, new in renames.items():
+                if old not in kwargs:
+                    continue
+                value = kwargs.pop(old)
+                if new in kwargs or new in sig.bind_partial(*args).arguments:
+                    raise TypeError(f"{who}: got both {new}= and {old}=, its former name; "
+                                    f"pass {new}= only")
+                warnings.warn(f"{who}: {old}= is deprecated, it was renamed {new}= (same "
+                              f"values); pass {new}= instead", DeprecationWarning,
+                              stacklevel=2)
+                kwargs[new] = value
+            return fn(*args, **kwargs)
+        return wrapper
+    return decorate

@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 from .._cpp_ops import check_extension_backend
-from .._utils import as_len, check_same, describe
+from .._utils import as_len, check_same, describe, renamed_keywords
 from ..cached_attention import (cached_attention, cached_attention_route,
                                 decode_extension_args, use_cpu_decode_op)
 from ..memory import update_mems
@@ -220,7 +220,8 @@ class MemTransformerLM(nn.Module):
     their pure-torch fallbacks run the segment-memory update (``update_mems``), the K/V
     cache's compaction and 8-bit append, and the CPU decoding step (``decode_layer`` /
     ``decode_attention``); "auto" uses the extension where it is built and warns once where
-    it is not, "extension" raises there; the attention itself follows ``attn_backend``),
+    it is not, "extension" raises there; the attention itself follows ``attn_backend``;
+    its former name ``memory_backend=`` still works, with a DeprecationWarning),
     ``checkpoint``
     (activation checkpointing per decoder layer: while gradients are recorded, each layer runs
     under ``torch.utils.checkpoint`` (non-reentrant, RNG state preserved, so dropout repeats)
@@ -250,6 +251,7 @@ class MemTransformerLM(nn.Module):
     ``[loss]`` and updates the cache in place; no gradients are recorded on that path.
     """
 
+    @renamed_keywords("MemTransformerLM", memory_backend="extension_backend")
     def __init__(self, n_token, n_layer, n_head, d_model, d_head, d_inner, dropout, dropatt,
                  tie_weight=True, d_embed=None, div_val=1, tie_projs=(False,), pre_lnorm=False,
                  tgt_len=None, ext_len=None, mem_len=None, cutoffs=(), adapt_inp=False,
