@@ -370,6 +370,33 @@ def test_memory_backend_is_the_deprecated_name_of_extension_backend():
         assert TransfoXLCache(*args, "torch").extension_backend == "torch"
 
 
+@pytest.mark.parametrize("train", [False, True])
+def test_cache_path_records_no_partial_gradients(train):
+    """The cache path runs without a graph: with gradients enabled its loss / log-probs
+    raise on backward (no parameter gets a gradient, where a partial graph used to fill the
+    embedding and the softmax bias only); under no_grad they are plain tensors; the values
+    are the same either way."""
+    m = MemTransformerLM(50, 2, 2, 12, 6, 16, 0., 0., tgt_len=4, mem_len=5).train(train)
+    d = tokens(4, 2)
+    (loss,) = m(d, d, cache=m.new_cache(2))
+    with pytest.raises(RuntimeError, match=r"cache path \(cache=\.\.\.\) records no "
+                                           r"gradients.*mems path"):
+        loss.sum().backward()
+    assert all(p.grad is None for p in m.parameters())
+    (logp,) = m.log_probs(d, cache=m.new_cache(2))
+    with pytest.raises(RuntimeError, match="records no gradients"):
+        torch.autograd.grad(logp.sum(), list(m.parameters()))
+    with torch.no_grad():
+        (loss_ng,) = m(d, d, cache=m.new_cache(2))
+    assert not loss_ng.requires_grad
+    if not train:  # no dropout: the same values
+        assert torch.equal(loss.detach(), loss_ng)
+    # the mems path still trains every parameter
+    m.zero_grad()
+    m(d, d)[0].sum().backward()
+    assert all(p.grad is not None for p in m.parameters())
+
+
 def test_bad_inputs():
     model = make_model("adaptive2")
     data, tgt = tokens(5, 2), tokens(5, 2, seed=2)

@@ -23,6 +23,7 @@ leaves a query no key there and its attention returns NaN).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import List, Optional, Sequence
 
 import torch
@@ -201,6 +202,26 @@ def _plain_layer(layer: RelPartialLearnableDecoderLayer) -> bool:
     return not any(m._forward_hooks or m._forward_pre_hooks for m in mods)
 
 
+_CACHE_NO_GRAD = ("MemTransformerLM: the cache path (cache=...) records no gradients (its "
+                  "keys, values and position tables are stored without a graph, for "
+                  "evaluation); train with the mems path, model(data, target, *mems), or run "
+                  "the cache path under torch.no_grad()")
+
+
+class _CachePathOutput(torch.autograd.Function):
+    """The cache path's loss / log-probabilities while gradients are enabled: the values,
+    computed without a graph, and a backward that raises. A partial graph (the adaptive
+    softmax and the embedding without the layers) would give wrong gradients silently."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(_CACHE_NO_GRAD)
+
+
 def _model_name(model: nn.Module) -> str:
     return f"{type(model).__name__} at {id(model):#x}"
 
@@ -248,7 +269,11 @@ class MemTransformerLM(nn.Module):
     returns ``[loss, *new_mems]`` with loss ``[tgt_len, bsz]`` (negative log-likelihood per
     token) and ``n_layer + 1`` new memories ``[<= mem_len, bsz, d_model]`` (none when
     ``mem_len == 0``), as the original. With ``cache`` (``new_cache(bsz)``): returns
-    ``[loss]`` and updates the cache in place; no gradients are recorded on that path.
+    ``[loss]`` and updates the cache in place. The cache path is for evaluation and records
+    no gradients (``log_probs(..., cache=)`` too): the whole forward runs without a graph;
+    under ``torch.no_grad()`` the loss is a plain tensor, with gradients enabled it is one
+    whose backward (``loss.backward()``, ``torch.autograd.grad``) raises ``RuntimeError``
+    before any gradient is written (train with the mems path).
     """
 
     @renamed_keywords("MemTransformerLM", memory_backend="extension_backend")
@@ -633,21 +658,43 @@ class MemTransformerLM(nn.Module):
             raise ValueError(f"MemTransformerLM: target must be [tgt_len <= qlen={qlen}, "
                              f"bsz={bsz}], got {list(target.shape)}")
         tgt_len = target.shape[0]
-        hidden, new_mems = self._hidden(data, mems, cache)
-        pred_hid = hidden[-tgt_len:]
-        loss = self.crit(pred_hid.reshape(-1, pred_hid.size(-1)), target.reshape(-1))
-        # a copy, not a view: FSDP2 warns about view outputs (in-place ops on them would skip
-        # its pre-backward hook)
-        loss = loss.view(tgt_len, -1).clone()
+        with self._cache_grad_mode(cache):
+            hidden, new_mems = self._hidden(data, mems, cache)
+            pred_hid = hidden[-tgt_len:]
+            loss = self.crit(pred_hid.reshape(-1, pred_hid.size(-1)), target.reshape(-1))
+            # a copy, not a view: FSDP2 warns about view outputs (in-place ops on them would
+            # skip its pre-backward hook)
+            loss = loss.view(tgt_len, -1).clone()
+        if cache is not None:
+            return [self._cache_output(loss)]
         return [loss] if new_mems is None else [loss] + new_mems
+
+    @staticmethod
+    def _cache_grad_mode(cache):
+        """The cache path runs without a graph (docstring of the class); the mems path as the
+        caller's grad mode says."""
+        return torch.no_grad() if cache is not None else contextlib.nullcontext()
+
+    def _cache_output(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (computed without a graph) as the cache path returns it: as it is when no
+        gradient could be asked for, else tied to the parameters by a node whose backward
+        raises, so that a backward through it fails loudly instead of filling no gradients
+        (or those of the few parameters outside the layers)."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        if not torch.is_grad_enabled() or not params:
+            return x
+        return _CachePathOutput.apply(x, *params)
 
     def log_probs(self, data: torch.Tensor, *mems, cache: Optional[TransfoXLCache] = None):
         """Log-probabilities of the next token at every position: ``[qlen, bsz, n_token]``,
         followed by the new memories (mems path) as in ``forward``."""
         data = self._check_ids("data", data, "[qlen, bsz] (seq-first)")
         qlen, bsz = data.shape
-        hidden, new_mems = self._hidden(data, mems, cache)
-        logp = self.crit.log_prob(hidden.reshape(-1, hidden.size(-1))).view(qlen, bsz, -1)
+        with self._cache_grad_mode(cache):
+            hidden, new_mems = self._hidden(data, mems, cache)
+            logp = self.crit.log_prob(hidden.reshape(-1, hidden.size(-1))).view(qlen, bsz, -1)
+        if cache is not None:
+            return [self._cache_output(logp)]
         return [logp] if new_mems is None else [logp] + new_mems
 
     # -- generation -------------------------------------------------------------------------
