@@ -213,6 +213,111 @@ def test_requires_an_initialised_process_group():
                                        torch.zeros(2, 8))
 
 
+# (keyword, value): arguments rel_attention rejects with a ValueError / TypeError naming them
+BAD_ARGS = [("softmax_scale", float("nan")), ("softmax_scale", float("inf")),
+            ("softmax_scale", -float("inf")), ("softmax_scale", "0.1"),
+            ("window_size", (10 ** 30, -1)), ("window_size", (-1, 10 ** 30)),
+            ("window_size", (-2, 3)), ("window_size", (1.5, 0)), ("causal", 1),
+            ("dropout_p", 1.0), ("dropout_p", True), ("deterministic", None),
+            ("key_padding_mask", torch.zeros(1, 4)),
+            ("key_padding_mask", torch.zeros(1, 3, dtype=torch.bool))]
+
+
+def _rel_attention_error(kw, value):
+    q = torch.randn(1, 4, 2, 8, dtype=torch.float64)
+    r = torch.randn(7, 2, 8, dtype=torch.float64)
+    b = torch.zeros(2, 8, dtype=torch.float64)
+    with pytest.raises((TypeError, ValueError)) as exc:
+        rel_attention(q, q, q, r, b, b, backend="reference", **{kw: value})
+    return q, r, b, exc
+
+
+@pytest.mark.parametrize("kw,value", BAD_ARGS, ids=[f"{k}={v!r:.20}" for k, v in BAD_ARGS])
+def test_ring_rejects_what_rel_attention_rejects_before_communicating(kw, value):
+    """The ring runs rel_attention's checks before any communication (here: before it even
+    looks for a process group), with the same exception type and message (its own name)."""
+    q, r, b, want = _rel_attention_error(kw, value)
+    prefix = "rel_attention: "
+    assert str(want.value).startswith(prefix) and kw in str(want.value)
+    with pytest.raises(want.type) as got:
+        context_parallel_rel_attention(q, q, q, r, b, b, backend="reference", **{kw: value})
+    # the one difference: the ring's keys are this rank's memory shard and segment shard
+    want_msg = str(want.value)[len(prefix):].replace("[B, Lk]", "[B, memory_len + Lq_rank]")
+    assert str(got.value) == "context_parallel_rel_attention: " + want_msg
+
+
+def test_huge_window_raises_value_error_naming_window_size():
+    """Not an OverflowError from the int64 arithmetic of the reference path."""
+    for window in ((10 ** 30, -1), (-1, 10 ** 30)):
+        exc = _rel_attention_error("window_size", window)[3]
+        assert exc.type is ValueError
+        assert str(exc.value) == (f"rel_attention: window_size entries must fit in int64 "
+                                  f"(<= 2**63 - 1; -1 = unbounded), got {window}")
+
+
+def _bad_call_worker(rank, world, port, path):
+    """Bad calls (the same on every rank, then on rank 0 only), each followed by the check
+    that the group still works: every rank records what each call raised, then runs a valid
+    ring call."""
+    with gloo_rank(rank, world, port):
+        case = CASES[0]
+        q, k, v, r, u, vb = _inputs(case)[:6]
+        M, layout = case[8], case[1]
+        ql = shard_sequence(q, 1, rank, world, layout)
+        kl, vl = (_shard_keys(t, M, rank, world, layout) for t in (k, v))
+        errors = []
+        for kw, value in [("softmax_scale", float("nan")), ("softmax_scale", float("inf")),
+                          ("window_size", (10 ** 30, -1)), ("rank0_scale", float("nan"))]:
+            if kw == "rank0_scale":
+                kw, value = "softmax_scale", (value if rank == 0 else None)
+            try:
+                context_parallel_rel_attention(
+                    ql, kl, vl, r, u, vb, memory_len=kl.shape[1] - ql.shape[1], layout=layout,
+                    backend="reference", **{kw: value})
+                errors.append(None)
+            except Exception as exc:  # noqa: BLE001 - the test compares them
+                errors.append((type(exc).__name__, str(exc)))
+        out = context_parallel_rel_attention(ql, kl, vl, r, u, vb,
+                                             memory_len=kl.shape[1] - ql.shape[1],
+                                             layout=layout, backend="reference")
+        torch.save(dict(errors=errors, out=out), f"{path}.{rank}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_bad_call_raises_on_every_rank_and_the_group_stays_usable(world, tmp_path):
+    """softmax_scale NaN / inf and window_size (10**30, -1) raise rel_attention's ValueError on
+    every rank, before the ring posts an exchange; a call that only rank 0 gets wrong raises
+    on every rank too; the valid call after them completes (no hang) and is right."""
+    import time
+
+    path = str(tmp_path / "res")
+    ctx = mp.spawn(_bad_call_worker, args=(world, free_port(), path), nprocs=world,
+                   join=False)
+    deadline = time.monotonic() + 240
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"world {world}: the ranks hung (a bad call left the group unusable)")
+    res = [torch.load(f"{path}.{i}", weights_only=False) for i in range(world)]
+    case = CASES[0]
+    q, k, v, r, u, vb = _inputs(case)[:6]
+    for kw, value, i in (("softmax_scale", float("nan"), 0), ("softmax_scale", float("inf"), 1),
+                         ("window_size", (10 ** 30, -1), 2)):
+        want = _rel_attention_error(kw, value)[3].value
+        msg = "context_parallel_rel_attention: " + str(want).removeprefix("rel_attention: ")
+        assert [x["errors"][i] for x in res] == [("ValueError", msg)] * world, (kw, value)
+    # only rank 0 passed NaN: it raises its own error, the others name it
+    assert res[0]["errors"][3] == ("ValueError", "context_parallel_rel_attention: "
+                                   "softmax_scale must be a finite float, got nan")
+    for x in res[1:]:
+        assert x["errors"][3][0] == "ValueError" and "rank(s) [0]" in x["errors"][3][1]
+    out = unshard_sequence([x["out"] for x in res], 1, case[1])
+    ref = rel_attention(q, k, v, r, u, vb, causal=case[2], backend="reference")
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+
+
 def test_dropout_block_is_the_one_process_mask_restricted():
     """dropout_keep_block at any (unaligned) offset equals that block of the full mask."""
     torch.manual_seed(3)

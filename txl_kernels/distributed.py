@@ -35,7 +35,9 @@ from torch import Tensor
 
 from ._utils import (FUSED_DTYPES, FUSED_MAX_HEADDIM, FUSED_MIN_HEADDIM, check_same,
                      interpreting, no_interpreter_reason)
-from .functional import BACKENDS, check_position_rows, fused_available
+from .functional import (BACKENDS, _check_deterministic, _check_dropout_p,
+                         _check_key_padding_mask, _check_softmax_scale, _check_tensor,
+                         _check_window, _clamp_window, check_position_rows, fused_available)
 from .reference import in_window, rel_shift
 
 __all__ = ["context_parallel_rel_attention", "shard_sequence", "unshard_sequence",
@@ -542,6 +544,60 @@ class _ContextParallelRelAttn(torch.autograd.Function):
         return grads + (None,) * 8
 
 
+def _check_args(name, q, k, v, r, r_w_bias, r_r_bias, memory_len, layout, causal,
+                window_size, key_padding_mask, softmax_scale, dropout_p, dropout_seed, backend,
+                deterministic):
+    """Every check of :func:`context_parallel_rel_attention` that needs no communication:
+    ``rel_attention``'s own (functional.py) for the tensors, scale, window, padding mask,
+    dropout and flags, with this function's name, and the ring's shapes. Returns (window_left,
+    window_right (causal folded in, not clamped to the global shapes), scale, dropout_p, kpm,
+    the backend that computes the blocks)."""
+    _check_layout(layout)
+    for nm, t, nd, lay in (("q", q, 4, "[B, Lq_rank, H, D]"),
+                           ("k", k, 4, "[B, memory_len + Lq_rank, H, D]"),
+                           ("v", v, 4, "[B, memory_len + Lq_rank, H, D]"),
+                           ("r", r, 3, "[R, H, D]"), ("r_w_bias", r_w_bias, 2, "[H, D]"),
+                           ("r_r_bias", r_r_bias, 2, "[H, D]")):
+        _check_tensor(nm, t, nd, lay, name)
+    for nm, t in (("k", k), ("v", v), ("r", r), ("r_w_bias", r_w_bias),
+                  ("r_r_bias", r_r_bias)):
+        check_same(name, nm, t, "q", q)
+    _check_deterministic(deterministic, name)
+    B, Lq, H, D = q.shape
+    if isinstance(memory_len, bool) or not isinstance(memory_len, int) or memory_len < 0:
+        raise ValueError(f"{name}: memory_len must be an int >= 0, got {memory_len!r}")
+    want = (B, memory_len + Lq, H, D)
+    for nm, t in (("k", k), ("v", v)):
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name}: {nm} must be [B, memory_len + Lq_rank, H, D] = "
+                             f"{list(want)}, got {list(t.shape)}")
+    if tuple(r.shape[1:]) != (H, D) or r.shape[0] < 1:
+        raise ValueError(f"{name}: r must be [R, H, D] = [R, {H}, {D}] with R >= 1, "
+                         f"got {list(r.shape)}")
+    for nm, t in (("r_w_bias", r_w_bias), ("r_r_bias", r_r_bias)):
+        if tuple(t.shape) != (H, D):
+            raise ValueError(f"{name}: {nm} must be [H, D] = [{H}, {D}], got {list(t.shape)}")
+    if key_padding_mask is not None:
+        _check_key_padding_mask(key_padding_mask, q, want[1], name,
+                                "[B, memory_len + Lq_rank]")
+        kpm = key_padding_mask
+    else:
+        kpm = torch.zeros(want[:2], dtype=torch.bool, device=q.device)
+    wl, wr = _check_window(causal, window_size, name)
+    scale = _check_softmax_scale(softmax_scale, D, name)
+    dropout_p = _check_dropout_p(dropout_p, name)
+    if dropout_p > 0.0 and q.device.type == "cpu" and not interpreting():
+        raise RuntimeError(f"{name}: dropout_p > 0 on CPU makes the keep-mask with the Triton "
+                           f"kernels' helper: {no_interpreter_reason()}")
+    if dropout_p > 0.0 and dropout_seed is not None and (
+            not isinstance(dropout_seed, Tensor) or dropout_seed.dtype != torch.int64
+            or tuple(dropout_seed.shape) != (2,) or dropout_seed.device != q.device):
+        raise ValueError(f"{name}: dropout_seed must be an int64 [2] tensor on "
+                         f"{q.device}, got {dropout_seed!r}")
+    chosen = _choose_backend(backend, q, dropout_p, name)
+    return wl, wr, scale, dropout_p, kpm, chosen
+
+
 def context_parallel_rel_attention(
     q: Tensor,
     k: Tensor,
@@ -605,6 +661,11 @@ def context_parallel_rel_attention(
             ``("compute_begin", step)``, ``("block", step)`` per chunk pair computed,
             ``("skip", step)`` per chunk pair outside the window, ...) to it.
 
+    Every argument is checked before anything is communicated, with ``rel_attention``'s
+    checks and messages (named after this function); a call that any rank rejects raises on
+    every rank (a ``ValueError`` naming the rank on the others) before the ring starts, so
+    the group stays usable.
+
     Gradients flow to every input. Those of ``r`` and the two biases are this rank's partial
     sums: like the gradients of any parameter shared across the ranks' shards, they add up
     over the group (the all-reduce of the data-parallel wrapper, or ``dist.all_reduce``).
@@ -613,65 +674,37 @@ def context_parallel_rel_attention(
     scores at a time.
     """
     name = "context_parallel_rel_attention"
-    _check_layout(layout)
+    # Every argument is checked on this rank before anything is communicated, with
+    # rel_attention's checks; the verdicts travel with the first collective (the lengths'
+    # all_gather), so a call that one rank rejects raises on every rank and leaves no
+    # exchange posted: the next call on the group starts clean.
+    err = None
+    try:
+        wl, wr, scale, dropout_p, kpm, chosen = _check_args(
+            name, q, k, v, r, r_w_bias, r_r_bias, memory_len, layout, causal, window_size,
+            key_padding_mask, softmax_scale, dropout_p, dropout_seed, backend, deterministic)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        err = exc
     if not dist.is_available() or not dist.is_initialized():
+        if err is not None:
+            raise err
         raise RuntimeError(f"{name}: torch.distributed is not initialised "
                            "(call dist.init_process_group first)")
-    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"{name}: dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    dropout_p = float(dropout_p)
-    if dropout_p > 0.0 and q.device.type == "cpu" and not interpreting():
-        raise RuntimeError(f"{name}: dropout_p > 0 on CPU makes the keep-mask with the Triton "
-                           f"kernels' helper: {no_interpreter_reason()}")
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"{name}: q, k, v must be [B, L, H, D], got {list(q.shape)}, "
-                         f"{list(k.shape)}, {list(v.shape)}")
-    for nm, t in (("k", k), ("v", v), ("r", r), ("r_w_bias", r_w_bias),
-                  ("r_r_bias", r_r_bias)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name}: {nm} must be a torch.Tensor, got {type(t).__name__}")
-        check_same(name, nm, t, "q", q)
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"{name}: deterministic must be a bool, got "
-                        f"{type(deterministic).__name__}")
-    B, Lq, H, D = q.shape
-    if not isinstance(memory_len, int) or memory_len < 0:
-        raise ValueError(f"{name}: memory_len must be an int >= 0, got {memory_len!r}")
-    want = (B, memory_len + Lq, H, D)
-    for nm, t in (("k", k), ("v", v)):
-        if tuple(t.shape) != want:
-            raise ValueError(f"{name}: {nm} must be [B, memory_len + Lq_rank, H, D] = "
-                             f"{list(want)}, got {list(t.shape)}")
-    if r.dim() != 3 or tuple(r.shape[1:]) != (H, D):
-        raise ValueError(f"{name}: r must be [R, {H}, {D}], got {list(r.shape)}")
-    for nm, t in (("r_w_bias", r_w_bias), ("r_r_bias", r_r_bias)):
-        if tuple(t.shape) != (H, D):
-            raise ValueError(f"{name}: {nm} must be [{H}, {D}], got {list(t.shape)}")
-    if key_padding_mask is not None:
-        if key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != want[:2]:
-            raise ValueError(f"{name}: key_padding_mask must be bool [B, memory_len + Lq_rank]"
-                             f" = {list(want[:2])}, got {key_padding_mask.dtype} "
-                             f"{list(key_padding_mask.shape)}")
-        kpm = key_padding_mask
-    else:
-        kpm = torch.zeros(want[:2], dtype=torch.bool, device=q.device)
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1
-                       for w in window_size)):
-        raise ValueError(f"{name}: window_size must be a (left, right) pair of ints >= -1 "
-                         f"(-1 = unbounded), got {window_size!r}")
-    wl, wr = window_size
-    if causal:
-        wr = 0
-    chosen = _choose_backend(backend, q, dropout_p, name)
-    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
-
     ring = _Ring(group, schedule)
-    lens = torch.tensor([Lq, memory_len], dtype=torch.int64)
+    ok = err is None
+    lens = torch.tensor([int(ok), q.shape[1] if ok else 0, memory_len if ok else 0],
+                        dtype=torch.int64)
     gathered = [torch.empty_like(lens) for _ in range(ring.world)]
     dist.all_gather(gathered, lens, group=group)
-    q_lens = [int(t[0]) for t in gathered]
-    m_lens = [int(t[1]) for t in gathered]
+    if err is not None:
+        raise err
+    bad = [i for i, t in enumerate(gathered) if not int(t[0])]
+    if bad:
+        raise ValueError(f"{name}: rank(s) {bad} of the group rejected their arguments (see "
+                         f"their error); every rank must pass valid ones, nothing was computed")
+    B, _, H, _ = q.shape
+    q_lens = [int(t[1]) for t in gathered]
+    m_lens = [int(t[2]) for t in gathered]
     if layout == "zigzag":
         for i in range(ring.world):
             for total, mine, what in ((sum(q_lens), q_lens[i], "segment"),
@@ -682,6 +715,7 @@ def context_parallel_rel_attention(
                                      f"zigzag layout of {total} rows gives it {exp} "
                                      "(shard with shard_sequence)")
     prob = _Problem(q_lens, m_lens, layout, ring.rank, key_padding_mask is not None)
+    wl, wr = _clamp_window(wl, wr, prob.lq, prob.mem + prob.lq)  # the global shapes
     check_position_rows(prob.lq, prob.mem + prob.lq, r.shape[0], wl, wr)
     seed = None
     if dropout_p > 0.0:
@@ -690,10 +724,6 @@ def context_parallel_rel_attention(
             seed = draw_dropout_seed(q.device)
             dist.broadcast(seed, src=dist.get_global_rank(ring.group, 0), group=ring.group)
         else:
-            if (not isinstance(dropout_seed, Tensor) or dropout_seed.dtype != torch.int64
-                    or tuple(dropout_seed.shape) != (2,) or dropout_seed.device != q.device):
-                raise ValueError(f"{name}: dropout_seed must be an int64 [2] tensor on "
-                                 f"{q.device}, got {dropout_seed!r}")
             seed = dropout_seed
     drop = _Dropout(dropout_p, seed, B, H, prob.lq, prob.mem + prob.lq)
     ops = None if chosen == "reference" else _KernelOps(chosen, deterministic)

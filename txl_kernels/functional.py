@@ -24,15 +24,43 @@ BACKENDS = ("auto", "reference", "triton", "cpu")
 _INT64_MAX = 2 ** 63 - 1
 
 
-def _check_tensor(name: str, t, ndim: int, layout: str) -> None:
+def _check_tensor(name: str, t, ndim: int, layout: str, who: str = "rel_attention") -> None:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"rel_attention: {name} must be a torch.Tensor of layout {layout}, "
+        raise TypeError(f"{who}: {name} must be a torch.Tensor of layout {layout}, "
                         f"got {type(t).__name__}")
     if t.dim() != ndim:
-        raise ValueError(f"rel_attention: {name} must be {ndim}-D {layout}, got {describe(t)}")
+        raise ValueError(f"{who}: {name} must be {ndim}-D {layout}, got {describe(t)}")
     if t.dtype not in REF_DTYPES:
-        raise TypeError(f"rel_attention: {name} must be float16, bfloat16, float32 or float64, "
+        raise TypeError(f"{who}: {name} must be float16, bfloat16, float32 or float64, "
                         f"got {t.dtype}")
+
+
+def _check_softmax_scale(softmax_scale, head_dim: int, who: str = "rel_attention") -> float:
+    """``softmax_scale`` as a float (None: ``head_dim ** -0.5``); raises for anything but a
+    finite real number."""
+    if softmax_scale is None:
+        softmax_scale = head_dim ** -0.5
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"{who}: softmax_scale must be a float or None, "
+                        f"got {type(softmax_scale).__name__}")
+    softmax_scale = float(softmax_scale)
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"{who}: softmax_scale must be a finite float, "
+                         f"got {softmax_scale!r}")
+    return softmax_scale
+
+
+def _check_dropout_p(dropout_p, who: str = "rel_attention") -> float:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) \
+            or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{who}: dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    return float(dropout_p)
+
+
+def _check_deterministic(deterministic, who: str = "rel_attention") -> None:
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"{who}: deterministic must be a bool, "
+                        f"got {type(deterministic).__name__}")
 
 
 def _check_memory(memory, q: torch.Tensor) -> int:
@@ -88,14 +116,61 @@ def fused_available(device: torch.device) -> Tuple[bool, str]:
     return False, f"no fused kernel for device type {device.type!r}"
 
 
-def _check_bool_mask(name: str, t, layout: str, meaning: str, q: torch.Tensor) -> None:
+def _check_bool_mask(name: str, t, layout: str, meaning: str, q: torch.Tensor,
+                     who: str = "rel_attention") -> None:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"rel_attention: {name} must be a bool tensor {layout}, "
+        raise TypeError(f"{who}: {name} must be a bool tensor {layout}, "
                         f"got {type(t).__name__}")
     if t.dtype != torch.bool:
-        raise TypeError(f"rel_attention: {name} must have dtype torch.bool ({meaning}), "
+        raise TypeError(f"{who}: {name} must have dtype torch.bool ({meaning}), "
                         f"got {t.dtype}")
-    check_same("rel_attention", name, t, "q", q, dtype=False)
+    check_same(who, name, t, "q", q, dtype=False)
+
+
+def _check_key_padding_mask(key_padding_mask, q: torch.Tensor, Lk: int,
+                            who: str = "rel_attention", layout: str = "[B, Lk]") -> None:
+    """A bool ``[B, Lk]`` mask on q's device (``layout`` names the key dimension)."""
+    B = q.shape[0]
+    _check_bool_mask("key_padding_mask", key_padding_mask, layout, "True = padded key", q, who)
+    if tuple(key_padding_mask.shape) != (B, Lk):
+        raise ValueError(f"{who}: key_padding_mask must have shape {layout} = "
+                         f"{[B, Lk]}, got {list(key_padding_mask.shape)}")
+
+
+def _check_window(causal, window_size, who: str = "rel_attention") -> Tuple[int, int]:
+    """Check ``causal`` and ``window_size``; return (window_left, window_right) with causal
+    folded into window_right = 0, not yet clamped to the shapes (:func:`_clamp_window`)."""
+    if type(causal).__module__ == "numpy" and type(causal).__name__ in ("bool", "bool_"):
+        causal = bool(causal)  # numpy.bool_ (numpy.bool in numpy 2)
+    if not isinstance(causal, bool):
+        kind = type(causal)
+        raise TypeError(f"{who}: causal must be a bool (or numpy.bool_), got "
+                        f"{kind.__module__}.{kind.__qualname__} {causal!r:.40}")
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise TypeError(f"{who}: window_size must be a (left, right) pair of ints, "
+                        f"got {window_size!r}")
+    wl, wr = int(window_size[0]), int(window_size[1])
+    if wl < -1 or wr < -1:
+        raise ValueError(f"{who}: window_size entries must be >= -1 (-1 = unbounded), "
+                         f"got {tuple(window_size)}")
+    if max(wl, wr) > _INT64_MAX:
+        raise ValueError(f"{who}: window_size entries must fit in int64 (<= 2**63 - 1; "
+                         f"-1 = unbounded), got {tuple(window_size)}")
+    if causal:
+        wr = 0
+    return wl, wr
+
+
+def _clamp_window(wl: int, wr: int, Lq: int, Lk: int) -> Tuple[int, int]:
+    """Clamp the window to the distances the shapes hold (d in [-(Lq - 1), Lk - 1]): same
+    pairs, and neither the kernels' int32 index arithmetic nor the reference's int64 tensors
+    can overflow."""
+    if wl >= 0:
+        wl = min(wl, Lk - 1)
+    if wr >= 0:
+        wr = min(wr, Lq - 1)
+    return wl, wr
 
 
 def _normalize_masks(q, Lk, causal, window_size, key_padding_mask, attn_mask):
@@ -105,36 +180,9 @@ def _normalize_masks(q, Lk, causal, window_size, key_padding_mask, attn_mask):
     [B, H, Lq, Lk] (broadcast dimensions have stride 0; nothing is copied).
     """
     B, Lq, H, _ = q.shape
-    if type(causal).__module__ == "numpy" and type(causal).__name__ in ("bool", "bool_"):
-        causal = bool(causal)  # numpy.bool_ (numpy.bool in numpy 2)
-    if not isinstance(causal, bool):
-        kind = type(causal)
-        raise TypeError(f"rel_attention: causal must be a bool (or numpy.bool_), got "
-                        f"{kind.__module__}.{kind.__qualname__} {causal!r:.40}")
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
-        raise TypeError(f"rel_attention: window_size must be a (left, right) pair of ints, "
-                        f"got {window_size!r}")
-    wl, wr = int(window_size[0]), int(window_size[1])
-    if wl < -1 or wr < -1:
-        raise ValueError(f"rel_attention: window_size entries must be >= -1 (-1 = unbounded), "
-                         f"got {tuple(window_size)}")
-    if max(wl, wr) > _INT64_MAX:
-        raise ValueError(f"rel_attention: window_size entries must fit in int64 (<= 2**63 - 1; "
-                         f"-1 = unbounded), got {tuple(window_size)}")
-    if causal:
-        wr = 0
-    # Clamp to the distances the shapes hold (d in [-(Lq - 1), Lk - 1]): same pairs, and the
-    # kernels' int32 index arithmetic cannot overflow.
-    if wl >= 0:
-        wl = min(wl, Lk - 1)
-    if wr >= 0:
-        wr = min(wr, Lq - 1)
+    wl, wr = _clamp_window(*_check_window(causal, window_size), Lq, Lk)
     if key_padding_mask is not None:
-        _check_bool_mask("key_padding_mask", key_padding_mask, "[B, Lk]", "True = padded key", q)
-        if tuple(key_padding_mask.shape) != (B, Lk):
-            raise ValueError(f"rel_attention: key_padding_mask must have shape [B, Lk] = "
-                             f"{[B, Lk]}, got {list(key_padding_mask.shape)}")
+        _check_key_padding_mask(key_padding_mask, q, Lk)
     if attn_mask is not None:
         _check_bool_mask("attn_mask", attn_mask, "broadcastable to [B, H, Lq, Lk]",
                          "True = masked", q)
@@ -372,21 +420,9 @@ def rel_attention(
         if tuple(t.shape) != (H, D):
             raise ValueError(f"rel_attention: {name} must be [H, D] = [{H}, {D}], "
                              f"got {list(t.shape)}")
-    if softmax_scale is None:
-        softmax_scale = D ** -0.5
-    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        raise TypeError(f"rel_attention: softmax_scale must be a float or None, "
-                        f"got {type(softmax_scale).__name__}")
-    softmax_scale = float(softmax_scale)
-    if not math.isfinite(softmax_scale):
-        raise ValueError(f"rel_attention: softmax_scale must be a finite float, "
-                         f"got {softmax_scale!r}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) \
-            or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"rel_attention: dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"rel_attention: deterministic must be a bool, "
-                        f"got {type(deterministic).__name__}")
+    softmax_scale = _check_softmax_scale(softmax_scale, D)
+    _check_dropout_p(dropout_p)
+    _check_deterministic(deterministic)
     if backend not in BACKENDS:
         raise ValueError(f"rel_attention: backend must be one of {BACKENDS}, got {backend!r}")
 
