@@ -342,8 +342,9 @@ def test_extension_backend_is_checked_where_it_is_set():
 
 def test_memory_backend_is_the_deprecated_name_of_extension_backend():
     """MemTransformerLM(memory_backend=...) and TransfoXLCache(memory_backend=...), the names
-    extension_backend had before, still work with a DeprecationWarning naming the new one;
-    both names at once raise TypeError; the new name warns nothing."""
+    extension_backend had before, still work with a DeprecationWarning naming the new one
+    (as keywords and as attributes); both names at once raise TypeError; the new name warns
+    nothing."""
     with pytest.warns(DeprecationWarning, match=r"MemTransformerLM: memory_backend= is "
                                                 r"deprecated.*extension_backend="):
         model = make_model("plain", memory_backend="torch")
@@ -368,6 +369,13 @@ def test_memory_backend_is_the_deprecated_name_of_extension_backend():
         warnings.simplefilter("error")
         assert make_model("plain", extension_backend="torch").extension_backend == "torch"
         assert TransfoXLCache(*args, "torch").extension_backend == "torch"
+    # the attribute too: writing the old name must not set an attribute nothing reads
+    for obj, who in ((model, "MemTransformerLM"), (cache, "TransfoXLCache")):
+        with pytest.warns(DeprecationWarning, match=rf"{who}.memory_backend is deprecated"):
+            obj.memory_backend = "auto"
+        assert obj.extension_backend == "auto"
+        with pytest.warns(DeprecationWarning, match="renamed extension_backend"):
+            assert obj.memory_backend == "auto"
 
 
 @pytest.mark.parametrize("train", [False, True])

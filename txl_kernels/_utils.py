@@ -17,7 +17,7 @@ import torch
 
 __all__ = ["describe", "check_same", "as_len", "interpreting", "interpret_requested",
            "no_interpreter_reason", "FUSED_DTYPES", "REF_DTYPES", "FUSED_MIN_HEADDIM",
-           "FUSED_MAX_HEADDIM", "renamed_keywords"]
+           "FUSED_MAX_HEADDIM", "renamed_keywords", "renamed_attribute"]
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REF_DTYPES = FUSED_DTYPES + (torch.float64,)
@@ -140,3 +140,22 @@ def renamed_keywords(who: str, **renames: str):
             return fn(*args, **kwargs)
         return wrapper
     return decorate
+
+
+def renamed_attribute(who: str, old: str, new: str) -> property:
+    """A class attribute for the former name ``old`` of the attribute ``new``: reading and
+    writing it reach ``new``, with a ``DeprecationWarning`` naming it (writing the old name
+    would otherwise set an attribute nothing reads)."""
+    def warn():
+        warnings.warn(f"{who}.{old} is deprecated, it was renamed {new}; use {new}",
+                      DeprecationWarning, stacklevel=3)
+
+    def fget(self):
+        warn()
+        return getattr(self, new)
+
+    def fset(self, value):
+        warn()
+        setattr(self, new, value)
+
+    return property(fget, fset, doc=f"Deprecated: the former name of ``{new}``.")

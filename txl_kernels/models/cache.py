@@ -35,7 +35,7 @@ from typing import List, Optional
 import torch
 
 from .._cpp_ops import check_extension_backend
-from .._utils import renamed_keywords
+from .._utils import renamed_attribute, renamed_keywords
 from ..memory import kv_cache_compact, kv_cache_quantize_append
 from ..quant import QUANT_DTYPES, SCALE_DTYPES, QuantizedKV, dequantize_per_token
 
@@ -82,7 +82,8 @@ class TransfoXLCache:
     float8_e4m3fn), ``compute_dtype`` (the model's), ``quantized``, ``nbytes`` (bytes of its
     buffers, scales included), ``fingerprint`` (the model configuration it was made for).
     Built directly, it takes ``extension_backend`` (the model's, through ``new_cache``); its
-    former name ``memory_backend=`` still works, with a DeprecationWarning.
+    former name ``memory_backend`` still works, as a keyword and an attribute, with a
+    DeprecationWarning.
 
     A cache belongs to the model that made it, in the configuration it had then (lengths,
     ``same_length``, ``clamp_len``, dtype, device): the model raises when it is handed another
@@ -95,6 +96,8 @@ class TransfoXLCache:
     The buffers' size is checked before they are allocated: a cache larger than the available
     device memory raises ``MemoryError``, naming ``mem_len`` and the bytes needed.
     """
+
+    memory_backend = renamed_attribute("TransfoXLCache", "memory_backend", "extension_backend")
 
     @renamed_keywords("TransfoXLCache", memory_backend="extension_backend")
     def __init__(self, n_layer: int, bsz: int, mem_len: int, ext_len: int, max_qlen: int,

@@ -31,7 +31,8 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 from .._cpp_ops import check_extension_backend
-from .._utils import as_len, check_same, describe, renamed_keywords
+from .._utils import (as_len, check_same, describe, renamed_attribute,
+                      renamed_keywords)
 from ..cached_attention import (cached_attention, cached_attention_route,
                                 decode_extension_args, use_cpu_decode_op)
 from ..memory import update_mems
@@ -242,7 +243,8 @@ class MemTransformerLM(nn.Module):
     cache's compaction and 8-bit append, and the CPU decoding step (``decode_layer`` /
     ``decode_attention``); "auto" uses the extension where it is built and warns once where
     it is not, "extension" raises there; the attention itself follows ``attn_backend``;
-    its former name ``memory_backend=`` still works, with a DeprecationWarning),
+    its former name ``memory_backend`` still works, as a keyword and an attribute, with a
+    DeprecationWarning),
     ``checkpoint``
     (activation checkpointing per decoder layer: while gradients are recorded, each layer runs
     under ``torch.utils.checkpoint`` (non-reentrant, RNG state preserved, so dropout repeats)
@@ -275,6 +277,8 @@ class MemTransformerLM(nn.Module):
     whose backward (``loss.backward()``, ``torch.autograd.grad``) raises ``RuntimeError``
     before any gradient is written (train with the mems path).
     """
+
+    memory_backend = renamed_attribute("MemTransformerLM", "memory_backend", "extension_backend")
 
     @renamed_keywords("MemTransformerLM", memory_backend="extension_backend")
     def __init__(self, n_token, n_layer, n_head, d_model, d_head, d_inner, dropout, dropatt,
