@@ -691,7 +691,8 @@ class MemTransformerLM(nn.Module):
 
     def log_probs(self, data: torch.Tensor, *mems, cache: Optional[TransfoXLCache] = None):
         """Log-probabilities of the next token at every position: ``[qlen, bsz, n_token]``,
-        followed by the new memories (mems path) as in ``forward``."""
+        followed by the new memories (mems path) as in ``forward``. With ``cache``, as
+        ``forward``: no gradients (a backward through the result raises)."""
         data = self._check_ids("data", data, "[qlen, bsz] (seq-first)")
         qlen, bsz = data.shape
         with self._cache_grad_mode(cache):
