@@ -35,9 +35,9 @@ from torch import Tensor
 
 from ._utils import (FUSED_DTYPES, FUSED_MAX_HEADDIM, FUSED_MIN_HEADDIM, check_same,
                      interpreting, no_interpreter_reason)
-from .functional import (BACKENDS, _check_deterministic, _check_dropout_p,
-                         _check_key_padding_mask, _check_softmax_scale, _check_tensor,
-                         _check_window, _clamp_window, check_position_rows, fused_available)
+from .functional import (BACKENDS, check_deterministic, check_dropout_p, check_padding_mask,
+                         check_position_rows, check_softmax_scale, check_tensor, check_window,
+                         clamp_window, fused_available)
 from .reference import in_window, rel_shift
 
 __all__ = ["context_parallel_rel_attention", "shard_sequence", "unshard_sequence",
@@ -558,11 +558,11 @@ def _check_args(name, q, k, v, r, r_w_bias, r_r_bias, memory_len, layout, causal
                            ("v", v, 4, "[B, memory_len + Lq_rank, H, D]"),
                            ("r", r, 3, "[R, H, D]"), ("r_w_bias", r_w_bias, 2, "[H, D]"),
                            ("r_r_bias", r_r_bias, 2, "[H, D]")):
-        _check_tensor(nm, t, nd, lay, name)
+        check_tensor(nm, t, nd, lay, name)
     for nm, t in (("k", k), ("v", v), ("r", r), ("r_w_bias", r_w_bias),
                   ("r_r_bias", r_r_bias)):
         check_same(name, nm, t, "q", q)
-    _check_deterministic(deterministic, name)
+    check_deterministic(deterministic, name)
     B, Lq, H, D = q.shape
     if isinstance(memory_len, bool) or not isinstance(memory_len, int) or memory_len < 0:
         raise ValueError(f"{name}: memory_len must be an int >= 0, got {memory_len!r}")
@@ -578,14 +578,14 @@ def _check_args(name, q, k, v, r, r_w_bias, r_r_bias, memory_len, layout, causal
         if tuple(t.shape) != (H, D):
             raise ValueError(f"{name}: {nm} must be [H, D] = [{H}, {D}], got {list(t.shape)}")
     if key_padding_mask is not None:
-        _check_key_padding_mask(key_padding_mask, q, want[1], name,
+        check_padding_mask(key_padding_mask, q, want[1], name,
                                 "[B, memory_len + Lq_rank]")
         kpm = key_padding_mask
     else:
         kpm = torch.zeros(want[:2], dtype=torch.bool, device=q.device)
-    wl, wr = _check_window(causal, window_size, name)
-    scale = _check_softmax_scale(softmax_scale, D, name)
-    dropout_p = _check_dropout_p(dropout_p, name)
+    wl, wr = check_window(causal, window_size, name)
+    scale = check_softmax_scale(softmax_scale, D, name)
+    dropout_p = check_dropout_p(dropout_p, name)
     if dropout_p > 0.0 and q.device.type == "cpu" and not interpreting():
         raise RuntimeError(f"{name}: dropout_p > 0 on CPU makes the keep-mask with the Triton "
                            f"kernels' helper: {no_interpreter_reason()}")
@@ -715,7 +715,7 @@ def context_parallel_rel_attention(
                                      f"zigzag layout of {total} rows gives it {exp} "
                                      "(shard with shard_sequence)")
     prob = _Problem(q_lens, m_lens, layout, ring.rank, key_padding_mask is not None)
-    wl, wr = _clamp_window(wl, wr, prob.lq, prob.mem + prob.lq)  # the global shapes
+    wl, wr = clamp_window(wl, wr, prob.lq, prob.mem + prob.lq)  # the global shapes
     check_position_rows(prob.lq, prob.mem + prob.lq, r.shape[0], wl, wr)
     seed = None
     if dropout_p > 0.0:

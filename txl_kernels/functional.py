@@ -24,7 +24,10 @@ BACKENDS = ("auto", "reference", "triton", "cpu")
 _INT64_MAX = 2 ** 63 - 1
 
 
-def _check_tensor(name: str, t, ndim: int, layout: str, who: str = "rel_attention") -> None:
+# rel_attention's argument checks, shared with context_parallel_rel_attention (``who`` names
+# the function in the message).
+def check_tensor(name: str, t, ndim: int, layout: str, who: str = "rel_attention") -> None:
+    """A floating tensor (float16 / bfloat16 / float32 / float64) with ``ndim`` dims."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{who}: {name} must be a torch.Tensor of layout {layout}, "
                         f"got {type(t).__name__}")
@@ -35,7 +38,7 @@ def _check_tensor(name: str, t, ndim: int, layout: str, who: str = "rel_attentio
                         f"got {t.dtype}")
 
 
-def _check_softmax_scale(softmax_scale, head_dim: int, who: str = "rel_attention") -> float:
+def check_softmax_scale(softmax_scale, head_dim: int, who: str = "rel_attention") -> float:
     """``softmax_scale`` as a float (None: ``head_dim ** -0.5``); raises for anything but a
     finite real number."""
     if softmax_scale is None:
@@ -50,14 +53,16 @@ def _check_softmax_scale(softmax_scale, head_dim: int, who: str = "rel_attention
     return softmax_scale
 
 
-def _check_dropout_p(dropout_p, who: str = "rel_attention") -> float:
+def check_dropout_p(dropout_p, who: str = "rel_attention") -> float:
+    """``dropout_p`` as a float in [0, 1)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) \
             or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"{who}: dropout_p must be a float in [0, 1), got {dropout_p!r}")
     return float(dropout_p)
 
 
-def _check_deterministic(deterministic, who: str = "rel_attention") -> None:
+def check_deterministic(deterministic, who: str = "rel_attention") -> None:
+    """``deterministic`` is a bool."""
     if not isinstance(deterministic, bool):
         raise TypeError(f"{who}: deterministic must be a bool, "
                         f"got {type(deterministic).__name__}")
@@ -127,7 +132,7 @@ def _check_bool_mask(name: str, t, layout: str, meaning: str, q: torch.Tensor,
     check_same(who, name, t, "q", q, dtype=False)
 
 
-def _check_key_padding_mask(key_padding_mask, q: torch.Tensor, Lk: int,
+def check_padding_mask(key_padding_mask, q: torch.Tensor, Lk: int,
                             who: str = "rel_attention", layout: str = "[B, Lk]") -> None:
     """A bool ``[B, Lk]`` mask on q's device (``layout`` names the key dimension)."""
     B = q.shape[0]
@@ -137,9 +142,9 @@ def _check_key_padding_mask(key_padding_mask, q: torch.Tensor, Lk: int,
                          f"{[B, Lk]}, got {list(key_padding_mask.shape)}")
 
 
-def _check_window(causal, window_size, who: str = "rel_attention") -> Tuple[int, int]:
+def check_window(causal, window_size, who: str = "rel_attention") -> Tuple[int, int]:
     """Check ``causal`` and ``window_size``; return (window_left, window_right) with causal
-    folded into window_right = 0, not yet clamped to the shapes (:func:`_clamp_window`)."""
+    folded into window_right = 0, not yet clamped to the shapes (:func:`clamp_window`)."""
     if type(causal).__module__ == "numpy" and type(causal).__name__ in ("bool", "bool_"):
         causal = bool(causal)  # numpy.bool_ (numpy.bool in numpy 2)
     if not isinstance(causal, bool):
@@ -162,7 +167,7 @@ def _check_window(causal, window_size, who: str = "rel_attention") -> Tuple[int,
     return wl, wr
 
 
-def _clamp_window(wl: int, wr: int, Lq: int, Lk: int) -> Tuple[int, int]:
+def clamp_window(wl: int, wr: int, Lq: int, Lk: int) -> Tuple[int, int]:
     """Clamp the window to the distances the shapes hold (d in [-(Lq - 1), Lk - 1]): same
     pairs, and neither the kernels' int32 index arithmetic nor the reference's int64 tensors
     can overflow."""
@@ -180,9 +185,9 @@ def _normalize_masks(q, Lk, causal, window_size, key_padding_mask, attn_mask):
     [B, H, Lq, Lk] (broadcast dimensions have stride 0; nothing is copied).
     """
     B, Lq, H, _ = q.shape
-    wl, wr = _clamp_window(*_check_window(causal, window_size), Lq, Lk)
+    wl, wr = clamp_window(*check_window(causal, window_size), Lq, Lk)
     if key_padding_mask is not None:
-        _check_key_padding_mask(key_padding_mask, q, Lk)
+        check_padding_mask(key_padding_mask, q, Lk)
     if attn_mask is not None:
         _check_bool_mask("attn_mask", attn_mask, "broadcastable to [B, H, Lq, Lk]",
                          "True = masked", q)
@@ -383,12 +388,12 @@ def rel_attention(
         ``[B, Lq, H, D]`` in q's dtype (the autocast dtype under autocast), differentiable
         w.r.t. q, k, v, r, r_w_bias, r_r_bias.
     """
-    _check_tensor("q", q, 4, "[B, Lq, H, D]")
-    _check_tensor("k", k, 4, "[B, Lk, H, D]")
-    _check_tensor("v", v, 4, "[B, Lk, H, D]")
-    _check_tensor("r", r, 3, "[R, H, D]")
-    _check_tensor("r_w_bias", r_w_bias, 2, "[H, D]")
-    _check_tensor("r_r_bias", r_r_bias, 2, "[H, D]")
+    check_tensor("q", q, 4, "[B, Lq, H, D]")
+    check_tensor("k", k, 4, "[B, Lk, H, D]")
+    check_tensor("v", v, 4, "[B, Lk, H, D]")
+    check_tensor("r", r, 3, "[R, H, D]")
+    check_tensor("r_w_bias", r_w_bias, 2, "[H, D]")
+    check_tensor("r_r_bias", r_r_bias, 2, "[H, D]")
     amp = autocast_dtype(q.device.type)
     if amp is not None:
         # As autocast does for matmul-like ops (and SDPA): floating inputs other than fp64 run
@@ -420,9 +425,9 @@ def rel_attention(
         if tuple(t.shape) != (H, D):
             raise ValueError(f"rel_attention: {name} must be [H, D] = [{H}, {D}], "
                              f"got {list(t.shape)}")
-    softmax_scale = _check_softmax_scale(softmax_scale, D)
-    _check_dropout_p(dropout_p)
-    _check_deterministic(deterministic)
+    softmax_scale = check_softmax_scale(softmax_scale, D)
+    check_dropout_p(dropout_p)
+    check_deterministic(deterministic)
     if backend not in BACKENDS:
         raise ValueError(f"rel_attention: backend must be one of {BACKENDS}, got {backend!r}")
 
