@@ -15,7 +15,9 @@
 // Then the online softmax in fp32 (fp64 for fp64 inputs) in log2 units, P @ V, and the row
 // log-sum-exp (natural log).
 // Backward (FlashAttention-2), per (batch, head): each query block recomputes P from the saved
-// lse; dV += P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO O)); dq_u = dS K, dK += dS^T (q + u);
+// lse (the difference S - lse in natural units, S rounded to them as the forward rounded the
+// lse, so that a saturated row's P is exactly 1); dV += P^T dO, dP = dO V^T,
+// dS = P (dP - rowsum(dO O)) (0 where P is 1); dq_u = dS K, dK += dS^T (q + u);
 // the un-skewed dS accumulates in a window buffer dT laid out like T, and the columns that no
 // later tile touches are flushed: dq_v += dT Rwin, dR[win] += dT^T (q + vb). The tasks are
 // (batch, head, split): with fewer (batch, head) pairs than threads each pair's query blocks are
@@ -153,8 +155,17 @@ void add_row(T* s, const T* t, int64_t n) {
   for (int64_t x = 0; x < n; ++x) s[x] += t[x];
 }
 template <typename T>
-void ds_row(T* dp, const T* p, int64_t n, T sc, T delta) {  // dp = sc * p * (dp - delta)
-  for (int64_t x = 0; x < n; ++x) dp[x] = sc * p[x] * (dp[x] - delta);
+void exp_diff(T* s, int64_t n, T c) {  // s = e^(s - c), as 2^((s - c) log2 e) (0 at -inf)
+  const T l2e = static_cast<T>(kLog2e);
+  for (int64_t x = 0; x < n; ++x) s[x] = std::exp2((s[x] - c) * l2e);
+}
+// dS = sc * P (dP - delta), into dp. Where P is exactly 1 the row's softmax is saturated (the
+// other probabilities sum to less than an ulp of 1) and its Jacobian diag(P) - P P^T is 0:
+// dS is then sc * 0 * (dp - delta), 0 (NaN where dp or delta is), not the scale times the
+// rounding of dP - rowsum(dO * O), two sums of one value in different orders.
+template <typename T>
+void ds_row(T* dp, const T* p, int64_t n, T sc, T delta) {
+  for (int64_t x = 0; x < n; ++x) dp[x] = sc * (p[x] == T(1) ? T(0) : p[x]) * (dp[x] - delta);
 }
 
 #ifdef TXL_VEC8
@@ -214,8 +225,14 @@ TXL_CLONES void scale_row(float* s, float c, int64_t n) {
 TXL_CLONES void add_row(float* s, const float* t, int64_t n) {
   for (int64_t x = 0; x < n; ++x) s[x] += t[x];
 }
+TXL_CLONES void exp_diff(float* s, int64_t n, float c) {
+  const float l2e = static_cast<float>(kLog2e);
+  int64_t x = 0;
+  for (; x + 8 <= n; x += 8) storeu8(s + x, exp2_8_nonpos((loadu8(s + x) - c) * l2e));
+  for (; x < n; ++x) s[x] = std::exp2((s[x] - c) * l2e);
+}
 TXL_CLONES void ds_row(float* dp, const float* p, int64_t n, float sc, float delta) {
-  for (int64_t x = 0; x < n; ++x) dp[x] = sc * p[x] * (dp[x] - delta);
+  for (int64_t x = 0; x < n; ++x) dp[x] = sc * (p[x] == 1.0f ? 0.0f : p[x]) * (dp[x] - delta);
 }
 #endif
 
@@ -705,12 +722,17 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
           scores_tile(g, hd, b, h, i0, m, j0, n, j0 == jlo, last, qus.data(), qvs.data(),
                       S.data(), window_base(T, BM), tw, kbuf.data(), rbuf.data(),
                       static_cast<acc_t*>(nullptr));
-          for (int64_t a = 0; a < m; ++a) {  // P = exp(S - lse): 0 at masked pairs / rows
+          // P = exp(S - lse), 0 at masked pairs / rows. The difference is taken in natural
+          // units, S rounded to them as the forward rounded its lse ((max + log2 sum) * ln 2):
+          // a saturated row's top score then cancels its lse exactly (P = 1), where lse *
+          // log2(e) is off by an ulp of the scores (at scores of 1e20 in fp64, 2^16384)
+          for (int64_t a = 0; a < m; ++a) {
             acc_t* s = S.data() + a * BN;
             if (std::isinf(lrow[a])) {
               std::fill(s, s + n, acc_t(0));
             } else {
-              exp2_sum(s, n, lrow[a] * static_cast<acc_t>(kLog2e));
+              scale_row(s, static_cast<acc_t>(kLn2), n);
+              exp_diff(s, n, lrow[a]);
             }
           }
           int64_t ldk, ldv;
