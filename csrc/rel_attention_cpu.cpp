@@ -345,6 +345,49 @@ struct Rows {
   }
 };
 
+// ---- non-finite operand rows: what the masks exclude must not reach the results
+//
+// A masked pair's probability (and its dS) is an exact 0, but a GEMM over a tile still
+// multiplies it with the excluded key's k / v / r row: 0 * NaN or 0 * inf is NaN. Tiles whose
+// pairs are not all allowed therefore go through their operand rows first: the rows holding a
+// NaN or an inf (none in the usual case, which then reads the tile as it is) are zeroed in a
+// copy for the GEMM, and each pair the masks allow adds its product with the original row
+// back (add_allowed), so the rows that attend such a key still come out non-finite.
+
+// whether x[0, n) holds a NaN or an inf (an OR of exponent-field tests, which the compiler
+// vectorises, where a floating-point sum would be kept in order)
+template <typename T>
+bool any_nonfinite(const T* x, int64_t n) {
+  using U = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
+  constexpr U e = sizeof(T) == 4 ? U(0x7f800000u) : U(0x7ff0000000000000ull);
+  U bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    U b;
+    std::memcpy(&b, x + i, sizeof b);
+    bad |= U((b & e) == e);
+  }
+  return bad != 0;
+}
+
+// The rows t of the tile X [n, D] (row stride *ld) that hold a NaN or an inf, into bad. When
+// there are any, returns X copied into buf (or buf itself when X is buf) with those rows 0 and
+// sets *ld = D; else returns X.
+template <typename T>
+const T* zero_nonfinite_rows(const T* X, int64_t* ld, int64_t n, int64_t D, T* buf,
+                             std::vector<int64_t>& bad) {
+  bad.clear();
+  const int64_t l = *ld;
+  if (l == D ? any_nonfinite(X, n * D) : true)
+    for (int64_t t = 0; t < n; ++t)
+      if (any_nonfinite(X + t * l, D)) bad.push_back(t);
+  if (bad.empty()) return X;
+  if (X != buf)
+    for (int64_t t = 0; t < n; ++t) std::memcpy(buf + t * D, X + t * l, D * sizeof(T));
+  for (const int64_t t : bad) std::fill(buf + t * D, buf + (t + 1) * D, T(0));
+  *ld = D;
+  return buf;
+}
+
 // A scratch buffer on torch's CPU allocator (64-byte aligned): the BLAS may take a different
 // path, with different rounding, for other alignments, and results must not depend on where
 // malloc put a buffer.
@@ -407,6 +450,15 @@ struct Geometry {
           for (int64_t a = 0; a < m; ++a) S[a * lds + t] = ninf;
     }
   }
+  // whether query i may attend key j: a pair (0 <= j < Lk) inside the window / band that
+  // neither attn_mask nor key_padding_mask masks
+  bool allowed(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    if (j < 0 || j >= Lk) return false;
+    const int64_t d = i + mlen - j;
+    if (d < dlo || d > dhi) return false;
+    if (mask && mask[b * ms[0] + h * ms[1] + i * ms[2] + j * ms[3]]) return false;
+    return !(kpm && kpm[b * kpm_s0 + j * kpm_s1]);
+  }
   bool tile_needs_masks(int64_t i0, int64_t m, int64_t j0, int64_t n) const {
     if (kpm || mask) return true;
     // every pair inside the window: d in [i0 + mlen - (j0 + n - 1), i0 + m - 1 + mlen - j0]
@@ -443,6 +495,24 @@ template <typename scalar_t, typename acc_t>
 struct Head {  // the operands of one (batch, head)
   Rows<scalar_t, acc_t> K, V, Rr;
 };
+
+// C[a] += A[a, t] * X[first + t] for the rows t in bad (read again from X, into row: the tile
+// copy holds them zeroed) and the query rows a (query i0 + a, C and A rows D and lda apart)
+// whose pair with key key(a, t) the masks allow
+template <typename scalar_t, typename acc_t, typename KeyOf>
+void add_allowed(const Geometry& g, int64_t b, int64_t h, int64_t i0, int64_t m,
+                 const Rows<scalar_t, acc_t>& X, int64_t first, const std::vector<int64_t>& bad,
+                 KeyOf key, const acc_t* A, int64_t lda, acc_t* C, acc_t* row) {
+  for (const int64_t t : bad) {
+    int64_t l;
+    const acc_t* x = X.get(first + t, 1, row, &l);
+    for (int64_t a = 0; a < m; ++a) {
+      if (!g.allowed(b, h, i0 + a, key(a, t))) continue;
+      const acc_t p = A[a * lda + t];
+      for (int64_t d = 0; d < g.D; ++d) C[a * g.D + d] += p * x[d];
+    }
+  }
+}
 
 // T[a0:a1, c0:c1) = (q + vb)[a0:a1] @ r[P0 + c]^T over the columns whose rows exist (others 0)
 template <typename scalar_t, typename acc_t>
@@ -593,7 +663,8 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
     SequentialBlas one_thread;
     Scratch<acc_t> qu(BM * D), qv(BM * D), S(BM * BN), T(BM * tw + kWindowPad), acc(BM * D),
         kbuf(BN * D), vbuf(BN * D), rbuf((BM + BN) * D), mx(BM), l(BM), tmax(BM),
-        z(g.drop.on ? BM * BN : 0);
+        z(g.drop.on ? BM * BN : 0), row(D);
+    std::vector<int64_t> bad_v;
     const acc_t sc = static_cast<acc_t>(g.scale * kLog2e);
     for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
       for (int64_t task = lane; task < ntask; task += lanes) {
@@ -630,7 +701,14 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
           }
           int64_t ldv;
           const acc_t* vp = hd.V.get(j0, n, vbuf.data(), &ldv);
+          // a tile with masked pairs: its non-finite v rows reach only the rows allowed them
+          const bool masked = g.tile_needs_masks(i0, m, j0, n);
+          if (masked) vp = zero_nonfinite_rows(vp, &ldv, n, D, vbuf.data(), bad_v);
           gemm_rm<acc_t>(false, false, m, D, n, 1, S.data(), BN, vp, ldv, 1, acc.data(), D);
+          if (masked)
+            add_allowed(g, b, h, i0, m, hd.V, j0, bad_v,
+                        [j0](int64_t, int64_t t) { return j0 + t; }, S.data(), BN, acc.data(),
+                        row.data());
         }
         for (int64_t a = 0; a < m; ++a) {
           scalar_t* o = outp + ((b * Lq + i0 + a) * H + h) * D;
@@ -674,7 +752,8 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
     Scratch<acc_t> qu(BM * D), qv(BM * D), qus(BM * D), qvs(BM * D), S(BM * BN), dP(BM * BN),
         T(BM * tw + kWindowPad), dT(BM * tw), dqu(BM * D), dqv(BM * D), dO(BM * D),
         kbuf(BN * D), vbuf(BN * D), rbuf((BM + BN) * D), delta(BM),
-        z(g.drop.on ? BM * BN : 0);
+        z(g.drop.on ? BM * BN : 0), row(D);
+    std::vector<int64_t> bad_k, bad_v, bad_r;
     // sc: the scores' factor, scale * log2(e) (log2 units); ds_scale: the softmax scale alone,
     // for dS = scale * P (dP - delta)
     const acc_t sc = static_cast<acc_t>(g.scale * kLog2e);
@@ -738,8 +817,27 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
           int64_t ldk, ldv;
           const acc_t* kp = hd.K.get(j0, n, kbuf.data(), &ldk);
           const acc_t* vp = hd.V.get(j0, n, vbuf.data(), &ldv);
+          // a tile with masked pairs: its non-finite k / v rows reach only the rows allowed them
+          const bool masked = g.tile_needs_masks(i0, m, j0, n);
+          bad_k.clear();
+          bad_v.clear();
+          if (masked) {
+            kp = zero_nonfinite_rows(kp, &ldk, n, D, kbuf.data(), bad_k);
+            vp = zero_nonfinite_rows(vp, &ldv, n, D, vbuf.data(), bad_v);
+          }
+          const auto key = [j0](int64_t, int64_t t) { return j0 + t; };
           // dP = dO V^T
           gemm_rm<acc_t>(false, true, m, n, D, 1, dO.data(), D, vp, ldv, 0, dP.data(), BN);
+          for (const int64_t t : bad_v) {
+            int64_t l1;
+            const acc_t* x = hd.V.get(j0 + t, 1, row.data(), &l1);
+            for (int64_t a = 0; a < m; ++a) {
+              if (!g.allowed(b, h, i0 + a, j0 + t)) continue;
+              acc_t sum = 0;
+              for (int64_t d = 0; d < D; ++d) sum += dO[a * D + d] * x[d];
+              dP[a * BN + t] = sum;
+            }
+          }
           if (g.drop.on) {
             g.drop.keep_scale(bh, Lq, i0, m, j0, n, z.data(), BN);
             for (int64_t a = 0; a < m; ++a) mul_rows(dP.data() + a * BN, z.data() + a * BN, n);
@@ -755,6 +853,8 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
           gemm_rm<acc_t>(true, false, n, D, m, 1, S.data(), BN, dO.data(), D, 1, dvh + j0 * D,
                          D);
           gemm_rm<acc_t>(false, false, m, D, n, 1, dP.data(), BN, kp, ldk, 1, dqu.data(), D);
+          add_allowed(g, b, h, i0, m, hd.K, j0, bad_k, key, dP.data(), BN, dqu.data(),
+                      row.data());
           gemm_rm<acc_t>(true, false, n, D, m, 1, dP.data(), BN, qu.data(), D, 1,
                          dkh + j0 * D, D);
           // dT[a, m - 1 - a + x] += dS[a, x]
@@ -768,8 +868,14 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
           if (pb > pa) {
             int64_t ldr;
             const acc_t* rp = hd.Rr.get(pa, pb - pa, rbuf.data(), &ldr);
+            // r rows that hold a NaN or an inf reach only the pairs (query i0 + a, key
+            // p + i0 + a - (Lq - 1)) that the masks allow; dT is 0 everywhere else
+            rp = zero_nonfinite_rows(rp, &ldr, pb - pa, D, rbuf.data(), bad_r);
             gemm_rm<acc_t>(false, false, m, D, pb - pa, 1, dT.data() + (pa - P0), tw, rp, ldr,
                            1, dqv.data(), D);
+            add_allowed(g, b, h, i0, m, hd.Rr, pa, bad_r,
+                        [&](int64_t a, int64_t t) { return pa + t + i0 + a - (Lq - 1); },
+                        dT.data() + (pa - P0), tw, dqv.data(), row.data());
             gemm_rm<acc_t>(true, false, pb - pa, D, m, 1, dT.data() + (pa - P0), tw, qv.data(),
                            D, 1, drh + pa * D, D);
           }
