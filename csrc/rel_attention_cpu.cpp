@@ -348,10 +348,11 @@ struct Rows {
 // ---- non-finite operand rows: what the masks exclude must not reach the results
 //
 // A masked pair's probability (and its dS) is an exact 0, but a GEMM over a tile still
-// multiplies it with the excluded key's k / v / r row: 0 * NaN or 0 * inf is NaN. Tiles whose
-// pairs are not all allowed therefore go through their operand rows first: the rows holding a
-// NaN or an inf (none in the usual case, which then reads the tile as it is) are zeroed in a
-// copy for the GEMM, and each pair the masks allow adds its product with the original row
+// multiplies it with the excluded key's k / v / r row: 0 * NaN or 0 * inf is NaN. The rows
+// holding a NaN or an inf are therefore flagged (the backward flags each (batch, head)'s k, v
+// and r rows once per task, the forward every v row once per call where masks apply); a tile with
+// flagged rows (none in the usual case, which then reads the tile as it is) has them zeroed in
+// a copy for the GEMM, and each pair the masks allow adds its product with the original row
 // back (add_allowed), so the rows that attend such a key still come out non-finite.
 
 // whether x[0, n) holds a NaN or an inf (an OR of exponent-field tests, which the compiler
@@ -369,18 +370,17 @@ bool any_nonfinite(const T* x, int64_t n) {
   return bad != 0;
 }
 
-// The rows t of the tile X [n, D] (row stride *ld) that hold a NaN or an inf, into bad. When
-// there are any, returns X copied into buf (or buf itself when X is buf) with those rows 0 and
-// sets *ld = D; else returns X.
+// The flagged rows t of the tile X [n, D] (row stride *ld), into bad. When there are any,
+// returns X copied into buf (or buf itself when X is buf) with those rows 0 and sets
+// *ld = D; else returns X.
 template <typename T>
-const T* zero_nonfinite_rows(const T* X, int64_t* ld, int64_t n, int64_t D, T* buf,
-                             std::vector<int64_t>& bad) {
+const T* zero_flagged_rows(const T* X, int64_t* ld, int64_t n, int64_t D, const uint8_t* flags,
+                           T* buf, std::vector<int64_t>& bad) {
   bad.clear();
-  const int64_t l = *ld;
-  if (l == D ? any_nonfinite(X, n * D) : true)
-    for (int64_t t = 0; t < n; ++t)
-      if (any_nonfinite(X + t * l, D)) bad.push_back(t);
+  for (int64_t t = 0; t < n; ++t)
+    if (flags[t]) bad.push_back(t);
   if (bad.empty()) return X;
+  const int64_t l = *ld;
   if (X != buf)
     for (int64_t t = 0; t < n; ++t) std::memcpy(buf + t * D, X + t * l, D * sizeof(T));
   for (const int64_t t : bad) std::fill(buf + t * D, buf + (t + 1) * D, T(0));
@@ -495,6 +495,19 @@ template <typename scalar_t, typename acc_t>
 struct Head {  // the operands of one (batch, head)
   Rows<scalar_t, acc_t> K, V, Rr;
 };
+
+// flags[j] for the n rows of X (read BN rows at a time through buf): whether row j holds a
+// NaN or an inf
+template <typename scalar_t, typename acc_t>
+void flag_nonfinite_rows(const Rows<scalar_t, acc_t>& X, int64_t n, int64_t BN, acc_t* buf,
+                         uint8_t* flags) {
+  for (int64_t j0 = 0; j0 < n; j0 += BN) {
+    const int64_t c = std::min(BN, n - j0);
+    int64_t ld;
+    const acc_t* p = X.get(j0, c, buf, &ld);
+    for (int64_t t = 0; t < c; ++t) flags[j0 + t] = any_nonfinite(p + t * ld, X.D);
+  }
+}
 
 // C[a] += A[a, t] * X[first + t] for the rows t in bad (read again from X, into row: the tile
 // copy holds them zeroed) and the query rows a (query i0 + a, C and A rows D and lda apart)
@@ -657,7 +670,19 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
   // head) at a time and share its K, V and r rows in the last-level cache, where contiguous
   // chunks would have each thread stream another head's (at T = 16,384 two heads' K, V and r
   // are 32 MB). Each task writes only its own rows: results do not depend on the lanes.
-  const int64_t ntask = B * H * nqb;
+  const int64_t ntask = B * H * nqb, Lk = g.Lk;
+  // the v rows that hold a NaN or an inf, per (batch, head), flagged in one pass before the
+  // tasks where any tile can have masked pairs (read by those tiles only)
+  const bool may_mask = g.kpm || g.mask || g.dlo > -kInf || g.dhi < kInf;
+  std::vector<uint8_t> vflags(may_mask ? B * H * Lk : 0);
+  if (may_mask)
+    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+      Scratch<acc_t> buf(BN * D);
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const auto hd = head_rows<scalar_t, acc_t>(k, v, r, mem, bh / H, bh % H);
+        flag_nonfinite_rows(hd.V, Lk, BN, buf.data(), vflags.data() + bh * Lk);
+      }
+    });
   const int64_t lanes = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntask));
   at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
     SequentialBlas one_thread;
@@ -703,7 +728,9 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
           const acc_t* vp = hd.V.get(j0, n, vbuf.data(), &ldv);
           // a tile with masked pairs: its non-finite v rows reach only the rows allowed them
           const bool masked = g.tile_needs_masks(i0, m, j0, n);
-          if (masked) vp = zero_nonfinite_rows(vp, &ldv, n, D, vbuf.data(), bad_v);
+          if (masked)
+            vp = zero_flagged_rows(vp, &ldv, n, D, vflags.data() + (b * H + h) * Lk + j0,
+                                   vbuf.data(), bad_v);
           gemm_rm<acc_t>(false, false, m, D, n, 1, S.data(), BN, vp, ldv, 1, acc.data(), D);
           if (masked)
             add_allowed(g, b, h, i0, m, hd.V, j0, bad_v,
@@ -754,6 +781,7 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
         kbuf(BN * D), vbuf(BN * D), rbuf((BM + BN) * D), delta(BM),
         z(g.drop.on ? BM * BN : 0), row(D);
     std::vector<int64_t> bad_k, bad_v, bad_r;
+    std::vector<uint8_t> kflag(Lk), vflag(Lk), rflag(R);
     // sc: the scores' factor, scale * log2(e) (log2 units); ds_scale: the softmax scale alone,
     // for dS = scale * P (dP - delta)
     const acc_t sc = static_cast<acc_t>(g.scale * kLog2e);
@@ -766,6 +794,9 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
       acc_t* dkh = dkp + task * Lk * D;
       acc_t* dvh = dvp + task * Lk * D;
       acc_t* drh = drp + task * R * D;
+      flag_nonfinite_rows(hd.K, Lk, BN, kbuf.data(), kflag.data());
+      flag_nonfinite_rows(hd.V, Lk, BN, vbuf.data(), vflag.data());
+      flag_nonfinite_rows(hd.Rr, R, BN, rbuf.data(), rflag.data());
       for (int64_t qb = sp; qb < nqb; qb += S_) {
         const int64_t i0 = qb * BM, m = std::min(BM, Lq - i0);
         int64_t jlo, jhi;
@@ -822,8 +853,8 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
           bad_k.clear();
           bad_v.clear();
           if (masked) {
-            kp = zero_nonfinite_rows(kp, &ldk, n, D, kbuf.data(), bad_k);
-            vp = zero_nonfinite_rows(vp, &ldv, n, D, vbuf.data(), bad_v);
+            kp = zero_flagged_rows(kp, &ldk, n, D, kflag.data() + j0, kbuf.data(), bad_k);
+            vp = zero_flagged_rows(vp, &ldv, n, D, vflag.data() + j0, vbuf.data(), bad_v);
           }
           const auto key = [j0](int64_t, int64_t t) { return j0 + t; };
           // dP = dO V^T
@@ -870,7 +901,7 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
             const acc_t* rp = hd.Rr.get(pa, pb - pa, rbuf.data(), &ldr);
             // r rows that hold a NaN or an inf reach only the pairs (query i0 + a, key
             // p + i0 + a - (Lq - 1)) that the masks allow; dT is 0 everywhere else
-            rp = zero_nonfinite_rows(rp, &ldr, pb - pa, D, rbuf.data(), bad_r);
+            rp = zero_flagged_rows(rp, &ldr, pb - pa, D, rflag.data() + pa, rbuf.data(), bad_r);
             gemm_rm<acc_t>(false, false, m, D, pb - pa, 1, dT.data() + (pa - P0), tw, rp, ldr,
                            1, dqv.data(), D);
             add_allowed(g, b, h, i0, m, hd.Rr, pa, bad_r,
