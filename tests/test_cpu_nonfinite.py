@@ -60,7 +60,8 @@ def _check_like_reference(ts, where, value, rows=slice(None), **kw):
 @pytest.mark.parametrize("value", POISONS)
 @pytest.mark.parametrize("which", [1, 2], ids=["k", "v"])
 def test_padded_key_reaches_nothing(which, value):
-    """kpm[0, 2]: its v made every output NaN, its k made dq / dr_w_bias NaN."""
+    """Key 2 padded (kpm[0, 2]) with a non-finite k or v: every output and gradient as with
+    that row 0."""
     ts = _inputs(4, 6, 9, seed=which)
     kpm = torch.zeros(1, 6, dtype=torch.bool)
     kpm[0, 2] = True
