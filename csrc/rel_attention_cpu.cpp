@@ -15,7 +15,9 @@
 // Then the online softmax in fp32 (fp64 for fp64 inputs) in log2 units, P @ V, and the row
 // log-sum-exp (natural log).
 // Backward (FlashAttention-2), per (batch, head): each query block recomputes P from the saved
-// lse; dV += P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO O)); dq_u = dS K, dK += dS^T (q + u);
+// lse (the difference S - lse in natural units, S rounded to them as the forward rounded the
+// lse, so that a saturated row's P is exactly 1); dV += P^T dO, dP = dO V^T,
+// dS = P (dP - rowsum(dO O)) (0 where P is 1); dq_u = dS K, dK += dS^T (q + u);
 // the un-skewed dS accumulates in a window buffer dT laid out like T, and the columns that no
 // later tile touches are flushed: dq_v += dT Rwin, dR[win] += dT^T (q + vb). The tasks are
 // (batch, head, split): with fewer (batch, head) pairs than threads each pair's query blocks are
@@ -153,8 +155,17 @@ void add_row(T* s, const T* t, int64_t n) {
   for (int64_t x = 0; x < n; ++x) s[x] += t[x];
 }
 template <typename T>
-void ds_row(T* dp, const T* p, int64_t n, T sc, T delta) {  // dp = sc * p * (dp - delta)
-  for (int64_t x = 0; x < n; ++x) dp[x] = sc * p[x] * (dp[x] - delta);
+void exp_diff(T* s, int64_t n, T c) {  // s = e^(s - c), as 2^((s - c) log2 e) (0 at -inf)
+  const T l2e = static_cast<T>(kLog2e);
+  for (int64_t x = 0; x < n; ++x) s[x] = std::exp2((s[x] - c) * l2e);
+}
+// dS = sc * P (dP - delta), into dp. Where P is exactly 1 the row's softmax is saturated (the
+// other probabilities sum to less than an ulp of 1) and its Jacobian diag(P) - P P^T is 0:
+// dS is then sc * 0 * (dp - delta), 0 (NaN where dp or delta is), not the scale times the
+// rounding of dP - rowsum(dO * O), two sums of one value in different orders.
+template <typename T>
+void ds_row(T* dp, const T* p, int64_t n, T sc, T delta) {
+  for (int64_t x = 0; x < n; ++x) dp[x] = sc * (p[x] == T(1) ? T(0) : p[x]) * (dp[x] - delta);
 }
 
 #ifdef TXL_VEC8
@@ -214,8 +225,14 @@ TXL_CLONES void scale_row(float* s, float c, int64_t n) {
 TXL_CLONES void add_row(float* s, const float* t, int64_t n) {
   for (int64_t x = 0; x < n; ++x) s[x] += t[x];
 }
+TXL_CLONES void exp_diff(float* s, int64_t n, float c) {
+  const float l2e = static_cast<float>(kLog2e);
+  int64_t x = 0;
+  for (; x + 8 <= n; x += 8) storeu8(s + x, exp2_8_nonpos((loadu8(s + x) - c) * l2e));
+  for (; x < n; ++x) s[x] = std::exp2((s[x] - c) * l2e);
+}
 TXL_CLONES void ds_row(float* dp, const float* p, int64_t n, float sc, float delta) {
-  for (int64_t x = 0; x < n; ++x) dp[x] = sc * p[x] * (dp[x] - delta);
+  for (int64_t x = 0; x < n; ++x) dp[x] = sc * (p[x] == 1.0f ? 0.0f : p[x]) * (dp[x] - delta);
 }
 #endif
 
@@ -328,6 +345,49 @@ struct Rows {
   }
 };
 
+// ---- non-finite operand rows: what the masks exclude must not reach the results
+//
+// A masked pair's probability (and its dS) is an exact 0, but a GEMM over a tile still
+// multiplies it with the excluded key's k / v / r row: 0 * NaN or 0 * inf is NaN. The rows
+// holding a NaN or an inf are therefore flagged (the backward flags each (batch, head)'s k, v
+// and r rows once per task, the forward every v row once per call where masks apply); a tile with
+// flagged rows (none in the usual case, which then reads the tile as it is) has them zeroed in
+// a copy for the GEMM, and each pair the masks allow adds its product with the original row
+// back (add_allowed), so the rows that attend such a key still come out non-finite.
+
+// whether x[0, n) holds a NaN or an inf (an OR of exponent-field tests, which the compiler
+// vectorises, where a floating-point sum would be kept in order)
+template <typename T>
+bool any_nonfinite(const T* x, int64_t n) {
+  using U = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
+  constexpr U e = sizeof(T) == 4 ? U(0x7f800000u) : U(0x7ff0000000000000ull);
+  U bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    U b;
+    std::memcpy(&b, x + i, sizeof b);
+    bad |= U((b & e) == e);
+  }
+  return bad != 0;
+}
+
+// The flagged rows t of the tile X [n, D] (row stride *ld), into bad. When there are any,
+// returns X copied into buf (or buf itself when X is buf) with those rows 0 and sets
+// *ld = D; else returns X.
+template <typename T>
+const T* zero_flagged_rows(const T* X, int64_t* ld, int64_t n, int64_t D, const uint8_t* flags,
+                           T* buf, std::vector<int64_t>& bad) {
+  bad.clear();
+  for (int64_t t = 0; t < n; ++t)
+    if (flags[t]) bad.push_back(t);
+  if (bad.empty()) return X;
+  const int64_t l = *ld;
+  if (X != buf)
+    for (int64_t t = 0; t < n; ++t) std::memcpy(buf + t * D, X + t * l, D * sizeof(T));
+  for (const int64_t t : bad) std::fill(buf + t * D, buf + (t + 1) * D, T(0));
+  *ld = D;
+  return buf;
+}
+
 // A scratch buffer on torch's CPU allocator (64-byte aligned): the BLAS may take a different
 // path, with different rounding, for other alignments, and results must not depend on where
 // malloc put a buffer.
@@ -390,6 +450,15 @@ struct Geometry {
           for (int64_t a = 0; a < m; ++a) S[a * lds + t] = ninf;
     }
   }
+  // whether query i may attend key j: a pair (0 <= j < Lk) inside the window / band that
+  // neither attn_mask nor key_padding_mask masks
+  bool allowed(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    if (j < 0 || j >= Lk) return false;
+    const int64_t d = i + mlen - j;
+    if (d < dlo || d > dhi) return false;
+    if (mask && mask[b * ms[0] + h * ms[1] + i * ms[2] + j * ms[3]]) return false;
+    return !(kpm && kpm[b * kpm_s0 + j * kpm_s1]);
+  }
   bool tile_needs_masks(int64_t i0, int64_t m, int64_t j0, int64_t n) const {
     if (kpm || mask) return true;
     // every pair inside the window: d in [i0 + mlen - (j0 + n - 1), i0 + m - 1 + mlen - j0]
@@ -426,6 +495,37 @@ template <typename scalar_t, typename acc_t>
 struct Head {  // the operands of one (batch, head)
   Rows<scalar_t, acc_t> K, V, Rr;
 };
+
+// flags[j] for the n rows of X (read BN rows at a time through buf): whether row j holds a
+// NaN or an inf
+template <typename scalar_t, typename acc_t>
+void flag_nonfinite_rows(const Rows<scalar_t, acc_t>& X, int64_t n, int64_t BN, acc_t* buf,
+                         uint8_t* flags) {
+  for (int64_t j0 = 0; j0 < n; j0 += BN) {
+    const int64_t c = std::min(BN, n - j0);
+    int64_t ld;
+    const acc_t* p = X.get(j0, c, buf, &ld);
+    for (int64_t t = 0; t < c; ++t) flags[j0 + t] = any_nonfinite(p + t * ld, X.D);
+  }
+}
+
+// C[a] += A[a, t] * X[first + t] for the rows t in bad (read again from X, into row: the tile
+// copy holds them zeroed) and the query rows a (query i0 + a, C and A rows D and lda apart)
+// whose pair with key key(a, t) the masks allow
+template <typename scalar_t, typename acc_t, typename KeyOf>
+void add_allowed(const Geometry& g, int64_t b, int64_t h, int64_t i0, int64_t m,
+                 const Rows<scalar_t, acc_t>& X, int64_t first, const std::vector<int64_t>& bad,
+                 KeyOf key, const acc_t* A, int64_t lda, acc_t* C, acc_t* row) {
+  for (const int64_t t : bad) {
+    int64_t l;
+    const acc_t* x = X.get(first + t, 1, row, &l);
+    for (int64_t a = 0; a < m; ++a) {
+      if (!g.allowed(b, h, i0 + a, key(a, t))) continue;
+      const acc_t p = A[a * lda + t];
+      for (int64_t d = 0; d < g.D; ++d) C[a * g.D + d] += p * x[d];
+    }
+  }
+}
 
 // T[a0:a1, c0:c1) = (q + vb)[a0:a1] @ r[P0 + c]^T over the columns whose rows exist (others 0)
 template <typename scalar_t, typename acc_t>
@@ -570,13 +670,26 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
   // head) at a time and share its K, V and r rows in the last-level cache, where contiguous
   // chunks would have each thread stream another head's (at T = 16,384 two heads' K, V and r
   // are 32 MB). Each task writes only its own rows: results do not depend on the lanes.
-  const int64_t ntask = B * H * nqb;
+  const int64_t ntask = B * H * nqb, Lk = g.Lk;
+  // the v rows that hold a NaN or an inf, per (batch, head), flagged in one pass before the
+  // tasks where any tile can have masked pairs (read by those tiles only)
+  const bool may_mask = g.kpm || g.mask || g.dlo > -kInf || g.dhi < kInf;
+  std::vector<uint8_t> vflags(may_mask ? B * H * Lk : 0);
+  if (may_mask)
+    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+      Scratch<acc_t> buf(BN * D);
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const auto hd = head_rows<scalar_t, acc_t>(k, v, r, mem, bh / H, bh % H);
+        flag_nonfinite_rows(hd.V, Lk, BN, buf.data(), vflags.data() + bh * Lk);
+      }
+    });
   const int64_t lanes = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntask));
   at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
     SequentialBlas one_thread;
     Scratch<acc_t> qu(BM * D), qv(BM * D), S(BM * BN), T(BM * tw + kWindowPad), acc(BM * D),
         kbuf(BN * D), vbuf(BN * D), rbuf((BM + BN) * D), mx(BM), l(BM), tmax(BM),
-        z(g.drop.on ? BM * BN : 0);
+        z(g.drop.on ? BM * BN : 0), row(D);
+    std::vector<int64_t> bad_v;
     const acc_t sc = static_cast<acc_t>(g.scale * kLog2e);
     for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
       for (int64_t task = lane; task < ntask; task += lanes) {
@@ -613,7 +726,16 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
           }
           int64_t ldv;
           const acc_t* vp = hd.V.get(j0, n, vbuf.data(), &ldv);
+          // a tile with masked pairs: its non-finite v rows reach only the rows allowed them
+          const bool masked = g.tile_needs_masks(i0, m, j0, n);
+          if (masked)
+            vp = zero_flagged_rows(vp, &ldv, n, D, vflags.data() + (b * H + h) * Lk + j0,
+                                   vbuf.data(), bad_v);
           gemm_rm<acc_t>(false, false, m, D, n, 1, S.data(), BN, vp, ldv, 1, acc.data(), D);
+          if (masked)
+            add_allowed(g, b, h, i0, m, hd.V, j0, bad_v,
+                        [j0](int64_t, int64_t t) { return j0 + t; }, S.data(), BN, acc.data(),
+                        row.data());
         }
         for (int64_t a = 0; a < m; ++a) {
           scalar_t* o = outp + ((b * Lq + i0 + a) * H + h) * D;
@@ -657,7 +779,9 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
     Scratch<acc_t> qu(BM * D), qv(BM * D), qus(BM * D), qvs(BM * D), S(BM * BN), dP(BM * BN),
         T(BM * tw + kWindowPad), dT(BM * tw), dqu(BM * D), dqv(BM * D), dO(BM * D),
         kbuf(BN * D), vbuf(BN * D), rbuf((BM + BN) * D), delta(BM),
-        z(g.drop.on ? BM * BN : 0);
+        z(g.drop.on ? BM * BN : 0), row(D);
+    std::vector<int64_t> bad_k, bad_v, bad_r;
+    std::vector<uint8_t> kflag(Lk), vflag(Lk), rflag(R);
     // sc: the scores' factor, scale * log2(e) (log2 units); ds_scale: the softmax scale alone,
     // for dS = scale * P (dP - delta)
     const acc_t sc = static_cast<acc_t>(g.scale * kLog2e);
@@ -670,6 +794,9 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
       acc_t* dkh = dkp + task * Lk * D;
       acc_t* dvh = dvp + task * Lk * D;
       acc_t* drh = drp + task * R * D;
+      flag_nonfinite_rows(hd.K, Lk, BN, kbuf.data(), kflag.data());
+      flag_nonfinite_rows(hd.V, Lk, BN, vbuf.data(), vflag.data());
+      flag_nonfinite_rows(hd.Rr, R, BN, rbuf.data(), rflag.data());
       for (int64_t qb = sp; qb < nqb; qb += S_) {
         const int64_t i0 = qb * BM, m = std::min(BM, Lq - i0);
         int64_t jlo, jhi;
@@ -705,19 +832,43 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
           scores_tile(g, hd, b, h, i0, m, j0, n, j0 == jlo, last, qus.data(), qvs.data(),
                       S.data(), window_base(T, BM), tw, kbuf.data(), rbuf.data(),
                       static_cast<acc_t*>(nullptr));
-          for (int64_t a = 0; a < m; ++a) {  // P = exp(S - lse): 0 at masked pairs / rows
+          // P = exp(S - lse), 0 at masked pairs / rows. The difference is taken in natural
+          // units, S rounded to them as the forward rounded its lse ((max + log2 sum) * ln 2):
+          // a saturated row's top score then cancels its lse exactly (P = 1), where lse *
+          // log2(e) is off by an ulp of the scores (at scores of 1e20 in fp64, 2^16384)
+          for (int64_t a = 0; a < m; ++a) {
             acc_t* s = S.data() + a * BN;
             if (std::isinf(lrow[a])) {
               std::fill(s, s + n, acc_t(0));
             } else {
-              exp2_sum(s, n, lrow[a] * static_cast<acc_t>(kLog2e));
+              scale_row(s, static_cast<acc_t>(kLn2), n);
+              exp_diff(s, n, lrow[a]);
             }
           }
           int64_t ldk, ldv;
           const acc_t* kp = hd.K.get(j0, n, kbuf.data(), &ldk);
           const acc_t* vp = hd.V.get(j0, n, vbuf.data(), &ldv);
+          // a tile with masked pairs: its non-finite k / v rows reach only the rows allowed them
+          const bool masked = g.tile_needs_masks(i0, m, j0, n);
+          bad_k.clear();
+          bad_v.clear();
+          if (masked) {
+            kp = zero_flagged_rows(kp, &ldk, n, D, kflag.data() + j0, kbuf.data(), bad_k);
+            vp = zero_flagged_rows(vp, &ldv, n, D, vflag.data() + j0, vbuf.data(), bad_v);
+          }
+          const auto key = [j0](int64_t, int64_t t) { return j0 + t; };
           // dP = dO V^T
           gemm_rm<acc_t>(false, true, m, n, D, 1, dO.data(), D, vp, ldv, 0, dP.data(), BN);
+          for (const int64_t t : bad_v) {
+            int64_t l1;
+            const acc_t* x = hd.V.get(j0 + t, 1, row.data(), &l1);
+            for (int64_t a = 0; a < m; ++a) {
+              if (!g.allowed(b, h, i0 + a, j0 + t)) continue;
+              acc_t sum = 0;
+              for (int64_t d = 0; d < D; ++d) sum += dO[a * D + d] * x[d];
+              dP[a * BN + t] = sum;
+            }
+          }
           if (g.drop.on) {
             g.drop.keep_scale(bh, Lq, i0, m, j0, n, z.data(), BN);
             for (int64_t a = 0; a < m; ++a) mul_rows(dP.data() + a * BN, z.data() + a * BN, n);
@@ -733,6 +884,8 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
           gemm_rm<acc_t>(true, false, n, D, m, 1, S.data(), BN, dO.data(), D, 1, dvh + j0 * D,
                          D);
           gemm_rm<acc_t>(false, false, m, D, n, 1, dP.data(), BN, kp, ldk, 1, dqu.data(), D);
+          add_allowed(g, b, h, i0, m, hd.K, j0, bad_k, key, dP.data(), BN, dqu.data(),
+                      row.data());
           gemm_rm<acc_t>(true, false, n, D, m, 1, dP.data(), BN, qu.data(), D, 1,
                          dkh + j0 * D, D);
           // dT[a, m - 1 - a + x] += dS[a, x]
@@ -746,8 +899,14 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
           if (pb > pa) {
             int64_t ldr;
             const acc_t* rp = hd.Rr.get(pa, pb - pa, rbuf.data(), &ldr);
+            // r rows that hold a NaN or an inf reach only the pairs (query i0 + a, key
+            // p + i0 + a - (Lq - 1)) that the masks allow; dT is 0 everywhere else
+            rp = zero_flagged_rows(rp, &ldr, pb - pa, D, rflag.data() + pa, rbuf.data(), bad_r);
             gemm_rm<acc_t>(false, false, m, D, pb - pa, 1, dT.data() + (pa - P0), tw, rp, ldr,
                            1, dqv.data(), D);
+            add_allowed(g, b, h, i0, m, hd.Rr, pa, bad_r,
+                        [&](int64_t a, int64_t t) { return pa + t + i0 + a - (Lq - 1); },
+                        dT.data() + (pa - P0), tw, dqv.data(), row.data());
             gemm_rm<acc_t>(true, false, pb - pa, D, m, 1, dT.data() + (pa - P0), tw, qv.data(),
                            D, 1, drh + pa * D, D);
           }

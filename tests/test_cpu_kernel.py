@@ -120,6 +120,33 @@ def test_float64_matches_reference_closely():
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-11)
 
 
+@pytest.mark.parametrize("dtype, scale, magnitude, tol", [
+    (torch.float64, 1e20, 1.0, 1e-6), (torch.float32, 3e5, 1.0, 1e-2),
+    (torch.float32, 300.0, 1.0, 1e-4), (torch.float64, None, 1e150, 1e-6),
+    (torch.float64, 1.0, 1e150, 1e-6)])
+def test_saturated_softmax_backward_matches_reference(dtype, scale, magnitude, tol):
+    """Issue #42 item 2: where the softmax saturates (one key takes all the weight) the
+    backward recomputes P = 1 exactly and the row's dS is 0, as the reference's is: no NaN /
+    inf, and no scale-amplified rounding of dP - rowsum(dO * O)."""
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        ts = [torch.randn(*s, generator=g, dtype=dtype) * magnitude
+              for s in ((1, 6, 1, 8), (1, 10, 1, 8), (1, 10, 1, 8), (15, 1, 8), (1, 8), (1, 8))]
+        go = (torch.ones(1, 6, 1, 8, dtype=dtype) if seed % 2 == 0
+              else torch.randn(1, 6, 1, 8, generator=g, dtype=dtype))
+        res = []
+        for backend in ("cpu", "reference"):
+            xs = [t.clone().requires_grad_() for t in ts]
+            out = rel_attention(*xs, causal=False, softmax_scale=scale, backend=backend)
+            (out * go).sum().backward()
+            res.append((out.detach(), [x.grad for x in xs]))
+        (out, grads), (want, wgrads) = res
+        torch.testing.assert_close(out, want, rtol=tol, atol=tol)
+        for name, got, ref in zip(("q", "k", "v", "r", "r_w_bias", "r_r_bias"), grads, wgrads):
+            assert torch.isfinite(got).all(), f"seed {seed}: d{name} not finite"
+            torch.testing.assert_close(got, ref, rtol=0, atol=tol, msg=f"seed {seed}: d{name}")
+
+
 def test_strided_inputs_give_the_contiguous_result():
     """Seq-first storage passed as transpose(0, 1) views (stride(-1) == 1) is read in place."""
     ts = make_inputs(2, 37, 53, 2, 16, layout="sbhd", requires_grad=True)
