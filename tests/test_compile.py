@@ -132,16 +132,20 @@ def test_forward_op_does_not_take_deterministic(monkeypatch):
 
 
 def test_double_backward_raises_clearly():
-    """create_graph=True through the fused op fails at that first backward, naming double
-    backward (rather than leaving PyTorch's generic error for the second one)."""
+    """Differentiating the fused op's gradients (the second backward after create_graph=True)
+    fails naming double backward, rather than treating the gradients as constants; the
+    first backward with create_graph=True gives the gradients (torch.func's vjp and grad
+    run it that way)."""
     ts = make_inputs(1, 5, 9, 2, 16, device=FUSED_DEVICE, requires_grad=True, seed=5)
     out = rel_attention(*ts, backend="triton")
+    g, = torch.autograd.grad(out.square().sum(), ts[0], create_graph=True)
     with pytest.raises(RuntimeError, match="double backward.*backend='reference'"):
-        torch.autograd.grad(out.square().sum(), ts[0], create_graph=True)
+        g.square().sum().backward()
     args = _op_args()  # the op called directly: its own autograd registration
     raw = torch.ops.txl_kernels.rel_attn_fwd(*args)[0]
+    g, = torch.autograd.grad(raw.square().sum(), args[0], create_graph=True)
     with pytest.raises(RuntimeError, match="double backward"):
-        torch.autograd.grad(raw.square().sum(), args[0], create_graph=True)
+        torch.autograd.grad(g.sum(), args[1])
     # a plain backward still works, and the reference path supports double backward
     rel_attention(*ts, backend="triton").sum().backward()
     ref = [t.detach().requires_grad_(True) for t in ts]
@@ -347,3 +351,58 @@ def test_compile_fullgraph_lm_cpu_decode_step(extension, cache_dtype):
                 assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
             tok = model.crit.greedy(outs[0][-1])[None]
     assert any("txl_kernels.decode_layer" in str(t) for t in targets), targets
+
+
+# ------------------------------------------------------------------------------ torch.func
+
+def _backend_device(request, backend):
+    """The device a backend runs on here; "cpu" builds the C++ extension first."""
+    if backend == "cpu":
+        request.getfixturevalue("extension")
+        return "cpu"
+    return "cpu" if backend == "reference" else FUSED_DEVICE
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+def test_func_grad_vjp_vmap(request, backend):
+    """torch.func.grad, vjp and vmap through every backend: the gradients of all six inputs
+    equal the reference's, and vmap over an extra leading batch dim of q, k and v equals a
+    loop over it."""
+    device = _backend_device(request, backend)
+    ts = make_inputs(2, 4, 6, 2, 16, device=device, seed=6)
+    cot = torch.randn_like(ts[0])
+
+    def attend(b):
+        return lambda *a: rel_attention(*a, causal=True, backend=b)
+
+    grads = {b: torch.func.grad(lambda *a: attend(b)(*a).square().sum(),
+                                argnums=tuple(range(6)))(*ts) for b in (backend, "reference")}
+    for a, b in zip(grads[backend], grads["reference"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    vjps = {}
+    for b in (backend, "reference"):
+        out, fn = torch.func.vjp(attend(b), *ts)
+        vjps[b] = (out,) + fn(cot)
+    for a, b in zip(vjps[backend], vjps["reference"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    g = torch.Generator().manual_seed(7)
+    qkv = [torch.randn(3, *t.shape, generator=g).to(device) for t in ts[:3]]
+    got = torch.func.vmap(lambda q, k, v: attend(backend)(q, k, v, *ts[3:]))(*qkv)
+    loop = torch.stack([attend(backend)(q, k, v, *ts[3:]) for q, k, v in zip(*qkv)])
+    ref = torch.stack([attend("reference")(q, k, v, *ts[3:]) for q, k, v in zip(*qkv)])
+    torch.testing.assert_close(got, loop, rtol=0, atol=0)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_func_second_derivative_raises(request, backend):
+    """The fused backward has no derivative: torch.func.grad of torch.func.grad raises
+    naming double backward (it does not differentiate the gradients as constants)."""
+    device = _backend_device(request, backend)
+    q, k, v, r, u, vb = make_inputs(1, 4, 6, 2, 16, device=device, seed=8)
+
+    def loss(q):
+        return rel_attention(q, k, v, r, u, vb, backend=backend).square().sum()
+
+    with pytest.raises(RuntimeError, match="double backward.*backend='reference'"):
+        torch.func.grad(lambda q: torch.func.grad(loss)(q).square().sum())(q)
