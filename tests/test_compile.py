@@ -353,7 +353,7 @@ def test_compile_fullgraph_lm_cpu_decode_step(extension, cache_dtype):
     assert any("txl_kernels.decode_layer" in str(t) for t in targets), targets
 
 
-# ------------------------------------------------------------------------------ torch.func
+# ------------------------------------------------------- symbolic scales, windows, torch.func
 
 def _backend_device(request, backend):
     """The device a backend runs on here; "cpu" builds the C++ extension first."""
@@ -361,6 +361,133 @@ def _backend_device(request, backend):
         request.getfixturevalue("extension")
         return "cpu"
     return "cpu" if backend == "reference" else FUSED_DEVICE
+
+
+def _attend(backend):
+    """A fresh function of (inputs, window, scale); dynamo's cache is reset, since its
+    graphs are kept per code object, shared by every backend's function."""
+    torch._dynamo.reset()
+
+    def f(q, k, v, r, u, vb, w, s):
+        return rel_attention(q, k, v, r, u, vb, causal=False, window_size=(w, 1),
+                             softmax_scale=s, backend=backend)
+    return f
+
+
+def _same_with_grads(fn, want_fn, ts, *args):
+    ts = [t.detach().requires_grad_(True) for t in ts]
+    got, want = fn(*ts, *args), want_fn(*ts, *args)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    g_got = torch.autograd.grad(got.square().sum(), ts)
+    g_want = torch.autograd.grad(want.square().sum(), ts)
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton", "auto"])
+def test_compile_dynamic_shapes_default_scale_window_argument(request, backend):
+    """dynamic=True, fullgraph=True: the default scale D ** -0.5 of a symbolic D, a window
+    passed as an argument (a SymInt) and then scales passed as arguments (SymFloats) compile
+    and give eager's outputs and gradients. New lengths reuse the graph; new windows and
+    scales do too on the reference path (the fused ops take a concrete float, and the C++
+    op concrete ints: PyTorch specialises them there, one graph per value, as it does for
+    scaled_dot_product_attention's scale)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    device = _backend_device(request, backend)
+    f = _attend(backend)
+    cnt = CompileCounterWithBackend("aot_eager")
+    cf = torch.compile(f, fullgraph=True, dynamic=True, backend=cnt)
+    counts = []
+    for lq, lk, w, s in [(4, 6, 2, None), (5, 8, 2, None), (4, 6, 3, 0.3), (5, 7, 1, -0.5)]:
+        ts = make_inputs(1, lq, lk, 2, 16, R=lk + lq - 1, device=device, seed=lq + lk)
+        _same_with_grads(cf, f, ts, w, s)
+        counts.append(cnt.frame_count)
+    assert counts[1] == counts[0]  # other lengths: no recompile
+    if backend == "reference":
+        assert counts[3] == counts[2]  # another window and scale: no recompile
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+def test_compile_static_then_another_scale(request, backend):
+    """A static compile whose second call passes another Python float scale (dynamo then
+    makes the float symbolic) compiles and matches eager."""
+    device = _backend_device(request, backend)
+    f = _attend(backend)
+    cf = torch.compile(f, fullgraph=True, backend="aot_eager")
+    ts = make_inputs(1, 4, 6, 2, 16, R=9, device=device, seed=3)
+    for s in (0.5, 0.25, 0.125):
+        _same_with_grads(cf, f, ts, 2, s)
+
+
+def test_compile_symbolic_scale_still_checked():
+    """A symbolic scale is still checked: a compiled call with inf (a graph check, run with
+    the call) or NaN (dynamo specialises NaN, so the eager check runs while tracing) raises
+    naming softmax_scale."""
+    f = _attend("reference")
+    cf = torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager")
+    ts = make_inputs(1, 4, 6, 2, 16, R=9, seed=4)
+    _same_with_grads(cf, f, ts, 2, 0.5)
+    for bad in (float("inf"), -float("inf"), float("nan")):
+        with pytest.raises(Exception, match="softmax_scale must be a finite float"):
+            cf(*ts, 2, bad)
+        with pytest.raises(ValueError, match="softmax_scale must be a finite float"):
+            f(*ts, 2, bad)
+
+
+def _dropin(name):
+    from txl_kernels.modules import (ESPnetRelPositionMultiHeadedAttention,
+                                     NeMoRelPositionMultiHeadAttention)
+
+    F = 32
+    if name == "espnet":
+        mod = ESPnetRelPositionMultiHeadedAttention(2, F, 0.0)
+        return mod, lambda x, p: (x, x, x, p)
+    if name == "nemo":
+        mod = NeMoRelPositionMultiHeadAttention(2, F, 0.0, None, None)
+        with torch.no_grad():
+            mod.pos_bias_u.normal_()
+            mod.pos_bias_v.normal_()
+        return mod, lambda x, p: (x, x, x, None, p)
+    pytest.importorskip("transformers")
+    from transformers.models.parakeet.configuration_parakeet import ParakeetEncoderConfig
+
+    from txl_kernels.modules import ParakeetEncoderAttention
+
+    cfg = ParakeetEncoderConfig(hidden_size=F, num_attention_heads=2, intermediate_size=32,
+                                num_hidden_layers=1, attention_dropout=0.0)
+    mod = ParakeetEncoderAttention(cfg, 0)
+    return mod, lambda x, p: (x, p)
+
+
+@pytest.mark.parametrize("name", ["espnet", "nemo", "parakeet"])
+def test_compile_dynamic_dropins(name):
+    """The Conformer drop-ins (backend "auto": the fused kernel) under torch.compile(
+    dynamic=True, fullgraph=True): their scale (a module float, symbolic there) and every
+    length compile; two lengths give eager's outputs and gradients with one graph."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mod, call_args = _dropin(name)
+    mod = mod.to(FUSED_DEVICE).eval()
+    cnt = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(mod, fullgraph=True, dynamic=True, backend=cnt)
+    counts = []
+    for T in (5, 7):
+        x = torch.randn(2, T, 32, device=FUSED_DEVICE)
+        p = torch.randn(1, 2 * T - 1, 32, device=FUSED_DEVICE)
+        results = []
+        for fn in (mod, compiled):
+            mod.zero_grad()
+            out = fn(*call_args(x, p))
+            out = out[0] if isinstance(out, tuple) else out
+            out.square().sum().backward()
+            results.append([out.detach()] + [q.grad.clone() for q in mod.parameters()])
+        for a, b in zip(*results):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+        counts.append(cnt.frame_count)
+    assert counts[1] == counts[0]
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
