@@ -449,6 +449,18 @@ def _dropin(name):
             mod.pos_bias_u.normal_()
             mod.pos_bias_v.normal_()
         return mod, lambda x, p: (x, x, x, None, p)
+    if name == "speechbrain":
+        from txl_kernels.modules import SpeechBrainRelPosMHAXL
+
+        return SpeechBrainRelPosMHAXL(F, 2), lambda x, p: (x, x, x, p)
+    if name == "icefall":
+        from txl_kernels.modules import IcefallRelPositionMultiheadAttention
+
+        mod = IcefallRelPositionMultiheadAttention(F, 2)
+        return mod, lambda x, p: (x.transpose(0, 1),) * 3 + (p,)  # seq-first
+    if name == "transformer_xl":
+        return (FusedRelAttention(2, F, 16, 0.0, untie_r=True),
+                lambda x, p: (x.transpose(0, 1), p[0, :x.shape[1], None]))
     pytest.importorskip("transformers")
     from transformers.models.parakeet.configuration_parakeet import ParakeetEncoderConfig
 
@@ -460,11 +472,12 @@ def _dropin(name):
     return mod, lambda x, p: (x, p)
 
 
-@pytest.mark.parametrize("name", ["espnet", "nemo", "parakeet"])
+@pytest.mark.parametrize("name", ["espnet", "nemo", "parakeet", "speechbrain", "icefall",
+                                  "transformer_xl"])
 def test_compile_dynamic_dropins(name):
-    """The Conformer drop-ins (backend "auto": the fused kernel) under torch.compile(
-    dynamic=True, fullgraph=True): their scale (a module float, symbolic there) and every
-    length compile; two lengths give eager's outputs and gradients with one graph."""
+    """The drop-ins (backend "auto": the fused kernel) under torch.compile(dynamic=True,
+    fullgraph=True): their scale (a module float, symbolic there) and every length compile;
+    two lengths give eager's outputs and gradients with one graph."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
