@@ -546,3 +546,44 @@ def test_func_second_derivative_raises(request, backend):
 
     with pytest.raises(RuntimeError, match="double backward.*backend='reference'"):
         torch.func.grad(lambda q: torch.func.grad(loss)(q).square().sum())(q)
+
+
+_COMPILE_FIRST = """
+import os, sys
+import torch
+import txl_kernels
+
+assert "txl_kernels.ops" not in sys.modules
+device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" \\
+    else "cpu"
+g = torch.Generator().manual_seed(0)
+q, k, v, r, u, vb = (torch.randn(*s, generator=g).to(device)
+                     for s in ((1, 4, 2, 16), (1, 6, 2, 16), (1, 6, 2, 16), (9, 2, 16),
+                               (2, 16), (2, 16)))
+
+def f(q, k, v, r, u, vb, s):
+    return txl_kernels.rel_attention(q, k, v, r, u, vb, causal=False, softmax_scale=s,
+                                     backend="triton")
+
+got = torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager")(q, k, v, r, u, vb,
+                                                                          0.5)
+torch.testing.assert_close(got, f(q, k, v, r, u, vb, 0.5), rtol=1e-5, atol=1e-6)
+print("ok")
+"""
+
+
+def test_compile_fused_call_before_the_kernels_are_imported():
+    """A fresh process compiles a fused call before txl_kernels.ops is imported: the trace
+    imports it, and dynamo restarts the trace (to specialise the scale for the op); the
+    restarted trace takes the same path (fused_available is a constant to dynamo, not a
+    traced walk over sys.modules, which the import changed)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_FIRST], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
