@@ -331,7 +331,7 @@ def rel_attention(
             ``torch.compile`` it may be symbolic (``dynamic=True``, or another scale at a
             second call): the reference keeps one graph for all scales, the fused ops
             specialise it (one graph per scale); a symbolic inf raises RuntimeError from a
-            check in the graph.
+            check in the graph (docs/api.md).
         dropout_p: dropout on the attention probabilities, after the softmax normaliser (kept
             ones scaled by ``1 / (1 - p)``), on both backends. Pass 0.0 at evaluation. The
             fused kernels drop with p rounded down to a multiple of 1 / 256 (8 random bits per
