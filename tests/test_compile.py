@@ -132,16 +132,20 @@ def test_forward_op_does_not_take_deterministic(monkeypatch):
 
 
 def test_double_backward_raises_clearly():
-    """create_graph=True through the fused op fails at that first backward, naming double
-    backward (rather than leaving PyTorch's generic error for the second one)."""
+    """Differentiating the fused op's gradients (the second backward after create_graph=True)
+    fails naming double backward, rather than treating the gradients as constants; the
+    first backward with create_graph=True gives the gradients (torch.func's vjp and grad
+    run it that way)."""
     ts = make_inputs(1, 5, 9, 2, 16, device=FUSED_DEVICE, requires_grad=True, seed=5)
     out = rel_attention(*ts, backend="triton")
+    g, = torch.autograd.grad(out.square().sum(), ts[0], create_graph=True)
     with pytest.raises(RuntimeError, match="double backward.*backend='reference'"):
-        torch.autograd.grad(out.square().sum(), ts[0], create_graph=True)
+        g.square().sum().backward()
     args = _op_args()  # the op called directly: its own autograd registration
     raw = torch.ops.txl_kernels.rel_attn_fwd(*args)[0]
+    g, = torch.autograd.grad(raw.square().sum(), args[0], create_graph=True)
     with pytest.raises(RuntimeError, match="double backward"):
-        torch.autograd.grad(raw.square().sum(), args[0], create_graph=True)
+        torch.autograd.grad(g.sum(), args[1])
     # a plain backward still works, and the reference path supports double backward
     rel_attention(*ts, backend="triton").sum().backward()
     ref = [t.detach().requires_grad_(True) for t in ts]
@@ -347,3 +351,239 @@ def test_compile_fullgraph_lm_cpu_decode_step(extension, cache_dtype):
                 assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
             tok = model.crit.greedy(outs[0][-1])[None]
     assert any("txl_kernels.decode_layer" in str(t) for t in targets), targets
+
+
+# ------------------------------------------------------- symbolic scales, windows, torch.func
+
+def _backend_device(request, backend):
+    """The device a backend runs on here; "cpu" builds the C++ extension first."""
+    if backend == "cpu":
+        request.getfixturevalue("extension")
+        return "cpu"
+    return "cpu" if backend == "reference" else FUSED_DEVICE
+
+
+def _attend(backend):
+    """A fresh function of (inputs, window, scale); dynamo's cache is reset, since its
+    graphs are kept per code object, shared by every backend's function."""
+    torch._dynamo.reset()
+
+    def f(q, k, v, r, u, vb, w, s):
+        return rel_attention(q, k, v, r, u, vb, causal=False, window_size=(w, 1),
+                             softmax_scale=s, backend=backend)
+    return f
+
+
+def _same_with_grads(fn, want_fn, ts, *args):
+    ts = [t.detach().requires_grad_(True) for t in ts]
+    got, want = fn(*ts, *args), want_fn(*ts, *args)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    g_got = torch.autograd.grad(got.square().sum(), ts)
+    g_want = torch.autograd.grad(want.square().sum(), ts)
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton", "auto"])
+def test_compile_dynamic_shapes_default_scale_window_argument(request, backend):
+    """dynamic=True, fullgraph=True: the default scale D ** -0.5 of a symbolic D, a window
+    passed as an argument (a SymInt) and then scales passed as arguments (SymFloats) compile
+    and give eager's outputs and gradients. New lengths reuse the graph; new windows and
+    scales do too on the reference path (the fused ops take a concrete float, and the C++
+    op concrete ints: PyTorch specialises them there, one graph per value, as it does for
+    scaled_dot_product_attention's scale)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    device = _backend_device(request, backend)
+    f = _attend(backend)
+    cnt = CompileCounterWithBackend("aot_eager")
+    cf = torch.compile(f, fullgraph=True, dynamic=True, backend=cnt)
+    counts = []
+    for lq, lk, w, s in [(4, 6, 2, None), (5, 8, 2, None), (4, 6, 3, 0.3), (5, 7, 1, -0.5)]:
+        ts = make_inputs(1, lq, lk, 2, 16, R=lk + lq - 1, device=device, seed=lq + lk)
+        _same_with_grads(cf, f, ts, w, s)
+        counts.append(cnt.frame_count)
+    assert counts[1] == counts[0]  # other lengths: no recompile
+    if backend == "reference":
+        assert counts[3] == counts[2]  # another window and scale: no recompile
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+def test_compile_static_then_another_scale(request, backend):
+    """A static compile whose second call passes another Python float scale (dynamo then
+    makes the float symbolic) compiles and matches eager."""
+    device = _backend_device(request, backend)
+    f = _attend(backend)
+    cf = torch.compile(f, fullgraph=True, backend="aot_eager")
+    ts = make_inputs(1, 4, 6, 2, 16, R=9, device=device, seed=3)
+    for s in (0.5, 0.25, 0.125):
+        _same_with_grads(cf, f, ts, 2, s)
+
+
+def test_compile_symbolic_scale_still_checked():
+    """A symbolic scale is still checked: a compiled call with inf (a graph check, run with
+    the call) or NaN (dynamo specialises NaN, so the eager check runs while tracing) raises
+    naming softmax_scale."""
+    f = _attend("reference")
+    cf = torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager")
+    ts = make_inputs(1, 4, 6, 2, 16, R=9, seed=4)
+    _same_with_grads(cf, f, ts, 2, 0.5)
+    for bad in (float("inf"), -float("inf"), float("nan")):
+        with pytest.raises(Exception, match="softmax_scale must be a finite float"):
+            cf(*ts, 2, bad)
+        with pytest.raises(ValueError, match="softmax_scale must be a finite float"):
+            f(*ts, 2, bad)
+
+
+def _dropin(name):
+    from txl_kernels.modules import (ESPnetRelPositionMultiHeadedAttention,
+                                     NeMoRelPositionMultiHeadAttention)
+
+    F = 32
+    if name == "espnet":
+        mod = ESPnetRelPositionMultiHeadedAttention(2, F, 0.0)
+        return mod, lambda x, p: (x, x, x, p)
+    if name == "nemo":
+        mod = NeMoRelPositionMultiHeadAttention(2, F, 0.0, None, None)
+        with torch.no_grad():
+            mod.pos_bias_u.normal_()
+            mod.pos_bias_v.normal_()
+        return mod, lambda x, p: (x, x, x, None, p)
+    if name == "speechbrain":
+        from txl_kernels.modules import SpeechBrainRelPosMHAXL
+
+        return SpeechBrainRelPosMHAXL(F, 2), lambda x, p: (x, x, x, p)
+    if name == "icefall":
+        from txl_kernels.modules import IcefallRelPositionMultiheadAttention
+
+        mod = IcefallRelPositionMultiheadAttention(F, 2)
+        return mod, lambda x, p: (x.transpose(0, 1),) * 3 + (p,)  # seq-first
+    if name == "transformer_xl":
+        return (FusedRelAttention(2, F, 16, 0.0, untie_r=True),
+                lambda x, p: (x.transpose(0, 1), p[0, :x.shape[1], None]))
+    pytest.importorskip("transformers")
+    from transformers.models.parakeet.configuration_parakeet import ParakeetEncoderConfig
+
+    from txl_kernels.modules import ParakeetEncoderAttention
+
+    cfg = ParakeetEncoderConfig(hidden_size=F, num_attention_heads=2, intermediate_size=32,
+                                num_hidden_layers=1, attention_dropout=0.0)
+    mod = ParakeetEncoderAttention(cfg, 0)
+    return mod, lambda x, p: (x, p)
+
+
+@pytest.mark.parametrize("name", ["espnet", "nemo", "parakeet", "speechbrain", "icefall",
+                                  "transformer_xl"])
+def test_compile_dynamic_dropins(name):
+    """The drop-ins (backend "auto": the fused kernel) under torch.compile(dynamic=True,
+    fullgraph=True): their scale (a module float, symbolic there) and every length compile;
+    two lengths give eager's outputs and gradients with one graph."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mod, call_args = _dropin(name)
+    mod = mod.to(FUSED_DEVICE).eval()
+    cnt = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(mod, fullgraph=True, dynamic=True, backend=cnt)
+    counts = []
+    for T in (5, 7):
+        x = torch.randn(2, T, 32, device=FUSED_DEVICE)
+        p = torch.randn(1, 2 * T - 1, 32, device=FUSED_DEVICE)
+        results = []
+        for fn in (mod, compiled):
+            mod.zero_grad()
+            out = fn(*call_args(x, p))
+            out = out[0] if isinstance(out, tuple) else out
+            out.square().sum().backward()
+            results.append([out.detach()] + [q.grad.clone() for q in mod.parameters()])
+        for a, b in zip(*results):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+        counts.append(cnt.frame_count)
+    assert counts[1] == counts[0]
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+def test_func_grad_vjp_vmap(request, backend):
+    """torch.func.grad, vjp and vmap through every backend: the gradients of all six inputs
+    equal the reference's, and vmap over an extra leading batch dim of q, k and v equals a
+    loop over it."""
+    device = _backend_device(request, backend)
+    ts = make_inputs(2, 4, 6, 2, 16, device=device, seed=6)
+    cot = torch.randn_like(ts[0])
+
+    def attend(b):
+        return lambda *a: rel_attention(*a, causal=True, backend=b)
+
+    grads = {b: torch.func.grad(lambda *a: attend(b)(*a).square().sum(),
+                                argnums=tuple(range(6)))(*ts) for b in (backend, "reference")}
+    for a, b in zip(grads[backend], grads["reference"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    vjps = {}
+    for b in (backend, "reference"):
+        out, fn = torch.func.vjp(attend(b), *ts)
+        vjps[b] = (out,) + fn(cot)
+    for a, b in zip(vjps[backend], vjps["reference"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    g = torch.Generator().manual_seed(7)
+    qkv = [torch.randn(3, *t.shape, generator=g).to(device) for t in ts[:3]]
+    got = torch.func.vmap(lambda q, k, v: attend(backend)(q, k, v, *ts[3:]))(*qkv)
+    loop = torch.stack([attend(backend)(q, k, v, *ts[3:]) for q, k, v in zip(*qkv)])
+    ref = torch.stack([attend("reference")(q, k, v, *ts[3:]) for q, k, v in zip(*qkv)])
+    torch.testing.assert_close(got, loop, rtol=0, atol=0)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_func_second_derivative_raises(request, backend):
+    """The fused backward has no derivative: torch.func.grad of torch.func.grad raises
+    naming double backward (it does not differentiate the gradients as constants)."""
+    device = _backend_device(request, backend)
+    q, k, v, r, u, vb = make_inputs(1, 4, 6, 2, 16, device=device, seed=8)
+
+    def loss(q):
+        return rel_attention(q, k, v, r, u, vb, backend=backend).square().sum()
+
+    with pytest.raises(RuntimeError, match="double backward.*backend='reference'"):
+        torch.func.grad(lambda q: torch.func.grad(loss)(q).square().sum())(q)
+
+
+_COMPILE_FIRST = """
+import os, sys
+import torch
+import txl_kernels
+
+assert "txl_kernels.ops" not in sys.modules
+device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" \\
+    else "cpu"
+g = torch.Generator().manual_seed(0)
+q, k, v, r, u, vb = (torch.randn(*s, generator=g).to(device)
+                     for s in ((1, 4, 2, 16), (1, 6, 2, 16), (1, 6, 2, 16), (9, 2, 16),
+                               (2, 16), (2, 16)))
+
+def f(q, k, v, r, u, vb, s):
+    return txl_kernels.rel_attention(q, k, v, r, u, vb, causal=False, softmax_scale=s,
+                                     backend="triton")
+
+got = torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager")(q, k, v, r, u, vb,
+                                                                          0.5)
+torch.testing.assert_close(got, f(q, k, v, r, u, vb, 0.5), rtol=1e-5, atol=1e-6)
+print("ok")
+"""
+
+
+def test_compile_fused_call_before_the_kernels_are_imported():
+    """A fresh process compiles a fused call before txl_kernels.ops is imported: the trace
+    imports it, and dynamo restarts the trace (to specialise the scale for the op); the
+    restarted trace takes the same path (fused_available is a constant to dynamo, not a
+    traced walk over sys.modules, which the import changed)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_FIRST], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

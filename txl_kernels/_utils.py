@@ -1,8 +1,8 @@
 """Small helpers shared by every layer of the package (no triton import here).
 
 One place for: describing a tensor in error messages, checking int arguments, whether Triton
-runs interpreted, the dtypes / head dims the fused kernels support, and the old names of renamed
-keywords.
+runs interpreted, the dtypes / head dims the fused kernels support, the fused backwards'
+refusal of a second derivative, and the old names of renamed keywords.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import warnings
 import torch
 
 __all__ = ["describe", "check_same", "as_len", "interpreting", "interpret_requested",
-           "no_interpreter_reason", "FUSED_DTYPES", "REF_DTYPES", "FUSED_MIN_HEADDIM",
-           "FUSED_MAX_HEADDIM", "renamed_keywords", "renamed_attribute"]
+           "no_interpreter_reason", "no_second_derivative", "FUSED_DTYPES", "REF_DTYPES",
+           "FUSED_MIN_HEADDIM", "FUSED_MAX_HEADDIM", "renamed_keywords", "renamed_attribute"]
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REF_DTYPES = FUSED_DTYPES + (torch.float64,)
@@ -84,6 +84,41 @@ def check_same(who: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.T
         raise TypeError(f"{who}: {name} has dtype {t.dtype}, {ref_name} has {ref.dtype}")
     if device and t.device != ref.device:
         raise ValueError(f"{who}: {name} is on {t.device}, {ref_name} is on {ref.device}")
+
+
+class _NoSecondDerivative(torch.autograd.Function):
+    """Identity on a fused backward's gradients (views), tied to the tensors they depend on;
+    its backward raises ``message``. Forward / setup_context / a generated vmap rule: the
+    form torch.func transforms need."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(message, n, *tensors):
+        return tuple(t.view_as(t) for t in tensors[:n])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.message = inputs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(ctx.message)
+
+
+def no_second_derivative(grads, sources, message: str):
+    """The gradients a fused backward computed (without a graph) as it returns them. When a
+    graph of them is being recorded (grad mode on in the backward: ``create_graph=True``,
+    and torch.func's grad / vjp / jacrev, which always record one so that they compose) and
+    a tensor they depend on (``sources``: the incoming gradient, the saved inputs) requires
+    grad, they are tied to ``sources`` through a node whose backward raises ``message``: the
+    fused kernels have no second derivative, so differentiating their gradients fails
+    instead of treating them as constants. A first derivative is unaffected."""
+    if not torch.is_grad_enabled() or not any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in sources):
+        return tuple(grads)
+    return _NoSecondDerivative.apply(message, len(grads), *grads,
+                                     *(t for t in sources if isinstance(t, torch.Tensor)))
 
 
 def as_len(name: str, value, who: str, low: int = 0) -> int:

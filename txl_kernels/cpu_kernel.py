@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from . import _build
-from ._utils import assume_constant_result
+from ._utils import assume_constant_result, no_second_derivative
 from ._cpp_ops import unavailable
 from .quant import QuantizedKV
 
@@ -75,10 +75,6 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout, dlse):
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            "txl_kernels.rel_attention: double backward (backward with create_graph=True) is "
-            "not supported by the CPU kernel; use backend='reference' for it")
     if ctx.has_memory:
         raise RuntimeError(
             "txl_kernels.rel_attention: the CPU kernel with an 8-bit memory "
@@ -89,10 +85,32 @@ def _backward(ctx, dout, dlse):
     softmax_scale, window_left, window_right, dropout_p = ctx.args
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    grads = torch.ops.txl_kernels.rel_attn_cpu_bwd(
-        dout, q, k, v, r, r_w_bias, r_r_bias, out, lse, softmax_scale, window_left,
-        window_right, key_padding_mask, attn_mask, attn_mask_band, dropout_p, dropout_seed)
+    with torch.no_grad():  # the backward op has no derivative: no_second_derivative says so
+        grads = torch.ops.txl_kernels.rel_attn_cpu_bwd(
+            dout, q, k, v, r, r_w_bias, r_r_bias, out, lse, softmax_scale, window_left,
+            window_right, key_padding_mask, attn_mask, attn_mask_band, dropout_p, dropout_seed)
+    grads = no_second_derivative(
+        grads, (dout, q, k, v, r, r_w_bias, r_r_bias),
+        "txl_kernels.rel_attention: double backward (differentiating the gradients, e.g. "
+        "after create_graph=True or torch.func.grad of torch.func.grad) is not supported by "
+        "the CPU kernel; use backend='reference' for it")
     return (*grads, *(None,) * 12)
+
+
+class _RelAttnCpuFunction(torch.autograd.Function):
+    """The forward op's autograd for :func:`rel_attn_cpu`, as an autograd.Function with a
+    separate ``setup_context``: the form torch.func transforms (grad, vjp, vmap) need, which
+    the op's ``register_autograd`` (for direct callers of the op) does not give. vmap runs
+    the op once per element of the mapped dim (no batching rule: PyTorch's fallback loop)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(*inputs):
+        return torch.ops.txl_kernels.rel_attn_cpu_fwd(*inputs)
+
+    setup_context = staticmethod(_setup_context)
+    backward = staticmethod(_backward)
 
 
 def _register() -> None:
@@ -122,7 +140,7 @@ def rel_attn_cpu(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
                                       for t in (q, k, v, r, r_w_bias, r_r_bias))
     mem = (None,) * 4 if memory is None else tuple(memory)
     mem = tuple(None if t is None else _last_dim_contiguous(t) for t in mem)
-    out, _ = torch.ops.txl_kernels.rel_attn_cpu_fwd(
+    out, _ = _RelAttnCpuFunction.apply(
         q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
         key_padding_mask, attn_mask, attn_mask_band, float(dropout_p), dropout_seed, *mem)
     return out

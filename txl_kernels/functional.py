@@ -12,8 +12,9 @@ from typing import Optional, Tuple
 import torch
 
 from ._arch import arch_info, capability_of, unsupported_reason
-from ._utils import (FUSED_DTYPES, FUSED_MAX_HEADDIM, FUSED_MIN_HEADDIM, REF_DTYPES, check_same,
-                     describe, interpreting, no_interpreter_reason)
+from ._utils import (FUSED_DTYPES, FUSED_MAX_HEADDIM, FUSED_MIN_HEADDIM, REF_DTYPES,
+                     assume_constant_result, check_same, describe, interpreting,
+                     no_interpreter_reason)
 from .quant import QUANT_DTYPES, SCALE_DTYPES, QuantizedKV
 from . import selfcheck
 from .reference import autocast_dtype, in_band, pair_distance, rel_attention_reference
@@ -38,18 +39,40 @@ def check_tensor(name: str, t, ndim: int, layout: str, who: str = "rel_attention
                         f"got {t.dtype}")
 
 
-def check_softmax_scale(softmax_scale, head_dim: int, who: str = "rel_attention") -> float:
-    """``softmax_scale`` as a float (None: ``head_dim ** -0.5``); raises for anything but a
-    finite real number."""
+def check_softmax_scale(softmax_scale, head_dim, who: str = "rel_attention"):
+    """``softmax_scale`` checked (a finite float; None -> ``head_dim ** -0.5``) and returned
+    as a float.
+
+    Under ``torch.compile`` it can be symbolic: a ``torch.SymFloat`` (a float argument or
+    module attribute dynamo does not specialise, e.g. under ``dynamic=True`` or after a
+    second call with another scale, or ``head_dim ** -0.5`` with a dynamic head dim) or a
+    ``torch.SymInt``. It stays symbolic, and a symbolic float's finiteness is checked in the
+    graph: a RuntimeError with this message when the compiled call runs (PyTorch has no
+    traced check that raises ValueError without specialising the float to one value).
+    """
     if softmax_scale is None:
-        softmax_scale = head_dim ** -0.5
-    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        return head_dim ** -0.5  # finite: head_dim >= 1
+    if isinstance(softmax_scale, bool) or not isinstance(
+            softmax_scale, (int, float, torch.SymInt, torch.SymFloat)):
         raise TypeError(f"{who}: softmax_scale must be a float or None, "
                         f"got {type(softmax_scale).__name__}")
-    softmax_scale = float(softmax_scale)
-    if not math.isfinite(softmax_scale):
+    if isinstance(softmax_scale, (int, torch.SymInt)):
+        return torch.sym_float(softmax_scale)  # an int is finite
+    if type(softmax_scale).__module__ == "numpy":
+        softmax_scale = float(softmax_scale)  # numpy.float64: its comparisons give numpy.bool_
+    # The comparisons trace (math.isfinite does not): NaN fails both, +-inf one. On a Python
+    # float they give a bool; on a SymFloat a symbolic bool (neither True nor False).
+    finite = (softmax_scale > -math.inf) & (softmax_scale < math.inf)
+    if finite is False:
         raise ValueError(f"{who}: softmax_scale must be a finite float, "
                          f"got {softmax_scale!r}")
+    if finite is True:
+        return float(softmax_scale)
+    # A guard on the symbolic bool would not hold for inf, and torch._check specialises the
+    # float: the check is an op on a host scalar in float64 (as the float), raising when it
+    # runs.
+    torch._assert_async(torch.zeros((), dtype=torch.float64).add(softmax_scale).isfinite(),
+                        f"{who}: softmax_scale must be a finite float, got NaN or +-inf")
     return softmax_scale
 
 
@@ -98,10 +121,13 @@ def _check_memory(memory, q: torch.Tensor) -> int:
     return memory.k.shape[1]
 
 
+@assume_constant_result
 def fused_available(device: torch.device) -> Tuple[bool, str]:
     """Whether the fused Triton path can run on ``device``, and why not if it cannot: CUDA
     devices of compute capability 8.0 (Ampere) and newer, CPU tensors under the Triton
-    interpreter."""
+    interpreter. A constant to ``torch.compile`` (run, not traced): what it reads (loaded
+    modules, the environment) can change while dynamo traces, e.g. when the trace imports
+    ``txl_kernels.ops``, and a restarted trace must take the same path."""
     try:
         import triton  # noqa: F401
     except Exception as exc:  # pragma: no cover - triton is a dependency
@@ -340,7 +366,11 @@ def rel_attention(
         softmax_scale: defaults to ``D ** -0.5``. Any finite float, on every backend: 0
             gives uniform weights over the allowed keys, a negative scale favours the
             lowest scores (the fused kernels get ``|scale|`` with q and both biases negated,
-            which gives the same scores). NaN / inf raise ValueError.
+            which gives the same scores). NaN / inf raise ValueError. Under
+            ``torch.compile`` it may be symbolic (``dynamic=True``, or another scale at a
+            second call): the reference keeps one graph for all scales, the fused ops
+            specialise it (one graph per scale); a symbolic inf raises RuntimeError from a
+            check in the graph (docs/api.md).
         dropout_p: dropout on the attention probabilities, after the softmax normaliser (kept
             ones scaled by ``1 / (1 - p)``), on both backends. Pass 0.0 at evaluation. The
             fused kernels drop with p rounded down to a multiple of 1 / 256 (8 random bits per

@@ -22,6 +22,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .._utils import no_second_derivative
 from ..quant import QuantizedKV
 from .rel_attn_bwd import rel_attn_bwd
 from .rel_attn_fwd import draw_dropout_seed, rel_attn_fwd
@@ -111,11 +112,6 @@ def _save(ctx, inputs, out, lse) -> None:
 
 
 def _grads(ctx, dout, deterministic: bool):
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            "txl_kernels.rel_attention: double backward (backward with create_graph=True, "
-            "e.g. torch.autograd.grad(..., create_graph=True) for a gradient penalty) is not "
-            "supported by the fused kernel; use backend='reference' for it")
     if ctx.has_memory:
         raise RuntimeError(
             "txl_kernels.rel_attention: the fused kernel with an 8-bit memory "
@@ -123,10 +119,17 @@ def _grads(ctx, dout, deterministic: bool):
             "backend='reference' (backend='auto' does when inputs require grad)")
     (q, k, v, r, r_w_bias, r_r_bias, out, lse, key_padding_mask, attn_mask,
      attn_mask_band, dropout_seed) = ctx.saved_tensors
-    return _rel_attn_bwd_op(
-        dout, q, k, v, r, r_w_bias, r_r_bias, out, lse, ctx.softmax_scale, ctx.window[0],
-        ctx.window[1], key_padding_mask, attn_mask, attn_mask_band, deterministic,
-        ctx.dropout_p, dropout_seed)
+    with torch.no_grad():  # the backward op has no derivative: no_second_derivative says so
+        grads = _rel_attn_bwd_op(
+            dout, q, k, v, r, r_w_bias, r_r_bias, out, lse, ctx.softmax_scale, ctx.window[0],
+            ctx.window[1], key_padding_mask, attn_mask, attn_mask_band, deterministic,
+            ctx.dropout_p, dropout_seed)
+    return no_second_derivative(
+        grads, (dout, q, k, v, r, r_w_bias, r_r_bias),
+        "txl_kernels.rel_attention: double backward (differentiating the gradients, e.g. "
+        "after create_graph=True for a gradient penalty, or torch.func.grad of "
+        "torch.func.grad) is not supported by the fused kernel; use backend='reference' "
+        "for it")
 
 
 # The op's own autograd (for direct callers of torch.ops.txl_kernels.rel_attn_fwd): the
@@ -145,7 +148,12 @@ _rel_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 class _RelAttnFunction(torch.autograd.Function):
     """Autograd for rel_attn_func: the forward op does not take ``deterministic`` (only the
-    backward uses it); it is kept on the context, as flash-attention does."""
+    backward uses it); it is kept on the context, as flash-attention does. A separate
+    ``setup_context`` and a generated vmap rule make torch.func's grad / vjp / vmap work (vmap
+    runs the op once per element of the mapped dim: PyTorch's loop for ops without a
+    batching rule)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
@@ -172,8 +180,10 @@ def rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, wi
                   deterministic=True, dropout_p=0.0, dropout_seed=None,
                   memory: Optional[QuantizedKV] = None) -> Tensor:
     """Fused relative attention on validated, normalised arguments (see functional.py).
-    Raises at the first backward with ``create_graph=True`` (double backward is not
-    supported). Autocast is applied by the caller (``rel_attention``).
+    Double backward is not supported: differentiating the gradients (after
+    ``create_graph=True``, or torch.func.grad of torch.func.grad) raises; one backward with
+    ``create_graph=True`` and torch.func's grad / vjp / vmap work. Autocast is applied by the
+    caller (``rel_attention``).
 
     ``dropout_p`` > 0: attention dropout in the kernels; ``dropout_seed`` (int64 ``[2]``
     (seed, offset) on q's device) defaults to ``draw_dropout_seed(q.device)``, one
