@@ -227,7 +227,7 @@ def test_keep_mask_is_a_function_of_b_h_i_j_and_seed():
 def _flags_kernel(W, T, F, NW: tl.constexpr, NT: tl.constexpr):
     w = tl.load(W + tl.arange(0, NW)).to(tl.uint32, bitcast=True)
     t = tl.load(T + tl.arange(0, NT)).to(tl.uint32)
-    f = _keep_flags(w[None, :], t[:, None] * 0x01010101)
+    f = _keep_flags(w[None, :], (128 - t[:, None]) * 0x01010101)
     tl.store(F + tl.arange(0, NT)[:, None] * NW + tl.arange(0, NW)[None, :],
              f.to(tl.int32, bitcast=True))
 
@@ -262,9 +262,9 @@ def _call_threshold_kernel(R, Theta, Out, N: tl.constexpr, NT: tl.constexpr):
 
 
 def test_call_threshold_is_t_plus_the_dither():
-    """Each call's threshold is T + [s < F] (theta = 2^16 T + F) in all four bytes, s the 16-bit
-    number whose bit 4 k + m is bit 7 of byte k of word m: checked against that definition for
-    random words and thetas with every T and extreme F."""
+    """Each call's threshold is t = T + [s < F] (theta = 2^16 T + F), given as 128 - t in all
+    four bytes, s the 16-bit number whose bit 4 k + m is bit 7 of byte k of word m: checked
+    against that definition for random words and thetas with every T and extreme F."""
     g = torch.Generator().manual_seed(0)
     N = 256
     r = torch.randint(0, 2 ** 32, (4, N), generator=g)
@@ -276,7 +276,7 @@ def test_call_threshold_is_t_plus_the_dither():
     _call_threshold_kernel[(1,)](_as_int32(r).to(DEV), theta.to(torch.int32).to(DEV), out, N=N,
                                  NT=theta.numel())
     want = T[:, None] + (s[None, :] < F[:, None]).long()
-    assert torch.equal(out.cpu().long() % 2 ** 32, want * 0x01010101)
+    assert torch.equal(out.cpu().long() % 2 ** 32, (128 - want) * 0x01010101)
     assert (s < 0x8000).any() and (s >= 0x8000).any()
 
 

@@ -404,8 +404,8 @@ def rotate_rows(m, sh, BM: tl.constexpr, BN: tl.constexpr):
 # element's own drop probability is exact, and elements of different calls are independent.
 #
 # Two forms of the same mask, both from the flag words of ``_keep_flags``: each byte's bit 7
-# is (b >= the call's threshold), the four bytes of a word compared at once with an ``or`` and a
-# subtraction. ``dropout_keep`` reads each flag on its own (a shift and a compare per element,
+# is (b >= the call's threshold), the four bytes of a word compared at once with an ``and`` and
+# an addition. ``dropout_keep`` reads each flag on its own (a shift and a compare per element,
 # the mask a predicate per element): the backward kernels and the forward above head dim 128
 # use it, whose register budgets it suits best (the other form spills more there), and
 # ``dropout_keep_mask``. The forward up to head dim 128 uses ``dropout_flags`` and
@@ -502,26 +502,28 @@ def _philox(seed, c0, c1, c2, c3, ASM: tl.constexpr):
 
 @triton.jit
 def _call_threshold(r0, r1, r2, r3, threshold):
-    """Each call's 7-bit threshold T + [s < F] (theta = ``threshold`` = 2^16 T + F, s the top
-    bits of the call's words r0..r3: bit 7 of byte k of word m is bit 4 k + m of s), copied into
-    the four bytes of a uint32. s is compared in a spread form (bit 4 k + m at bit 8 k + m,
-    zeros between), with F spread the same way: the spreading keeps the order."""
+    """Each call's 7-bit threshold t = T + [s < F] (theta = ``threshold`` = 2^16 T + F, s the
+    top bits of the call's words r0..r3: bit 7 of byte k of word m is bit 4 k + m of s), as the
+    addend 128 - t in each of the four bytes (``_keep_flags``). s is compared in a spread form
+    (bit 4 k + m at bit 8 k + 4 + m, zeros between), with F spread the same way: the spreading
+    keeps the order. The two addends are per program (uniform): one select per call."""
     t = tl.to_tensor(threshold).to(tl.uint32)
     f = t & 0xFFFF
-    f = (f & 0xF) | ((f & 0xF0) << 4) | ((f & 0xF00) << 8) | ((f & 0xF000) << 12)
-    s = (((r0 >> 7) & 0x01010101) | ((r1 >> 6) & 0x02020202) | ((r2 >> 5) & 0x04040404)
-         | ((r3 >> 4) & 0x08080808))
-    return ((t >> 16) + (s < f).to(tl.uint32)) * 0x01010101
+    f = ((f & 0xF) << 4) | ((f & 0xF0) << 8) | ((f & 0xF00) << 12) | ((f & 0xF000) << 16)
+    keep_t = 0x80808080 - (t >> 16) * 0x01010101  # 128 - T per byte
+    s = ((r3 & 0x80808080) | ((r2 >> 1) & 0x40404040) | ((r1 >> 2) & 0x20202020)
+         | ((r0 >> 3) & 0x10101010))
+    return tl.where(s < f, keep_t - 0x01010101, keep_t)
 
 
 @triton.jit
-def _keep_flags(w, tw):
+def _keep_flags(w, c):
     """Bit 7 of each byte of the uint32 words ``w``: that byte's low 7 bits >= its call's
-    threshold (0..128, copied into each byte of ``tw``, ``_call_threshold``), the four bytes
-    compared at once: each byte of ``w | 0x80808080`` is 128 + its low 7 bits, at least the
-    threshold, so the subtraction cannot borrow from the next byte and leaves bit 7 set
-    exactly when the low 7 bits are >= the threshold."""
-    return (w | 0x80808080) - tw
+    threshold t (0..128), given as the addend ``c`` = 128 - t in each byte
+    (``_call_threshold``), the four bytes compared at once: each byte of
+    ``(w & 0x7F7F7F7F) + c`` is its low 7 bits + 128 - t <= 255, so the sum cannot carry into
+    the next byte and has bit 7 set exactly when the low 7 bits are >= t."""
+    return (w & 0x7F7F7F7F) + c
 
 
 @triton.jit
@@ -545,15 +547,15 @@ def _dropout_words(seed, offset, bh, i0, j0, Lq, threshold, BM: tl.constexpr,
     zero = c0 * c1 * 0  # [NX, 8, NH, 4]
     r0, r1, r2, r3 = _philox(seed, c0 + zero, c1 + zero, offset.to(tl.uint32) + zero,
                              c3 + zero, ASM)
-    tw = _call_threshold(r0, r1, r2, r3, threshold)  # the whole call's, before a half is taken
+    c = _call_threshold(r0, r1, r2, r3, threshold)  # the whole call's, before a half is taken
     if BN >= 32:
         w = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [NX, y, NH, q, u, t]
-        tw = tw[:, :, :, :, None, None]
+        c = c[:, :, :, :, None, None]
     else:  # a 16-key tile: the words of its half u of the calls
         odd = (j0 // 16) % 2 == 1
         w = tl.join(tl.where(odd, r1, r0), tl.where(odd, r3, r2))  # [NX, y, 1, q, t]
-        tw = tw[:, :, :, :, None]
-    return _keep_flags(w, tw)
+        c = c[:, :, :, :, None]
+    return _keep_flags(w, c)
 
 
 @triton.jit
