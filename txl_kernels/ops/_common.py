@@ -506,14 +506,15 @@ def _call_threshold(r0, r1, r2, r3, threshold):
     top bits of the call's words r0..r3: bit 7 of byte k of word m is bit 4 k + m of s), as the
     addend 128 - t in each of the four bytes (``_keep_flags``). s is compared in a spread form
     (bit 4 k + m at bit 8 k + 4 + m, zeros between), with F spread the same way: the spreading
-    keeps the order. The two addends are per program (uniform): one select per call."""
+    keeps the order. 128 - T per byte is per program (uniform): a compare and a multiply-
+    subtract per call."""
     t = tl.to_tensor(threshold).to(tl.uint32)
     f = t & 0xFFFF
     f = ((f & 0xF) << 4) | ((f & 0xF0) << 8) | ((f & 0xF00) << 12) | ((f & 0xF000) << 16)
     keep_t = 0x80808080 - (t >> 16) * 0x01010101  # 128 - T per byte
     s = ((r3 & 0x80808080) | ((r2 >> 1) & 0x40404040) | ((r1 >> 2) & 0x20202020)
          | ((r0 >> 3) & 0x10101010))
-    return tl.where(s < f, keep_t - 0x01010101, keep_t)
+    return keep_t - (s < f).to(tl.uint32) * 0x01010101
 
 
 @triton.jit
