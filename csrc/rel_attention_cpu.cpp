@@ -257,14 +257,28 @@ inline void philox(uint32_t c[4], uint32_t k0, uint32_t k1) {
 struct Dropout {
   bool on = false;
   uint64_t seed = 0, offset = 0;
-  uint32_t threshold = 0;
-  double scale = 1.0;  // 1 / (1 - p)
+  uint32_t t_hi = 0;    // theta >> 16: the 7-bit threshold T
+  uint32_t f_wide = 0;  // theta & 0xFFFF (F) with bit 4 k + m at bit 8 k + m, as s below
+  double scale = 1.0;   // 1 / (1 - theta / 2^23)
+
+  // theta = dropout_threshold(p) (ops/_common.py): round(p 2^23), within [1, 2^23 - 1]
+  void set(double p) {
+    const double res = 8388608.0;  // 2^23
+    const uint32_t theta =
+        static_cast<uint32_t>(std::min(std::max(std::floor(p * res + 0.5), 1.0), res - 1.0));
+    t_hi = theta >> 16;
+    const uint32_t f = theta & 0xFFFFu;
+    f_wide = (f & 0xFu) | ((f & 0xF0u) << 4) | ((f & 0xF00u) << 8) | ((f & 0xF000u) << 12);
+    scale = res / (res - theta);
+  }
 
   // z[a * ldz + b] = keep(bh, i0 + a, j0 + b) ? scale : 0, the Triton kernels' mask
   // (ops/_common.py, dropout_keep). Query rows i = 16 x + 8 t + y form the row pair
   // pair = (bh * ceil(Lq / 16) + x) * 8 + y; key j = 32 h + 16 u + 8 g + 2 q + e takes byte
   // 2 g + e of word 2 t + u of the Philox call with counter
-  // (4 h + q, pair, offset, (offset >> 32) + (pair >> 32)); kept when that byte >= threshold.
+  // (4 h + q, pair, offset, (offset >> 32) + (pair >> 32)); kept when that byte's low 7 bits
+  // are >= T + [s < F], s the call's 16 top bits (bit 7 of byte k of word m at bit 4 k + m,
+  // compared here spread out to bit 8 k + m like f_wide).
   template <typename T>
   void keep_scale(int64_t bh, int64_t Lq, int64_t i0, int64_t m, int64_t j0, int64_t n, T* z,
                   int64_t ldz) const {
@@ -281,14 +295,17 @@ struct Dropout {
                            static_cast<uint32_t>(offset),
                            static_cast<uint32_t>((offset >> 32) + (pair >> 32))};
           philox(c, k0, k1);
+          const uint32_t s = ((c[0] >> 7) & 0x01010101u) | ((c[1] >> 6) & 0x02020202u) |
+                             ((c[2] >> 5) & 0x04040404u) | ((c[3] >> 4) & 0x08080808u);
+          const uint32_t threshold = t_hi + (s < f_wide ? 1u : 0u);
           for (int u = 0; u < 2; ++u) {
             const uint32_t w = c[2 * t + u];
             for (int g = 0; g < 2; ++g) {
               for (int e = 0; e < 2; ++e) {
                 const int64_t j = h * 32 + 16 * u + 8 * g + 2 * q + e;
                 if (j >= j0 && j < j0 + n) {
-                  const uint32_t byte = (w >> (8 * (2 * g + e))) & 0xFFu;
-                  zr[j - j0] = byte >= threshold ? T(scale) : T(0);
+                  const uint32_t low7 = (w >> (8 * (2 * g + e))) & 0x7Fu;
+                  zr[j - j0] = low7 >= threshold ? T(scale) : T(0);
                 }
               }
             }
@@ -1000,9 +1017,7 @@ Geometry make_geometry(const at::Tensor& q, int64_t Lk, const at::Tensor& r, dou
     g.drop.on = true;
     g.drop.seed = static_cast<uint64_t>(sc.data_ptr<int64_t>()[0]);
     g.drop.offset = static_cast<uint64_t>(sc.data_ptr<int64_t>()[1]);
-    // ops/_common.py dropout_threshold: an element is kept when its Philox byte >= floor(256 p)
-    g.drop.threshold = static_cast<uint32_t>(std::min<double>(std::floor(dropout_p * 256.0), 255.0));
-    g.drop.scale = 1.0 / (1.0 - dropout_p);
+    g.drop.set(dropout_p);
   }
   // query blocks of 128 rows (the forward widens them for long key ranges), key tiles of 256
   // (multiples of 16): the BLAS packs each key tile's rows once per 128 queries, and S, T and

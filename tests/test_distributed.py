@@ -17,7 +17,8 @@ from txl_kernels import rel_attention
 from txl_kernels.distributed import (context_parallel_rel_attention, layout_chunks,
                                      shard_sequence, unshard_sequence)
 from txl_kernels.reference import rel_attention_reference
-from txl_kernels.ops._common import draw_dropout_seed, dropout_keep_block, dropout_keep_mask
+from txl_kernels.ops._common import (draw_dropout_seed, dropout_keep_block, dropout_keep_mask,
+                                    dropout_rate)
 
 # (name, layout, causal, window_size, B, H, D, Lq, M, R (None: enough rows), padding, dtype)
 CASES = [
@@ -140,8 +141,9 @@ def test_sharded_ring_equals_one_process(ring_results, case):
         torch.manual_seed(DROPOUT_SEED)
         mask = dropout_keep_mask(draw_dropout_seed("cpu"), B, H, Lq, M + Lq, DROPOUT_P)
         assert 0 < mask.sum() < mask.numel()
-        ref = rel_attention_reference(*leaves, D ** -0.5, -1, 0, dropout_p=DROPOUT_P,
-                                      dropout_mask=mask)
+        # the kernels' rate (DROPOUT_P to within 2^-24): kept values scaled as the ring does
+        ref = rel_attention_reference(*leaves, D ** -0.5, -1, 0,
+                                      dropout_p=dropout_rate(DROPOUT_P), dropout_mask=mask)
     else:
         ref = rel_attention(*leaves, causal=causal, window_size=window, key_padding_mask=kpm,
                             backend="reference")

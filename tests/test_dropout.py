@@ -21,8 +21,9 @@ import txl_kernels.ops
 from txl_kernels import FusedRelAttention, rel_attention
 from txl_kernels.modules.conformer import (ESPnetRelPositionMultiHeadedAttention,
                                            NeMoRelPositionMultiHeadAttention)
-from txl_kernels.ops._common import (_keep_flags, dropout_apply, dropout_flags, dropout_keep,
-                                    dropout_keep_block, dropout_threshold, load_dropout_seed)
+from txl_kernels.ops._common import (_call_threshold, _keep_flags, dropout_apply, dropout_flags,
+                                    dropout_keep, dropout_keep_block, dropout_keep_scale,
+                                    dropout_rate, dropout_threshold, load_dropout_seed)
 from txl_kernels.ops.rel_attn_fwd import dropout_keep_mask, draw_dropout_seed, rel_attn_fwd
 from txl_kernels.reference import rel_attention_reference
 
@@ -109,7 +110,7 @@ def test_keep_rate_within_binomial_bound(p):
     keep = dropout_keep_mask(draw_dropout_seed(DEV), B, H, Lq, Lk, p)
     assert keep.shape == (B, H, Lq, Lk) and keep.dtype == torch.bool
     n = keep.numel()
-    p_drop = math.floor(256 * p) / 256  # 8 random bits per element (ops/_common.py)
+    p_drop = dropout_rate(p)  # p to within 2^-24 (ops/_common.py)
     sigma = math.sqrt(p_drop * (1 - p_drop) / n)
     assert abs(keep.float().mean().item() - (1 - p_drop)) < 5 * sigma
     # no visible structure along rows, columns, heads or batches: each slice's rate is binomial
@@ -118,6 +119,95 @@ def test_keep_rate_within_binomial_bound(p):
         m = n // rates.numel()
         assert (rates - (1 - p_drop)).abs().max() < 5.5 * math.sqrt(p_drop * (1 - p_drop) / m), \
             dims
+
+
+@pytest.mark.parametrize("p", [3e-4, 0.003])
+def test_drop_rate_matches_p_below_one_256th(p):
+    """Below 1/256 the mask drops at rate p (a floored 8-bit threshold dropped nothing there):
+    the kept fraction over 2^19 elements within a binomial bound."""
+    torch.manual_seed(4)
+    keep = dropout_keep_mask(draw_dropout_seed(DEV), 2, 4, 128, 512, p)
+    n = keep.numel()
+    rate = 1.0 - keep.float().mean().item()
+    assert abs(rate - p) < 5.5 * math.sqrt(p * (1 - p) / n), (rate, p)
+
+
+def test_dropout_rate_resolves_every_p():
+    """The rate the kernels use is p to within 2^-24, never 0 for p > 0 (nor 1), and the
+    kept values' scale is 1 / (1 - that rate)."""
+    for p in (1e-12, 1e-7, 1e-4, 0.001, 1 / 3, 0.5, 0.99, 0.999, 1 - 1e-7, 1 - 1e-12):
+        rate = dropout_rate(p)
+        assert 0.0 < rate < 1.0, (p, rate)
+        assert abs(rate - p) <= 2.0 ** -24 or p < 2.0 ** -24 or p > 1 - 2.0 ** -24, (p, rate)
+        assert dropout_keep_scale(p) == 1.0 / (1.0 - rate)
+    assert dropout_rate(1e-12) == 2.0 ** -23 and dropout_rate(1 - 1e-12) == 1 - 2.0 ** -23
+    assert dropout_threshold(0.0) == 0 and dropout_keep_scale(0.0) == 1.0
+
+
+# E[out] / undropped over seeds. With q = u = vb = 0 every score is 0, so P is uniform over
+# the Lk keys, and with v = 1 the undropped output is 1 and a row's dropped output is its kept
+# fraction times the kept values' scale: its mean over n elements has standard deviation
+# sqrt(p / (1 - p) / n) (the 16 elements of one Philox call share a dithered threshold, which
+# adds a few percent at most; the bound allows 6 of them). The old mask (rate floor(256 p) /
+# 256, scale 1 / (1 - p)) gave 1.001 at p = 0.001, 1.0026 at 0.1, 1.17 at 0.99, 3.9 at 0.999.
+UNBIASED_P = [0.001, 0.1, 0.5, 0.99, 0.999]
+
+
+def _uniform_inputs(B, Lq, Lk, H, D=16):
+    r = torch.randn(Lk + Lq - 1, H, D, generator=torch.Generator().manual_seed(1))
+    return (torch.zeros(B, Lq, H, D), torch.zeros(B, Lk, H, D), torch.ones(B, Lk, H, D), r,
+            torch.zeros(H, D), torch.zeros(H, D))
+
+
+def _assert_unbiased(outs, p, n):
+    mean = torch.cat([o[..., 0].double().flatten() for o in outs]).mean().item()
+    sigma = math.sqrt(p / (1 - p) / n)
+    assert abs(mean - 1.0) < 6 * sigma, (p, mean, sigma)
+
+
+@pytest.mark.parametrize("p", UNBIASED_P)
+def test_cpu_backend_output_unbiased_over_seeds(p, extension):
+    """The C++ kernel: 4 seeds x 2^20 elements (enough for the old 0.26 % bias at p = 0.1)."""
+    B, Lq, Lk, H = 2, 256, 1024, 2
+    ts = _uniform_inputs(B, Lq, Lk, H)
+    outs = []
+    for s in range(4):
+        torch.manual_seed(40 + s)
+        outs.append(rel_attention(*ts, causal=False, dropout_p=p, backend="cpu"))
+    _assert_unbiased(outs, p, 4 * B * H * Lq * Lk)
+
+
+@pytest.mark.parametrize("p", UNBIASED_P)
+def test_triton_forward_output_unbiased_over_seeds(p):
+    """The Triton forward (the interpreter on CPU: large tiles keep it quick): 2 seeds x 2^18
+    elements, enough for the old bias at p = 0.001, 0.99 and 0.999."""
+    B, Lq, Lk, H = 1, 128, 1024, 2
+    q, k, v, r, u, vb = (t.to(DEV) for t in _uniform_inputs(B, Lq, Lk, H))
+    outs = []
+    for s in range(2):
+        torch.manual_seed(50 + s)
+        out, _ = rel_attn_fwd(q, k, v, r, u, vb, 0.25, -1, -1, dropout_p=p,
+                              config={"BLOCK_M": 128, "BLOCK_N": 512} if DEV == "cpu" else None)
+        outs.append(out.cpu())
+    _assert_unbiased(outs, p, 2 * B * H * Lq * Lk)
+
+
+@pytest.mark.parametrize("p", [0.001, 0.3, 0.5, 0.999])
+def test_cpu_kernel_drops_exactly_the_triton_mask(p, extension):
+    """The C++ kernel's mask is dropout_keep_mask's bit for bit, dithered threshold included:
+    with uniform P over Lk keys and v[j] the unit vector e_j, out[i, j] is keep[i, j] times
+    the scale / Lk."""
+    from txl_kernels.cpu_kernel import rel_attn_cpu
+
+    B, Lq, Lk, H = 2, 40, 64, 2
+    q, k, _, r, u, vb = _uniform_inputs(B, Lq, Lk, H, D=Lk)
+    v = torch.eye(Lk)[None, :, None, :].expand(B, Lk, H, Lk).contiguous()
+    seed = torch.tensor([12345, 678], dtype=torch.int64)
+    out = rel_attn_cpu(q, k, v, r, u, vb, 0.125, -1, -1, dropout_p=p, dropout_seed=seed)
+    got = out.permute(0, 2, 1, 3)  # [B, H, Lq, Lk]
+    keep = dropout_keep_mask(seed, B, H, Lq, Lk, p)
+    assert torch.equal(got != 0, keep)
+    assert torch.all(got[keep] == torch.tensor(dropout_keep_scale(p) / Lk, dtype=torch.float32))
 
 
 def test_keep_mask_is_a_function_of_b_h_i_j_and_seed():
@@ -136,26 +226,58 @@ def test_keep_mask_is_a_function_of_b_h_i_j_and_seed():
 @triton.jit
 def _flags_kernel(W, T, F, NW: tl.constexpr, NT: tl.constexpr):
     w = tl.load(W + tl.arange(0, NW)).to(tl.uint32, bitcast=True)
-    t = tl.load(T + tl.arange(0, NT))
-    f = _keep_flags(w[None, :], t[:, None])
+    t = tl.load(T + tl.arange(0, NT)).to(tl.uint32)
+    f = _keep_flags(w[None, :], (128 - t[:, None]) * 0x01010101)
     tl.store(F + tl.arange(0, NT)[:, None] * NW + tl.arange(0, NW)[None, :],
              f.to(tl.int32, bitcast=True))
 
 
+def _as_int32(words):
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
 def test_keep_flags_compare_every_byte_with_every_threshold():
-    """The four-bytes-at-once compare: bit 8 k + 7 of the flags is (byte k >= threshold), for
-    every byte value in every position and every threshold."""
+    """The four-bytes-at-once compare: bit 8 k + 7 of the flags is (byte k's low 7 bits >=
+    the call's threshold), for every byte value in every position and every threshold 0..128
+    (128: T = 127 raised by the dither, nothing kept)."""
     n = torch.arange(256)
     byte = torch.stack([(n + 64 * k) % 256 for k in range(4)], 1)  # [word, k]
-    words = (byte << (8 * torch.arange(4))).sum(1)
-    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
-    thr = torch.arange(256, dtype=torch.int32)
+    words = _as_int32((byte << (8 * torch.arange(4))).sum(1))
+    thr = torch.arange(256, dtype=torch.int32).clamp(max=128)  # (a power of two of them)
     flags = torch.empty(256, 256, dtype=torch.int32, device=DEV)
     _flags_kernel[(1,)](words.to(DEV), thr.to(DEV), flags, NW=256, NT=256)
     flags = flags.cpu().to(torch.int64) % 2 ** 32  # [threshold, word]
     got = (flags[:, :, None] >> (8 * torch.arange(4) + 7)) & 1  # [threshold, word, k]
-    want = byte[None, :, :] >= thr[:, None, None]
+    want = (byte[None, :, :] % 128) >= thr[:, None, None]
     assert torch.equal(got.bool(), want)
+
+
+@triton.jit
+def _call_threshold_kernel(R, Theta, Out, N: tl.constexpr, NT: tl.constexpr):
+    offs = tl.arange(0, N)
+    r0, r1, r2, r3 = (tl.load(R + m * N + offs).to(tl.uint32, bitcast=True) for m in range(4))
+    theta = tl.load(Theta + tl.arange(0, NT))[:, None]
+    tw = _call_threshold(r0[None, :], r1[None, :], r2[None, :], r3[None, :], theta)
+    tl.store(Out + tl.arange(0, NT)[:, None] * N + offs[None, :], tw.to(tl.int32, bitcast=True))
+
+
+def test_call_threshold_is_t_plus_the_dither():
+    """Each call's threshold is t = T + [s < F] (theta = 2^16 T + F), given as 128 - t in all
+    four bytes, s the 16-bit number whose bit 4 k + m is bit 7 of byte k of word m: checked
+    against that definition for random words and thetas with every T and extreme F."""
+    g = torch.Generator().manual_seed(0)
+    N = 256
+    r = torch.randint(0, 2 ** 32, (4, N), generator=g)
+    s = sum(((r[m] >> (8 * k + 7)) & 1) << (4 * k + m) for m in range(4) for k in range(4))
+    T = torch.arange(128).repeat_interleave(4)
+    F = torch.tensor([0, 1, 0x8000, 0xFFFF]).repeat(128)
+    theta = (T << 16) | F
+    out = torch.empty(theta.numel(), N, dtype=torch.int32, device=DEV)
+    _call_threshold_kernel[(1,)](_as_int32(r).to(DEV), theta.to(torch.int32).to(DEV), out, N=N,
+                                 NT=theta.numel())
+    want = T[:, None] + (s[None, :] < F[:, None]).long()
+    assert torch.equal(out.cpu().long() % 2 ** 32, (128 - want) * 0x01010101)
+    assert (s < 0x8000).any() and (s >= 0x8000).any()
 
 
 @triton.jit

@@ -166,13 +166,14 @@ class _Dropout:
         self.p, self.seed, self.shape = p, seed, (B, H, lq, lk)
 
     def factor(self, a0: int, A: int, b0: int, Bk: int, dtype) -> Optional[Tensor]:
-        """``keep / (1 - p)`` for queries ``[a0, a0 + A)`` and keys ``[b0, b0 + Bk)``, or
-        None without dropout."""
+        """``keep`` times the kernels' scale (``dropout_keep_scale``, 1 / (1 - the rate they
+        drop with)) for queries ``[a0, a0 + A)`` and keys ``[b0, b0 + Bk)``, or None without
+        dropout."""
         if self.p == 0.0:
             return None
-        from .ops._common import dropout_keep_block
+        from .ops._common import dropout_keep_block, dropout_keep_scale
         keep = dropout_keep_block(self.seed, *self.shape, self.p, (a0, A), (b0, Bk))
-        return keep.to(dtype) / (1.0 - self.p)
+        return keep.to(dtype) * dropout_keep_scale(self.p)
 
 
 def _finite_or_zero(x: Tensor) -> Tensor:

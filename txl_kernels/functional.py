@@ -373,8 +373,10 @@ def rel_attention(
             check in the graph (docs/api.md).
         dropout_p: dropout on the attention probabilities, after the softmax normaliser (kept
             ones scaled by ``1 / (1 - p)``), on both backends. Pass 0.0 at evaluation. The
-            fused kernels drop with p rounded down to a multiple of 1 / 256 (8 random bits per
-            element, as FlashAttention-2) and draw their keep-mask from a counter-based RNG
+            fused kernels drop with p rounded to a multiple of 2^-23 (``dropout_rate(p)`` in
+            ``ops.rel_attn_fwd``: within 2^-24 of p, never 0 for p > 0, so every p in (0, 1)
+            drops) and scale the kept ones by 1 / (1 - that rate), so the expected output is
+            the undropped one for every p. They draw their keep-mask from a counter-based RNG
             (Philox) keyed by a (seed, offset) pair that one ``torch.randint`` draws, on q's
             device, from PyTorch's default generator (the CUDA generator of that device; the
             CPU one under the interpreter): ``torch.manual_seed`` makes a call reproducible,

@@ -390,21 +390,31 @@ def rotate_rows(m, sh, BM: tl.constexpr, BN: tl.constexpr):
 # without a layout conversion; the Philox rounds are a sixteenth of a call per element. For
 # one (seed, offset) every element has its own (counter, byte), whatever the tiling (split-K,
 # block sizes: query and key tiles start at multiples of 16; a 16-key tile takes its half of
-# the calls), so the forward and every backward kernel regenerate the same mask. An element is
-# dropped when its byte is below floor(256 p): the drop rate is p rounded down to a multiple of
-# 1/256 (kept values are scaled by 1 / (1 - p), as FlashAttention-2 does).
+# the calls), so the forward and every backward kernel regenerate the same mask.
 #
-# Two forms of the same mask. ``dropout_keep`` compares each byte on its own (a shift and a
-# compare per element, the mask a predicate per element): the backward kernels and the forward
-# above head dim 128 use it, whose register budgets it suits best (the other form spills more
-# there), and ``dropout_keep_mask``. The forward up to head dim 128 uses ``dropout_flags`` and
-# ``dropout_apply``: the four bytes of a word are compared with the threshold at once
-# (``_keep_flags``: bit 7 of each byte becomes its keep bit), and on the GPU the mask is
-# applied to the rounded P operand with one PTX ``prmt`` (each flag's sign spread over its
-# element) and one ``and`` per register (a pair of bf16 / fp16 elements), with no per-element
-# compare, predicate or select; its Philox rounds use ``mul.wide.u32`` (one instruction for
-# the high and low words of a product). Under the interpreter (``ASM`` False) the same
-# functions run as plain tl code (``tl.philox``, a select).
+# The drop rate resolves p to 2^-23 with those 128 bits (a dithered threshold): p is rounded to
+# theta / 2^23 (``dropout_threshold``: theta = round(p 2^23), at least 1 for p > 0 so every
+# p > 0 drops, at most 2^23 - 1), theta = 2^16 T + F. Each byte's low 7 bits are its element's
+# value b; the top bits of the call's 16 bytes form one 16-bit number s (bit 7 of byte k of
+# word m is bit 4 k + m of s). An element is dropped when b < T + [s < F]: with b uniform on
+# [0, 128) and s on [0, 2^16) independent of it, the drop probability is T / 128 + (F / 2^16)
+# / 128 = theta / 2^23 exactly, and kept values are scaled by 1 / (1 - theta / 2^23)
+# (``dropout_keep_scale``), so E[out] is the undropped output for every p. The shared s makes
+# the 16 elements of one call weakly dependent (they see the same threshold, T or T + 1); each
+# element's own drop probability is exact, and elements of different calls are independent.
+#
+# Two forms of the same mask, both from the flag words of ``_keep_flags``: each byte's bit 7
+# is (b >= the call's threshold), the four bytes of a word compared at once with an ``and`` and
+# an addition. ``dropout_keep`` reads each flag on its own (a shift and a compare per element,
+# the mask a predicate per element): the backward kernels and the forward above head dim 128
+# use it, whose register budgets it suits best (the other form spills more there), and
+# ``dropout_keep_mask``. The forward up to head dim 128 uses ``dropout_flags`` and
+# ``dropout_apply``: on the GPU the mask is applied to the rounded P operand with one PTX
+# ``prmt`` (each flag's sign spread over its element) and one ``and`` per register (a pair of
+# bf16 / fp16 elements), with no per-element compare, predicate or select; its Philox rounds
+# use ``mul.wide.u32`` (one instruction for the high and low words of a product). Under the
+# interpreter (``ASM`` False) the same functions run as plain tl code (``tl.philox``, a
+# select).
 
 # (low, high) of the 64-bit product by the Philox round multipliers, one mul.wide.u32 each
 _MUL_ROUND_A = tl.constexpr("{ .reg .b64 p;\nmul.wide.u32 p, $2, 3528531795;\n"
@@ -427,10 +437,30 @@ _APPLY_ONE_PTX = tl.constexpr(
     "prmt.b32 m, $2, 0, s;\nand.b32 $0, $1, m; }")
 
 
+# the drop rate's resolution: theta / 2^23 (a 7-bit value per element and a 16-bit dither)
+DROPOUT_RESOLUTION = 1 << 23
+
+
 def dropout_threshold(p: float) -> int:
-    """The 8-bit threshold of the keep-mask: an element is kept when its Philox byte is
-    ``>= floor(p * 256)``."""
-    return min(int(p * 256.0), 255)
+    """The keep-mask's threshold theta for dropout probability ``p`` in [0, 1): the kernels drop
+    with probability ``theta / 2^23`` (``dropout_rate``), theta = round(p 2^23), at least 1
+    for any p > 0 (so every p > 0 drops) and at most 2^23 - 1; 0 (nothing dropped) for p = 0.
+    The C++ CPU kernel computes the same integer (csrc/rel_attention_cpu.cpp)."""
+    if p <= 0.0:
+        return 0
+    return min(max(int(p * DROPOUT_RESOLUTION + 0.5), 1), DROPOUT_RESOLUTION - 1)
+
+
+def dropout_rate(p: float) -> float:
+    """The probability with which the fused kernels drop an element for ``dropout_p = p``:
+    p rounded to a multiple of 2^-23 (``dropout_threshold``), never 0 for p > 0."""
+    return dropout_threshold(p) / DROPOUT_RESOLUTION
+
+
+def dropout_keep_scale(p: float) -> float:
+    """The factor of the kept probabilities for ``dropout_p = p``: 1 / (1 - the rate actually
+    used, ``dropout_rate(p)``), so that the expected output is the undropped one."""
+    return DROPOUT_RESOLUTION / (DROPOUT_RESOLUTION - dropout_threshold(p))
 
 
 @triton.jit
@@ -471,23 +501,39 @@ def _philox(seed, c0, c1, c2, c3, ASM: tl.constexpr):
 
 
 @triton.jit
-def _keep_flags(w, threshold):
-    """Bit 7 of each byte of the uint32 words ``w``: that byte >= ``threshold`` (0..255), the
-    four bytes compared at once. With b7 / t7 a byte's / the threshold's low 7 bits,
-    ``(b7 | 0x80) - t7`` cannot borrow from the next byte and has bit 7 = (b7 >= t7); then
-    b >= t = (b's bit 7 > t's) or (equal and b7 >= t7): (b | d) when t < 128, (b & d) else."""
+def _call_threshold(r0, r1, r2, r3, threshold):
+    """Each call's 7-bit threshold t = T + [s < F] (theta = ``threshold`` = 2^16 T + F, s the
+    top bits of the call's words r0..r3: bit 7 of byte k of word m is bit 4 k + m of s), as the
+    addend 128 - t in each of the four bytes (``_keep_flags``). s is compared in a spread form
+    (bit 4 k + m at bit 8 k + 4 + m, zeros between), with F spread the same way: the spreading
+    keeps the order. 128 - T per byte is per program (uniform): a compare and a multiply-
+    subtract per call."""
     t = tl.to_tensor(threshold).to(tl.uint32)
-    d = (w | 0x80808080) - (t & 0x7F) * 0x01010101
-    lo = (0x80 - (t & 0x80)) * 0x01010101  # the bits 7 when t < 128, else 0
-    return (w & d) | ((w | d) & lo)
+    f = t & 0xFFFF
+    f = ((f & 0xF) << 4) | ((f & 0xF0) << 8) | ((f & 0xF00) << 12) | ((f & 0xF000) << 16)
+    keep_t = 0x80808080 - (t >> 16) * 0x01010101  # 128 - T per byte
+    s = ((r3 & 0x80808080) | ((r2 >> 1) & 0x40404040) | ((r1 >> 2) & 0x20202020)
+         | ((r0 >> 3) & 0x10101010))
+    return keep_t - (s < f).to(tl.uint32) * 0x01010101
 
 
 @triton.jit
-def _dropout_words(seed, offset, bh, i0, j0, Lq, BM: tl.constexpr, BN: tl.constexpr,
-                   ASM: tl.constexpr):
-    """The Philox words of (batch * H + head) ``bh``, query rows i0 + [0, BM) and keys
-    j0 + [0, BN) (BM and BN powers of two >= 16, i0 a multiple of 16, j0 of min(BN, 32)):
-    [BM / 16, y, BN / 32, q, u, t] (a 16-key tile: [BM / 16, y, 1, q, t])."""
+def _keep_flags(w, c):
+    """Bit 7 of each byte of the uint32 words ``w``: that byte's low 7 bits >= its call's
+    threshold t (0..128), given as the addend ``c`` = 128 - t in each byte
+    (``_call_threshold``), the four bytes compared at once: each byte of
+    ``(w & 0x7F7F7F7F) + c`` is its low 7 bits + 128 - t <= 255, so the sum cannot carry into
+    the next byte and has bit 7 set exactly when the low 7 bits are >= t."""
+    return (w & 0x7F7F7F7F) + c
+
+
+@triton.jit
+def _dropout_words(seed, offset, bh, i0, j0, Lq, threshold, BM: tl.constexpr,
+                   BN: tl.constexpr, ASM: tl.constexpr):
+    """The keep-flag words (``_keep_flags``) of (batch * H + head) ``bh``, query rows
+    i0 + [0, BM) and keys j0 + [0, BN) (BM and BN powers of two >= 16, i0 a multiple of 16, j0
+    of min(BN, 32)), ``threshold`` = ``dropout_threshold(p)``: [BM / 16, y, BN / 32, q, u, t]
+    (a 16-key tile: [BM / 16, y, 1, q, t])."""
     tl.static_assert(BM >= 16 and BN >= 16, "dropout: tiles of at least 16 x 16")
     NX: tl.constexpr = BM // 16
     NH: tl.constexpr = (BN + 31) // 32
@@ -502,12 +548,15 @@ def _dropout_words(seed, offset, bh, i0, j0, Lq, BM: tl.constexpr, BN: tl.conste
     zero = c0 * c1 * 0  # [NX, 8, NH, 4]
     r0, r1, r2, r3 = _philox(seed, c0 + zero, c1 + zero, offset.to(tl.uint32) + zero,
                              c3 + zero, ASM)
+    c = _call_threshold(r0, r1, r2, r3, threshold)  # the whole call's, before a half is taken
     if BN >= 32:
         w = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [NX, y, NH, q, u, t]
+        c = c[:, :, :, :, None, None]
     else:  # a 16-key tile: the words of its half u of the calls
         odd = (j0 // 16) % 2 == 1
         w = tl.join(tl.where(odd, r1, r0), tl.where(odd, r3, r2))  # [NX, y, 1, q, t]
-    return w
+        c = c[:, :, :, :, None]
+    return _keep_flags(w, c)
 
 
 @triton.jit
@@ -524,23 +573,23 @@ def _to_tile(r, BM: tl.constexpr, BN: tl.constexpr):
 def dropout_keep(seed, offset, bh, i0, j0, Lq, threshold, BM: tl.constexpr,
                  BN: tl.constexpr):
     """Keep-mask [BM, BN] of (batch * H + head) ``bh``, query rows i0 + [0, BM) and keys
-    j0 + [0, BN) (see ``_dropout_words``): each byte compared on its own, ``tl.philox`` (the
-    backward kernels, whose register budget this form suits, and ``dropout_keep_mask``)."""
-    w = _dropout_words(seed, offset, bh, i0, j0, Lq, BM, BN, False)
-    # byte 2 g + e of each word at the top (an unsigned compare with threshold << 24 then
-    # reads that byte alone)
-    r = _to_tile(tl.join(tl.join(w << 24, w << 16), tl.join(w << 8, w)), BM, BN)
-    return r >= (tl.to_tensor(threshold).to(tl.uint32) << 24)
+    j0 + [0, BN) (see ``_dropout_words``): each element's flag read on its own, ``tl.philox``
+    (the backward kernels, whose register budget this form suits, and
+    ``dropout_keep_mask``)."""
+    f = _dropout_words(seed, offset, bh, i0, j0, Lq, threshold, BM, BN, False)
+    # flag 2 g + e of each word at bit 31 (a sign test then reads that flag alone)
+    r = _to_tile(tl.join(tl.join(f << 24, f << 16), tl.join(f << 8, f)), BM, BN)
+    return r.to(tl.int32, bitcast=True) < 0
 
 
 @triton.jit
 def dropout_flags(seed, offset, bh, i0, j0, Lq, threshold, BM: tl.constexpr, BN: tl.constexpr,
                   ASM: tl.constexpr = not INTERPRET):
     """``dropout_keep``'s mask as two uint32 [BM, BN] tensors for ``dropout_apply`` /
-    ``flags_keep``: each element's flag word (bit 8 k + 7 = byte k of its Philox word >=
-    ``threshold``, ``_keep_flags``) and its selector (8 + k) * 0x11, k its byte (a constant
-    per register: no instruction)."""
-    f = _keep_flags(_dropout_words(seed, offset, bh, i0, j0, Lq, BM, BN, ASM), threshold)
+    ``flags_keep``: each element's flag word (bit 8 k + 7 = element k of its word kept,
+    ``_keep_flags``) and its selector (8 + k) * 0x11, k its byte (a constant per register: no
+    instruction)."""
+    f = _dropout_words(seed, offset, bh, i0, j0, Lq, threshold, BM, BN, ASM)
     z = f * 0
     f = _to_tile(tl.join(tl.join(f, f), tl.join(f, f)), BM, BN)
     s = _to_tile(tl.join(tl.join(z + 0x88, z + 0x99), tl.join(z + 0xAA, z + 0xBB)), BM, BN)

@@ -34,10 +34,10 @@ import triton.language as tl
 from .._arch import config_family
 from .._utils import describe
 from ._common import (INTERPRET, LOG2E, apply_mask_band, autotune_enabled, bias_operands,
-                      descriptors_ok, dot_precision, dropout_keep, dropout_threshold,
-                      ensure_scratch_allocator, interior_tiles, last_dim_contiguous,
-                      length_bucket, load_dropout_seed, operand_workspace, pair_mask,
-                      rotate_rows, round_bf16, store_bias_operands, tile_run, to_operand)
+                      descriptors_ok, dot_precision, dropout_keep, dropout_keep_scale,
+                      dropout_threshold, ensure_scratch_allocator, interior_tiles,
+                      last_dim_contiguous, length_bucket, load_dropout_seed, operand_workspace,
+                      pair_mask, rotate_rows, round_bf16, store_bias_operands, tile_run, to_operand)
 
 __all__ = ["rel_attn_bwd"]
 
@@ -176,7 +176,7 @@ def _probs(ac, bd, lse2, offs_i, j0, qk_scale, pattern, HAS_KPM: tl.constexpr,
 # DELTA, their strides as one tuple ``strides`` ((wbh, wm), (kb, kn, kh), (vb, vn, vh), (rp,
 # rh), (dob, dom, doh), (lb, lh, lm)), the masks as ``masks`` (window_left, window_right,
 # KPM, (kpm_b, kpm_n), MASK, (mb, mh, mm, mn), BAND) and the dropout as ``dropout`` (SEED,
-# threshold, 1 / (1 - p)); the dr kernel also ``q_args`` (see _program_setup).
+# dropout_threshold(p), dropout_keep_scale(p)); the dr kernel also ``q_args`` (see _program_setup).
 # _program_setup turns them into per-(batch, head) tuples that the tile helpers unpack.
 # LQ_BUCKET / LK_BUCKET are autotune keys only. The parameter order (pointers, strides,
 # sizes, masks, dropout) matters: LLVM ranks arguments by position when it reassociates
@@ -1225,7 +1225,7 @@ def rel_attn_bwd(
     band = attn_mask_band if has_band else delta  # unused without a band
     masks = (wl, wr, kpm, kpm_strides, am, am_strides, band)
     seed = dropout_seed if dropout else delta  # unused without dropout
-    drop = (seed, dropout_threshold(dropout_p) if dropout else 0, 1.0 / (1.0 - dropout_p))
+    drop = (seed, dropout_threshold(dropout_p), dropout_keep_scale(dropout_p))
     meta = dict(HAS_KPM=key_padding_mask is not None, HAS_MASK=attn_mask is not None,
                 HAS_BAND=has_band, DOT_DTYPE=dot_dtype, UPCAST=upcast, DOT_PREC=precision,
                 SKEW_GATHER=q.dtype == torch.float32 or family in _GATHER_SKEW_FAMILIES,

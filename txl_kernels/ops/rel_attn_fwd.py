@@ -38,14 +38,15 @@ from .._utils import describe
 from ..quant import QuantizedKV
 from ._common import (INTERPRET, LOG2E, apply_mask_band, autotune_enabled, descriptors_ok,
                       dot_precision, draw_dropout_seed, dropout_apply, dropout_flags,
-                      dropout_keep, dropout_keep_mask, dropout_threshold, ensure_scratch_allocator,
-                      interior_tiles, key_range, last_dim_contiguous, length_bucket,
-                      load_bias_operands, load_dequant, load_dropout_seed, memory_bases,
-                      memory_launch_args, operand_workspace, pair_mask, rotate_rows, round_bf16,
-                      store_bias_operands, tile_run, to_operand)
+                      dropout_keep, dropout_keep_mask, dropout_keep_scale, dropout_rate,
+                      dropout_threshold, ensure_scratch_allocator, interior_tiles, key_range,
+                      last_dim_contiguous, length_bucket, load_bias_operands, load_dequant,
+                      load_dropout_seed, memory_bases, memory_launch_args, operand_workspace,
+                      pair_mask, rotate_rows, round_bf16, store_bias_operands, tile_run,
+                      to_operand)
 
 __all__ = ["rel_attn_fwd", "choose_num_splits", "autotune_enabled", "draw_dropout_seed",
-           "dropout_keep_mask"]
+           "dropout_keep_mask", "dropout_rate", "dropout_keep_scale"]
 
 # Fixed small config under the interpreter: 16 x 16 tiles, so that odd lengths span several
 # tiles and every loop / mask path runs on tiny shapes.
@@ -294,10 +295,10 @@ def _rel_attn_fwd_operands_kernel(Q, U, VB, A_OP, QV_OP, stride_q, stride_bias, 
 # The forward kernel's inputs, in the backward kernels' layout: the pointers, their strides as
 # one tuple ``strides`` ((qb, qm, qh), (kb, kn, kh), (vb, vn, vh), (rp, rh), (uh, vbh),
 # (ob, om, oh)), the sizes, the masks as ``masks`` (window_left, window_right, KPM,
-# (kpm_b, kpm_n), MASK, (mb, mh, mm, mn), BAND), the dropout as ``dropout`` (SEED, threshold,
-# 1 / (1 - p)) and the 8-bit memory as ``memory`` (``_common.memory_launch_args``);
-# _program_setup turns them into per-(batch, head) tuples that the tile helpers unpack.
-# LQ_BUCKET / LK_BUCKET are autotune keys only.
+# (kpm_b, kpm_n), MASK, (mb, mh, mm, mn), BAND), the dropout as ``dropout`` (SEED,
+# dropout_threshold(p), dropout_keep_scale(p)) and the 8-bit memory as ``memory``
+# (``_common.memory_launch_args``); _program_setup turns them into per-(batch, head) tuples
+# that the tile helpers unpack. LQ_BUCKET / LK_BUCKET are autotune keys only.
 
 
 @triton.jit
@@ -710,8 +711,10 @@ def rel_attn_fwd(
     mask is applied as that window (tiles outside skipped, nothing loaded), else densely.
 
     ``dropout_p`` in [0, 1): dropout on the attention probabilities, after the softmax
-    normaliser (lse is that of the undropped scores), kept ones scaled by 1 / (1 - p). The
-    keep-mask is ``dropout_keep_mask(dropout_seed, B, H, Lq, Lk, dropout_p)``: ``dropout_seed``
+    normaliser (lse is that of the undropped scores): elements are dropped with probability
+    ``dropout_rate(dropout_p)`` (p to within 2^-24, never 0 for p > 0) and kept ones scaled by
+    ``dropout_keep_scale(dropout_p)``, 1 / (1 - that rate), so E[out] is the undropped output.
+    The keep-mask is ``dropout_keep_mask(dropout_seed, B, H, Lq, Lk, dropout_p)``: ``dropout_seed``
     is the int64 ``[2]`` (seed, offset) tensor on q's device (default: a fresh
     ``draw_dropout_seed(q.device)``, from PyTorch's default generator); the backward needs
     the same tensor.
@@ -814,8 +817,7 @@ def rel_attn_fwd(
     strides = (_bmh(q), _bmh(k), _bmh(v), tuple(r.stride()[:2]), (u.stride(0), vb.stride(0)),
                _bmh(out))
     masks = (wl_arg, wr_arg, kpm, kpm_strides, am, am_strides, band)
-    dropout_arg = (seed_arg, dropout_threshold(dropout_p) if dropout else 0,
-                   1.0 / (1.0 - dropout_p))
+    dropout_arg = (seed_arg, dropout_threshold(dropout_p), dropout_keep_scale(dropout_p))
     if operand_tiles:
         a_op, qv_op = (operand_workspace(B, H, Lq, D, dtype, upcast, q.device) for _ in range(2))
         stride_w = tuple(a_op.stride()[:2])
