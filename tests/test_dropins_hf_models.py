@@ -20,6 +20,8 @@ import torch
 from txl_kernels.modules import swap_rel_pos_attention
 import txl_kernels.modules.parakeet as hf_dropins
 
+from test_conformer import spy  # noqa: F401  (fixture: records the rel_attention calls)
+
 transformers = pytest.importorskip(
     "transformers", minversion="5.0",
     reason="transformers >= 5 is not installed (pip install 'txl_kernels[hf5]')")
@@ -254,3 +256,125 @@ def test_swapped_model_pickles_and_is_not_swapped_twice():
     ids = torch.randint(1, 20, (1, 6))
     torch.testing.assert_close(loaded(ids).spectrogram, swapped(ids).spectrogram)
     assert swap_rel_pos_attention(swapped) == 0
+
+
+# ------------------------------------------------------------- output_attentions (probabilities)
+
+def _attention_outputs(out):
+    """The attention probabilities a model output carries (FastSpeech2: encoder's, decoder's)."""
+    if hasattr(out, "encoder_attentions"):
+        return tuple(out.encoder_attentions or ()) + tuple(out.decoder_attentions or ())
+    return tuple(out.attentions) if out.attentions is not None else ()
+
+
+def _model_inputs(kind):
+    g = torch.Generator().manual_seed(1)
+    if kind == "fastspeech2":
+        mask = torch.ones(2, 7, dtype=torch.long)
+        mask[1, 5:] = 0
+        return (torch.randint(1, 20, (2, 7), generator=g),), {"attention_mask": mask}
+    if kind == "parakeet":
+        mask = torch.arange(40)[None] < torch.tensor([40, 29, 13])[:, None]
+        return (torch.randn(3, 40, 16, generator=g),), {"attention_mask": mask}
+    mask = (torch.arange(400)[None] < torch.tensor([400, 300, 120])[:, None]).long()
+    return (torch.randn(3, 400, generator=g),), {"attention_mask": mask}
+
+
+def _eager_model(kind):
+    model_cls, config, _, biases, _ = MODELS[kind]
+    cfg = config()
+    cfg._attn_implementation = "eager"  # the original returns its probabilities only in eager
+    if kind == "parakeet":
+        cfg.encoder_config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = model_cls(cfg).eval()
+    _randomize_biases(model, biases)
+    return model
+
+
+@pytest.mark.parametrize("how", ["argument", "config"])
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_output_attentions_match_the_eager_original(kind, how, spy):
+    """Regression: with output_attentions=True the Parakeet and Wav2Vec2-Conformer drop-ins
+    returned no probabilities and FastSpeech2's raised NotImplementedError. Asked by argument
+    or by the config, a swapped model returns the eager original's probabilities (count,
+    shape, dtype, values) and outputs, and they are in the graph (their gradient exists);
+    without the request the fused path runs and returns none."""
+    model = _eager_model(kind)
+    swapped = _swapped(model)
+    args, kw = _model_inputs(kind)
+    kw = dict(kw, return_dict=True)
+    if how == "argument":
+        kw["output_attentions"] = True
+    else:
+        for m in (model, swapped):
+            for mod in m.modules():
+                if hasattr(mod, "config") and hasattr(mod.config, "output_attentions"):
+                    mod.config.output_attentions = True
+    want = model(*args, **kw)
+    spy.clear()
+    got = swapped(*args, **kw)
+    assert not spy  # the probabilities' call runs the eager math, not rel_attention
+    want_p, got_p = _attention_outputs(want), _attention_outputs(got)
+    assert len(want_p) == MODELS[kind][4] and len(got_p) == len(want_p)
+    for a, b in zip(want_p, got_p):
+        assert b.shape == a.shape and b.dtype == a.dtype
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    _assert_close_tree(want, got, rtol=1e-4, atol=1e-5)
+    got_p[0].retain_grad()
+    first = got[0] if kind != "fastspeech2" else got.spectrogram
+    first.flatten()[0].backward()
+    assert got_p[0].grad is not None
+
+    # not asked for: the fused path, no probabilities
+    for m in (model, swapped):
+        for mod in m.modules():
+            if hasattr(mod, "config") and hasattr(mod.config, "output_attentions"):
+                mod.config.output_attentions = False
+    kw.pop("output_attentions", None)
+    with torch.no_grad():
+        want, got = model(*args, **kw), swapped(*args, **kw)
+    assert len(spy) >= MODELS[kind][4] and not _attention_outputs(got)
+    _assert_close_tree(want, got, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_output_attentions_dropout_as_the_original_in_training(kind):
+    """The probabilities of a training call carry the original's attention dropout (same
+    random draws for the same seed), and the output is computed from them."""
+    _, _, original, biases, _ = MODELS[kind]
+    model = _eager_model(kind)
+    attn = next(m for m in model.modules() if isinstance(m, original))
+    if kind == "parakeet":
+        attn.attention_dropout = 0.4
+    else:
+        attn.dropout.p = 0.4
+    holder = torch.nn.ModuleList([attn]).train()
+    swapped = copy.deepcopy(holder)
+    assert swap_rel_pos_attention(swapped, backend="reference") == 1
+    g = torch.Generator().manual_seed(5)
+    hidden = attn.config.hidden_size if kind != "fastspeech2" else attn.hidden_size
+    B, T = 2, 9
+    x = torch.randn(B, T, hidden, generator=g)
+    pe = torch.randn(1, 2 * T - 1, hidden, generator=g)
+    if kind == "fastspeech2":
+        mask = (torch.arange(T)[None] < torch.tensor([T, 6])[:, None])[:, None]
+        call = {"hidden_states": x, "attention_mask": mask, "pos_emb": pe,
+                "output_attentions": True}
+    else:
+        valid = torch.arange(T)[None] < torch.tensor([T, 6])[:, None]
+        mask = (valid[:, None, :] & valid[:, :, None])[:, None]
+        if kind == "wav2vec2_conformer":  # the eager original's additive mask
+            mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+            call = {"hidden_states": x, "attention_mask": mask,
+                    "relative_position_embeddings": pe, "output_attentions": True}
+        else:
+            call = {"hidden_states": x, "position_embeddings": pe.expand(B, -1, -1),
+                    "attention_mask": mask, "output_attentions": True}
+    torch.manual_seed(7)
+    want_out, want_p = holder[0](**call)
+    torch.manual_seed(7)
+    got_out, got_p = swapped[0](**call)
+    assert (want_p == 0).any() and ((want_p == 0) == (got_p == 0)).all()
+    torch.testing.assert_close(got_p, want_p, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-6)

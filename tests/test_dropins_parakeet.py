@@ -354,8 +354,12 @@ def test_fastspeech2_conformer_matches_original_fp64():
         return (mod(xx, mask, pp)[0],), (xx, pp)
 
     compare(orig, ours, run, run, torch.float64, grads=True)
-    with pytest.raises(NotImplementedError, match="output_attentions"):
-        ours(x, mask, pe, output_attentions=True)
+
+    def run_probs(mod, dtype, device):
+        xx, pp = x.to(dtype).requires_grad_(), pe.to(dtype).requires_grad_()
+        return mod(xx, mask, pp, output_attentions=True), (xx, pp)
+
+    compare(orig, ours, run_probs, run_probs, torch.float64, grads=True)
     swapped = nn.ModuleList([copy.deepcopy(orig)])
     assert swap_rel_pos_attention(swapped, backend="reference") == 1
     torch.testing.assert_close(swapped[0](x, mask, pe)[0], orig(x, mask, pe)[0],

@@ -33,14 +33,17 @@ so every method is the drop-in's): the models' own init, output recorders and ot
 from __future__ import annotations
 
 import importlib
+import sys
 from types import SimpleNamespace
 from typing import Dict, Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..functional import BACKENDS, mask_to_band
+from ..reference import rel_shift
 from ._dropin import adopt
 from .conformer import ESPnetRelPositionMultiHeadedAttention, RelPosAttentionBase
 
@@ -99,6 +102,40 @@ def __getattr__(attr: str):
     raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
 
 
+def _attentions_requested(kwargs) -> bool:
+    """Whether the caller asked for the attention probabilities: ``output_attentions=True``
+    passed down to the layer, or a transformers model collecting ``attentions`` for this
+    forward (its ``capture_outputs`` hooks read the layer's second output; the flag may come
+    from the config and then never reaches the layer). transformers is not imported here:
+    when it is not loaded, no model can be collecting."""
+    if kwargs.get("output_attentions"):
+        return True
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    collector = getattr(capturing, "_active_collector", None)
+    collected = collector.get() if collector is not None else None
+    return isinstance(collected, dict) and "attentions" in collected
+
+
+def _eager_terms(module: "RelPosAttentionBase", x: Tensor, pos_emb: Tensor):
+    """The originals' score terms, materialised (the reference math of the eager modules):
+    ``(q, k, v)`` as ``[B, H, T, D]``, ``ac = (q + u) @ k^T`` and the shifted position term
+    ``bd[..., i, j] = ((q + v_bias) @ p^T)[..., i, j - i + T - 1]``, both ``[B, H, T, T]`` and
+    unscaled. ``pos_emb``: ``(1 or B, 2T - 1, hidden)``."""
+    q, k, v = (module._project(lin, x).transpose(1, 2)
+               for lin in (module.linear_q, module.linear_k, module.linear_v))
+    p = module._project(module.linear_pos, pos_emb).permute(0, 2, 3, 1)  # [1|B, H, D, 2T-1]
+    ac = torch.matmul(q + module.pos_bias_u[None, :, None], k.transpose(2, 3))
+    bd = rel_shift(torch.matmul(q + module.pos_bias_v[None, :, None], p), x.shape[1])
+    return v, ac, bd
+
+
+def _eager_output(module: "RelPosAttentionBase", probs: Tensor, v: Tensor):
+    """The originals' dropout on the probabilities (training only) and ``probs @ v`` ->
+    (``[B, T, H, D]``, the probabilities as returned)."""
+    probs = F.dropout(probs, p=module.dropout.p, training=module.training)
+    return torch.matmul(probs, v).transpose(1, 2), probs
+
+
 # the submodules and parameters an ESPnet-style original shares with its drop-in
 _ESPNET_NAMES = ("linear_q", "linear_k", "linear_v", "linear_out", "dropout", "linear_pos",
                  "pos_bias_u", "pos_bias_v")
@@ -147,7 +184,9 @@ class _HFRelPosAttention(RelPosAttentionBase):
                          f"(B, 1, 1, T) or (B, T) with B={batch}, T={qlen}; got {list(shape)}")
 
     def _hf_attend(self, hidden_states: Tensor, pos_emb: Optional[Tensor], mask,
-                   pos_name: str) -> Tensor:
+                   pos_name: str, kwargs):
+        """-> (attn_output, the attention probabilities or None): the fused path, or the
+        original's eager math when the caller asks for the probabilities (``kwargs``)."""
         self._check_seq("hidden_states", hidden_states)
         B, T = hidden_states.shape[0], hidden_states.shape[1]
         if pos_emb is None:
@@ -162,6 +201,18 @@ class _HFRelPosAttention(RelPosAttentionBase):
         else:
             self._check_pos_emb(pos_emb, B, T, "")
         kpm, qpad, rest, band = self._split_mask(mask, B, T)
+        if _attentions_requested(kwargs):
+            if self.cp_group is not None:
+                raise ValueError(f"{self._NAME}: output_attentions=True is not supported with "
+                                 f"cp_group (each rank holds a slice of the keys)")
+            masked = None
+            if kpm is not None:
+                masked = kpm[:, None, None, :] | qpad[:, None, :, None]
+                if rest is not None:
+                    masked = masked | rest
+            v, ac, bd = _eager_terms(self, hidden_states, pos_emb)
+            out, probs = _eager_output(self, self._eager_probs(ac, bd, masked), v)
+            return self._finish(out, None), probs
         self._grab = {} if qpad is not None else None
         try:
             out = self._attend(hidden_states, hidden_states, hidden_states, pos_emb, kpm, rest,
@@ -172,7 +223,12 @@ class _HFRelPosAttention(RelPosAttentionBase):
         if qpad is not None:
             q, k, v = (grabbed[m] for m in (self.linear_q, self.linear_k, self.linear_v))
             out = torch.where(qpad[:, :, None, None], self._masked_rows(q, k, v).to(out.dtype), out)
-        return self._finish(out, None)
+        return self._finish(out, None), None
+
+    def _eager_probs(self, ac: Tensor, bd: Tensor, masked: Optional[Tensor]) -> Tensor:
+        """The original eager module's softmax of the scores (``masked``: [B, 1, T, T] True =
+        masked, or None)."""
+        raise NotImplementedError
 
     _grab = None
 
@@ -226,14 +282,20 @@ class ParakeetEncoderAttention(_HFRelPosAttention):
     ``bias_u``, ``bias_v`` ([H, D]).
 
     ``forward(hidden_states, position_embeddings, attention_mask=None, **kwargs)`` returns
-    ``(attn_output, None)``:
+    ``(attn_output, attn_weights)``, ``attn_weights`` None unless asked for (below):
         hidden_states ``[B, T, hidden]``; position_embeddings ``(1 or B, 2T - 1, hidden)``
         (``ParakeetEncoderRelPositionalEncoding``; its ``B`` copies run one sequence at a time
         unless passed as an expanded view or with one row). attention_mask (True / nonzero =
         attend): the encoder's ``(B, 1, T, T)``, or ``(B, T, T)``, ``(B, 1, 1, T)`` (keys
         only), or a flat ``(B, T)`` per-frame mask meaning what the encoder builds from it
         (``m[:, None, :] & m[:, :, None]``). Other keyword arguments of the attention
-        interface are accepted and ignored. The attention probabilities are not returned.
+        interface are accepted and ignored.
+
+    Attention probabilities: when the caller asks for them (``output_attentions=True`` passed
+    down, or a transformers model collecting ``attentions``, e.g. ``output_attentions`` in its
+    config), that call runs the original's eager math instead of the fused kernel and
+    returns its ``[B, H, T, T]`` probabilities (softmax in fp32, cast to the input dtype;
+    dropout applied in training, as the original) with the output computed from them.
     """
 
     _NAME = "ParakeetEncoderAttention"
@@ -283,7 +345,16 @@ class ParakeetEncoderAttention(_HFRelPosAttention):
     def forward(self, hidden_states: Tensor, position_embeddings: Optional[Tensor],
                 attention_mask: Optional[Tensor] = None, **kwargs):
         return self._hf_attend(hidden_states, position_embeddings, attention_mask,
-                               "position_embeddings"), None
+                               "position_embeddings", kwargs)
+
+    def _eager_probs(self, ac: Tensor, bd: Tensor, masked: Optional[Tensor]) -> Tensor:
+        # the original: the masked position term (finfo.min) is the eager interface's additive
+        # mask; softmax in fp32, cast back to the input dtype
+        bd = bd * self.scaling
+        if masked is not None:
+            bd = bd.masked_fill(masked, torch.finfo(bd.dtype).min)
+        scores = ac * self.scaling + bd
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(ac.dtype)
 
     @classmethod
     def from_module(cls, module: nn.Module, **kwargs) -> "ParakeetEncoderAttention":
@@ -308,14 +379,16 @@ class Wav2Vec2ConformerSelfAttention(_HFRelPosAttention):
     ESPnet semantics, parameter names ``linear_q/k/v/out``, ``linear_pos``, ``pos_bias_u/v``.
 
     ``forward(hidden_states, attention_mask=None, relative_position_embeddings=None, **kwargs)``
-    returns ``(attn_output, None)``. relative_position_embeddings ``(1, 2T - 1, hidden)``
+    returns ``(attn_output, attn_weights)``. relative_position_embeddings ``(1, 2T - 1, hidden)``
     (``Wav2Vec2ConformerRelPositionalEmbedding``). attention_mask: what
     ``create_bidirectional_mask`` gives the layer: None, a bool ``(B, 1, T, T)`` (True = attend,
     sdpa / flex-free configs) or an additive float one (0 / ``finfo.min``, eager; its values are
     checked with one host sync), or a flat ``(B, T)``; its key padding reaches the kernel as
     ``key_padding_mask`` as for Parakeet. A sequence with no valid frame gives the original's
     output (the mean of the values); its gradient through the position term is not reproduced.
-    ``module.cp_group``: context parallelism, as for Parakeet.
+    ``module.cp_group``: context parallelism, as for Parakeet. ``attn_weights``: None, or,
+    when asked for as for Parakeet, the eager original's ``[B, H, T, T]`` probabilities
+    (softmax in the input dtype, dropout in training) from the eager math for that call.
     """
 
     _NAME = "Wav2Vec2ConformerSelfAttention"
@@ -340,7 +413,16 @@ class Wav2Vec2ConformerSelfAttention(_HFRelPosAttention):
     def forward(self, hidden_states: Tensor, attention_mask: Optional[Tensor] = None,
                 relative_position_embeddings: Optional[Tensor] = None, **kwargs):
         return self._hf_attend(hidden_states, relative_position_embeddings, attention_mask,
-                               "relative_position_embeddings"), None
+                               "relative_position_embeddings", kwargs)
+
+    def _eager_probs(self, ac: Tensor, bd: Tensor, masked: Optional[Tensor]) -> Tensor:
+        # the original's eager interface: scaled terms plus the additive (0 / finfo.min) mask,
+        # softmax in the input dtype
+        scores = ac * self.scaling + bd * self.scaling
+        if masked is not None:
+            scores = scores + torch.zeros((), dtype=scores.dtype, device=scores.device) \
+                .masked_fill(masked, torch.finfo(scores.dtype).min)
+        return torch.softmax(scores, dim=-1)
 
     @classmethod
     def from_module(cls, module: nn.Module, **kwargs) -> "Wav2Vec2ConformerSelfAttention":
@@ -357,12 +439,13 @@ class FastSpeech2ConformerAttention(ESPnetRelPositionMultiHeadedAttention):
     ``RelPositionMultiHeadedAttention`` under transformers' names (same parameters).
 
     ``forward(hidden_states, attention_mask=None, pos_emb=None, output_attentions=False)``
-    returns ``(attn_output, None)``; attention_mask ``(B, 1, T)`` (reaches the kernel as key
+    returns ``(attn_output, attn_weights)``; attention_mask ``(B, 1, T)`` (reaches the kernel as key
     padding) of any real dtype, read as the original reads it (``mask.eq(0)`` = masked): 0 =
     masked, any other value = keep. ``FastSpeech2ConformerModel`` hands its layers a float
     mask of ones and zeros (``torch.ones(input_ids.shape)`` when no mask is given), its
-    decoder an integer one. ``output_attentions=True`` raises: the probabilities are never
-    materialised.
+    decoder an integer one. ``attn_weights`` is None, or with ``output_attentions=True`` the
+    original's ``[B, H, T, T]`` probabilities (0 at masked keys, dropout in training): that
+    call runs the original's eager math instead of the fused kernel.
     """
 
     _NAME = "FastSpeech2ConformerAttention"
@@ -375,14 +458,27 @@ class FastSpeech2ConformerAttention(ESPnetRelPositionMultiHeadedAttention):
 
     def forward(self, hidden_states: Tensor, attention_mask: Optional[Tensor] = None,
                 pos_emb: Optional[Tensor] = None, output_attentions: bool = False):
-        if output_attentions:
-            raise NotImplementedError(f"{self._NAME}: output_attentions=True needs the attention "
-                                      f"probabilities, which the fused kernel never builds")
         if isinstance(attention_mask, Tensor) and attention_mask.is_floating_point():
             attention_mask = attention_mask != 0  # the original's mask.eq(0) = masked
-        out = super().forward(hidden_states, hidden_states, hidden_states, pos_emb,
-                              attention_mask)
-        return out, None
+        if not output_attentions:
+            out = super().forward(hidden_states, hidden_states, hidden_states, pos_emb,
+                                  attention_mask)
+            return out, None
+        # the probabilities: the original's eager math for this call
+        self._check_seq("hidden_states", hidden_states)
+        B, T = hidden_states.shape[0], hidden_states.shape[1]
+        self._check_pos_emb(pos_emb, B, T, "")
+        kpm, dense = self._mask_args(attention_mask, B, T, T)
+        masked = dense if kpm is None else kpm[:, None, None, :]
+        v, ac, bd = _eager_terms(self, hidden_states, pos_emb)
+        scores = (ac + bd) / self.s_d_k
+        if masked is not None:  # as the original: masked scores at finfo.min, then 0
+            scores = scores.masked_fill(masked, float(torch.finfo(scores.dtype).min))
+            probs = torch.softmax(scores, dim=-1).masked_fill(masked, 0.0)
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        out, probs = _eager_output(self, probs, v)
+        return self._finish(out, None), probs
 
     @classmethod
     def from_module(cls, module: nn.Module, **kwargs) -> "FastSpeech2ConformerAttention":
