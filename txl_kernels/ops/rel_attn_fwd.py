@@ -39,7 +39,7 @@ from ..quant import QuantizedKV
 from ._common import (INTERPRET, LOG2E, apply_mask_band, autotune_enabled, descriptors_ok,
                       dot_precision, draw_dropout_seed, dropout_apply, dropout_flags,
                       dropout_keep, dropout_keep_mask, dropout_threshold, ensure_scratch_allocator,
-                      interior_tiles, key_range, last_dim_contiguous, length_bucket,
+                      finite_rows, interior_tiles, key_range, last_dim_contiguous, length_bucket,
                       load_bias_operands, load_dequant, load_dropout_seed, memory_bases,
                       memory_launch_args, operand_workspace, pair_mask, rotate_rows, round_bf16,
                       store_bias_operands, tile_run, to_operand)
@@ -206,8 +206,13 @@ def _attend_tile(acc, m_i, l_i, t0, t1, t, qu, qv, tile, kv, rel, pattern, drop,
     # in the exponent's FMA below
     s = tl.dot(qu, tl.trans(k), input_precision=DOT_PREC) + bd
     if MASKED:
+        # V's tile first: its non-finite entries become 0 (P = 0 on excluded pairs must add
+        # exactly 0 to P @ V), and a NaN score on the allowed pairs of a non-finite V row keeps
+        # their query rows non-finite (a non-finite K / r row already gives a NaN score)
+        v, v_poison = finite_rows(_key_value_tile(v_src, vq_src, j0, mem_m, offs_n, n_ok, d_ok,
+                                                  MASKED, EVEN_D, UPCAST, USE_DESC, QUANT_MEM))
         s = tl.where(pair_mask(offs_m, j0, BLOCK_N, pattern, HAS_WL, HAS_WR, HAS_KPM, HAS_MASK,
-                               HAS_BAND), s, float("-inf"))
+                               HAS_BAND), s + v_poison[None, :], float("-inf"))
 
     # ---- online softmax (log2 domain)
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
@@ -231,8 +236,9 @@ def _attend_tile(acc, m_i, l_i, t0, t1, t, qu, qv, tile, kv, rel, pattern, drop,
         flags, sel = dropout_flags(drop_seed, drop_off, pid_bh, i0, j0, Lq, drop_thresh,
                                    BLOCK_M, BLOCK_N)
         pv = dropout_apply(to_operand(p, qu.dtype, UPCAST), flags, sel)
-    v = _key_value_tile(v_src, vq_src, j0, mem_m, offs_n, n_ok, d_ok, MASKED, EVEN_D, UPCAST,
-                        USE_DESC, QUANT_MEM)
+    if not MASKED:
+        v = _key_value_tile(v_src, vq_src, j0, mem_m, offs_n, n_ok, d_ok, MASKED, EVEN_D,
+                            UPCAST, USE_DESC, QUANT_MEM)
     if not WORD_MASK:  # (rounded after V's load: before it, sm_100's 8-bit memory spills)
         pv = to_operand(p, v.dtype, UPCAST)
     if acc.shape[1] <= 64:
@@ -255,7 +261,7 @@ def _store_rows(Out, Lse, o, m2, den, b, h, pid_bh, offs_m, offs_d, m_ok, d_ok, 
     o_ptrs = (Out + b * stride_o[0] + h * stride_o[2] + offs_m.to(tl.int64)[:, None] * stride_o[1]
               + offs_d[None, :])
     tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
-    has_key = den > 0.0
+    has_key = den != 0.0  # (den >= 0; NaN, from a non-finite allowed pair, keeps lse NaN)
     lse = tl.where(has_key, (m2 + tl.math.log2(tl.where(has_key, den, 1.0)))
                    * 0.6931471805599453, float("inf"))
     tl.store(Lse + pid_bh.to(tl.int64) * Lq + offs_m, lse, mask=m_ok)
@@ -449,7 +455,7 @@ def _rel_attn_fwd_kernel(
                     HAS_WL, HAS_WR, HAS_KPM, HAS_MASK, HAS_BAND, run != 1, EVEN_D, UPCAST,
                     DOT_PREC, USE_DESC, BLOCK_M, BLOCK_N, DROPOUT, QUANT_MEM)
 
-    has_key = l_i > 0.0
+    has_key = l_i != 0.0  # (as in _store_rows: a NaN l_i stays NaN)
     l_safe = tl.where(has_key, l_i, 1.0)
     if DROPOUT:  # the kept probabilities' 1 / (1 - p)
         o = acc * (drop_scale / l_safe)[:, None]
