@@ -233,3 +233,67 @@ def test_8bit_memory_scale_of_padded_row(backend, scale_of, value):
     out0, out = run(0.0), run(value)
     assert torch.isfinite(out).all()
     _assert_same(backend, out, out0, "output")
+
+
+# ------------------------------------------------ the einsum paths that are not the reference
+
+@pytest.fixture
+def world_of_one():
+    """A one-rank gloo group in this process (the ring's einsum block math, one chunk pair)."""
+    import torch.distributed as dist
+
+    from helpers import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:
+        yield dist
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("value", VALUES, ids=VALUE_IDS)
+def test_context_parallel_einsum_blocks(world_of_one, value):
+    """context_parallel_rel_attention(backend="reference"), memory 3 + segment 4, causal:
+    padded key 1 (k and v rows non-finite) and r rows 7.. (future pairs only) non-finite."""
+    from txl_kernels.distributed import context_parallel_rel_attention
+
+    q, k, v, r, u, vb = make_inputs(1, 4, 7, 1, 4, R=10, dtype=torch.float64)
+    kpm = torch.zeros(1, 7, dtype=torch.bool)
+    kpm[0, 1] = True
+    entries = [("k", (0, 1)), ("v", (0, 1)), ("r", slice(7, None))]
+
+    def run(x):
+        leaves = [t.detach().clone().requires_grad_() for t in _poison((q, k, v, r, u, vb),
+                                                                       entries, x)]
+        out = context_parallel_rel_attention(*leaves, memory_len=3, causal=True,
+                                             key_padding_mask=kpm, backend="reference")
+        out.backward(torch.ones_like(out))
+        return out.detach(), [t.grad for t in leaves]
+
+    (out0, g0), (out, g) = run(0.0), run(value)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, out0, rtol=0, atol=0)
+    for name, a, b in zip(NAMES, g, g0):
+        assert torch.isfinite(a).all(), f"d{name} not finite"
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("value", VALUES, ids=VALUE_IDS)
+def test_segment_attention_torch_future_keys(value):
+    """The cached model's torch segment path (causal over [cache; segment]): a non-finite v
+    of the last key reaches only the last row; with a left window, keys before every row's
+    window (v non-finite) reach nothing."""
+    from txl_kernels.cached_attention import segment_attention_torch
+
+    q, k, v, r, u, vb = make_inputs(1, 4, 9, 2, 4, R=9, dtype=torch.float64)
+    for window_left, j, rows_hit in ((-1, 8, [3]), (3, 0, [])):
+        v0, v1 = v.clone(), v.clone()
+        v0[0, j] = 0.0
+        v1[0, j] = value
+        out0 = segment_attention_torch(q, k, v0, r, u, vb, 0.5, window_left)
+        out = segment_attention_torch(q, k, v1, r, u, vb, 0.5, window_left)
+        rest = [i for i in range(4) if i not in rows_hit]
+        torch.testing.assert_close(out[:, rest], out0[:, rest], rtol=0, atol=0)
+        assert torch.isfinite(out[:, rest]).all()
+        assert not torch.isfinite(out[:, rows_hit]).any()
