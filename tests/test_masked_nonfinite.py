@@ -297,3 +297,15 @@ def test_segment_attention_torch_future_keys(value):
         torch.testing.assert_close(out[:, rest], out0[:, rest], rtol=0, atol=0)
         assert torch.isfinite(out[:, rest]).all()
         assert not torch.isfinite(out[:, rows_hit]).any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_allowed_nonfinite_v_on_every_tile(backend):
+    """Causal 48 x 48 (the kernels' mask-free interior tiles and masked diagonal ones): v of
+    key 0, which every row may see, is NaN: every output row and every row of dq is not
+    finite (the fused backward, which takes V's finite part, learns it from the forward's
+    lse and from delta = rowsum(dO * out))."""
+    ts = _inputs(backend, 48, 48)
+    out, g = _run(backend, _poison(ts, [("v", (0, 0))], float("nan")), causal=True)
+    assert not torch.isfinite(out).all(dim=-1).any()
+    assert not torch.isfinite(g[0]).all(dim=-1).any()

@@ -36,7 +36,7 @@ from .._utils import describe
 from ..reference import finite_or_zero
 from ._common import (INTERPRET, LOG2E, apply_mask_band, autotune_enabled, bias_operands,
                       descriptors_ok, dot_precision, dropout_keep, dropout_threshold,
-                      ensure_scratch_allocator, finite_rows, interior_tiles, last_dim_contiguous,
+                      ensure_scratch_allocator, interior_tiles, last_dim_contiguous,
                       length_bucket, load_dropout_seed, operand_workspace, pair_mask,
                       rotate_rows, round_bf16, store_bias_operands, tile_run, to_operand)
 
@@ -545,11 +545,6 @@ def _rel_attn_bwd_dkdv_kernel(
     d_ok = offs_d < D
     kv_msk = (offs_j < Lk)[:, None] & d_ok[None, :]
     k_t, v_t = _load_kv_tile(keys, j0, offs_j, Lk, offs_d, D, DOT_DTYPE, USE_DESC)
-    # Non-finite K / V entries as 0, once per program: excluded pairs multiply them by an
-    # exact 0 (dq's dS K, dP = dO V^T); an allowed pair that uses one already has a NaN lse
-    # from the forward, so its rows' P and dS stay NaN
-    k_t = finite_rows(k_t)[0]
-    v_t = finite_rows(v_t)[0]
 
     # Query rows that may see a key of this tile: d = i + mlen - j in [-window_right,
     # window_left] (both >= 0 here).
@@ -703,9 +698,6 @@ def _dq_tile(carry, n, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
     j0 = n * BLOCK
     offs_j = j0 + tl.arange(0, BLOCK)
     k_t, v_t = _load_kv_tile(keys, j0, offs_j, Lk, offs_d, D, DOT_DTYPE, USE_DESC)
-    if MASKED:  # non-finite K / V entries of excluded pairs must not meet dS's zeros
-        k_t = finite_rows(k_t)[0]
-        v_t = finite_rows(v_t)[0]
     r_hi = _load_r(rel, p_lo + BLOCK, w, offs_d, D, DOT_DTYPE, USE_DESC)
     t_lo, t_hi = _chunks_t(qv_t, r_lo, r_hi, DOT_PREC)
     p, ds = _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, i0, j0, offs_i,
@@ -823,8 +815,6 @@ def _dr_tile(carry, m, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
                                                   USE_DESC, FROM_Q, IN_DTYPE,
                                                   UPCAST)
     k_t, v_t = _load_kv_tile(keys, j0, offs_j, Lk, offs_d, D, DOT_DTYPE, USE_DESC)
-    if MASKED:  # (dP = dO V^T meets P's zeros in dS)
-        v_t = finite_rows(v_t)[0]
     t_lo, t_hi = _chunks_t(qv_t, r_lo, r_hi, DOT_PREC)
     p, ds = _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, i0, j0, offs_i,
                             qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
@@ -1172,11 +1162,16 @@ def rel_attn_bwd(
     assert not dropout or (dropout_seed is not None and dropout_seed.dtype == torch.int64
                            and dropout_seed.numel() == 2 and dropout_seed.device == dev), \
         f"rel_attn_bwd: dropout_seed must be int64 [2] on {dev}, got {describe(dropout_seed)}"
-    # r's non-finite entries as 0: every r window ([r_lo | r_hi], 2 BLOCK rows) holds rows
-    # that none of its tile's pairs use, multiplied by exact zeros of dS in dq's dS R, on
-    # mask-free tiles too; an allowed pair whose r row is not finite has a NaN lse from the
-    # forward, which keeps its rows' P and dS NaN. (One pass over r, R x H x D.)
+    # Non-finite entries of r, and of k / v where a mask can exclude a pair, as 0: excluded
+    # pairs take part with exact zeros of P and dS in dP = dO V^T, dS K and dS r (and every
+    # 2 BLOCK window of r holds a row none of its tile's pairs use, on mask-free tiles too);
+    # an allowed pair with a non-finite row has a NaN lse from the forward, which keeps its
+    # rows' P and dS NaN. Done here, one elementwise pass per tensor, rather than in the
+    # kernels, where it costs registers on every tile (sm_90: 50-200 B more spills per kernel)
     r = finite_or_zero(r)
+    if (key_padding_mask is not None or attn_mask is not None or window_left >= 0
+            or window_right >= 0):
+        k, v = finite_or_zero(k), finite_or_zero(v)
     q, k, v, r, do, out = (last_dim_contiguous(t) for t in (q, k, v, r, do, out))
     r_w_bias, r_r_bias = last_dim_contiguous(r_w_bias), last_dim_contiguous(r_r_bias)
     lse = lse.contiguous()
