@@ -190,12 +190,12 @@ def pair_mask(offs_i, j0, BLOCK_N: tl.constexpr, pattern, HAS_WL: tl.constexpr,
 
 @triton.jit
 def finite_rows(x):
-    """``(clean, poison)`` of a [BN, BD] key / value / r tile in a masked tile: ``clean`` is
-    ``x`` with its NaN / +-inf entries set to 0 (``x != x`` finds NaN: Triton's max / min may
-    drop it), ``poison`` [BN] fp32 is 0 where the row is all finite and NaN where it is not.
-    Excluded pairs multiply these rows by an exact 0 (P @ V, dS @ K, dS @ R): with ``clean``
-    they add 0, and ``poison`` added to an allowed pair's score makes its row non-finite as
-    the raw row would (reference.finite_or_zero / row_poison)."""
+    """``(clean, poison)`` of a [BN, BD] value tile in the forward's masked tiles: ``clean``
+    is ``x`` with its NaN / +-inf entries set to 0 (``x != x`` finds NaN: Triton's max / min
+    may drop it), ``poison`` [BN] fp32 is 0 where the row is all finite and NaN where it is
+    not. Excluded pairs multiply these rows by an exact 0 (P @ V): with ``clean`` they add 0,
+    and ``poison`` added to an allowed pair's score makes its query row non-finite as the raw
+    row would (the kernels' form of reference.finite_or_zero / row_poison)."""
     bad = (x != x) | (tl.abs(x) == float("inf"))
     clean = tl.where(bad, 0.0, x).to(x.dtype)
     poison = tl.where(tl.max(bad.to(tl.int32), 1) != 0, float("nan"), 0.0)
