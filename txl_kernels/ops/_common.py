@@ -196,9 +196,9 @@ def finite_rows(x):
     not. Excluded pairs multiply these rows by an exact 0 (P @ V): with ``clean`` they add 0,
     and ``poison`` added to an allowed pair's score makes its query row non-finite as the raw
     row would (the kernels' form of reference.finite_or_zero / row_poison)."""
-    bad = (x != x) | (tl.abs(x) == float("inf"))
-    clean = tl.where(bad, 0.0, x).to(x.dtype)
-    poison = tl.where(tl.max(bad.to(tl.int32), 1) != 0, float("nan"), 0.0)
+    z = x * 0.0  # NaN where x is NaN or +-inf, else 0
+    clean = tl.where(z == z, x, 0.0).to(x.dtype)
+    poison = tl.sum(z.to(tl.float32), 1)
     return clean, poison
 
 
