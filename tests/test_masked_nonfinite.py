@@ -309,3 +309,57 @@ def test_allowed_nonfinite_v_on_every_tile(backend):
     out, g = _run(backend, _poison(ts, [("v", (0, 0))], float("nan")), causal=True)
     assert not torch.isfinite(out).all(dim=-1).any()
     assert not torch.isfinite(g[0]).all(dim=-1).any()
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fused_forward_tiles_and_splits(num_splits):
+    """The Triton forward itself (16 x 16 tiles under the interpreter), causal 48 x 48, v of
+    key 20 NaN: rows 32..47 see it in a mask-free interior tile, rows 20..31 in the masked
+    diagonal tile (rows 16..19 of that tile exclude it), rows 0..15 never load it. Rows
+    20..47 are not finite (lse too), rows 0..19 equal the run with v[20] = 0, with and
+    without split-K."""
+    from txl_kernels.ops.rel_attn_fwd import rel_attn_fwd
+
+    ts = _inputs("triton", 48, 48)
+    runs = [rel_attn_fwd(*_poison(ts, [("v", (0, 20))], x), 0.25, -1, 0,
+                         num_splits=num_splits) for x in (0.0, float("nan"))]
+    (out0, lse0), (out, lse) = runs
+    _assert_same("triton", out[:, :20], out0[:, :20], "rows 0..19")
+    _assert_same("triton", lse[..., :20], lse0[..., :20], "lse of rows 0..19")
+    assert not torch.isfinite(out[:, 20:]).all(dim=-1).any(), "rows 20..47 see key 20"
+    assert not torch.isfinite(lse[..., 20:]).any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_8bit_memory_fp8_values(backend):
+    """A float8_e4m3fn memory (whose data can hold NaN): a NaN entry of padded row 1's v
+    changes nothing; a NaN entry of row 0's v (allowed for every query row) or a
+    non-finite v_scale of row 2 makes every output row non-finite."""
+    dev = SETUP[backend][2]
+    D = SETUP[backend][1]
+    g = torch.Generator().manual_seed(4)
+    M, Lc, Lq = 3, 4, 4
+    q, k, v = (torch.randn(1, L, 1, D, generator=g).to(dev) for L in (Lq, Lc, Lc))
+    r = torch.randn(M + Lc + Lq - 1, 1, D, generator=g).to(dev)
+    u, vb = (torch.randn(1, D, generator=g).to(dev) for _ in range(2))
+    mem = quantize_kv(torch.randn(1, M, 1, D, generator=g).to(dev),
+                      torch.randn(1, M, 1, D, generator=g).to(dev), torch.float8_e4m3fn)
+    kpm = torch.zeros(1, M + Lc, dtype=torch.bool, device=dev)
+    kpm[0, 1] = True
+
+    def run(row, x, scale=None):
+        data, v_scale = mem.v.clone(), mem.v_scale.clone()
+        if scale is None:
+            data[0, row, 0, 1] = x
+        else:
+            v_scale[0, row, 0] = scale
+        m = QuantizedKV(mem.k, mem.k_scale, data, v_scale)
+        with torch.no_grad():
+            return rel_attention(q, k, v, r, u, vb, memory=m, key_padding_mask=kpm,
+                                 causal=True, backend=backend)
+
+    out0, out = run(1, 0.0), run(1, float("nan"))
+    assert torch.isfinite(out).all()
+    _assert_same(backend, out, out0, "output")
+    assert not torch.isfinite(run(0, float("nan"))).all(dim=-1).any()
+    assert not torch.isfinite(run(2, 0.0, float("inf"))).all(dim=-1).any()

@@ -189,20 +189,6 @@ def pair_mask(offs_i, j0, BLOCK_N: tl.constexpr, pattern, HAS_WL: tl.constexpr,
 
 
 @triton.jit
-def finite_rows(x):
-    """``(clean, poison)`` of a [BN, BD] value tile in the forward's masked tiles: ``clean``
-    is ``x`` with its NaN / +-inf entries set to 0 (``x != x`` finds NaN: Triton's max / min
-    may drop it), ``poison`` [BN] fp32 is 0 where the row is all finite and NaN where it is
-    not. Excluded pairs multiply these rows by an exact 0 (P @ V): with ``clean`` they add 0,
-    and ``poison`` added to an allowed pair's score makes its query row non-finite as the raw
-    row would (the kernels' form of reference.finite_or_zero / row_poison)."""
-    z = x * 0.0  # NaN where x is NaN or +-inf, else 0
-    clean = tl.where(z == z, x, 0.0).to(x.dtype)
-    poison = tl.sum(z.to(tl.float32), 1)
-    return clean, poison
-
-
-@triton.jit
 def load_8bit(ptrs, msk):
     """fp32 values of 8-bit memory data (int8 / float8_e4m3fn) at ``ptrs``, 0 where not
     ``msk``. (int8 by I2F: in the static model of the decode loop (tools/decode_static.py)

@@ -35,11 +35,12 @@ import triton.language as tl
 
 from .._arch import config_family
 from .._utils import describe
-from ..quant import QuantizedKV
+from ..quant import QuantizedKV, dequantize_per_token
+from ..reference import finite_or_zero, row_poison
 from ._common import (INTERPRET, LOG2E, apply_mask_band, autotune_enabled, descriptors_ok,
                       dot_precision, draw_dropout_seed, dropout_apply, dropout_flags,
                       dropout_keep, dropout_keep_mask, dropout_threshold, ensure_scratch_allocator,
-                      finite_rows, interior_tiles, key_range, last_dim_contiguous, length_bucket,
+                      interior_tiles, key_range, last_dim_contiguous, length_bucket,
                       load_bias_operands, load_dequant, load_dropout_seed, memory_bases,
                       memory_launch_args, operand_workspace, pair_mask, rotate_rows, round_bf16,
                       store_bias_operands, tile_run, to_operand)
@@ -115,7 +116,7 @@ def _cur_rows(src, j0, mem_m, cm, OUT_TY: tl.constexpr):
 
 @triton.jit
 def _load_kv_mem(qsrc, src, j0, mem_m, offs_n, n_ok, d_ok, EVEN_D: tl.constexpr,
-                 UPCAST: tl.constexpr):
+                 UPCAST: tl.constexpr, mem_ok=None):
     """QUANT_MEM: the [BN, BLOCK_D] key / value tile of rows j0.. of [memory; current]: rows
     j < mem_m are the 8-bit memory's, dequantised in registers (``load_dequant``), rows
     j >= mem_m the current segment's row j - mem_m (compute dtype). A tile across j = mem_m
@@ -123,28 +124,31 @@ def _load_kv_mem(qsrc, src, j0, mem_m, offs_n, n_ok, d_ok, EVEN_D: tl.constexpr,
     memory / in the current rows / across), so that only the tile across holds both loads
     (sm_90, bf16 / fp16 D 64: no spills, against 100-150 B with both loads on every tile);
     fp32: one path for all tiles (with the branches, ptxas gave the exact-fp32 config a
-    4.4 KB stack frame, against 0.7 KB)."""
+    4.4 KB stack frame, against 0.7 KB). ``mem_ok``: the memory rows to load (default: all;
+    the others come back 0)."""
     in_mem = offs_n < mem_m
     cur = n_ok & (offs_n >= mem_m)
+    if mem_ok is None:
+        mem_ok = in_mem
     if EVEN_D:
-        mm = in_mem[:, None]
+        mm = mem_ok[:, None]
         cm = cur[:, None]
     else:
-        mm = in_mem[:, None] & d_ok[None, :]
+        mm = mem_ok[:, None] & d_ok[None, :]
         cm = cur[:, None] & d_ok[None, :]
     X_bh, _, _ = src
     X_ELT: tl.constexpr = X_bh.dtype.element_ty
     OUT_TY: tl.constexpr = tl.float32 if UPCAST else X_ELT
     BN: tl.constexpr = offs_n.shape[0]
     if X_ELT == tl.float32:
-        x = tl.where(in_mem[:, None], _mem_rows(qsrc, j0, offs_n, in_mem, mm, OUT_TY, UPCAST),
+        x = tl.where(in_mem[:, None], _mem_rows(qsrc, j0, offs_n, mem_ok, mm, OUT_TY, UPCAST),
                      _cur_rows(src, j0, mem_m, cm, OUT_TY))
     elif j0 + BN <= mem_m:
-        x = _mem_rows(qsrc, j0, offs_n, in_mem, mm, OUT_TY, UPCAST)
+        x = _mem_rows(qsrc, j0, offs_n, mem_ok, mm, OUT_TY, UPCAST)
     elif j0 >= mem_m:
         x = _cur_rows(src, j0, mem_m, cm, OUT_TY)
     else:
-        x = tl.where(in_mem[:, None], _mem_rows(qsrc, j0, offs_n, in_mem, mm, OUT_TY, UPCAST),
+        x = tl.where(in_mem[:, None], _mem_rows(qsrc, j0, offs_n, mem_ok, mm, OUT_TY, UPCAST),
                      _cur_rows(src, j0, mem_m, cm, OUT_TY))
     return x
 
@@ -180,7 +184,8 @@ def _attend_tile(acc, m_i, l_i, t0, t1, t, qu, qv, tile, kv, rel, pattern, drop,
     l_i took it (the 1 / (1 - p) rescale is applied to the output once, by the caller).
     QUANT_MEM: keys / values from ``_load_kv_mem``."""
     i0, offs_m, offs_n0, d_ok, rot, take_first, first_is_0, qk_scale = tile
-    k_src, v_src, kq_src, vq_src, mem_m = kv
+    k_src, v_src, kq_src, vq_src, mem_m, KB_bh = kv
+    POISON: tl.constexpr = HAS_WL or HAS_WR or HAS_KPM or HAS_MASK or HAS_BAND  # (any mask)
     Lq = pattern[2]
     Lk = pattern[3]
     j0 = t * BLOCK_N
@@ -205,14 +210,18 @@ def _attend_tile(acc, m_i, l_i, t0, t1, t, qu, qv, tile, kv, rel, pattern, drop,
     # AC + BD (Triton folds the add into the wgmma's accumulator); scale * log2(e) is applied
     # in the exponent's FMA below
     s = tl.dot(qu, tl.trans(k), input_precision=DOT_PREC) + bd
-    if MASKED:
-        # V's tile first: its non-finite entries become 0 (P = 0 on excluded pairs must add
-        # exactly 0 to P @ V), and a NaN score on the allowed pairs of a non-finite V row keeps
-        # their query rows non-finite (a non-finite K / r row already gives a NaN score)
-        v, v_poison = finite_rows(_key_value_tile(v_src, vq_src, j0, mem_m, offs_n, n_ok, d_ok,
-                                                  MASKED, EVEN_D, UPCAST, USE_DESC, QUANT_MEM))
+    if MASKED and POISON:
+        # the key bias (``masked_value_operands``) in the key padding's place: -inf on padded
+        # keys, NaN on the allowed pairs of a key whose value row is not finite (V's tile holds
+        # it as 0, a non-finite K / r row already scores NaN), 0 elsewhere
+        kb = tl.load(KB_bh + offs_n, mask=n_ok, other=float("-inf"))
+        ok = pair_mask(offs_m, j0, BLOCK_N, pattern, HAS_WL, HAS_WR, False, HAS_MASK, HAS_BAND)
+        if HAS_KPM:
+            ok = ok & (kb != float("-inf"))[None, :]
+        s = tl.where(ok, s + kb[None, :], float("-inf"))
+    elif MASKED:
         s = tl.where(pair_mask(offs_m, j0, BLOCK_N, pattern, HAS_WL, HAS_WR, HAS_KPM, HAS_MASK,
-                               HAS_BAND), s + v_poison[None, :], float("-inf"))
+                               HAS_BAND), s, float("-inf"))
 
     # ---- online softmax (log2 domain)
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
@@ -236,7 +245,14 @@ def _attend_tile(acc, m_i, l_i, t0, t1, t, qu, qv, tile, kv, rel, pattern, drop,
         flags, sel = dropout_flags(drop_seed, drop_off, pid_bh, i0, j0, Lq, drop_thresh,
                                    BLOCK_M, BLOCK_N)
         pv = dropout_apply(to_operand(p, qu.dtype, UPCAST), flags, sel)
-    if not MASKED:
+    if QUANT_MEM and MASKED and POISON:
+        # the memory's rows of a NaN key bias as 0 (the launcher zeroed v's, not the memory's:
+        # the kernel reads it in place)
+        v = _load_kv_mem(vq_src, v_src, j0, mem_m, offs_n, n_ok, d_ok, EVEN_D, UPCAST,
+                         (offs_n < mem_m) & (kb == 0.0))
+        if UPCAST:
+            v = v.to(tl.float32)
+    else:
         v = _key_value_tile(v_src, vq_src, j0, mem_m, offs_n, n_ok, d_ok, MASKED, EVEN_D,
                             UPCAST, USE_DESC, QUANT_MEM)
     if not WORD_MASK:  # (rounded after V's load: before it, sm_100's 8-bit memory spills)
@@ -319,7 +335,7 @@ def _program_setup(K, V, R, strides, masks, memory, H, Lq, Lk, R_rows, D,
     (K / V sources, the 8-bit memory's, mem_m), rel what _window_chunk reads, pattern what
     ``pair_mask`` masks with."""
     _, stride_k, stride_v, stride_r, _, _ = strides
-    window_left, window_right, KPM, stride_kpm, MASK, stride_m, BAND = masks
+    window_left, window_right, KPM, stride_kpm, MASK, stride_m, BAND, KBIAS, _ = masks
     pid_bh = tl.program_id(0)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
@@ -347,7 +363,7 @@ def _program_setup(K, V, R, strides, masks, memory, H, Lq, Lk, R_rows, D,
     kq_src, vq_src, mem_m = memory_bases(memory, b, h, offs_n0, offs_d)
     kv = ((K_bh, offs_n0[:, None] * stride_k[1] + offs_d[None, :], stride_k[1]),
           (V_bh, offs_n0[:, None] * stride_v[1] + offs_d[None, :], stride_v[1]),
-          kq_src, vq_src, mem_m)
+          kq_src, vq_src, mem_m, KBIAS + pid_bh.to(tl.int64) * Lk)
     rel = (R_h, offs_n0[:, None] * stride_r[0] + offs_d[None, :], stride_r[0], R_rows)
     pattern = (b, h, Lq, Lk, window_left, window_right, band_on, KPM, stride_kpm, MASK,
                stride_m)
@@ -455,6 +471,15 @@ def _rel_attn_fwd_kernel(
                     HAS_WL, HAS_WR, HAS_KPM, HAS_MASK, HAS_BAND, run != 1, EVEN_D, UPCAST,
                     DOT_PREC, USE_DESC, BLOCK_M, BLOCK_N, DROPOUT, QUANT_MEM)
 
+    if (HAS_WL or HAS_WR or HAS_BAND) and not (HAS_KPM or HAS_MASK):
+        # a key of the interior tiles whose value row is not finite (V's tile holds it as 0):
+        # every row of this tile may see it, so each is NaN (the count of such keys before
+        # each j from the launcher's ``masked_value_operands``)
+        KCOUNT = masks[8] + pid_bh.to(tl.int64) * (Lk + 1)
+        has_in = t_out > t_in
+        n_bad = (tl.load(KCOUNT + t_out * BLOCK_N, mask=has_in, other=0)
+                 - tl.load(KCOUNT + t_in * BLOCK_N, mask=has_in, other=0))
+        l_i = tl.where(n_bad == 0, l_i, float("nan"))
     has_key = l_i != 0.0  # (as in _store_rows: a NaN l_i stays NaN)
     l_safe = tl.where(has_key, l_i, 1.0)
     if DROPOUT:  # the kept probabilities' 1 / (1 - p)
@@ -695,6 +720,33 @@ def choose_num_splits(B: int, H: int, Lq: int, Lk: int, window_left: int, window
     return int(max(1, min(triton.cdiv(4 * num_sms, base), by_keys, 64)))
 
 
+def masked_value_operands(v: torch.Tensor, memory: Optional[QuantizedKV],
+                          key_padding_mask: Optional[torch.Tensor], dtype: torch.dtype):
+    """``(v, key_bias, key_count)`` for a forward launch in which a mask or window can
+    exclude pairs. ``v`` with its non-finite entries set to 0, so that ``P = 0`` on an
+    excluded pair adds exactly 0 to ``P @ V``; ``key_bias`` ``[B, H, Lk]`` fp32: -inf for a
+    padded key, NaN for a key whose value row is not finite (v's row, or the 8-bit memory's
+    row dequantised to ``dtype``: data and scale), else 0. The masked tiles add it to the
+    allowed pairs' scores, so that such a key still makes every query row allowed to see it
+    NaN, and load the memory's rows of a NaN bias as 0 (the memory is read in place).
+    ``key_count`` ``[B, H, Lk + 1]`` int32: the number of NaN-biased keys before each j, from
+    which a program makes its rows NaN after the key loop when its mask-free interior tiles
+    (which add no bias) held one. A few elementwise passes over v and the memory's values:
+    the same selects in the kernel's tiles spill on sm_90."""
+    bad = row_poison(v, torch.float32)  # [B, Lc, H]: NaN where the row is not finite
+    v = finite_or_zero(v)
+    if memory is not None and memory.v.shape[1] > 0:
+        mem_bad = row_poison(dequantize_per_token(memory.v, memory.v_scale, dtype),
+                             torch.float32)
+        bad = torch.cat([mem_bad, bad], dim=1)
+    key_bias = bad.transpose(1, 2)
+    if key_padding_mask is not None:
+        key_bias = key_bias.masked_fill(key_padding_mask[:, None, :], float("-inf"))
+    key_bias = key_bias.contiguous()
+    key_count = torch.nn.functional.pad(key_bias.isnan().cumsum(-1, dtype=torch.int32), (1, 0))
+    return v, key_bias, key_count
+
+
 def rel_attn_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.Tensor,
     r_w_bias: torch.Tensor, r_r_bias: torch.Tensor, softmax_scale: float,
@@ -758,7 +810,6 @@ def rel_attn_fwd(
         raise ValueError(f"rel_attn_fwd: softmax_scale must be finite and > 0, "
                          f"got {softmax_scale!r}")
     q, k, v, r, u, vb = (last_dim_contiguous(t) for t in (q, k, v, r, r_w_bias, r_r_bias))
-    mem_arg = memory_launch_args(memory, k, v)
 
     out = torch.empty((B, Lq, H, D), dtype=dtype, device=q.device)
     lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
@@ -817,9 +868,14 @@ def rel_attn_fwd(
         dropout_seed = draw_dropout_seed(q.device)
     seed_arg = dropout_seed if dropout else lse  # unused without dropout
 
+    if window_left >= 0 or window_right >= 0 or has_kpm or has_mask:  # (the kernel's POISON)
+        v, key_bias, key_count = masked_value_operands(v, memory, key_padding_mask, dtype)
+    else:  # no pair is excluded: V as given, no bias (unused placeholders)
+        key_bias, key_count = lse, lse
+    mem_arg = memory_launch_args(memory, k, v)
     strides = (_bmh(q), _bmh(k), _bmh(v), tuple(r.stride()[:2]), (u.stride(0), vb.stride(0)),
                _bmh(out))
-    masks = (wl_arg, wr_arg, kpm, kpm_strides, am, am_strides, band)
+    masks = (wl_arg, wr_arg, kpm, kpm_strides, am, am_strides, band, key_bias, key_count)
     dropout_arg = (seed_arg, dropout_threshold(dropout_p) if dropout else 0,
                    1.0 / (1.0 - dropout_p))
     if operand_tiles:
