@@ -15,8 +15,9 @@ k / v (``Lk = M + Lc`` everywhere above), loaded in 8 bits and dequantised in re
 
 Invariants. No Lq x Lk tensor in global memory; fp32 accumulation; q + u and q + vb summed in
 fp32 and rounded once (the backward relies on the same rounding); rows with no allowed key give
-out 0 and lse = +inf; r rows outside [0, R) are never read; BLOCK_M <= 2 BLOCK_N. Arguments are
-validated by ``rel_attention``; the launcher only asserts.
+out 0 and lse = +inf; what a mask excludes never reaches a result, NaN / inf included
+(``masked_value_operands``); r rows outside [0, R) are never read; BLOCK_M <= 2 BLOCK_N.
+Arguments are validated by ``rel_attention``; the launcher only asserts.
 
 Derivations: docs/DESIGN.md, sections "The skew" (window chunks, ``_common.rotate_rows``),
 "Window reuse", "Masking and tile skipping" (mask-free interior tiles), "Split-K (forward)",
@@ -182,7 +183,9 @@ def _attend_tile(acc, m_i, l_i, t0, t1, t, qu, qv, tile, kv, rel, pattern, drop,
     threshold). MASKED = False: an interior tile (every pair allowed, every key < Lk, no
     padding / dense mask): no mask work at all. DROPOUT: P is dropped after the normaliser
     l_i took it (the 1 / (1 - p) rescale is applied to the output once, by the caller).
-    QUANT_MEM: keys / values from ``_load_kv_mem``."""
+    QUANT_MEM: keys / values from ``_load_kv_mem``. With any mask (POISON) the masked tiles
+    add the key bias of ``masked_value_operands`` (row ``KB_bh``) to the allowed pairs' scores
+    in place of the key padding mask, and load the 8-bit memory's rows of a NaN bias as 0."""
     i0, offs_m, offs_n0, d_ok, rot, take_first, first_is_0, qk_scale = tile
     k_src, v_src, kq_src, vq_src, mem_m, KB_bh = kv
     POISON: tl.constexpr = HAS_WL or HAS_WR or HAS_KPM or HAS_MASK or HAS_BAND  # (any mask)
@@ -316,7 +319,8 @@ def _rel_attn_fwd_operands_kernel(Q, U, VB, A_OP, QV_OP, stride_q, stride_bias, 
 # The forward kernel's inputs, in the backward kernels' layout: the pointers, their strides as
 # one tuple ``strides`` ((qb, qm, qh), (kb, kn, kh), (vb, vn, vh), (rp, rh), (uh, vbh),
 # (ob, om, oh)), the sizes, the masks as ``masks`` (window_left, window_right, KPM,
-# (kpm_b, kpm_n), MASK, (mb, mh, mm, mn), BAND), the dropout as ``dropout`` (SEED, threshold,
+# (kpm_b, kpm_n), MASK, (mb, mh, mm, mn), BAND, KBIAS, KCOUNT: the last two
+# ``masked_value_operands``' key bias and count, read when any mask is on), the dropout as ``dropout`` (SEED, threshold,
 # 1 / (1 - p)) and the 8-bit memory as ``memory`` (``_common.memory_launch_args``);
 # _program_setup turns them into per-(batch, head) tuples that the tile helpers unpack.
 # LQ_BUCKET / LK_BUCKET are autotune keys only.
@@ -332,7 +336,7 @@ def _program_setup(K, V, R, strides, masks, memory, H, Lq, Lk, R_rows, D,
     [BLOCK_N, BLOCK_D] tiles of r, and of K / V without an 8-bit memory, come through TMA
     descriptors made here (zero fill past the rows / D: no pointer math, no masks). Returns
     (pid_bh, b, h, window_left, window_right, kv, rel, pattern): kv what _key_value_tile reads
-    (K / V sources, the 8-bit memory's, mem_m), rel what _window_chunk reads, pattern what
+    (K / V sources, the 8-bit memory's, mem_m) and this (b, h)'s key bias row, rel what _window_chunk reads, pattern what
     ``pair_mask`` masks with."""
     _, stride_k, stride_v, stride_r, _, _ = strides
     window_left, window_right, KPM, stride_kpm, MASK, stride_m, BAND, KBIAS, _ = masks
@@ -459,6 +463,16 @@ def _rel_attn_fwd_kernel(
     if not (HAS_KPM or HAS_MASK):
         t_in, t_out = interior_tiles(i0, i0 + BLOCK_M - 1, BLOCK_N, t_begin, t_end, Lk, mlen,
                                      window_left, window_right, HAS_WL, HAS_WR)
+        if HAS_WL or HAS_WR:
+            # a key of the interior tiles whose value row is not finite (v's row zeroed by the
+            # launcher, and these tiles add no key bias): every row of this tile may see it,
+            # so each starts with a NaN sum (NaN * alpha + ... stays NaN). The launcher's
+            # ``masked_value_operands`` count of such keys before each j says.
+            KCOUNT = masks[8] + pid_bh.to(tl.int64) * (Lk + 1)
+            has_in = t_out > t_in
+            n_bad = (tl.load(KCOUNT + t_out * BLOCK_N, mask=has_in, other=0)
+                     - tl.load(KCOUNT + t_in * BLOCK_N, mask=has_in, other=0))
+            l_i += tl.where(n_bad == 0, 0.0, float("nan"))
     # three runs of tiles: [t_begin, t_in) the left band edge (masked), [t_in, t_out) the
     # interior (mask-free), [t_out, t_end) the right edge and padding (masked); only the last
     # exists with a padding or dense mask, the first only with a left window
@@ -471,15 +485,6 @@ def _rel_attn_fwd_kernel(
                     HAS_WL, HAS_WR, HAS_KPM, HAS_MASK, HAS_BAND, run != 1, EVEN_D, UPCAST,
                     DOT_PREC, USE_DESC, BLOCK_M, BLOCK_N, DROPOUT, QUANT_MEM)
 
-    if (HAS_WL or HAS_WR or HAS_BAND) and not (HAS_KPM or HAS_MASK):
-        # a key of the interior tiles whose value row is not finite (V's tile holds it as 0):
-        # every row of this tile may see it, so each is NaN (the count of such keys before
-        # each j from the launcher's ``masked_value_operands``)
-        KCOUNT = masks[8] + pid_bh.to(tl.int64) * (Lk + 1)
-        has_in = t_out > t_in
-        n_bad = (tl.load(KCOUNT + t_out * BLOCK_N, mask=has_in, other=0)
-                 - tl.load(KCOUNT + t_in * BLOCK_N, mask=has_in, other=0))
-        l_i = tl.where(n_bad == 0, l_i, float("nan"))
     has_key = l_i != 0.0  # (as in _store_rows: a NaN l_i stays NaN)
     l_safe = tl.where(has_key, l_i, 1.0)
     if DROPOUT:  # the kept probabilities' 1 / (1 - p)
@@ -730,8 +735,8 @@ def masked_value_operands(v: torch.Tensor, memory: Optional[QuantizedKV],
     allowed pairs' scores, so that such a key still makes every query row allowed to see it
     NaN, and load the memory's rows of a NaN bias as 0 (the memory is read in place).
     ``key_count`` ``[B, H, Lk + 1]`` int32: the number of NaN-biased keys before each j, from
-    which a program makes its rows NaN after the key loop when its mask-free interior tiles
-    (which add no bias) held one. A few elementwise passes over v and the memory's values:
+    which a program starts its rows' softmax sums at NaN when its mask-free interior tiles
+    (which add no bias) hold one. A few elementwise passes over v and the memory's values:
     the same selects in the kernel's tiles spill on sm_90."""
     bad = row_poison(v, torch.float32)  # [B, Lc, H]: NaN where the row is not finite
     v = finite_or_zero(v)
