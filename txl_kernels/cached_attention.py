@@ -25,6 +25,7 @@ from ._cpp_ops import use_extension
 from ._utils import FUSED_DTYPES
 from .functional import fused_available, rel_attention
 from .quant import QuantizedKV
+from .reference import finite_or_zero, row_poison
 
 __all__ = ["cached_attention", "cached_attention_route", "use_cpu_decode_op",
            "decode_extension_args", "decode_attention_cpu", "decode_attention_torch",
@@ -215,8 +216,11 @@ def segment_attention_torch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale: float
     masked = j > i
     if window_left >= 0:
         masked |= j < i - window_left
+    # a non-finite v row: NaN on its keys' scores (the rows that may see it stay non-finite)
+    # and 0 in P V (the rows that may not add P = 0 times it: exactly 0)
+    scores += row_poison(v, scores.dtype).permute(0, 2, 1).reshape(B * H, 1, Lk)
     scores.masked_fill_(masked, float("-inf"))
     prob = pos.view(B * H, Lq, Lk)
     torch._softmax(scores, -1, False, out=prob)
-    out = torch.bmm(prob, v.permute(0, 2, 1, 3).reshape(B * H, Lk, D))
+    out = torch.bmm(prob, finite_or_zero(v.permute(0, 2, 1, 3)).reshape(B * H, Lk, D))
     return out.view(B, H, Lq, D).transpose(1, 2)

@@ -38,7 +38,7 @@ from ._utils import (FUSED_DTYPES, FUSED_MAX_HEADDIM, FUSED_MIN_HEADDIM, check_s
 from .functional import (BACKENDS, check_deterministic, check_dropout_p, check_padding_mask,
                          check_position_rows, check_softmax_scale, check_tensor, check_window,
                          clamp_window, fused_available)
-from .reference import in_window, rel_shift
+from .reference import finite_or_zero, in_window, rel_shift, row_poison
 
 __all__ = ["context_parallel_rel_attention", "shard_sequence", "unshard_sequence",
            "layout_chunks", "LAYOUTS"]
@@ -142,14 +142,19 @@ def _window(a0: int, A: int, b0: int, Bk: int, prob: _Problem, R: int):
     return lo, hi, top, W - top - (hi - lo)
 
 
-def _block_scores(qc, kc, r_rows, pad, u, vb, scale, a0, b0, prob: _Problem, wl, wr, kpm_c):
+def _block_scores(qc, kc, vc, r_rows, pad, u, vb, scale, a0, b0, prob: _Problem, wl, wr,
+                  kpm_c):
     """Scaled scores ``[B, H, A, Bk]`` of one chunk pair (masked pairs at -inf), in the
-    accumulation dtype, from the rows of ``r`` its window reads (zero rows padded around)."""
+    accumulation dtype, from the rows of ``r`` its window reads (zero rows padded around).
+    As in the reference, the products take the finite part of k / r and a pair whose k, v
+    (``vc``) or r row is not finite scores NaN (hidden by the mask where it is excluded)."""
     A, Bk = qc.shape[1], kc.shape[1]
     acc = torch.float64 if qc.dtype == torch.float64 else torch.float32
     r_win = torch.nn.functional.pad(r_rows, (0, 0, 0, 0) + pad)
-    ac = torch.einsum("bihd,bjhd->bhij", (qc + u).to(acc), kc.to(acc))
-    bdt = torch.einsum("bihd,phd->bhip", (qc + vb).to(acc), r_win.to(acc))
+    ac = torch.einsum("bihd,bjhd->bhij", (qc + u).to(acc), finite_or_zero(kc).to(acc))
+    ac = ac + (row_poison(kc, acc) + row_poison(vc, acc)).transpose(1, 2)[:, :, None]
+    bdt = torch.einsum("bihd,phd->bhip", (qc + vb).to(acc), finite_or_zero(r_win).to(acc))
+    bdt = bdt + row_poison(r_win, acc).t()[None, :, None]
     s = (ac + rel_shift(bdt, Bk)) * scale
     i = torch.arange(A, device=qc.device)[:, None] + (a0 + prob.mem)
     j = torch.arange(Bk, device=qc.device)[None, :] + b0
@@ -174,10 +179,6 @@ class _Dropout:
         from .ops._common import dropout_keep_block, dropout_keep_scale
         keep = dropout_keep_block(self.seed, *self.shape, self.p, (a0, A), (b0, Bk))
         return keep.to(dtype) * dropout_keep_scale(self.p)
-
-
-def _finite_or_zero(x: Tensor) -> Tensor:
-    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
 
 
 def _kernel_boxes(a0: int, A: int, b0: int, Bk: int, mem: int, wl: int, wr: int):
@@ -324,7 +325,7 @@ def _merge(out: Tensor, lse: Tensor, i0: int, n: int, blk: Tensor, blk_lse: Tens
     ``out`` / ``lse``."""
     old = lse[:, :, i0:i0 + n]
     new = torch.logaddexp(old, blk_lse)
-    safe = _finite_or_zero(new)
+    safe = finite_or_zero(new)
     w_old = torch.exp(old - safe).transpose(1, 2)[..., None]
     w_blk = torch.exp(blk_lse - safe).transpose(1, 2)[..., None]
     out[:, i0:i0 + n] = out[:, i0:i0 + n] * w_old + blk * w_blk
@@ -421,14 +422,16 @@ def _ring_forward(q, k, v, kpm, r, u, vb, scale, wl, wr, prob: _Problem, ring: _
                     _merge(out, lse, qoff + i_lo, n_i, o.to(acc), blk_lse)
                 continue
             lo, hi, top, bottom = _window(a0, A, b0, Bk, prob, r.shape[0])
-            s = _block_scores(qc, kb[:, koff:koff + Bk], r[lo:hi], (top, bottom), u, vb,
-                              scale, a0, b0, prob, wl, wr, kpmb[:, koff:koff + Bk])
+            s = _block_scores(qc, kb[:, koff:koff + Bk], vb_[:, koff:koff + Bk], r[lo:hi],
+                              (top, bottom), u, vb, scale, a0, b0, prob, wl, wr,
+                              kpmb[:, koff:koff + Bk])
             blk_lse = torch.logsumexp(s, dim=-1)
-            p = torch.exp(s - _finite_or_zero(blk_lse)[..., None])
+            p = torch.exp(s - finite_or_zero(blk_lse)[..., None])
             z = drop.factor(a0, A, b0, Bk, p.dtype)
             if z is not None:  # the lse stays that of the undropped scores
                 p = p * z
-            blk = torch.einsum("bhij,bjhd->bihd", p, vb_[:, koff:koff + Bk].to(acc))
+            blk = torch.einsum("bhij,bjhd->bihd", p,
+                               finite_or_zero(vb_[:, koff:koff + Bk]).to(acc))
             _merge(out, lse, qoff, A, blk, blk_lse)
         ring.log("compute_end", step)
         if pending is not None:
@@ -446,7 +449,7 @@ def _ring_backward(dout, q, k, v, kpm, r, u, vb, out, lse, scale, wl, wr, prob: 
     else:
         dout_a = dout.to(acc)
         delta = (dout_a * out.to(acc)).sum(-1).transpose(1, 2)  # [B, H, Lq]
-        lse_safe = _finite_or_zero(lse)
+        lse_safe = finite_or_zero(lse)
     dq = torch.zeros_like(q, dtype=acc)
     dr = torch.zeros_like(r, dtype=acc)
     du = torch.zeros_like(u, dtype=acc)
@@ -518,11 +521,11 @@ def _block_grads(qc, kc, vc, r, u, vb, scale, a0, b0, prob, wl, wr, kpm_c, lse_c
     with torch.enable_grad():
         leaves = [t.detach().to(acc).requires_grad_() for t in (qc, kc, vc, r[lo:hi], u, vb)]
         q_, k_, v_, rw_, u_, vb_ = leaves
-        s = _block_scores(q_, k_, rw_, (top, bottom), u_, vb_, scale, a0, b0, prob, wl, wr,
-                          kpm_c)
+        s = _block_scores(q_, k_, v_, rw_, (top, bottom), u_, vb_, scale, a0, b0, prob, wl,
+                          wr, kpm_c)
         p = torch.exp(s - lse_c[..., None])
         pz = p if z is None else p * z
-        o = torch.einsum("bhij,bjhd->bihd", pz, v_.to(p.dtype))
+        o = torch.einsum("bhij,bjhd->bihd", pz, finite_or_zero(v_).to(p.dtype))
         loss = (dout_c * o).sum() - (delta_c * p.sum(-1)).sum()
         grads = torch.autograd.grad(loss, leaves, allow_unused=True)
     gq, gk, gv, gr, gu, gvb = (torch.zeros_like(t) if g is None else g

@@ -16,7 +16,8 @@ from torch import Tensor
 import torch.nn.functional as F
 
 __all__ = ["rel_shift", "rel_shift_pad_reshape", "rel_attention_reference", "allowed_pairs",
-           "pair_distance", "in_window", "in_band", "autocast_dtype"]
+           "pair_distance", "in_window", "in_band", "autocast_dtype", "finite_or_zero",
+           "row_poison"]
 
 
 def rel_shift_pad_reshape(x: torch.Tensor) -> torch.Tensor:
@@ -47,6 +48,25 @@ def rel_shift(bdt: torch.Tensor, klen: int) -> torch.Tensor:
     flat = F.pad(bdt, (0, width - rlen)).reshape(*lead, qlen * width)
     rows = flat[..., qlen - 1:qlen - 1 + qlen * (width - 1)]
     return rows.reshape(*lead, qlen, width - 1)[..., :klen]
+
+
+def finite_or_zero(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with its NaN / +-inf entries replaced by 0 (the gradient passes where x is
+    finite, 0 elsewhere): the operands of the products in which excluded pairs take part with
+    an exact 0 (``P @ V``, ``dS @ K``, ``dS @ R``), so that 0 * NaN cannot leak into allowed
+    results."""
+    return torch.where(torch.isfinite(x), x, x.new_zeros(()))
+
+
+def row_poison(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[...]`` of ``dtype`` for ``x`` ``[..., D]``: 0 where the row ``x[..., :]`` is all
+    finite, NaN where it holds a NaN or +-inf. Added to the scores of the pairs that use the
+    row, it makes an allowed pair with a non-finite operand poison its query row (as the
+    product with the raw operand would), while ``finite_or_zero`` keeps the row out of every
+    pair the mask excludes (whose score the mask then replaces by -inf)."""
+    bad = ~torch.isfinite(x).all(dim=-1)
+    return torch.where(bad, torch.full((), float("nan"), dtype=dtype, device=x.device),
+                       torch.zeros((), dtype=dtype, device=x.device))
 
 
 def pair_distance(lq: int, lk: int, device) -> torch.Tensor:
@@ -110,7 +130,11 @@ def rel_attention_reference(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias
 
     The AC and BD products are accumulated in fp32 for fp16/bf16 inputs (from fp32 copies of
     ``q + bias``, ``k`` and ``r``), and the scores, softmax and log-sum-exp are held in fp32
-    (fp64 inputs stay fp64). Returns ``[B, Lq, H, D]`` in q's dtype, and with ``return_lse`` also the
+    (fp64 inputs stay fp64). What the masks exclude never reaches a result, even where the
+    excluded k / v / r rows hold NaN or inf: the products use their finite parts
+    (``finite_or_zero``) and a pair whose k, v or r row is not finite gets a NaN score
+    (``row_poison``), which the mask hides on excluded pairs and which poisons the query row
+    of an allowed one. Returns ``[B, Lq, H, D]`` in q's dtype, and with ``return_lse`` also the
     natural-log row log-sum-exp ``[B, H, Lq]`` (fp32 or fp64; ``+inf`` for rows with no
     allowed key), the quantity the fused forward saves for its backward.
 
@@ -155,8 +179,12 @@ def _rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wind
     # range (65504 in fp16) stays finite.
     rw_head_q = (q + r_w_bias).to(acc_dtype)  # [B, Lq, H, D]
     rr_head_q = (q + r_r_bias).to(acc_dtype)
-    ac = torch.einsum("bihd,bjhd->bhij", rw_head_q, k.to(acc_dtype))  # [B, H, Lq, Lk]
-    bdt = torch.einsum("bihd,phd->bhip", rr_head_q, r.to(acc_dtype))  # [B, H, Lq, R]
+    # Non-finite k / v / r rows: zeroed in the products, NaN added to the scores of the pairs
+    # that use them (a no-op, + 0, on finite inputs)
+    ac = torch.einsum("bihd,bjhd->bhij", rw_head_q, finite_or_zero(k).to(acc_dtype))
+    ac = ac + (row_poison(k, acc_dtype) + row_poison(v, acc_dtype)).transpose(1, 2)[:, :, None]
+    bdt = torch.einsum("bihd,phd->bhip", rr_head_q, finite_or_zero(r).to(acc_dtype))
+    bdt = bdt + row_poison(r, acc_dtype).t()[None, :, None]  # [B, H, Lq, R]
     bd = rel_shift(bdt, lk)
     scores = (ac + bd) * softmax_scale
 
@@ -172,7 +200,7 @@ def _rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wind
         prob = prob * dropout_mask / (1.0 - dropout_p)
     elif dropout_p > 0.0:
         prob = F.dropout(prob, p=dropout_p, training=True)
-    out = torch.einsum("bhij,bjhd->bihd", prob.to(v.dtype), v).to(q.dtype)
+    out = torch.einsum("bhij,bjhd->bihd", prob.to(v.dtype), finite_or_zero(v)).to(q.dtype)
     if not return_lse:
         return out
     lse = torch.logsumexp(scores.detach(), dim=-1)

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from .._arch import config_family
 from .._utils import describe
+from ..reference import finite_or_zero
 from ._common import (INTERPRET, LOG2E, apply_mask_band, autotune_enabled, bias_operands,
                       descriptors_ok, dot_precision, dropout_keep, dropout_keep_scale,
                       dropout_threshold, ensure_scratch_allocator, interior_tiles,
@@ -1161,6 +1162,16 @@ def rel_attn_bwd(
     assert not dropout or (dropout_seed is not None and dropout_seed.dtype == torch.int64
                            and dropout_seed.numel() == 2 and dropout_seed.device == dev), \
         f"rel_attn_bwd: dropout_seed must be int64 [2] on {dev}, got {describe(dropout_seed)}"
+    # Non-finite entries of r, and of k / v where a mask can exclude a pair, as 0: excluded
+    # pairs take part with exact zeros of P and dS in dP = dO V^T, dS K and dS r (and every
+    # 2 BLOCK window of r holds a row none of its tile's pairs use, on mask-free tiles too);
+    # an allowed pair with a non-finite row has a NaN lse from the forward, which keeps its
+    # rows' P and dS NaN. Done here, one elementwise pass per tensor, rather than in the
+    # kernels, where it costs registers on every tile (sm_90: 50-200 B more spills per kernel)
+    r = finite_or_zero(r)
+    if (key_padding_mask is not None or attn_mask is not None or window_left >= 0
+            or window_right >= 0):
+        k, v = finite_or_zero(k), finite_or_zero(v)
     q, k, v, r, do, out = (last_dim_contiguous(t) for t in (q, k, v, r, do, out))
     r_w_bias, r_r_bias = last_dim_contiguous(r_w_bias), last_dim_contiguous(r_r_bias)
     lse = lse.contiguous()

@@ -15,8 +15,9 @@ k / v (``Lk = M + Lc`` everywhere above), loaded in 8 bits and dequantised in re
 
 Invariants. No Lq x Lk tensor in global memory; fp32 accumulation; q + u and q + vb summed in
 fp32 and rounded once (the backward relies on the same rounding); rows with no allowed key give
-out 0 and lse = +inf; r rows outside [0, R) are never read; BLOCK_M <= 2 BLOCK_N. Arguments are
-validated by ``rel_attention``; the launcher only asserts.
+out 0 and lse = +inf; what a mask excludes never reaches a result, NaN / inf included
+(``masked_value_operands``); r rows outside [0, R) are never read; BLOCK_M <= 2 BLOCK_N.
+Arguments are validated by ``rel_attention``; the launcher only asserts.
 
 Derivations: docs/DESIGN.md, sections "The skew" (window chunks, ``_common.rotate_rows``),
 "Window reuse", "Masking and tile skipping" (mask-free interior tiles), "Split-K (forward)",
@@ -35,7 +36,8 @@ import triton.language as tl
 
 from .._arch import config_family
 from .._utils import describe
-from ..quant import QuantizedKV
+from ..quant import QuantizedKV, dequantize_per_token
+from ..reference import finite_or_zero, row_poison
 from ._common import (INTERPRET, LOG2E, apply_mask_band, autotune_enabled, descriptors_ok,
                       dot_precision, draw_dropout_seed, dropout_apply, dropout_flags,
                       dropout_keep, dropout_keep_mask, dropout_keep_scale, dropout_rate,
@@ -116,7 +118,7 @@ def _cur_rows(src, j0, mem_m, cm, OUT_TY: tl.constexpr):
 
 @triton.jit
 def _load_kv_mem(qsrc, src, j0, mem_m, offs_n, n_ok, d_ok, EVEN_D: tl.constexpr,
-                 UPCAST: tl.constexpr):
+                 UPCAST: tl.constexpr, mem_ok=None):
     """QUANT_MEM: the [BN, BLOCK_D] key / value tile of rows j0.. of [memory; current]: rows
     j < mem_m are the 8-bit memory's, dequantised in registers (``load_dequant``), rows
     j >= mem_m the current segment's row j - mem_m (compute dtype). A tile across j = mem_m
@@ -124,28 +126,31 @@ def _load_kv_mem(qsrc, src, j0, mem_m, offs_n, n_ok, d_ok, EVEN_D: tl.constexpr,
     memory / in the current rows / across), so that only the tile across holds both loads
     (sm_90, bf16 / fp16 D 64: no spills, against 100-150 B with both loads on every tile);
     fp32: one path for all tiles (with the branches, ptxas gave the exact-fp32 config a
-    4.4 KB stack frame, against 0.7 KB)."""
+    4.4 KB stack frame, against 0.7 KB). ``mem_ok``: the memory rows to load (default: all;
+    the others come back 0)."""
     in_mem = offs_n < mem_m
     cur = n_ok & (offs_n >= mem_m)
+    if mem_ok is None:
+        mem_ok = in_mem
     if EVEN_D:
-        mm = in_mem[:, None]
+        mm = mem_ok[:, None]
         cm = cur[:, None]
     else:
-        mm = in_mem[:, None] & d_ok[None, :]
+        mm = mem_ok[:, None] & d_ok[None, :]
         cm = cur[:, None] & d_ok[None, :]
     X_bh, _, _ = src
     X_ELT: tl.constexpr = X_bh.dtype.element_ty
     OUT_TY: tl.constexpr = tl.float32 if UPCAST else X_ELT
     BN: tl.constexpr = offs_n.shape[0]
     if X_ELT == tl.float32:
-        x = tl.where(in_mem[:, None], _mem_rows(qsrc, j0, offs_n, in_mem, mm, OUT_TY, UPCAST),
+        x = tl.where(in_mem[:, None], _mem_rows(qsrc, j0, offs_n, mem_ok, mm, OUT_TY, UPCAST),
                      _cur_rows(src, j0, mem_m, cm, OUT_TY))
     elif j0 + BN <= mem_m:
-        x = _mem_rows(qsrc, j0, offs_n, in_mem, mm, OUT_TY, UPCAST)
+        x = _mem_rows(qsrc, j0, offs_n, mem_ok, mm, OUT_TY, UPCAST)
     elif j0 >= mem_m:
         x = _cur_rows(src, j0, mem_m, cm, OUT_TY)
     else:
-        x = tl.where(in_mem[:, None], _mem_rows(qsrc, j0, offs_n, in_mem, mm, OUT_TY, UPCAST),
+        x = tl.where(in_mem[:, None], _mem_rows(qsrc, j0, offs_n, mem_ok, mm, OUT_TY, UPCAST),
                      _cur_rows(src, j0, mem_m, cm, OUT_TY))
     return x
 
@@ -179,9 +184,12 @@ def _attend_tile(acc, m_i, l_i, t0, t1, t, qu, qv, tile, kv, rel, pattern, drop,
     threshold). MASKED = False: an interior tile (every pair allowed, every key < Lk, no
     padding / dense mask): no mask work at all. DROPOUT: P is dropped after the normaliser
     l_i took it (the 1 / (1 - p) rescale is applied to the output once, by the caller).
-    QUANT_MEM: keys / values from ``_load_kv_mem``."""
+    QUANT_MEM: keys / values from ``_load_kv_mem``. With any mask (POISON) the masked tiles
+    add the key bias of ``masked_value_operands`` (row ``KB_bh``) to the allowed pairs' scores
+    in place of the key padding mask, and load the 8-bit memory's rows of a NaN bias as 0."""
     i0, offs_m, offs_n0, d_ok, rot, take_first, first_is_0, qk_scale = tile
-    k_src, v_src, kq_src, vq_src, mem_m = kv
+    k_src, v_src, kq_src, vq_src, mem_m, KB_bh = kv
+    POISON: tl.constexpr = HAS_WL or HAS_WR or HAS_KPM or HAS_MASK or HAS_BAND  # (any mask)
     Lq = pattern[2]
     Lk = pattern[3]
     j0 = t * BLOCK_N
@@ -206,7 +214,16 @@ def _attend_tile(acc, m_i, l_i, t0, t1, t, qu, qv, tile, kv, rel, pattern, drop,
     # AC + BD (Triton folds the add into the wgmma's accumulator); scale * log2(e) is applied
     # in the exponent's FMA below
     s = tl.dot(qu, tl.trans(k), input_precision=DOT_PREC) + bd
-    if MASKED:
+    if MASKED and POISON:
+        # the key bias (``masked_value_operands``) in the key padding's place: -inf on padded
+        # keys, NaN on the allowed pairs of a key whose value row is not finite (V's tile holds
+        # it as 0, a non-finite K / r row already scores NaN), 0 elsewhere
+        kb = tl.load(KB_bh + offs_n, mask=n_ok, other=float("-inf"))
+        ok = pair_mask(offs_m, j0, BLOCK_N, pattern, HAS_WL, HAS_WR, False, HAS_MASK, HAS_BAND)
+        if HAS_KPM:
+            ok = ok & (kb != float("-inf"))[None, :]
+        s = tl.where(ok, s + kb[None, :], float("-inf"))
+    elif MASKED:
         s = tl.where(pair_mask(offs_m, j0, BLOCK_N, pattern, HAS_WL, HAS_WR, HAS_KPM, HAS_MASK,
                                HAS_BAND), s, float("-inf"))
 
@@ -232,8 +249,16 @@ def _attend_tile(acc, m_i, l_i, t0, t1, t, qu, qv, tile, kv, rel, pattern, drop,
         flags, sel = dropout_flags(drop_seed, drop_off, pid_bh, i0, j0, Lq, drop_thresh,
                                    BLOCK_M, BLOCK_N)
         pv = dropout_apply(to_operand(p, qu.dtype, UPCAST), flags, sel)
-    v = _key_value_tile(v_src, vq_src, j0, mem_m, offs_n, n_ok, d_ok, MASKED, EVEN_D, UPCAST,
-                        USE_DESC, QUANT_MEM)
+    if QUANT_MEM and MASKED and POISON:
+        # the memory's rows of a NaN key bias as 0 (the launcher zeroed v's, not the memory's:
+        # the kernel reads it in place)
+        v = _load_kv_mem(vq_src, v_src, j0, mem_m, offs_n, n_ok, d_ok, EVEN_D, UPCAST,
+                         (offs_n < mem_m) & (kb == 0.0))
+        if UPCAST:
+            v = v.to(tl.float32)
+    else:
+        v = _key_value_tile(v_src, vq_src, j0, mem_m, offs_n, n_ok, d_ok, MASKED, EVEN_D,
+                            UPCAST, USE_DESC, QUANT_MEM)
     if not WORD_MASK:  # (rounded after V's load: before it, sm_100's 8-bit memory spills)
         pv = to_operand(p, v.dtype, UPCAST)
     if acc.shape[1] <= 64:
@@ -256,7 +281,7 @@ def _store_rows(Out, Lse, o, m2, den, b, h, pid_bh, offs_m, offs_d, m_ok, d_ok, 
     o_ptrs = (Out + b * stride_o[0] + h * stride_o[2] + offs_m.to(tl.int64)[:, None] * stride_o[1]
               + offs_d[None, :])
     tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
-    has_key = den > 0.0
+    has_key = den != 0.0  # (den >= 0; NaN, from a non-finite allowed pair, keeps lse NaN)
     lse = tl.where(has_key, (m2 + tl.math.log2(tl.where(has_key, den, 1.0)))
                    * 0.6931471805599453, float("inf"))
     tl.store(Lse + pid_bh.to(tl.int64) * Lq + offs_m, lse, mask=m_ok)
@@ -295,10 +320,11 @@ def _rel_attn_fwd_operands_kernel(Q, U, VB, A_OP, QV_OP, stride_q, stride_bias, 
 # The forward kernel's inputs, in the backward kernels' layout: the pointers, their strides as
 # one tuple ``strides`` ((qb, qm, qh), (kb, kn, kh), (vb, vn, vh), (rp, rh), (uh, vbh),
 # (ob, om, oh)), the sizes, the masks as ``masks`` (window_left, window_right, KPM,
-# (kpm_b, kpm_n), MASK, (mb, mh, mm, mn), BAND), the dropout as ``dropout`` (SEED,
-# dropout_threshold(p), dropout_keep_scale(p)) and the 8-bit memory as ``memory``
-# (``_common.memory_launch_args``); _program_setup turns them into per-(batch, head) tuples
-# that the tile helpers unpack. LQ_BUCKET / LK_BUCKET are autotune keys only.
+# (kpm_b, kpm_n), MASK, (mb, mh, mm, mn), BAND, KBIAS, KCOUNT: the last two
+# ``masked_value_operands``' key bias and count, read when any mask is on), the dropout as
+# ``dropout`` (SEED, dropout_threshold(p), dropout_keep_scale(p)) and the 8-bit memory as
+# ``memory`` (``_common.memory_launch_args``); _program_setup turns them into per-(batch, head)
+# tuples that the tile helpers unpack. LQ_BUCKET / LK_BUCKET are autotune keys only.
 
 
 @triton.jit
@@ -311,10 +337,10 @@ def _program_setup(K, V, R, strides, masks, memory, H, Lq, Lk, R_rows, D,
     [BLOCK_N, BLOCK_D] tiles of r, and of K / V without an 8-bit memory, come through TMA
     descriptors made here (zero fill past the rows / D: no pointer math, no masks). Returns
     (pid_bh, b, h, window_left, window_right, kv, rel, pattern): kv what _key_value_tile reads
-    (K / V sources, the 8-bit memory's, mem_m), rel what _window_chunk reads, pattern what
+    (K / V sources, the 8-bit memory's, mem_m) and this (b, h)'s key bias row, rel what _window_chunk reads, pattern what
     ``pair_mask`` masks with."""
     _, stride_k, stride_v, stride_r, _, _ = strides
-    window_left, window_right, KPM, stride_kpm, MASK, stride_m, BAND = masks
+    window_left, window_right, KPM, stride_kpm, MASK, stride_m, BAND, KBIAS, _ = masks
     pid_bh = tl.program_id(0)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
@@ -342,7 +368,7 @@ def _program_setup(K, V, R, strides, masks, memory, H, Lq, Lk, R_rows, D,
     kq_src, vq_src, mem_m = memory_bases(memory, b, h, offs_n0, offs_d)
     kv = ((K_bh, offs_n0[:, None] * stride_k[1] + offs_d[None, :], stride_k[1]),
           (V_bh, offs_n0[:, None] * stride_v[1] + offs_d[None, :], stride_v[1]),
-          kq_src, vq_src, mem_m)
+          kq_src, vq_src, mem_m, KBIAS + pid_bh.to(tl.int64) * Lk)
     rel = (R_h, offs_n0[:, None] * stride_r[0] + offs_d[None, :], stride_r[0], R_rows)
     pattern = (b, h, Lq, Lk, window_left, window_right, band_on, KPM, stride_kpm, MASK,
                stride_m)
@@ -438,6 +464,16 @@ def _rel_attn_fwd_kernel(
     if not (HAS_KPM or HAS_MASK):
         t_in, t_out = interior_tiles(i0, i0 + BLOCK_M - 1, BLOCK_N, t_begin, t_end, Lk, mlen,
                                      window_left, window_right, HAS_WL, HAS_WR)
+        if HAS_WL or HAS_WR:
+            # a key of the interior tiles whose value row is not finite (v's row zeroed by the
+            # launcher, and these tiles add no key bias): every row of this tile may see it,
+            # so each starts with a NaN sum (NaN * alpha + ... stays NaN). The launcher's
+            # ``masked_value_operands`` count of such keys before each j says.
+            KCOUNT = masks[8] + pid_bh.to(tl.int64) * (Lk + 1)
+            has_in = t_out > t_in
+            n_bad = (tl.load(KCOUNT + t_out * BLOCK_N, mask=has_in, other=0)
+                     - tl.load(KCOUNT + t_in * BLOCK_N, mask=has_in, other=0))
+            l_i += tl.where(n_bad == 0, 0.0, float("nan"))
     # three runs of tiles: [t_begin, t_in) the left band edge (masked), [t_in, t_out) the
     # interior (mask-free), [t_out, t_end) the right edge and padding (masked); only the last
     # exists with a padding or dense mask, the first only with a left window
@@ -450,7 +486,7 @@ def _rel_attn_fwd_kernel(
                     HAS_WL, HAS_WR, HAS_KPM, HAS_MASK, HAS_BAND, run != 1, EVEN_D, UPCAST,
                     DOT_PREC, USE_DESC, BLOCK_M, BLOCK_N, DROPOUT, QUANT_MEM)
 
-    has_key = l_i > 0.0
+    has_key = l_i != 0.0  # (as in _store_rows: a NaN l_i stays NaN)
     l_safe = tl.where(has_key, l_i, 1.0)
     if DROPOUT:  # the kept probabilities' 1 / (1 - p)
         o = acc * (drop_scale / l_safe)[:, None]
@@ -690,6 +726,33 @@ def choose_num_splits(B: int, H: int, Lq: int, Lk: int, window_left: int, window
     return int(max(1, min(triton.cdiv(4 * num_sms, base), by_keys, 64)))
 
 
+def masked_value_operands(v: torch.Tensor, memory: Optional[QuantizedKV],
+                          key_padding_mask: Optional[torch.Tensor], dtype: torch.dtype):
+    """``(v, key_bias, key_count)`` for a forward launch in which a mask or window can
+    exclude pairs. ``v`` with its non-finite entries set to 0, so that ``P = 0`` on an
+    excluded pair adds exactly 0 to ``P @ V``; ``key_bias`` ``[B, H, Lk]`` fp32: -inf for a
+    padded key, NaN for a key whose value row is not finite (v's row, or the 8-bit memory's
+    row dequantised to ``dtype``: data and scale), else 0. The masked tiles add it to the
+    allowed pairs' scores, so that such a key still makes every query row allowed to see it
+    NaN, and load the memory's rows of a NaN bias as 0 (the memory is read in place).
+    ``key_count`` ``[B, H, Lk + 1]`` int32: the number of NaN-biased keys before each j, from
+    which a program starts its rows' softmax sums at NaN when its mask-free interior tiles
+    (which add no bias) hold one. A few elementwise passes over v and the memory's values:
+    the same selects in the kernel's tiles spill on sm_90."""
+    bad = row_poison(v, torch.float32)  # [B, Lc, H]: NaN where the row is not finite
+    v = finite_or_zero(v)
+    if memory is not None and memory.v.shape[1] > 0:
+        mem_bad = row_poison(dequantize_per_token(memory.v, memory.v_scale, dtype),
+                             torch.float32)
+        bad = torch.cat([mem_bad, bad], dim=1)
+    key_bias = bad.transpose(1, 2)
+    if key_padding_mask is not None:
+        key_bias = key_bias.masked_fill(key_padding_mask[:, None, :], float("-inf"))
+    key_bias = key_bias.contiguous()
+    key_count = torch.nn.functional.pad(key_bias.isnan().cumsum(-1, dtype=torch.int32), (1, 0))
+    return v, key_bias, key_count
+
+
 def rel_attn_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.Tensor,
     r_w_bias: torch.Tensor, r_r_bias: torch.Tensor, softmax_scale: float,
@@ -755,7 +818,6 @@ def rel_attn_fwd(
         raise ValueError(f"rel_attn_fwd: softmax_scale must be finite and > 0, "
                          f"got {softmax_scale!r}")
     q, k, v, r, u, vb = (last_dim_contiguous(t) for t in (q, k, v, r, r_w_bias, r_r_bias))
-    mem_arg = memory_launch_args(memory, k, v)
 
     out = torch.empty((B, Lq, H, D), dtype=dtype, device=q.device)
     lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
@@ -814,9 +876,14 @@ def rel_attn_fwd(
         dropout_seed = draw_dropout_seed(q.device)
     seed_arg = dropout_seed if dropout else lse  # unused without dropout
 
+    if window_left >= 0 or window_right >= 0 or has_kpm or has_mask:  # (the kernel's POISON)
+        v, key_bias, key_count = masked_value_operands(v, memory, key_padding_mask, dtype)
+    else:  # no pair is excluded: V as given, no bias (unused placeholders)
+        key_bias, key_count = lse, lse
+    mem_arg = memory_launch_args(memory, k, v)
     strides = (_bmh(q), _bmh(k), _bmh(v), tuple(r.stride()[:2]), (u.stride(0), vb.stride(0)),
                _bmh(out))
-    masks = (wl_arg, wr_arg, kpm, kpm_strides, am, am_strides, band)
+    masks = (wl_arg, wr_arg, kpm, kpm_strides, am, am_strides, band, key_bias, key_count)
     dropout_arg = (seed_arg, dropout_threshold(dropout_p), dropout_keep_scale(dropout_p))
     if operand_tiles:
         a_op, qv_op = (operand_workspace(B, H, Lq, D, dtype, upcast, q.device) for _ in range(2))
