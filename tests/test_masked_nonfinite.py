@@ -201,24 +201,29 @@ def test_allowed_pair_stays_non_finite(backend, name, value):
     assert not torch.isfinite(g[0][:, 2]).all(), "dq of row 2"
 
 
+def _memory_case(backend, seed, data_dtype):
+    """fp32 ``(q, k, v, r, u, vb)`` (Lq = Lc = 4), a 3-row 8-bit memory of ``data_dtype`` and a
+    key padding mask that pads memory row 1, on the backend's device."""
+    dev, D = SETUP[backend][2], SETUP[backend][1]
+    g = torch.Generator().manual_seed(seed)
+    M, Lc, Lq = 3, 4, 4
+    q, k, v = (torch.randn(1, L, 1, D, generator=g).to(dev) for L in (Lq, Lc, Lc))
+    r = torch.randn(M + Lc + Lq - 1, 1, D, generator=g).to(dev)
+    u, vb = (torch.randn(1, D, generator=g).to(dev) for _ in range(2))
+    mem = quantize_kv(torch.randn(1, M, 1, D, generator=g).to(dev),
+                      torch.randn(1, M, 1, D, generator=g).to(dev), data_dtype)
+    kpm = torch.zeros(1, M + Lc, dtype=torch.bool, device=dev)
+    kpm[0, 1] = True
+    return (q, k, v, r, u, vb), mem, kpm
+
+
 @pytest.mark.parametrize("value", VALUES, ids=VALUE_IDS)
 @pytest.mark.parametrize("scale_of", ["v_scale", "k_scale"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_8bit_memory_scale_of_padded_row(backend, scale_of, value):
     """An 8-bit memory (QuantizedKV) whose padded row 1 has a non-finite v_scale (or
     k_scale): the output (forward only) equals the one with that scale at 0."""
-    dtype = torch.float32
-    dev = SETUP[backend][2]
-    D = SETUP[backend][1]
-    g = torch.Generator().manual_seed(3)
-    M, Lc, Lq = 3, 4, 4
-    q, k, v = (torch.randn(1, L, 1, D, generator=g).to(dev) for L in (Lq, Lc, Lc))
-    r = torch.randn(M + Lc + Lq - 1, 1, D, generator=g).to(dev)
-    u, vb = (torch.randn(1, D, generator=g).to(dev) for _ in range(2))
-    mem = quantize_kv(torch.randn(1, M, 1, D, generator=g).to(dev),
-                      torch.randn(1, M, 1, D, generator=g).to(dev), torch.int8)
-    kpm = torch.zeros(1, M + Lc, dtype=torch.bool, device=dev)
-    kpm[0, 1] = True
+    (q, k, v, r, u, vb), mem, kpm = _memory_case(backend, 3, torch.int8)
 
     def run(x):
         scales = {"k_scale": mem.k_scale.clone(), "v_scale": mem.v_scale.clone()}
@@ -333,17 +338,7 @@ def test_8bit_memory_fp8_values(backend):
     """A float8_e4m3fn memory (whose data can hold NaN): a NaN entry of padded row 1's v
     changes nothing; a NaN entry of row 0's v (allowed for every query row) or a
     non-finite v_scale of row 2 makes every output row non-finite."""
-    dev = SETUP[backend][2]
-    D = SETUP[backend][1]
-    g = torch.Generator().manual_seed(4)
-    M, Lc, Lq = 3, 4, 4
-    q, k, v = (torch.randn(1, L, 1, D, generator=g).to(dev) for L in (Lq, Lc, Lc))
-    r = torch.randn(M + Lc + Lq - 1, 1, D, generator=g).to(dev)
-    u, vb = (torch.randn(1, D, generator=g).to(dev) for _ in range(2))
-    mem = quantize_kv(torch.randn(1, M, 1, D, generator=g).to(dev),
-                      torch.randn(1, M, 1, D, generator=g).to(dev), torch.float8_e4m3fn)
-    kpm = torch.zeros(1, M + Lc, dtype=torch.bool, device=dev)
-    kpm[0, 1] = True
+    (q, k, v, r, u, vb), mem, kpm = _memory_case(backend, 4, torch.float8_e4m3fn)
 
     def run(row, x, scale=None):
         data, v_scale = mem.v.clone(), mem.v_scale.clone()
