@@ -205,16 +205,20 @@ MEMORY_HEADROOM = 0.85
 
 def dense_bytes(case: Case, provider: str) -> int:
     """Estimated bytes of the dense score tensors ``provider`` holds at its peak on ``case``
-    (0 for the fused kernel and SDPA without a position term, whose extra memory is linear)."""
+    (0 for the fused kernel and SDPA without a position term, whose extra memory is linear),
+    and for the reference its k / v / r copies with non-finite entries zeroed (linear: they
+    matter only at small T), saved for the backward, and their gradients."""
     counts = DENSE_COUNTS.get(provider)
     if counts is None:
         return 0
     s = case.shape
     nk, nr = counts[case.mode]
     item = _ITEMSIZE[case.dtype]
+    linear = 0
     if provider == "reference":
         item = 8 if case.dtype == "fp64" else 4
-    return s.B * s.H * s.Lq * (nk * s.Lk + nr * s.R) * item
+        linear = (2 if case.mode == FWD_BWD else 1) * s.B * s.H * s.D * (2 * s.Lk + s.R) * item
+    return s.B * s.H * s.Lq * (nk * s.Lk + nr * s.R) * item + linear
 
 
 def memory_skip_reason(case: Case, provider: str, available: Optional[int] = None

@@ -54,8 +54,8 @@ def finite_or_zero(x: torch.Tensor) -> torch.Tensor:
     """``x`` with its NaN / +-inf entries replaced by 0 (the gradient passes where x is
     finite, 0 elsewhere): the operands of the products in which excluded pairs take part with
     an exact 0 (``P @ V``, ``dS @ K``, ``dS @ R``), so that 0 * NaN cannot leak into allowed
-    results."""
-    return torch.where(torch.isfinite(x), x, x.new_zeros(()))
+    results. One pass and one allocation of x's size (no boolean temporaries)."""
+    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def row_poison(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -64,9 +64,10 @@ def row_poison(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     row, it makes an allowed pair with a non-finite operand poison its query row (as the
     product with the raw operand would), while ``finite_or_zero`` keeps the row out of every
     pair the mask excludes (whose score the mask then replaces by -inf)."""
-    bad = ~torch.isfinite(x).all(dim=-1)
-    return torch.where(bad, torch.full((), float("nan"), dtype=dtype, device=x.device),
-                       torch.zeros((), dtype=dtype, device=x.device))
+    # max |x| over the row is inf or NaN exactly when the row is not finite (the reduction
+    # propagates NaN, and never overflows on finite values), and * 0 maps it to NaN, a finite
+    # row to 0: a reduction with no temporary of x's size, outside autograd (a constant)
+    return (torch.linalg.vector_norm(x.detach(), ord=float("inf"), dim=-1) * 0).to(dtype)
 
 
 def pair_distance(lq: int, lk: int, device) -> torch.Tensor:
@@ -180,11 +181,11 @@ def _rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wind
     rw_head_q = (q + r_w_bias).to(acc_dtype)  # [B, Lq, H, D]
     rr_head_q = (q + r_r_bias).to(acc_dtype)
     # Non-finite k / v / r rows: zeroed in the products, NaN added to the scores of the pairs
-    # that use them (a no-op, + 0, on finite inputs)
+    # that use them (a no-op, + 0, on finite inputs; in place: no second score tensor)
     ac = torch.einsum("bihd,bjhd->bhij", rw_head_q, finite_or_zero(k).to(acc_dtype))
-    ac = ac + (row_poison(k, acc_dtype) + row_poison(v, acc_dtype)).transpose(1, 2)[:, :, None]
+    ac += (row_poison(k, acc_dtype) + row_poison(v, acc_dtype)).transpose(1, 2)[:, :, None]
     bdt = torch.einsum("bihd,phd->bhip", rr_head_q, finite_or_zero(r).to(acc_dtype))
-    bdt = bdt + row_poison(r, acc_dtype).t()[None, :, None]  # [B, H, Lq, R]
+    bdt += row_poison(r, acc_dtype).t()[None, :, None]  # [B, H, Lq, R]
     bd = rel_shift(bdt, lk)
     scores = (ac + bd) * softmax_scale
 
