@@ -259,6 +259,13 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee"
 
 
+def excludes_pairs(window_left: int, window_right: int, key_padding_mask, attn_mask) -> bool:
+    """Whether any mask or window can exclude a pair (the launchers' test for cleaning the
+    operands of non-finite rows: only then can an exact 0 of P or dS meet one)."""
+    return (window_left >= 0 or window_right >= 0 or key_padding_mask is not None
+            or attn_mask is not None)
+
+
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     """The kernels need stride(-1) == 1 only; anything else is copied (nothing else is)."""
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()

@@ -36,7 +36,7 @@ from .._utils import describe
 from ..reference import finite_or_zero
 from ._common import (INTERPRET, LOG2E, apply_mask_band, autotune_enabled, bias_operands,
                       descriptors_ok, dot_precision, dropout_keep, dropout_keep_scale,
-                      dropout_threshold, ensure_scratch_allocator, interior_tiles,
+                      dropout_threshold, ensure_scratch_allocator, excludes_pairs, interior_tiles,
                       last_dim_contiguous, length_bucket, load_dropout_seed, operand_workspace,
                       pair_mask, rotate_rows, round_bf16, store_bias_operands, tile_run, to_operand)
 
@@ -1169,8 +1169,7 @@ def rel_attn_bwd(
     # rows' P and dS NaN. Done here, one elementwise pass per tensor, rather than in the
     # kernels, where it costs registers on every tile (sm_90: 50-200 B more spills per kernel)
     r = finite_or_zero(r)
-    if (key_padding_mask is not None or attn_mask is not None or window_left >= 0
-            or window_right >= 0):
+    if excludes_pairs(window_left, window_right, key_padding_mask, attn_mask):
         k, v = finite_or_zero(k), finite_or_zero(v)
     q, k, v, r, do, out = (last_dim_contiguous(t) for t in (q, k, v, r, do, out))
     r_w_bias, r_r_bias = last_dim_contiguous(r_w_bias), last_dim_contiguous(r_r_bias)

@@ -39,13 +39,12 @@ from .._utils import describe
 from ..quant import QuantizedKV, dequantize_per_token
 from ..reference import finite_or_zero, row_poison
 from ._common import (INTERPRET, LOG2E, apply_mask_band, autotune_enabled, descriptors_ok,
-                      dot_precision, draw_dropout_seed, dropout_apply, dropout_flags,
-                      dropout_keep, dropout_keep_mask, dropout_keep_scale, dropout_rate,
-                      dropout_threshold, ensure_scratch_allocator, interior_tiles, key_range,
+                      dot_precision, draw_dropout_seed, dropout_apply, dropout_flags, dropout_keep,
+                      dropout_keep_mask, dropout_keep_scale, dropout_rate, dropout_threshold,
+                      ensure_scratch_allocator, excludes_pairs, interior_tiles, key_range,
                       last_dim_contiguous, length_bucket, load_bias_operands, load_dequant,
                       load_dropout_seed, memory_bases, memory_launch_args, operand_workspace,
-                      pair_mask, rotate_rows, round_bf16, store_bias_operands, tile_run,
-                      to_operand)
+                      pair_mask, rotate_rows, round_bf16, store_bias_operands, tile_run, to_operand)
 
 __all__ = ["rel_attn_fwd", "choose_num_splits", "autotune_enabled", "draw_dropout_seed",
            "dropout_keep_mask", "dropout_rate", "dropout_keep_scale"]
@@ -337,8 +336,8 @@ def _program_setup(K, V, R, strides, masks, memory, H, Lq, Lk, R_rows, D,
     [BLOCK_N, BLOCK_D] tiles of r, and of K / V without an 8-bit memory, come through TMA
     descriptors made here (zero fill past the rows / D: no pointer math, no masks). Returns
     (pid_bh, b, h, window_left, window_right, kv, rel, pattern): kv what _key_value_tile reads
-    (K / V sources, the 8-bit memory's, mem_m) and this (b, h)'s key bias row, rel what _window_chunk reads, pattern what
-    ``pair_mask`` masks with."""
+    (K / V sources, the 8-bit memory's, mem_m) and this (b, h)'s key bias row, rel what
+    _window_chunk reads, pattern what ``pair_mask`` masks with."""
     _, stride_k, stride_v, stride_r, _, _ = strides
     window_left, window_right, KPM, stride_kpm, MASK, stride_m, BAND, KBIAS, _ = masks
     pid_bh = tl.program_id(0)
@@ -876,7 +875,7 @@ def rel_attn_fwd(
         dropout_seed = draw_dropout_seed(q.device)
     seed_arg = dropout_seed if dropout else lse  # unused without dropout
 
-    if window_left >= 0 or window_right >= 0 or has_kpm or has_mask:  # (the kernel's POISON)
+    if excludes_pairs(window_left, window_right, key_padding_mask, attn_mask):  # (POISON)
         v, key_bias, key_count = masked_value_operands(v, memory, key_padding_mask, dtype)
     else:  # no pair is excluded: V as given, no bias (unused placeholders)
         key_bias, key_count = lse, lse
