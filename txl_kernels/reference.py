@@ -44,7 +44,11 @@ def rel_shift(bdt: torch.Tensor, klen: int) -> torch.Tensor:
     ``i * W + (j - i + Lq - 1)``). Only slicing and reshapes, so torch.compile traces it.
     """
     *lead, qlen, rlen = bdt.shape
-    width = max(rlen, klen + qlen)  # >= klen + qlen - 1 columns, and W - 1 >= klen
+    # W = klen + qlen: >= klen + qlen - 1 columns (every p an allowed pair can use) and
+    # W - 1 >= klen. The pad is negative (a crop of columns no pair reads) when R > W: one
+    # expression for every R, without max(), so torch.export and the ONNX exporters keep the
+    # lengths symbolic (no guard on R against Lq + Lk).
+    width = klen + qlen
     flat = F.pad(bdt, (0, width - rlen)).reshape(*lead, qlen * width)
     rows = flat[..., qlen - 1:qlen - 1 + qlen * (width - 1)]
     return rows.reshape(*lead, qlen, width - 1)[..., :klen]
@@ -78,8 +82,19 @@ def pair_distance(lq: int, lk: int, device) -> torch.Tensor:
 
 def in_window(d: torch.Tensor, left, right) -> torch.Tensor:
     """``(left < 0 or d <= left) and (right < 0 or -d <= right)``; -1 = unbounded side.
-    ``left`` / ``right`` may be ints or 0-d tensors (read on the device, no host sync)."""
-    return ((left < 0) | (d <= left)) & ((right < 0) | (-d <= right))
+    ``left`` / ``right`` may be ints or 0-d tensors (read on the device, no host sync).
+    A Python int side is resolved here (no ``bool | Tensor`` in the graph, which
+    TorchScript's tracer and the ONNX exporter cannot represent)."""
+    allowed = None
+    for dist, bound in ((d, left), (-d, right)):
+        if isinstance(bound, int):
+            if bound < 0:
+                continue
+            side = dist <= bound
+        else:
+            side = (bound < 0) | (dist <= bound)
+        allowed = side if allowed is None else allowed & side
+    return torch.ones_like(d, dtype=torch.bool) if allowed is None else allowed
 
 
 def in_band(d: torch.Tensor, left, right) -> torch.Tensor:
