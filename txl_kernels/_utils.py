@@ -17,7 +17,8 @@ import torch
 
 __all__ = ["describe", "check_same", "as_len", "interpreting", "interpret_requested",
            "no_interpreter_reason", "no_second_derivative", "FUSED_DTYPES", "REF_DTYPES",
-           "FUSED_MIN_HEADDIM", "FUSED_MAX_HEADDIM", "renamed_keywords", "renamed_attribute"]
+           "FUSED_MIN_HEADDIM", "FUSED_MAX_HEADDIM", "renamed_keywords", "renamed_attribute",
+           "check_values"]
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REF_DTYPES = FUSED_DTYPES + (torch.float64,)
@@ -119,6 +120,18 @@ def no_second_derivative(grads, sources, message: str):
         return tuple(grads)
     return _NoSecondDerivative.apply(message, len(grads), *grads,
                                      *(t for t in sources if isinstance(t, torch.Tensor)))
+
+
+def check_values(ok: torch.Tensor, error: type, message: str) -> None:
+    """Raise ``error(message)`` unless the one-element bool tensor ``ok`` is True: a check of
+    tensor values, eagerly with one host sync. Under ``torch.export`` (and AOTInductor, which
+    compiles an exported program) values are unknown while tracing, so the check goes into
+    the program instead (``torch._assert_async``): a RuntimeError with ``message`` when the
+    program runs on values that fail it."""
+    if torch.compiler.is_exporting():
+        torch._assert_async(ok, message)
+    elif not bool(ok):
+        raise error(message)
 
 
 def as_len(name: str, value, who: str, low: int = 0) -> int:

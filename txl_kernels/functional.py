@@ -302,8 +302,11 @@ def check_position_rows(lq: int, lk: int, rlen: int, wl: int, wr: int) -> None:
         d_max = min(d_max, wl)
     if d_min > d_max:
         return  # no pair is allowed at all
+    # d_max <= lk - 1, so p_lo >= 0: only the last row needed can be missing. (Testing p_lo
+    # too would, on symbolic lengths under torch.export, add a guard such as
+    # lk - 1 - min(wl, lk - 1) >= 0 that the solver cannot prove.)
     p_lo, p_hi = lk - 1 - d_max, lk - 1 - d_min
-    if p_lo < 0 or p_hi >= rlen:
+    if p_hi >= rlen:
         raise ValueError(
             f"rel_attention: r has {rlen} rows, but the allowed pairs (Lq={lq}, Lk={lk}, "
             f"window_left={wl}, window_right={wr}) need rows {p_lo}..{p_hi} "
@@ -484,6 +487,12 @@ def rel_attention(
 
     if backend == "cpu" or (backend == "auto" and q.device.type == "cpu"
                             and not fused_available(q.device)[0]):
+        # The C++ op takes concrete ints: a window clamped to symbolic lengths (torch.export
+        # with dynamic lengths) would pin the lengths to one value there. The kernel's int64
+        # distances saturate (a window wider than the lengths allows every pair), so the
+        # window as given allows the same pairs.
+        wl, wr = (w0 if isinstance(w, torch.SymInt) and isinstance(w0, int) else w
+                  for w, w0 in zip((wl, wr), check_window(causal, window_size)))
         return _rel_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm,
                                   mask, attn_mask_band, float(dropout_p), memory, backend)
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from .._utils import describe
+from .._utils import check_values, describe
 from ..functional import BACKENDS, rel_attention
 from ._dropin import adopt, check_key_padding_mask
 
@@ -164,6 +164,17 @@ class RelPosAttentionBase(nn.Module):
 
         if r.shape[0] == 1:
             return call(q, k, v, r[0], kpm, attn_mask)
+        if torch.compiler.is_exporting() and isinstance(r.shape[0], torch.SymInt):
+            # torch.export with a dynamic batch: the loop below would pin the batch size.
+            # Encoders give every sequence the same table (Parakeet's is an expanded one that
+            # its sin / cos make contiguous): the program uses the first and checks, when it
+            # runs, that the others equal it.
+            check_values((pos_emb == pos_emb[:1]).all(), ValueError,
+                         f"{self._NAME}: under torch.export with a dynamic batch size every "
+                         f"sequence's position table (pos_emb rows along the batch) must be "
+                         f"the same; pass a (1, 2K - 1, n_feat) table or export with a static "
+                         f"batch size to use one table per sequence")
+            return call(q, k, v, r[0], kpm, attn_mask)
         # One position table per sequence: r has no batch axis, so run sequence by sequence.
         outs = []
         for b in range(B):
@@ -232,7 +243,9 @@ class NeMoRelPositionMultiHeadAttention(RelPosAttentionBase):
             - None.
         pos_emb: ``(1 or B, 2K - 1, n_feat)``, from distance ``K - 1`` down to ``-(K - 1)``
             (NeMo's ``RelPositionalEncoding(x, cache_len)``). A ``B``-row table that is not an
-            expanded view runs the sequences one by one.
+            expanded view runs the sequences one by one (under ``torch.export`` with a
+            dynamic batch: the first table for all, checked equal to the others when the
+            program runs).
         cache: optional ``[B, C, n_feat]``; then, as in NeMo's ``update_cache``, keys and
             values are both ``cat(cache, key)`` (``value`` is not used), ``K = C + T``, and the
             return value is ``(out, new_cache)`` with ``new_cache = cat(cache[:, keep:],

@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._utils import describe
+from .._utils import check_values, describe
 from ..functional import BACKENDS, mask_to_band, rel_attention
 from ._dropin import adopt
 
@@ -228,11 +228,11 @@ class DIEngineAttentionXL(nn.Module):
                                  f"{describe(mask)}")
             am = mask[..., 0]
         future = torch.ones(cur, full, dtype=torch.bool, device=inputs.device).triu(1 + prev)
-        if bool((future if am is None else future & ~am).any()):
-            raise ValueError(f"{self._NAME}: the mask lets queries attend keys after them (or "
-                             f"mask is None with cur_seq > 1), where the original reads "
-                             f"wrapped-around position scores; pass the causal mask "
-                             f"triu(ones(cur_seq, full_seq), 1 + prev_seq)")
+        check_values(~(future if am is None else future & ~am).any(), ValueError,
+                     f"{self._NAME}: the mask lets queries attend keys after them (or mask is "
+                     f"None with cur_seq > 1), where the original reads wrapped-around "
+                     f"position scores; pass the causal mask triu(ones(cur_seq, full_seq), "
+                     f"1 + prev_seq)")
         if am is not None:
             band = mask_to_band(am)
             am = am[None, None]

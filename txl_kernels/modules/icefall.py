@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .._utils import describe
 from ..functional import BACKENDS, rel_attention
-from ._dropin import adopt, check_key_padding_mask
+from ._dropin import adopt, check_key_padding_mask, same_values
 
 __all__ = ["IcefallRelPositionMultiheadAttention", "ScaledLinear"]
 
@@ -61,12 +61,6 @@ class ScaledLinear(nn.Linear):
         return F.linear(x, self.get_weight(), self.get_bias())
 
 
-def _same(a: Tensor, b: Tensor) -> bool:
-    """icefall's ``torch.equal(a, b)`` test, without the comparison (and its host sync) when
-    both are one tensor object or their shapes differ."""
-    return a is b or (a.shape == b.shape and torch.equal(a, b))
-
-
 class IcefallRelPositionMultiheadAttention(nn.Module):
     """Drop-in for icefall's ``RelPositionMultiheadAttention(embed_dim, num_heads, dropout)``.
 
@@ -87,7 +81,8 @@ class IcefallRelPositionMultiheadAttention(nn.Module):
         input projected is ``query``, or ``key`` for key / value), so distinct tensors with
         equal values get icefall's per-input gradients. Comparing distinct tensors of one
         shape costs a pass over them and a host sync (none when one object is passed, as
-        icefall's encoder does).
+        icefall's encoder does). Under ``torch.export`` only one object counts as equal
+        (values are unknown while tracing; the outputs are the same either way).
 
     Fully masked query rows give 0 (icefall gives 0 when both masks are given, NaN otherwise).
     """
@@ -177,11 +172,11 @@ class IcefallRelPositionMultiheadAttention(nn.Module):
         w, b = self.in_proj.get_weight(), self.in_proj.get_bias()
         # icefall dispatches on values (torch.equal), not identity: equal inputs share one
         # projection, so the gradients reach query (self-attention) or key (key = value) only
-        if _same(query, key) and _same(key, value):  # self-attention: one projection
+        if same_values(query, key) and same_values(key, value):  # self-attention: one matmul
             q, k, v = (self._heads(t) for t in F.linear(query, w, b).chunk(3, dim=-1))
         else:
             q = self._heads(F.linear(query, w[:E], b[:E]))
-            if _same(key, value):
+            if same_values(key, value):
                 k, v = (self._heads(t) for t in F.linear(key, w[E:], b[E:]).chunk(2, dim=-1))
             else:
                 k = self._heads(F.linear(key, w[E:2 * E], b[E:2 * E]))

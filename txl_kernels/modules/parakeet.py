@@ -42,6 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._utils import check_values
 from ..functional import BACKENDS, mask_to_band
 from ..reference import rel_shift
 from ._dropin import adopt
@@ -160,10 +161,10 @@ class _HFRelPosAttention(RelPosAttentionBase):
                             f"(True / nonzero = attend), got {got}")
         if mask.is_floating_point():  # transformers' additive mask: 0 or finfo.min
             keep = mask == 0
-            if not bool((keep | (mask == torch.finfo(mask.dtype).min)).all()):  # host sync
-                raise ValueError(f"{self._NAME}: a float attention_mask must hold only 0 and "
-                                 f"torch.finfo({mask.dtype}).min (transformers' padding mask); "
-                                 f"other additive values are not supported")
+            check_values((keep | (mask == torch.finfo(mask.dtype).min)).all(), ValueError,
+                         f"{self._NAME}: a float attention_mask must hold only 0 and "
+                         f"torch.finfo({mask.dtype}).min (transformers' padding mask); other "
+                         f"additive values are not supported")
         else:
             keep = mask if mask.dtype == torch.bool else mask.ne(0)
         shape = tuple(keep.shape)
@@ -285,11 +286,12 @@ class ParakeetEncoderAttention(_HFRelPosAttention):
     ``(attn_output, attn_weights)``, ``attn_weights`` None unless asked for (below):
         hidden_states ``[B, T, hidden]``; position_embeddings ``(1 or B, 2T - 1, hidden)``
         (``ParakeetEncoderRelPositionalEncoding``; its ``B`` copies run one sequence at a time
-        unless passed as an expanded view or with one row). attention_mask (True / nonzero =
-        attend): the encoder's ``(B, 1, T, T)``, or ``(B, T, T)``, ``(B, 1, 1, T)`` (keys
-        only), or a flat ``(B, T)`` per-frame mask meaning what the encoder builds from it
-        (``m[:, None, :] & m[:, :, None]``). Other keyword arguments of the attention
-        interface are accepted and ignored.
+        unless passed as an expanded view or with one row; under ``torch.export`` with a
+        dynamic batch the first is used, checked equal to the others when the program
+        runs). attention_mask (True / nonzero = attend): the encoder's ``(B, 1, T, T)``, or
+        ``(B, T, T)``, ``(B, 1, 1, T)`` (keys only), or a flat ``(B, T)`` per-frame mask
+        meaning what the encoder builds from it (``m[:, None, :] & m[:, :, None]``). Other
+        keyword arguments of the attention interface are accepted and ignored.
 
     Attention probabilities: when the caller asks for them (``output_attentions=True`` passed
     down, or a transformers model collecting ``attentions``, e.g. ``output_attentions`` in its

@@ -24,9 +24,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._utils import describe
+from .._utils import check_values, describe
 from ..functional import BACKENDS, mask_to_band, rel_attention
-from ._dropin import adopt, check_key_padding_mask
+from ._dropin import adopt, check_key_padding_mask, same_values
 
 __all__ = ["SpeechBrainRelPosMHAXL"]
 
@@ -111,10 +111,10 @@ class SpeechBrainRelPosMHAXL(nn.Module):
                             f"{type(attn_mask).__name__}")
         if attn_mask.is_floating_point():
             masked = attn_mask.isneginf()
-            if not bool(((attn_mask == 0) | masked).all()):  # one host sync
-                raise ValueError(f"{self._NAME}: a float attn_mask must hold only 0 and -inf "
-                                 f"(get_lookahead_mask); other additive values are not "
-                                 f"supported, pass a bool mask")
+            check_values(((attn_mask == 0) | masked).all(), ValueError,
+                         f"{self._NAME}: a float attn_mask must hold only 0 and -inf "
+                         f"(get_lookahead_mask); other additive values are not supported, "
+                         f"pass a bool mask")
         elif attn_mask.dtype == torch.bool:
             masked = attn_mask
         else:  # SpeechBrain adds any non-bool mask to the scores (a uint8 1 is +1, not masked)
@@ -157,8 +157,7 @@ class SpeechBrainRelPosMHAXL(nn.Module):
             kpm = key_padding_mask
         am, band = self._attn_mask(attn_mask, bsz, qlen, klen)
         H, D = self.num_heads, self.head_dim
-        same_qk = query is key or (query.shape == key.shape and torch.equal(query, key))
-        same_kv = key is value or torch.equal(key, value)
+        same_qk, same_kv = same_values(query, key), same_values(key, value)
         if same_qk and same_kv:  # the original's self-attention layout: head-interleaved rows
             q, k, v = F.linear(query, self.in_proj_weight).view(bsz, -1, H, 3 * D).chunk(3, -1)
         else:
