@@ -530,3 +530,76 @@ def test_export_swapped_hf_encoders(request, kind):
     mask_axis = 2 if kind == "fastspeech2" else 1
     _export_matches_eager(enc, _hf_inputs(kind), ({0: B, 1: T}, {0: B, mask_axis: T}), at,
                           unseen, "cpu")
+
+
+def _lm(backend, **kw):
+    from txl_kernels.models import MemTransformerLM
+
+    torch.manual_seed(0)
+    return MemTransformerLM(40, 2, 2, 16, 8, 32, 0.0, 0.0, tgt_len=4, mem_len=6,
+                            attn_backend=backend, **kw).eval()
+
+
+def _lm_inputs(B, T, M):
+    g = torch.Generator().manual_seed(100 * B + 10 * T + M)
+    data, target = (torch.randint(0, 40, (T, B), generator=g) for _ in range(2))
+    return data, target, *(torch.randn(M, B, 16, generator=g) for _ in range(3))
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_export_lm_segment_with_mems(request, backend):
+    """MemTransformerLM.forward(data, target, *mems): dynamic batch, segment and memory
+    lengths; the loss and the new memories (the C++ update_mems op in the graph) equal
+    eager's. Regression: the token-id range check read the ids on the host (int()) while
+    tracing; it is a check in the program now."""
+    request.getfixturevalue("extension")  # update_mems
+    _backend(request, backend)
+    model = _lm(backend)
+    B, M = Dim("B", min=1, max=64), Dim("M", min=1, max=4096)
+    T = Dim("T", min=1, max=4096)
+    shapes = ({0: T, 1: B}, {0: T, 1: B}, tuple({0: M, 1: B} for _ in range(3)))
+    ep = torch.export.export(model, _lm_inputs(2, 4, 6), dynamic_shapes=shapes)
+    assert any("txl_kernels.update_mems" in t for t in _call_targets(ep))
+    for u in [(3, 5, 6), (1, 7, 3)]:
+        x = _lm_inputs(*u)
+        for got, want in zip(ep.module()(*x), model(*x)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    bad = list(_lm_inputs(3, 5, 6))
+    bad[0][0, 0] = 40  # outside the vocabulary: checked in the program
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        ep.module()(*bad)
+
+
+def test_export_lm_decode_step(request):
+    """The decoding step (one token against the memories, the mems path with data [1, bsz]):
+    dynamic batch and memory length, equal to eager step after step (the memories the
+    program returns fed back, growing to mem_len)."""
+    _backend(request, "cpu")
+    model = _lm("cpu")
+    B, M = Dim("B", min=1, max=64), Dim("M", min=1, max=4096)
+
+    class Step(nn.Module):
+        def __init__(self, lm):
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, tok, *mems):
+            logp, *new = self.lm.log_probs(tok, *mems)
+            return logp, *new
+
+    step = Step(model).eval()
+    tok = torch.randint(0, 40, (1, 2))
+    mems = [torch.randn(3, 2, 16) for _ in range(3)]
+    ep = torch.export.export(step, (tok, *mems),
+                             dynamic_shapes=({1: B}, tuple({0: M, 1: B} for _ in range(3))))
+    for bsz in (3, 1):
+        g = torch.Generator().manual_seed(bsz)
+        tok = torch.randint(0, 40, (1, bsz), generator=g)
+        mems = [torch.randn(2, bsz, 16, generator=g) for _ in range(3)]
+        for _ in range(6):  # the memory grows 2 -> 6 rows, then slides
+            got, want = ep.module()(tok, *mems), step(tok, *mems)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+            mems = list(got[1:])
+            tok = got[0][-1].argmax(-1)[None]
+        assert mems[0].shape[0] == 6

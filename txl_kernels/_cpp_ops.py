@@ -119,8 +119,9 @@ def _update_mems_fake(hids: Sequence[torch.Tensor], mems: Sequence[torch.Tensor]
         mlen = 0 if m is None or (m.dim() == 1 and m.numel() == 0) else m.shape[0]
         qlen, bsz, d = h.shape
         end = mlen + torch.sym_max(0, qlen - ext_len)
-        beg = torch.sym_max(0, end - mem_len)
-        out.append(h.new_empty((end - beg, bsz, d)))
+        # rows end - max(0, end - mem_len), written as a min: on symbolic lengths (torch.export)
+        # its bounds follow from theirs, so no guard is needed on its sign or size
+        out.append(h.new_empty((torch.sym_min(end, mem_len), bsz, d)))
     return out
 
 

@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 from .._cpp_ops import check_extension_backend
-from .._utils import (as_len, check_same, describe, renamed_attribute,
+from .._utils import (as_len, check_same, check_values, describe, renamed_attribute,
                       renamed_keywords)
 from ..cached_attention import (cached_attention, cached_attention_route,
                                 decode_extension_args, use_cpu_decode_op)
@@ -449,6 +449,11 @@ class MemTransformerLM(nn.Module):
         if ids.numel() == 0:
             raise ValueError(f"MemTransformerLM: {name} is empty ({list(ids.shape)})")
         lo, hi = torch.aminmax(ids)
+        if torch.compiler.is_exporting():  # values unknown while tracing: a check in the program
+            check_values((lo >= 0) & (hi < self.n_token), ValueError,
+                         f"MemTransformerLM: {name} holds token ids outside the vocabulary "
+                         f"[0, n_token={self.n_token})")
+            return ids
         lo, hi = int(lo), int(hi)
         if lo < 0 or hi >= self.n_token:
             raise ValueError(f"MemTransformerLM: {name} holds token ids in [{lo}, {hi}], "
@@ -514,7 +519,12 @@ class MemTransformerLM(nn.Module):
 
     # -- positions --------------------------------------------------------------------------
     def _pos_emb(self, klen: int, dtype, device) -> torch.Tensor:
-        pos_seq = torch.arange(klen - 1, -1, -1.0, device=device, dtype=dtype)
+        if torch.compiler.is_exporting():
+            # integer steps, then the dtype (the same values in fp32 / fp64): a float step's
+            # length, ceil() of a float quotient, would raise guards on a symbolic klen
+            pos_seq = torch.arange(klen - 1, -1, -1, device=device).to(dtype)
+        else:
+            pos_seq = torch.arange(klen - 1, -1, -1.0, device=device, dtype=dtype)
         if self.clamp_len > 0:
             pos_seq.clamp_(max=self.clamp_len)
         return self.pos_emb(pos_seq)
