@@ -603,3 +603,108 @@ def test_export_lm_decode_step(request):
             mems = list(got[1:])
             tok = got[0][-1].argmax(-1)[None]
         assert mems[0].shape[0] == 6
+
+
+# -------------------------------------------------- features that cannot go through export
+
+def test_export_dropout_in_training_is_a_random_op(request):
+    """dropout_p > 0 (a drop-in in training mode) exports on every backend: the keep-mask's
+    seed (fused ops) or the dropout (reference) is drawn in the program from PyTorch's
+    default generator, so under one torch.manual_seed the program equals eager."""
+    backends = ["reference", "cpu"] + (["triton"] if tk.fused_available(
+        torch.device("cpu"))[0] else [])
+    request.getfixturevalue("extension")
+    B, T, _ = _dims()
+    for backend in backends:
+        torch.manual_seed(0)
+        m = _Call(tk.NeMoRelPositionMultiHeadAttention(2, F_, 0.3, backend=backend),
+                  lambda m, x, p: m(x, x, x, None, p)).train()
+        make = lambda B, T, M=0: _dropin_inputs("pos")(B, T, M)[:2]  # noqa: E731
+        ep = torch.export.export(m, make(2, 6),
+                                 dynamic_shapes=(({0: B, 1: T}, {1: 2 * T - 1}),))
+        x = make(3, 5)
+        outs = []
+        for fn, seed in ((ep.module(), 5), (m, 5), (m, 6)):
+            torch.manual_seed(seed)
+            outs.append(fn(*x))
+        torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+        assert not torch.equal(outs[1], outs[2])  # it does drop
+
+
+class _QuantMemAttn(_MemAttn):
+    """_MemAttn with its memory as an 8-bit QuantizedKV input."""
+
+    def forward(self, q, k, v, mem_k, mem_k_scale, mem_v, mem_v_scale):
+        # four tensors, not a QuantizedKV input: torch 2.14's ExportedProgram.module() writes
+        # its input guards for a named tuple with fields k and k_scale as invalid Python
+        memory = tk.QuantizedKV(mem_k, mem_k_scale, mem_v, mem_v_scale)
+        lk = memory.k.shape[1] + k.shape[1]
+        dist = torch.arange(lk, dtype=torch.float32).flip(0)
+        r = self.r_net(_sinusoid(dist, F_)).view(lk, self.H, self.D)
+        return rel_attention(q, k, v, r, self.u, self.vb, causal=True, memory=memory,
+                             backend=self.backend)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+def test_export_8bit_memory(request, backend):
+    """An 8-bit memory (QuantizedKV, int8 with per-(token, head) scales) as an input of the
+    program, with a dynamic memory length: the fused ops read it (forward only: inference),
+    the reference dequantises it, as in eager."""
+    _backend(request, backend)
+    torch.manual_seed(0)
+    m = _QuantMemAttn(backend, True, (-1, -1)).eval()
+    B, T, _ = _dims()
+    M = Dim("M", min=1, max=4096)
+
+    def make(b, t, mm):
+        q, k, v, mk, mv, _ = _mem_inputs(b, t, mm)
+        return q, k, v, *tk.quantize_kv(mk, mv, torch.int8)
+
+    qkv, mem = {0: B, 1: T}, {0: B, 1: M}
+    with torch.no_grad():
+        _export_matches_eager(m, make, (qkv, qkv, qkv, mem, mem, mem, mem),
+                              (2, 4, 3), [(3, 5, 2), (1, 3, 6)], backend)
+
+
+def test_export_refuses_context_parallelism_and_the_kv_cache():
+    """What cannot go through torch.export / AOTInductor says so, naming the feature and the
+    route, instead of an exporter error from inside: context parallelism (the functional op,
+    a drop-in with cp_group, the LM with cp_group: the ring and the global lengths are
+    decided at run time by torch.distributed) and the LM's K/V cache (Python state updated
+    in place). Checked before any process group is used."""
+    from txl_kernels.distributed import context_parallel_rel_attention
+
+    class CP(nn.Module):
+        def forward(self, q, k, v, r, u, vb):
+            return context_parallel_rel_attention(q, k, v, r, u, vb, causal=True)
+
+    q, k, v, *_ = _mem_inputs(2, 4, 0)
+    r, u, vb = torch.randn(4, 2, 16), torch.randn(2, 16), torch.randn(2, 16)
+    cases = [(CP(), (q, k, v, r, u, vb), "context_parallel_rel_attention")]
+    nemo = tk.NeMoRelPositionMultiHeadAttention(2, F_, 0.0, backend="reference").eval()
+    nemo.cp_group = object()  # never used: export stops first
+    cases.append((_Call(nemo, lambda m, x, p: m(x, x, x, None, p)),
+                  _dropin_inputs("pos")(2, 6, 0)[:2], "NeMoRelPositionMultiHeadAttention"))
+    lm = _lm("reference")
+    lm.cp_group = object()
+    cases.append((lm, _lm_inputs(2, 4, 3), "MemTransformerLM"))
+    for model, args, who in cases:
+        with pytest.raises(NotImplementedError,
+                           match=f"{who}: context parallelism .* cannot go through "
+                                 f"torch.export or AOTInductor"):
+            torch.export.export(model, args)
+
+    lm = _lm("reference")
+    cache = lm.new_cache(2)
+
+    class Cached(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, data, target):
+            return self.lm(data, target, cache=cache)[0]
+
+    with pytest.raises(NotImplementedError, match="MemTransformerLM: the K/V cache .* cannot "
+                                                  "go through torch.export or AOTInductor"):
+        torch.export.export(Cached(), _lm_inputs(2, 1, 0)[:2])

@@ -602,6 +602,18 @@ def _check_args(name, q, k, v, r, r_w_bias, r_r_bias, memory_len, layout, causal
     return wl, wr, scale, dropout_p, kpm, chosen
 
 
+def refuse_export(who: str) -> None:
+    """Raise NotImplementedError naming ``who`` when called under ``torch.export`` (or
+    AOTInductor, which compiles an exported program): context parallelism decides its ring's
+    exchanges and the global lengths at run time, through torch.distributed."""
+    if torch.compiler.is_exporting():
+        raise NotImplementedError(
+            f"{who}: context parallelism (context_parallel_rel_attention, cp_group) cannot go "
+            f"through torch.export or AOTInductor: the ring's exchanges and the global lengths "
+            f"are decided at run time through torch.distributed. Export the model without "
+            f"cp_group (each process then attends over the whole sequence)")
+
+
 def context_parallel_rel_attention(
     q: Tensor,
     k: Tensor,
@@ -678,6 +690,7 @@ def context_parallel_rel_attention(
     scores at a time.
     """
     name = "context_parallel_rel_attention"
+    refuse_export(name)
     # Every argument is checked on this rank before anything is communicated, with
     # rel_attention's checks; the verdicts travel with the first collective (the lengths'
     # all_gather), so a call that one rank rejects raises on every rank and leaves no

@@ -579,6 +579,10 @@ class MemTransformerLM(nn.Module):
         ``mem_len`` 0 or the global segment length (of every segment); raise otherwise."""
         import torch.distributed as dist
 
+        from ..distributed import refuse_export
+
+        refuse_export("MemTransformerLM")
+
         lens = torch.tensor([qlen, mlen], dtype=torch.int64,
                             device=device if dist.get_backend(self.cp_group) == "nccl"
                             else "cpu")
@@ -653,6 +657,13 @@ class MemTransformerLM(nn.Module):
         qlen, bsz = data.shape
         self._check_same_length()
         if cache is not None:
+            if torch.compiler.is_exporting():
+                raise NotImplementedError(
+                    "MemTransformerLM: the K/V cache (cache=) cannot go through torch.export "
+                    "or AOTInductor: its bookkeeping (rows held, positions) is Python state "
+                    "updated in place, which a program would freeze. Export the mems path "
+                    "instead: forward(data, target, *mems) (or log_probs(data, *mems)) with "
+                    "the memories as inputs; a decoding step is one token, data [1, bsz]")
             if mems:
                 raise ValueError("MemTransformerLM: pass either mems or cache, not both")
             self._check_cache(cache, qlen, bsz)

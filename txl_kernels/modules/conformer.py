@@ -49,6 +49,10 @@ class RelPosAttentionBase(nn.Module):
         """The sum of ``n`` over ``cp_group`` (all-gathered)."""
         import torch.distributed as dist
 
+        from ..distributed import refuse_export
+
+        refuse_export(self._NAME)
+
         t = torch.tensor([n], dtype=torch.int64,
                          device=device if dist.get_backend(self.cp_group) == "nccl" else "cpu")
         dist.all_reduce(t, group=self.cp_group)
