@@ -19,7 +19,7 @@ from ._utils import assume_constant_result, no_second_derivative
 from ._cpp_ops import unavailable
 from .quant import QuantizedKV
 
-__all__ = ["cpu_kernel_available", "rel_attn_cpu", "draw_cpu_dropout_seed"]
+__all__ = ["cpu_kernel_available", "rel_attn_cpu", "draw_cpu_dropout_seed", "load_library"]
 
 _STATE: Optional[Tuple[bool, str]] = None
 
@@ -38,6 +38,26 @@ def cpu_kernel_available() -> Tuple[bool, str]:
         _register()
         _STATE = (True, str(_build.extension_status()["reason"]))
     return _STATE
+
+
+def load_library() -> str:
+    """Load the C++ extension now (built on the first call, as on the first use of any of its
+    ops), so that its ops (``txl_kernels::rel_attn_cpu_fwd``, ``update_mems``, ...) are in
+    PyTorch's dispatcher with their fake implementations; return the path of its shared
+    library. Raises RuntimeError saying why when it cannot be built or loaded.
+
+    ``import txl_kernels`` does not load it (the ops load on first use). A program that
+    AOTInductor compiled (``torch._inductor.aoti_compile_and_package``) from a model whose
+    attention runs on the CPU kernel calls ``txl_kernels::rel_attn_cpu_fwd``, which PyTorch
+    looks up when the package is loaded: a deployment process calls this before
+    ``torch._inductor.aoti_load_package`` (without it, loading fails: "Could not find
+    schema for txl_kernels::rel_attn_cpu_fwd"), or, in C++, loads the returned library
+    (``dlopen(path, RTLD_NOW | RTLD_GLOBAL)``) before ``AOTIModelPackageLoader``."""
+    ok, why = cpu_kernel_available()
+    if not ok:
+        raise RuntimeError(f"txl_kernels.load_library: the C++ extension cannot be loaded: "
+                           f"{why}")
+    return _build.load_extension().__file__
 
 
 def draw_cpu_dropout_seed() -> Tensor:

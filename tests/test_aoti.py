@@ -1,0 +1,89 @@
+"""AOTInductor: a swapped NeMo-shaped encoder compiled by
+``torch._inductor.aoti_compile_and_package`` on the CPU, with dynamic batch and time, runs the
+fused C++ kernel (``txl_kernels::rel_attn_cpu_fwd``) from inside the package; a process that
+loads the package needs the op library loaded first (``txl_kernels.load_library()``), and
+without it loading fails at once, naming the op (no silent fallback).
+
+One package for the module (a compile takes about 30 s), run at several lengths.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+import zipfile
+
+import pytest
+import torch
+from torch.export import Dim
+
+from test_export import FUSED_OPS, nemo_encoder_inputs, swapped_nemo_encoder
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+UNSEEN = [(3, 7), (1, 20), (2, 33), (4, 5)]  # (batch, time) pairs not used at export
+
+
+@pytest.fixture(scope="module")
+def package(extension, tmp_path_factory):
+    """(eager encoder, exported program, path of its AOTInductor package)."""
+    enc = swapped_nemo_encoder("cpu")
+    B, T = Dim("B", min=1, max=64), Dim("T", min=2, max=4096)
+    ep = torch.export.export(enc, nemo_encoder_inputs(2, 12),
+                             dynamic_shapes=({0: B, 1: T}, {0: B}))
+    path = str(tmp_path_factory.mktemp("aoti") / "nemo_encoder.pt2")
+    assert torch._inductor.aoti_compile_and_package(ep, package_path=path) == path
+    return enc, ep, path
+
+
+@pytest.mark.slow  # an AOTInductor compile (about 30 s)
+def test_aoti_package_runs_the_fused_cpu_op(package):
+    """The exported graph and the compiled package call the C++ kernel's op (no decomposition
+    into the reference math), and the loaded package equals eager at lengths and batch sizes
+    not used at export (Inductor fuses the layers around the op: fp32 rounding apart)."""
+    enc, ep, path = package
+    op = FUSED_OPS["cpu"]
+    calls = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+    assert sum(op in c for c in calls) == 2, calls  # one per layer
+    with zipfile.ZipFile(path) as z:  # the package's calls of ops outside aten
+        extern = b"".join(z.read(n) for n in z.namelist() if n.endswith("wrapper.json"))
+    assert b'"target": "txl_kernels::rel_attn_cpu_fwd"' in extern
+    runner = torch._inductor.aoti_load_package(path)
+    for u in UNSEEN:
+        x = nemo_encoder_inputs(*u)
+        torch.testing.assert_close(runner(*x), enc(*x), rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"at (B, T) = {u}: {m}")
+
+
+def _run(code: str, *args: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter (this checkout's txl_kernels, the same extension
+    cache), where txl_kernels is not imported unless the code does it."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow  # the package's compile (shared) and two fresh interpreters
+def test_aoti_package_in_a_fresh_process(package, tmp_path):
+    """Without the op library, loading the package fails at once with PyTorch's error naming
+    the op (``import txl_kernels`` alone does not load it: its ops load on first use); after
+    ``txl_kernels.load_library()`` the package loads and gives the outputs of this process's
+    package."""
+    enc, _, path = package
+    x = nemo_encoder_inputs(3, 7)
+    want = torch._inductor.aoti_load_package(path)(*x)
+    io = str(tmp_path / "io.pt")
+    torch.save({"x": x, "want": want}, io)
+    load = """
+        import sys, torch
+        {before}
+        io = torch.load(sys.argv[2])
+        runner = torch._inductor.aoti_load_package(sys.argv[1])
+        torch.testing.assert_close(runner(*io["x"]), io["want"], rtol=0, atol=0)
+        print("ran", "txl_kernels" in sys.modules)
+    """
+    for before in ("", "import txl_kernels"):
+        res = _run(load.format(before=before), path, io)
+        assert res.returncode != 0, res.stdout
+        assert "Could not find schema for txl_kernels::rel_attn_cpu_fwd" in res.stderr, \
+            res.stderr[-2000:]
+    res = _run(load.format(before="import txl_kernels; txl_kernels.load_library()"), path, io)
+    assert res.returncode == 0 and "ran True" in res.stdout, res.stderr[-2000:]
