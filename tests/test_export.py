@@ -262,10 +262,10 @@ DROPINS = {
         lambda b: tk.Wav2Vec2ConformerSelfAttention(_hf_config("w2v"), backend=b),
         lambda m, x, p, kpm: m(x, _additive((~kpm)[:, None, None, :].expand(
             -1, 1, x.shape[1], -1)), relative_position_embeddings=p), "pos"),
-    "fastspeech2": (
-        lambda b: (pytest.importorskip("transformers"), tk.FastSpeech2ConformerAttention(
+    "fastspeech2": (  # its config: any object with hidden_size (no transformers needed)
+        lambda b: tk.FastSpeech2ConformerAttention(
             type("Cfg", (), {"hidden_size": F_})(),
-            {"num_attention_heads": 2, "attention_dropout_rate": 0.0}, backend=b))[1],
+            {"num_attention_heads": 2, "attention_dropout_rate": 0.0}, backend=b),
         lambda m, x, p, kpm: m(x, (~kpm).float()[:, None, :], p), "pos"),
     "rllib": (lambda b: tk.RLlibRelativeMultiHeadAttention(F_, F_, 2, 16, backend=b),
               lambda m, x, mem: m(x, mem), "mem"),
