@@ -9,6 +9,8 @@ Public API:
     SpeechBrainRelPosMHAXL, RLlibRelativeMultiHeadAttention, DIEngineAttentionXL: more drop-ins
     swap_rel_pos_attention, SWAP_TABLE: replace the originals inside a model
     update_mems        segment-memory update (JIT-built C++/CUDA extension, torch fallback)
+    load_op_library    load the C++ extension's ops; the path of their shared library (for a
+                       process that runs a saved TorchScript model, docs/export.md)
     QuantizedKV, quantize_kv: 8-bit (int8 / float8_e4m3fn) attention memory
     rel_attention_reference, mask_to_band, fused_available, BACKENDS: the einsum reference,
     the band form of a mask, whether the fused kernels run on a device, the backend names
@@ -16,6 +18,7 @@ Public API:
 The test oracles' internals (``rel_shift``, ``rel_shift_pad_reshape``, ``allowed_pairs``) stay
 in :mod:`txl_kernels.reference`; the language model is in :mod:`txl_kernels.models`.
 """
+from ._cpp_ops import load_op_library
 from .functional import BACKENDS, fused_available, mask_to_band, rel_attention
 from .modules import (SWAP_TABLE, DIEngineAttentionXL, ESPnetRelPositionMultiHeadedAttention,
                       FastSpeech2ConformerAttention, FusedRelAttention,
@@ -36,4 +39,4 @@ __all__ = ["rel_attention", "FusedRelAttention", "NeMoRelPositionMultiHeadAttent
            "Wav2Vec2ConformerSelfAttention", "FastSpeech2ConformerAttention",
            "swap_rel_pos_attention", "SWAP_TABLE", "update_mems", "mask_to_band",
            "fused_available", "BACKENDS", "rel_attention_reference", "QuantizedKV",
-           "quantize_kv", "__version__"]
+           "quantize_kv", "load_op_library", "__version__"]

@@ -32,7 +32,7 @@ import torch
 from . import _build
 from ._utils import assume_constant_result
 
-__all__ = ["load_extension", "unavailable", "use_extension", "warn_fallback",
+__all__ = ["load_extension", "load_op_library", "unavailable", "use_extension", "warn_fallback",
            "check_extension_backend", "EXTENSION_BACKENDS"]
 
 # The values of every ``backend`` that chooses between an op of the extension and its
@@ -51,6 +51,21 @@ def load_extension():
     if ext is not None and not _FAKES_REGISTERED:
         _register_fakes()
     return ext
+
+
+def load_op_library() -> str:
+    """Load the C++ extension (built on first use) and return the path of its shared library,
+    which registers the ``txl_kernels::`` ops (``rel_attn_cpu_fwd`` among them) when a
+    process loads it. A model saved by ``torch.jit.save`` (traced or scripted with the CPU
+    kernel) needs them before ``torch.jit.load``: in Python call this function (or
+    ``torch.ops.load_library(path)``), in C++ ``dlopen(path, RTLD_NOW | RTLD_GLOBAL)`` the
+    library (or link it) before ``torch::jit::load``. Raises RuntimeError with the reason when
+    the extension cannot be built or loaded here."""
+    ext = load_extension()
+    if ext is None:
+        raise RuntimeError(f"txl_kernels.load_op_library: the C++ extension is not available: "
+                           f"{_build.extension_status()['reason']}")
+    return ext.__file__
 
 
 @assume_constant_result

@@ -140,7 +140,13 @@ def rel_attn_cpu(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
                                       for t in (q, k, v, r, r_w_bias, r_r_bias))
     mem = (None,) * 4 if memory is None else tuple(memory)
     mem = tuple(None if t is None else _last_dim_contiguous(t) for t in mem)
-    out, _ = _RelAttnCpuFunction.apply(
-        q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
-        key_padding_mask, attn_mask, attn_mask_band, float(dropout_p), dropout_seed, *mem)
+    args = (q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
+            key_padding_mask, attn_mask, attn_mask_band, float(dropout_p), dropout_seed, *mem)
+    if torch.jit.is_tracing():
+        # The op itself (with its registered autograd): torch.jit.trace records it as a
+        # txl_kernels::rel_attn_cpu_fwd node, which torch.jit.save writes and a C++ process
+        # runs once the op library is loaded; the autograd.Function would be a Python op.
+        out, _ = torch.ops.txl_kernels.rel_attn_cpu_fwd(*args)
+    else:
+        out, _ = _RelAttnCpuFunction.apply(*args)
     return out

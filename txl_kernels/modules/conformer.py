@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from .._utils import describe
-from ..functional import BACKENDS, rel_attention
+from ..functional import BACKENDS, refuse_jit_context_parallel, rel_attention
 from ._dropin import adopt, check_key_padding_mask
 
 __all__ = ["NeMoRelPositionMultiHeadAttention", "ESPnetRelPositionMultiHeadedAttention"]
@@ -49,6 +49,7 @@ class RelPosAttentionBase(nn.Module):
         """The sum of ``n`` over ``cp_group`` (all-gathered)."""
         import torch.distributed as dist
 
+        refuse_jit_context_parallel(self._NAME)  # the first collective of the ring's callers
         t = torch.tensor([n], dtype=torch.int64,
                          device=device if dist.get_backend(self.cp_group) == "nccl" else "cpu")
         dist.all_reduce(t, group=self.cp_group)
