@@ -449,3 +449,121 @@ def test_jit_trace_8bit_memory_follows_both_lengths(backend, request):
         return q, k, v, torch.randn(M + T, 2, 16, generator=g), mk, mv
 
     assert_trace_follows_lengths(_Memory(backend), inputs)
+
+
+# ------------------------------------------------------------- torch.jit.script (icefall's route)
+def test_icefall_original_scripts():
+    """icefall exports with torch.jit.script; its attention (the transcription, annotated as
+    icefall's source is) scripts and gives its eager outputs."""
+    orig, _ = _icefall_pair("reference")
+    scripted = torch.jit.script(orig)
+    x = rnd(7, 3, E, seed=7)
+    args = (x, x, x, _icefall_pos_emb(7), _padding(3, 7))
+    torch.testing.assert_close(scripted(*args)[0], orig(*args)[0], rtol=0, atol=0)
+
+
+def _icefall_cases(T, B=3):
+    """(query, key, value, pos_emb, key_padding_mask, need_weights, attn_mask, left_context):
+    self-attention with padding, a chunk mask per head, a streaming cache, distinct key /
+    value and one position table per sequence."""
+    x = rnd(T, B, E, seed=T)
+    kpm = _padding(B, T)
+    chunk = ~orig_ice.subsequent_chunk_mask(T, 4, num_left_chunks=0)
+    yield x, x, x, _icefall_pos_emb(T), kpm, False, None, 0
+    g = torch.Generator().manual_seed(T)
+    dense = torch.rand(B * H, T, T, generator=g) > 0.7
+    yield x, x, x, _icefall_pos_emb(T), kpm.to(torch.uint8), False, dense, 0
+    yield x, x, x, _icefall_pos_emb(T), None, False, chunk, 0
+    left = 4
+    cache = torch.cat([rnd(left, B, E, seed=T + 1), x])
+    kpm_c = torch.cat([torch.zeros(B, left, dtype=torch.bool), kpm], 1)
+    yield x, cache, cache, _icefall_pos_emb(T, left), kpm_c, False, None, left
+    kv = rnd(T, B, E, seed=T + 2)
+    pos = _icefall_pos_emb(T).expand(B, -1, -1) + rnd(B, 2 * T - 1, E, seed=T + 3) * 0.1
+    yield x, kv, rnd(T, B, E, seed=T + 4), pos, kpm, False, None, 0
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "auto"])
+def test_jit_script_icefall_matches_eager_and_original(backend, request):
+    """torch.jit.script(IcefallRelPositionMultiheadAttention): outputs equal to the eager
+    module's on the same kernel (bit for bit) and to icefall's original; the graph calls the C++
+    op for "cpu" / "auto" when the extension is loaded, and the reference math (no op) for
+    "reference", with no Python call in either."""
+    if backend != "reference":
+        request.getfixturevalue("extension")
+    orig, ours = _icefall_pair(backend)
+    scripted = torch.jit.script(ours)
+    graph = str(scripted.inlined_graph)
+    assert "prim::PythonOp" not in graph
+    assert ("txl_kernels::rel_attn_cpu_fwd" in graph) == (backend != "reference")
+    eager_same_kernel = ours if backend != "auto" else _icefall_pair("cpu")[1]
+    with torch.no_grad():
+        for T in (5, 13):
+            for args in _icefall_cases(T):
+                got = scripted(*args)
+                assert got[1] is None
+                torch.testing.assert_close(got[0], eager_same_kernel(*args)[0], rtol=0, atol=0)
+                torch.testing.assert_close(got[0], orig(*args)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_jit_script_icefall_saves_and_runs_in_a_fresh_process(extension, tmp_path):
+    """torch.jit.save / torch.jit.load of the scripted module, in this process and in a fresh
+    one: with the CPU op after loading only the op library (as a C++ process does), and the
+    reference graph with nothing but torch."""
+    import txl_kernels
+
+    x = rnd(9, 3, E, seed=9)
+    args = (x, x, x, _icefall_pos_emb(9), _padding(3, 9))
+    inputs = tmp_path / "inputs.pt"
+    torch.save(args, str(inputs))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for backend, how in (("cpu", txl_kernels.load_op_library()), ("reference", "")):
+        _, ours = _icefall_pair(backend)
+        with torch.no_grad():
+            want = ours(*args)[0]
+        saved = tmp_path / f"icefall_{backend}.pt"
+        torch.jit.save(torch.jit.script(ours), str(saved))
+        loaded = torch.jit.load(str(saved))
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(*args)[0], want, rtol=0, atol=0)
+        out = tmp_path / "out.pt"
+        r = subprocess.run([sys.executable, "-c", _FRESH_SCRIPTED, str(saved), str(inputs),
+                            str(out), how], capture_output=True, text=True, env=env,
+                           cwd=str(tmp_path), timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        torch.testing.assert_close(torch.load(str(out)), want, rtol=0, atol=0)
+
+
+_FRESH_SCRIPTED = """
+import sys, torch
+saved, inputs, out, library = sys.argv[1:]
+if library:  # what a C++ process does: dlopen the op library, then torch::jit::load
+    torch.ops.load_library(library)
+m = torch.jit.load(saved)
+assert "txl_kernels" not in sys.modules
+with torch.no_grad():
+    torch.save(m(*torch.load(inputs))[0], out)
+"""
+
+
+def test_jit_script_icefall_clear_errors(extension):
+    """What a scripted icefall module cannot do raises naming the feature and the route: the
+    Triton backend (Python launchers) when scripting, attention dropout in training on the C++
+    op when the scripted module runs; bad inputs name the argument."""
+    with pytest.raises(TorchScriptUnsupported,
+                       match=r"backend='triton' cannot be recorded by torch\.jit\.script"):
+        torch.jit.script(IcefallRelPositionMultiheadAttention(E, H, backend="triton"))
+    x = rnd(6, 2, E)
+    args = (x, x, x, _icefall_pos_emb(6))
+    scripted = torch.jit.script(IcefallRelPositionMultiheadAttention(E, H, 0.1, backend="cpu"))
+    with pytest.raises(torch.jit.Error, match=r"attention dropout \(dropout_p=0\.1.*"
+                                              r"torch\.jit\.script"):
+        scripted.train()(*args)
+    scripted.eval()(*args)
+    ref = torch.jit.script(IcefallRelPositionMultiheadAttention(E, H, 0.1,
+                                                                backend="reference"))
+    ref.train()(*args)  # F.dropout records
+    with pytest.raises(torch.jit.Error, match=r"query must be \(time, batch, embed_dim=32\)"):
+        scripted(rnd(6, 2, E + 1), x, x, args[3])
+    with pytest.raises(torch.jit.Error, match=r"key_padding_mask must be a bool or uint8"):
+        scripted(*args, torch.zeros(2, 5, dtype=torch.bool))

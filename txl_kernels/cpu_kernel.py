@@ -19,7 +19,8 @@ from ._utils import assume_constant_result, no_second_derivative
 from ._cpp_ops import unavailable
 from .quant import QuantizedKV
 
-__all__ = ["cpu_kernel_available", "rel_attn_cpu", "draw_cpu_dropout_seed"]
+__all__ = ["cpu_kernel_available", "rel_attn_cpu", "draw_cpu_dropout_seed",
+           "last_dim_contiguous"]
 
 _STATE: Optional[Tuple[bool, str]] = None
 
@@ -120,7 +121,9 @@ def _register() -> None:
                                     setup_context=_setup_context)
 
 
-def _last_dim_contiguous(t: Tensor) -> Tensor:
+def last_dim_contiguous(t: Tensor) -> Tensor:
+    """``t``, copied only when its last dimension is not contiguous (what the kernel reads
+    in place); TorchScript compiles it too (the scripted drop-ins)."""
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
@@ -136,10 +139,10 @@ def rel_attn_cpu(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
     draws ``dropout_seed`` with :func:`draw_cpu_dropout_seed` unless one is given."""
     if dropout_p > 0.0 and dropout_seed is None:
         dropout_seed = draw_cpu_dropout_seed()
-    q, k, v, r, r_w_bias, r_r_bias = (_last_dim_contiguous(t)
+    q, k, v, r, r_w_bias, r_r_bias = (last_dim_contiguous(t)
                                       for t in (q, k, v, r, r_w_bias, r_r_bias))
     mem = (None,) * 4 if memory is None else tuple(memory)
-    mem = tuple(None if t is None else _last_dim_contiguous(t) for t in mem)
+    mem = tuple(None if t is None else last_dim_contiguous(t) for t in mem)
     args = (q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
             key_padding_mask, attn_mask, attn_mask_band, float(dropout_p), dropout_seed, *mem)
     if torch.jit.is_tracing():
