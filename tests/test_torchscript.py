@@ -567,3 +567,44 @@ def test_jit_script_icefall_clear_errors(extension):
         scripted(rnd(6, 2, E + 1), x, x, args[3])
     with pytest.raises(torch.jit.Error, match=r"key_padding_mask must be a bool or uint8"):
         scripted(*args, torch.zeros(2, 5, dtype=torch.bool))
+
+
+# ------------------------------------------------------ torch.jit.script of DI-engine's attention
+def _ding_pair(backend):
+    torch.manual_seed(0)
+    orig = og.AttentionXL(E, 16, H, nn.Dropout(0.0)).eval()
+    ours = DIEngineAttentionXL(E, 16, H, nn.Dropout(0.0), backend=backend).eval()
+    ours.load_state_dict(orig.state_dict(), strict=True)
+    return orig, ours
+
+
+def _ding_inputs(T, prev, B=3):
+    mask, pos_ips = og.gtrxl_mask_and_positions(T, prev)
+    full = rnd(T + prev, B, E, seed=T)
+    return (full[prev:], og.PositionalEmbedding(E)(pos_ips), full, rnd(H, 16, seed=1) * 0.5,
+            rnd(H, 16, seed=2) * 0.5, mask)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_jit_script_di_engine_matches_eager_and_original(backend, request):
+    """DI-engine's AttentionXL scripts (annotated as in DI-engine); so does the drop-in, with
+    the eager module's outputs (same kernel, bit for bit) and the original's, with and without
+    memory, and the C++ op in the graph for backend "cpu"."""
+    if backend == "cpu":
+        request.getfixturevalue("extension")
+    orig, ours = _ding_pair(backend)
+    scripted_orig = torch.jit.script(orig)
+    scripted = torch.jit.script(ours)
+    graph = str(scripted.inlined_graph)
+    assert "prim::PythonOp" not in graph
+    assert ("txl_kernels::rel_attn_cpu_fwd" in graph) == (backend == "cpu")
+    with torch.no_grad():
+        for T, prev in ((5, 0), (6, 4), (1, 9)):
+            args = _ding_inputs(T, prev)
+            got = scripted(*args)
+            torch.testing.assert_close(got, ours(*args), rtol=0, atol=0)
+            torch.testing.assert_close(got, scripted_orig(*args), rtol=1e-5, atol=1e-6)
+        args = _ding_inputs(1, 3)[:-1]  # one step, no mask
+        torch.testing.assert_close(scripted(*args), ours(*args), rtol=0, atol=0)
+        with pytest.raises(torch.jit.Error, match="the mask lets queries attend keys after"):
+            scripted(*_ding_inputs(4, 2)[:-1])

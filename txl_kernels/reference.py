@@ -75,7 +75,7 @@ def row_poison(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (torch.linalg.vector_norm(x.detach(), ord=float("inf"), dim=-1) * 0).to(dtype)
 
 
-def pair_distance(lq: int, lk: int, device) -> torch.Tensor:
+def pair_distance(lq: int, lk: int, device: torch.device) -> torch.Tensor:
     """``d[i, j] = (i + Lk - Lq) - j`` ([Lq, Lk], int64): the distance of every pair, memory
     first (bottom-right aligned)."""
     return (torch.arange(lq, device=device)[:, None] + (lk - lq)) - torch.arange(lk, device=device)

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .._utils import describe
 from ..functional import BACKENDS, rel_attention
-from ..scripting import rel_attention_cpu_op, rel_attention_torch, script_uses_cpu_op
+from ..scripting import mark_cpu_op, rel_attention_cpu_op, rel_attention_torch
 from ._dropin import adopt, check_key_padding_mask
 
 __all__ = ["IcefallRelPositionMultiheadAttention", "ScaledLinear"]
@@ -223,13 +223,8 @@ class IcefallRelPositionMultiheadAttention(nn.Module):
     # -- torch.jit.script (icefall's export) ---------------------------------------------
     def __prepare_scriptable__(self) -> "IcefallRelPositionMultiheadAttention":
         """Called by ``torch.jit.script`` before it compiles the module: whether the graph
-        calls the C++ CPU op (``scripting.script_uses_cpu_op``), recorded as the presence
-        of ``_jit_cpu_op``, which the scripted forward tests with ``hasattr`` (decided at
-        compile time, so a graph without the op never names it)."""
-        if script_uses_cpu_op(self._NAME, self.backend):
-            self._jit_cpu_op = True
-        elif "_jit_cpu_op" in self.__dict__:
-            del self._jit_cpu_op
+        calls the C++ CPU op (``scripting.mark_cpu_op``)."""
+        mark_cpu_op(self, self._NAME)
         return self
 
     def _forward_scripted(self, query: Tensor, key: Tensor, value: Tensor, pos_emb: Tensor,
@@ -317,10 +312,10 @@ class IcefallRelPositionMultiheadAttention(nn.Module):
                 m = (am if am.shape[0] == 1 else am[lo:hi]).expand(hi - lo, H, tgt, src)
             if hasattr(self, "_jit_cpu_op") and query.device.type == "cpu":
                 outs.append(rel_attention_cpu_op(q[lo:hi], k[lo:hi], v[lo:hi], p[i], u, vb,
-                                                 1.0 / root_d, kp, m, drop, name))
+                                                 1.0 / root_d, -1, -1, kp, m, drop, name))
             else:
                 outs.append(rel_attention_torch(q[lo:hi], k[lo:hi], v[lo:hi], p[i], u, vb,
-                                                1.0 / root_d, kp, m, drop))
+                                                1.0 / root_d, -1, -1, kp, m, drop))
         out = outs[0] if n == 1 else torch.cat(outs, 0)
         out = out.reshape(bsz, tgt, E).transpose(0, 1)  # (L, N, E)
         return self.out_proj(out), None
