@@ -1,7 +1,7 @@
-"""TorchScript routes (docs/export.md): ``torch.jit.trace`` of ``rel_attention`` on every backend
-and of every drop-in, ``torch.jit.script`` of the drop-ins whose originals script (icefall's),
-save / load in this process and in a fresh one, and the clear errors of what neither route can
-record."""
+"""TorchScript routes (docs/dropins.md, TorchScript): ``torch.jit.trace`` of ``rel_attention``
+on every backend and of every drop-in, ``torch.jit.script`` of the drop-ins whose originals
+script (icefall's, DI-engine's), save / load in this process and in a fresh one, and the clear
+errors of what the routes cannot record."""
 import os
 import subprocess
 import sys
@@ -608,3 +608,41 @@ def test_jit_script_di_engine_matches_eager_and_original(backend, request):
         torch.testing.assert_close(scripted(*args), ours(*args), rtol=0, atol=0)
         with pytest.raises(torch.jit.Error, match="the mask lets queries attend keys after"):
             scripted(*_ding_inputs(4, 2)[:-1])
+
+
+def _originals_that_do_not_script():
+    import originals_speechbrain as sb
+    import txl_original
+    from test_conformer import ESPnetOriginal, NeMoOriginal
+
+    yield "nemo", lambda: NeMoOriginal(H, E, 0.0, None, None)
+    yield "espnet", lambda: ESPnetOriginal(H, E, 0.0)
+    yield "speechbrain", lambda: sb.RelPosMHAXL(E, H)
+    yield "rllib", lambda: og.RelativeMultiHeadAttention(E, E, H, 16)
+    yield "transformer-xl", lambda: txl_original.RelPartialLearnableMultiHeadAttn(H, E, 16, 0.0)
+    try:
+        from transformers.models.fastspeech2_conformer import modeling_fastspeech2_conformer
+        from transformers.models.parakeet import modeling_parakeet
+        from transformers.models.wav2vec2_conformer import modeling_wav2vec2_conformer
+    except ImportError:
+        return
+    yield "parakeet", lambda: modeling_parakeet.ParakeetEncoderAttention(
+        modeling_parakeet.ParakeetEncoderConfig(hidden_size=E, num_attention_heads=H,
+                                                intermediate_size=32, num_hidden_layers=1), 0)
+    yield "wav2vec2-conformer", lambda: modeling_wav2vec2_conformer.Wav2Vec2ConformerSelfAttention(
+        modeling_wav2vec2_conformer.Wav2Vec2ConformerConfig(
+            hidden_size=E, num_attention_heads=H, intermediate_size=32, num_hidden_layers=1,
+            position_embeddings_type="relative"))
+    fs2 = modeling_fastspeech2_conformer
+    yield "fastspeech2", lambda: fs2.FastSpeech2ConformerAttention(
+        fs2.FastSpeech2ConformerConfig(hidden_size=E),
+        {"num_attention_heads": H, "attention_dropout_rate": 0.0})
+
+
+def test_originals_that_do_not_script():
+    """The originals docs/dropins.md lists as not scripting (so their drop-ins are traced, not
+    scripted): if one starts to script, its drop-in should script too."""
+    for name, make in _originals_that_do_not_script():
+        with pytest.raises(Exception):
+            torch.jit.script(make())
+            pytest.fail(f"{name}'s original scripts: make its drop-in script too")

@@ -176,6 +176,10 @@ class DIEngineAttentionXL(nn.Module):
     sync, as the original's ``mask.any().item()``): for such keys the original reads
     wrapped-around position scores, which have no meaning. The mask reaches the kernel with its
     band descriptor (the causal mask is a band: no mask is read).
+
+    ``torch.jit.script`` compiles it, as it does the original: the scripted forward computes
+    the same outputs with the C++ CPU op or the reference math in TorchScript, the mask read
+    densely (docs/dropins.md, TorchScript); ``backend="triton"`` does not script.
     """
 
     _NAME = "DIEngineAttentionXL"

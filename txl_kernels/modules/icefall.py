@@ -91,6 +91,10 @@ class IcefallRelPositionMultiheadAttention(nn.Module):
         icefall's encoder does).
 
     Fully masked query rows give 0 (icefall gives 0 when both masks are given, NaN otherwise).
+
+    ``torch.jit.script`` (icefall's export) compiles it: the scripted forward computes the same
+    outputs with the C++ CPU op or the reference math in TorchScript (docs/dropins.md,
+    TorchScript); ``backend="triton"`` does not script.
     """
 
     _NAME = "IcefallRelPositionMultiheadAttention"
