@@ -2,6 +2,7 @@
 on every backend and of every drop-in, ``torch.jit.script`` of the drop-ins whose originals
 script (icefall's, DI-engine's), save / load in this process and in a fresh one, and the clear
 errors of what the routes cannot record."""
+import functools
 import os
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from txl_kernels.modules import (DIEngineAttentionXL, ESPnetRelPositionMultiHead
 
 import originals_gtrxl as og
 import originals_icefall as orig_ice
-from helpers import INTERPRET
+from helpers import FUSED_DEVICE, INTERPRET
 from test_conformer import nemo_rel_pos_emb, rnd
 
 E, H = 32, 2  # head dim 16: the Triton kernel's smallest
@@ -75,11 +76,23 @@ class _Attn(nn.Module):
                              backend=self.backend)
 
 
-def _attn_inputs(T, B=2, H=2, D=16):
+def _attn_inputs(T, B=2, H=2, D=16, device="cpu"):
     g = torch.Generator().manual_seed(T)
     q, k, v = (torch.randn(B, T, H, D, generator=g) for _ in range(3))
     r = torch.randn(2 * T - 1, H, D, generator=g)
-    return q, k, v, r, _padding(B, T)
+    return tuple(t.to(device) for t in (q, k, v, r, _padding(B, T)))
+
+
+def _device_for(backend, request):
+    """The device a backend's test runs on: the fused Triton kernel's (the GPU, or CPU tensors
+    under the interpreter) for "triton" and "auto"; CPU, with the extension built, for
+    "cpu"."""
+    if backend == "cpu":
+        request.getfixturevalue("extension")
+        return "cpu"
+    if backend == "triton" and FUSED_DEVICE == "cpu" and not INTERPRET:
+        pytest.skip("the Triton kernel needs a GPU or TRITON_INTERPRET=1")
+    return FUSED_DEVICE if backend in ("triton", "auto") else "cpu"
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu", "triton", "auto"])
@@ -87,12 +100,9 @@ def test_jit_trace_rel_attention_runs_other_lengths(backend, request):
     """torch.jit.trace records no ``bool | Tensor`` (an op TorchScript does not have), and the
     traced shapes follow the input's length, on every backend ("triton" and "auto" run the
     Triton kernel under the interpreter here, or on the GPU)."""
-    if backend == "cpu":
-        request.getfixturevalue("extension")
-    device_ok = INTERPRET or torch.cuda.is_available()
-    if backend == "triton" and not device_ok:
-        pytest.skip("the Triton kernel needs a GPU or TRITON_INTERPRET=1")
-    assert_trace_follows_lengths(_Attn(backend), _attn_inputs)
+    device = _device_for(backend, request)
+    assert_trace_follows_lengths(_Attn(backend).to(device),
+                                 functools.partial(_attn_inputs, device=device))
 
 
 FUSED_OP = {"cpu": "txl_kernels::rel_attn_cpu_fwd", "triton": "txl_kernels::rel_attn_fwd"}
@@ -103,12 +113,10 @@ def test_jit_trace_records_the_op_and_saves(backend, request, tmp_path):
     """A traced fused call is the registered op (a graph node torch.jit.save writes), not an
     autograd.Function (a Python op that torch.jit.save refuses); the loaded module gives the
     eager outputs at other lengths."""
-    if backend == "cpu":
-        request.getfixturevalue("extension")
-    if backend == "triton" and not (INTERPRET or torch.cuda.is_available()):
-        pytest.skip("the Triton kernel needs a GPU or TRITON_INTERPRET=1")
-    m = _Attn(backend)
-    traced = assert_trace_follows_lengths(m, _attn_inputs)
+    device = _device_for(backend, request)
+    inputs = functools.partial(_attn_inputs, device=device)
+    m = _Attn(backend).to(device)
+    traced = assert_trace_follows_lengths(m, inputs)
     kinds = {n.kind() for n in traced.graph.nodes()}
     assert "prim::PythonOp" not in kinds
     if backend in FUSED_OP:
@@ -118,7 +126,7 @@ def test_jit_trace_records_the_op_and_saves(backend, request, tmp_path):
     loaded = torch.jit.load(str(path))
     with torch.no_grad():
         for t in (5, 13):
-            x = _attn_inputs(t)
+            x = inputs(t)
             torch.testing.assert_close(loaded(*x), m(*x), rtol=0, atol=0)
 
 
@@ -375,26 +383,20 @@ def test_traced_cpu_kernel_runs_in_a_fresh_process(extension, tmp_path):
 
 
 # ---------------------------------------------------------- what a TorchScript graph cannot hold
-def _fused_backend(name, request):
-    if name == "cpu":
-        request.getfixturevalue("extension")
-    elif not (INTERPRET or torch.cuda.is_available()):
-        pytest.skip("the Triton kernel needs a GPU or TRITON_INTERPRET=1")
-    return name
-
-
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
 def test_jit_trace_refuses_fused_dropout_naming_it(backend, request):
     """Attention dropout in training mode on a fused kernel: an exception naming the feature and
     the route (not a TorchScript internal assert); the reference backend's F.dropout traces."""
-    m = _Attn(_fused_backend(backend, request), dropout_p=0.1).train()
+    device = _device_for(backend, request)
+    inputs = functools.partial(_attn_inputs, device=device)
+    m = _Attn(backend, dropout_p=0.1).to(device).train()
     with pytest.raises(TorchScriptUnsupported,
                        match=r"attention dropout \(dropout_p=0.1.*torch\.jit\.trace"):
-        torch.jit.trace(m, _attn_inputs(8), check_trace=False)
-    torch.jit.trace(_Attn("reference", dropout_p=0.1).train(), _attn_inputs(8),
+        torch.jit.trace(m, inputs(8), check_trace=False)
+    torch.jit.trace(_Attn("reference", dropout_p=0.1).to(device).train(), inputs(8),
                     check_trace=False)
     m.eval()  # no dropout: traces
-    assert_trace_follows_lengths(m, _attn_inputs)
+    assert_trace_follows_lengths(m, inputs)
 
 
 def test_jit_trace_refuses_context_parallelism_naming_it():
