@@ -6,6 +6,8 @@
   causal mask and position sequence of GTrXL.forward), nn_module.fc_block.
 Only change: RLlib builds its float32 positions in the buffer's dtype, so a float64 copy runs
 (its einsum would otherwise mix float32 and float64)."""
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -159,7 +161,7 @@ class AttentionXL(torch.nn.Module):
         self.project_pos = fc_block(input_dim, head_dim * head_num)
         self.scale = 1 / (head_dim ** 0.5)
 
-    def _rel_shift(self, x, zero_upper=False):
+    def _rel_shift(self, x: torch.Tensor, zero_upper: bool = False) -> torch.Tensor:
         x_padded = F.pad(x, [1, 0])
         x_padded = x_padded.view(x.size(0), x.size(1), x.size(3) + 1, x.size(2))
         x = x_padded[:, :, 1:].view_as(x)
@@ -168,7 +170,9 @@ class AttentionXL(torch.nn.Module):
             x = x * torch.tril(ones.to(x.device), x.size(3) - x.size(2))
         return x
 
-    def forward(self, inputs, pos_embedding, full_input, u, v, mask=None):
+    def forward(self, inputs: torch.Tensor, pos_embedding: torch.Tensor,
+                full_input: torch.Tensor, u: torch.nn.Parameter, v: torch.nn.Parameter,
+                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         bs, cur_seq, full_seq = inputs.shape[1], inputs.shape[0], full_input.shape[0]
         prev_seq = full_seq - cur_seq
         kv = self.attention_kv(full_input)

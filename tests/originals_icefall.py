@@ -127,8 +127,10 @@ class RelPositionMultiheadAttention(nn.Module):
     def _pos_bias_v(self):
         return self.pos_bias_v * self.pos_bias_v_scale.exp()
 
-    def forward(self, query, key, value, pos_emb, key_padding_mask=None, need_weights=True,
-                attn_mask=None, left_context=0):
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, pos_emb: Tensor,
+                key_padding_mask: Optional[Tensor] = None, need_weights: bool = True,
+                attn_mask: Optional[Tensor] = None,
+                left_context: int = 0) -> Tuple[Tensor, Optional[Tensor]]:
         return self.multi_head_attention_forward(
             query, key, value, pos_emb, self.embed_dim, self.num_heads,
             self.in_proj.get_weight(), self.in_proj.get_bias(), self.dropout,
@@ -148,11 +150,15 @@ class RelPositionMultiheadAttention(nn.Module):
                             (batch_stride, head_stride, time1_stride - n_stride, n_stride),
                             storage_offset=n_stride * (time1 - 1))
 
-    def multi_head_attention_forward(self, query, key, value, pos_emb, embed_dim_to_check,
-                                     num_heads, in_proj_weight, in_proj_bias, dropout_p,
-                                     out_proj_weight, out_proj_bias, training=True,
-                                     key_padding_mask=None, need_weights=True, attn_mask=None,
-                                     left_context=0):
+    def multi_head_attention_forward(self, query: Tensor, key: Tensor, value: Tensor,
+                                     pos_emb: Tensor, embed_dim_to_check: int, num_heads: int,
+                                     in_proj_weight: Tensor, in_proj_bias: Tensor,
+                                     dropout_p: float, out_proj_weight: Tensor,
+                                     out_proj_bias: Tensor, training: bool = True,
+                                     key_padding_mask: Optional[Tensor] = None,
+                                     need_weights: bool = True,
+                                     attn_mask: Optional[Tensor] = None,
+                                     left_context: int = 0) -> Tuple[Tensor, Optional[Tensor]]:
         tgt_len, bsz, embed_dim = query.size()
         head_dim = embed_dim // num_heads
         scaling = float(head_dim) ** -0.5

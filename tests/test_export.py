@@ -1,5 +1,5 @@
-"""Deployment routes of ``rel_attention``: torch.export with dynamic lengths and TorchScript
-tracing (docs/export.md)."""
+"""Deployment routes of ``rel_attention``: torch.export with dynamic lengths (docs/export.md;
+TorchScript: tests/test_torchscript.py)."""
 import pytest
 import torch
 
@@ -37,18 +37,6 @@ def test_torch_export_dynamic_length(backend):
     for t in (5, 13):
         x = _inputs(t)
         torch.testing.assert_close(ep.module()(*x), m(*x), rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
-def test_jit_trace_runs_other_lengths(backend):
-    """torch.jit.trace records no ``bool | Tensor`` (an op TorchScript does not have), and the
-    traced shapes follow the input's length."""
-    m = _Attn(backend).eval()
-    with torch.no_grad():
-        tm = torch.jit.trace(m, _inputs(8), check_trace=False)
-        for t in (5, 13):
-            x = _inputs(t)
-            torch.testing.assert_close(tm(*x), m(*x), rtol=0, atol=0)
 
 
 # --------------------------------------------- torch.export with dynamic batch, length, memory

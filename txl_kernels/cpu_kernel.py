@@ -19,7 +19,8 @@ from ._utils import assume_constant_result, no_second_derivative
 from ._cpp_ops import unavailable
 from .quant import QuantizedKV
 
-__all__ = ["cpu_kernel_available", "rel_attn_cpu", "draw_cpu_dropout_seed", "load_library"]
+__all__ = ["cpu_kernel_available", "rel_attn_cpu", "draw_cpu_dropout_seed", "load_library",
+           "last_dim_contiguous"]
 
 _STATE: Optional[Tuple[bool, str]] = None
 
@@ -52,7 +53,10 @@ def load_library() -> str:
     looks up when the package is loaded: a deployment process calls this before
     ``torch._inductor.aoti_load_package`` (without it, loading fails: "Could not find
     schema for txl_kernels::rel_attn_cpu_fwd"), or, in C++, loads the returned library
-    (``dlopen(path, RTLD_NOW | RTLD_GLOBAL)``) before ``AOTIModelPackageLoader``."""
+    (``dlopen(path, RTLD_NOW | RTLD_GLOBAL)``) before ``AOTIModelPackageLoader``. The same
+    holds for a model saved by ``torch.jit.save`` (traced or scripted with the CPU kernel)
+    before ``torch.jit.load`` / ``torch::jit::load``; a process without txl_kernels can
+    load the returned path with ``torch.ops.load_library(path)``."""
     ok, why = cpu_kernel_available()
     if not ok:
         raise RuntimeError(f"txl_kernels.load_library: the C++ extension cannot be loaded: "
@@ -140,7 +144,9 @@ def _register() -> None:
                                     setup_context=_setup_context)
 
 
-def _last_dim_contiguous(t: Tensor) -> Tensor:
+def last_dim_contiguous(t: Tensor) -> Tensor:
+    """``t``, copied only when its last dimension is not contiguous (what the kernel reads
+    in place); TorchScript compiles it too (the scripted drop-ins)."""
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
@@ -156,11 +162,17 @@ def rel_attn_cpu(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
     draws ``dropout_seed`` with :func:`draw_cpu_dropout_seed` unless one is given."""
     if dropout_p > 0.0 and dropout_seed is None:
         dropout_seed = draw_cpu_dropout_seed()
-    q, k, v, r, r_w_bias, r_r_bias = (_last_dim_contiguous(t)
+    q, k, v, r, r_w_bias, r_r_bias = (last_dim_contiguous(t)
                                       for t in (q, k, v, r, r_w_bias, r_r_bias))
     mem = (None,) * 4 if memory is None else tuple(memory)
-    mem = tuple(None if t is None else _last_dim_contiguous(t) for t in mem)
-    out, _ = _RelAttnCpuFunction.apply(
-        q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
-        key_padding_mask, attn_mask, attn_mask_band, float(dropout_p), dropout_seed, *mem)
+    mem = tuple(None if t is None else last_dim_contiguous(t) for t in mem)
+    args = (q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
+            key_padding_mask, attn_mask, attn_mask_band, float(dropout_p), dropout_seed, *mem)
+    if torch.jit.is_tracing():
+        # The op itself (with its registered autograd): torch.jit.trace records it as a
+        # txl_kernels::rel_attn_cpu_fwd node, which torch.jit.save writes and a C++ process
+        # runs once the op library is loaded; the autograd.Function would be a Python op.
+        out, _ = torch.ops.txl_kernels.rel_attn_cpu_fwd(*args)
+    else:
+        out, _ = _RelAttnCpuFunction.apply(*args)
     return out

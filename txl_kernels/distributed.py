@@ -37,7 +37,7 @@ from ._utils import (FUSED_DTYPES, FUSED_MAX_HEADDIM, FUSED_MIN_HEADDIM, check_s
                      interpreting, no_interpreter_reason)
 from .functional import (BACKENDS, check_deterministic, check_dropout_p, check_padding_mask,
                          check_position_rows, check_softmax_scale, check_tensor, check_window,
-                         clamp_window, fused_available)
+                         clamp_window, fused_available, refuse_jit_context_parallel)
 from .reference import finite_or_zero, in_window, rel_shift, row_poison
 
 __all__ = ["context_parallel_rel_attention", "shard_sequence", "unshard_sequence",
@@ -691,6 +691,7 @@ def context_parallel_rel_attention(
     """
     name = "context_parallel_rel_attention"
     refuse_export(name)
+    refuse_jit_context_parallel(name)
     # Every argument is checked on this rank before anything is communicated, with
     # rel_attention's checks; the verdicts travel with the first collective (the lengths'
     # all_gather), so a call that one rank rejects raises on every rank and leaves no

@@ -196,12 +196,64 @@ def check_window(causal, window_size, who: str = "rel_attention") -> Tuple[int, 
 def clamp_window(wl: int, wr: int, Lq: int, Lk: int) -> Tuple[int, int]:
     """Clamp the window to the distances the shapes hold (d in [-(Lq - 1), Lk - 1]): same
     pairs, and neither the kernels' int32 index arithmetic nor the reference's int64 tensors
-    can overflow."""
+    can overflow. While ``torch.jit.trace`` / ``torch.jit.script`` records the call (the
+    window then becomes a constant of a graph that runs at other lengths) the bound is
+    :data:`JIT_MAX_LEN` instead of the shapes: the same pairs at every length up to it."""
+    if jit_route() is not None:
+        Lq = Lk = JIT_MAX_LEN + 1
     if wl >= 0:
         wl = min(wl, Lk - 1)
     if wr >= 0:
         wr = min(wr, Lq - 1)
     return wl, wr
+
+
+# The longest sequence a graph recorded by TorchScript serves with the window it recorded
+# (clamp_window); 2**30 keeps the kernels' int32 index sums (a position plus a window side)
+# from overflowing.
+JIT_MAX_LEN = 2 ** 30
+
+
+class TorchScriptUnsupported(RuntimeError):
+    """A feature of ``rel_attention`` that ``torch.jit.trace`` / ``torch.jit.script`` cannot
+    record, met while one of them records the call."""
+
+
+def jit_route() -> Optional[str]:
+    """``"torch.jit.script"`` while TorchScript compiles or runs scripted code,
+    ``"torch.jit.trace"`` while ``torch.jit.trace`` records (also the tracing that
+    ``torch.onnx.export(dynamo=False)`` runs), else None (eager, torch.compile,
+    torch.export)."""
+    if torch.jit.is_scripting():
+        return "torch.jit.script"
+    if torch.jit.is_tracing():
+        return "torch.jit.trace"
+    return None
+
+
+def check_jit_recordable(who: str, dropout_p: float) -> None:
+    """Raise :class:`TorchScriptUnsupported`, naming the feature and the route, for what a
+    fused kernel cannot put in a TorchScript graph (call it where the call takes a fused
+    kernel): attention dropout. A graph records the module's training mode as a constant (it
+    would keep dropping after ``eval()``), and its backward would be the op's own
+    deterministic one, not the caller's choice."""
+    route = jit_route()
+    if route is not None and dropout_p > 0.0:
+        raise TorchScriptUnsupported(
+            f"{who}: attention dropout (dropout_p={dropout_p}, e.g. a module in training mode) "
+            f"in the fused kernels cannot be recorded by {route}: call model.eval() first, or "
+            f"use backend='reference' (its F.dropout records)")
+
+
+def refuse_jit_context_parallel(who: str) -> None:
+    """Raise :class:`TorchScriptUnsupported` while TorchScript records context parallelism
+    (``who``: the function or module that runs the ring; its collectives exchange tensors
+    whose sizes the host reads)."""
+    route = jit_route()
+    if route is not None:
+        raise TorchScriptUnsupported(
+            f"{who}: context parallelism (a cp_group / context_parallel_rel_attention) cannot "
+            f"be recorded by {route}: record the model in one process with cp_group = None")
 
 
 def _normalize_masks(q, Lk, causal, window_size, key_padding_mask, attn_mask):
@@ -525,6 +577,8 @@ def rel_attention(
     if use_fused:
         from .ops import rel_attn_func  # imports triton lazily
 
+        check_jit_recordable("rel_attention", dropout_p)
+
         if softmax_scale <= 0.0:
             # The fused forward's online softmax scales the running maximum of the raw scores,
             # which needs scale > 0. The scores are linear in (q, r_w_bias, r_r_bias), so
@@ -579,5 +633,6 @@ def _rel_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kp
     if not ok:
         return _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
                           attn_mask_band, dropout_p, memory)
+    check_jit_recordable("rel_attention", dropout_p)
     return rel_attn_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
                         attn_mask_band, dropout_p, memory=memory)

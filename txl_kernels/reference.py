@@ -43,15 +43,16 @@ def rel_shift(bdt: torch.Tensor, klen: int) -> torch.Tensor:
     from flat offset ``Lq - 1`` starts row ``i`` ``i`` columns further left (flat index
     ``i * W + (j - i + Lq - 1)``). Only slicing and reshapes, so torch.compile traces it.
     """
-    *lead, qlen, rlen = bdt.shape
+    # Shapes as lists (no starred unpacking): torch.jit.script compiles this function too.
+    lead, qlen, rlen = list(bdt.shape[:-2]), bdt.shape[-2], bdt.shape[-1]
     # W = klen + qlen: >= klen + qlen - 1 columns (every p an allowed pair can use) and
     # W - 1 >= klen. The pad is negative (a crop of columns no pair reads) when R > W: one
     # expression for every R, without max(), so torch.export and the ONNX exporters keep the
     # lengths symbolic (no guard on R against Lq + Lk).
     width = klen + qlen
-    flat = F.pad(bdt, (0, width - rlen)).reshape(*lead, qlen * width)
+    flat = F.pad(bdt, [0, width - rlen]).reshape(lead + [qlen * width])
     rows = flat[..., qlen - 1:qlen - 1 + qlen * (width - 1)]
-    return rows.reshape(*lead, qlen, width - 1)[..., :klen]
+    return rows.reshape(lead + [qlen, width - 1])[..., :klen]
 
 
 def finite_or_zero(x: torch.Tensor) -> torch.Tensor:
@@ -74,7 +75,7 @@ def row_poison(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (torch.linalg.vector_norm(x.detach(), ord=float("inf"), dim=-1) * 0).to(dtype)
 
 
-def pair_distance(lq: int, lk: int, device) -> torch.Tensor:
+def pair_distance(lq: int, lk: int, device: torch.device) -> torch.Tensor:
     """``d[i, j] = (i + Lk - Lq) - j`` ([Lq, Lk], int64): the distance of every pair, memory
     first (bottom-right aligned)."""
     return (torch.arange(lq, device=device)[:, None] + (lk - lq)) - torch.arange(lk, device=device)

@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from .._utils import check_values, describe
-from ..functional import BACKENDS, rel_attention
+from ..functional import BACKENDS, refuse_jit_context_parallel, rel_attention
 from ._dropin import adopt, check_key_padding_mask
 
 __all__ = ["NeMoRelPositionMultiHeadAttention", "ESPnetRelPositionMultiHeadedAttention"]
@@ -52,6 +52,7 @@ class RelPosAttentionBase(nn.Module):
         from ..distributed import refuse_export
 
         refuse_export(self._NAME)
+        refuse_jit_context_parallel(self._NAME)  # the first collective of the ring's callers
 
         t = torch.tensor([n], dtype=torch.int64,
                          device=device if dist.get_backend(self.cp_group) == "nccl" else "cpu")

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from .._utils import check_values, describe
 from ..functional import BACKENDS, mask_to_band, rel_attention
+from ..scripting import mark_cpu_op, rel_attention_cpu_op, rel_attention_torch
 from ._dropin import adopt
 
 __all__ = ["RLlibRelativeMultiHeadAttention", "DIEngineAttentionXL"]
@@ -175,6 +176,10 @@ class DIEngineAttentionXL(nn.Module):
     sync, as the original's ``mask.any().item()``): for such keys the original reads
     wrapped-around position scores, which have no meaning. The mask reaches the kernel with its
     band descriptor (the causal mask is a band: no mask is read).
+
+    ``torch.jit.script`` compiles it, as it does the original: the scripted forward computes
+    the same outputs with the C++ CPU op or the reference math in TorchScript, the mask read
+    densely (docs/dropins.md, TorchScript); ``backend="triton"`` does not script.
     """
 
     _NAME = "DIEngineAttentionXL"
@@ -202,6 +207,13 @@ class DIEngineAttentionXL(nn.Module):
 
     def forward(self, inputs: Tensor, pos_embedding: Tensor, full_input: Tensor, u: Tensor,
                 v: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+        if torch.jit.is_scripting():
+            return self._forward_scripted(inputs, pos_embedding, full_input, u, v, mask)
+        return self._forward_eager(inputs, pos_embedding, full_input, u, v, mask)
+
+    @torch.jit.unused
+    def _forward_eager(self, inputs: Tensor, pos_embedding: Tensor, full_input: Tensor,
+                       u: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
         self._seq("inputs", inputs)
         cur, bs = inputs.shape[0], inputs.shape[1]
         self._seq("full_input", full_input, bs)
@@ -249,6 +261,81 @@ class DIEngineAttentionXL(nn.Module):
         out = rel_attention(q, k, vv, r, u.to(q.dtype), v.to(q.dtype), causal=True,
                             attn_mask=am, attn_mask_band=band, softmax_scale=self.scale,
                             dropout_p=drop, backend=self.backend)
+        out = out.transpose(0, 1).reshape(cur, bs, H * D)
+        return self.dropout(self.project(out))
+
+    # -- torch.jit.script (DI-engine's AttentionXL scripts) --------------------------------
+    def __prepare_scriptable__(self) -> "DIEngineAttentionXL":
+        """Called by ``torch.jit.script`` before it compiles the module: whether the graph
+        calls the C++ CPU op (``scripting.mark_cpu_op``), and the dropout module's rate as a
+        float attribute (-1 for a module that cannot act on probabilities in training)."""
+        mark_cpu_op(self, self._NAME)
+        self._jit_dropout_p = (float(self.dropout.p) if isinstance(self.dropout, nn.Dropout)
+                               else 0.0 if isinstance(self.dropout, nn.Identity) else -1.0)
+        return self
+
+    def _forward_scripted(self, inputs: Tensor, pos_embedding: Tensor, full_input: Tensor,
+                          u: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
+        """The forward in TorchScript: the eager forward's checks, projections and mask, then
+        ``scripting.rel_attention_cpu_op`` or ``scripting.rel_attention_torch`` (causal, with
+        the mask read densely)."""
+        name = "DIEngineAttentionXL"
+        E, H, D = self.input_dim, self.head_num, self.head_dim
+        if inputs.dim() != 3 or inputs.shape[-1] != E:
+            raise ValueError(f"{name}: inputs must be (seq, bs, input_dim={E}) seq-first, got "
+                             f"shape {inputs.shape}")
+        cur, bs = inputs.shape[0], inputs.shape[1]
+        if full_input.dim() != 3 or full_input.shape[1] != bs or full_input.shape[2] != E:
+            raise ValueError(f"{name}: full_input must be (seq, bs={bs}, input_dim={E}) "
+                             f"seq-first, got shape {full_input.shape}")
+        full = full_input.shape[0]
+        if full < cur:
+            raise ValueError(f"{name}: full_input ({full} steps) must hold memory + the {cur} "
+                             f"input steps")
+        if pos_embedding.dim() != 3 or pos_embedding.shape[0] != full \
+                or pos_embedding.shape[1] != 1 or pos_embedding.shape[2] != E:
+            raise ValueError(f"{name}: pos_embedding must be (full_seq={full}, 1, {E}), got "
+                             f"shape {pos_embedding.shape}")
+        for what, t in (("u", u), ("v", v)):
+            if t.dim() != 2 or t.shape[0] != H or t.shape[1] != D:
+                raise ValueError(f"{name}: {what} must be [head_num, head_dim] = [{H}, {D}], "
+                                 f"got shape {t.shape}")
+        prev = full - cur
+        am: Optional[Tensor] = None
+        future = torch.ones(cur, full, dtype=torch.bool, device=inputs.device).triu(1 + prev)
+        if mask is not None:
+            if mask.dtype != torch.bool or mask.dim() != 3 or mask.shape[0] != cur \
+                    or mask.shape[1] != full or mask.shape[2] != 1:
+                raise ValueError(f"{name}: mask must be a bool tensor (cur_seq, full_seq, 1) = "
+                                 f"({cur}, {full}, 1), True = masked; got shape {mask.shape}")
+            am = mask[:, :, 0]
+            future = future & ~am
+        if bool(future.any()):
+            raise ValueError(f"{name}: the mask lets queries attend keys after them (or mask "
+                             f"is None with cur_seq > 1), where the original reads "
+                             f"wrapped-around position scores; pass the causal mask "
+                             f"triu(ones(cur_seq, full_seq), 1 + prev_seq)")
+        k, vv = self.attention_kv(full_input).chunk(2, dim=-1)
+        q = self.attention_q(inputs).view(cur, bs, H, D).transpose(0, 1)
+        k = k.view(full, bs, H, D).transpose(0, 1)
+        vv = vv.view(full, bs, H, D).transpose(0, 1)
+        r = self.project_pos(pos_embedding).view(full, H, D)
+        drop = self._jit_dropout_p if self.training else 0.0
+        if drop < 0.0:
+            raise NotImplementedError(f"{name}: only nn.Dropout / nn.Identity can be applied "
+                                      f"to the attention probabilities in training")
+        m: Optional[Tensor] = None
+        if am is not None:
+            m = am[None, None].expand(bs, H, cur, full)
+        uu, vb = u.to(q.dtype), v.to(q.dtype)
+        if self.backend == "cpu" and inputs.device.type != "cpu":
+            raise ValueError(f"{name}: backend='cpu' needs CPU tensors, got inputs on "
+                             f"{inputs.device}")
+        if hasattr(self, "_jit_cpu_op") and inputs.device.type == "cpu":
+            out = rel_attention_cpu_op(q, k, vv, r, uu, vb, self.scale, -1, 0, None, m, drop,
+                                       name)
+        else:
+            out = rel_attention_torch(q, k, vv, r, uu, vb, self.scale, -1, 0, None, m, drop)
         out = out.transpose(0, 1).reshape(cur, bs, H * D)
         return self.dropout(self.project(out))
 

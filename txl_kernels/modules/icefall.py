@@ -14,7 +14,7 @@ projected table passes as a view with row offset 0.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -23,6 +23,7 @@ from torch import Tensor
 
 from .._utils import describe
 from ..functional import BACKENDS, rel_attention
+from ..scripting import mark_cpu_op, rel_attention_cpu_op, rel_attention_torch
 from ._dropin import adopt, check_key_padding_mask, same_values
 
 __all__ = ["IcefallRelPositionMultiheadAttention", "ScaledLinear"]
@@ -85,6 +86,10 @@ class IcefallRelPositionMultiheadAttention(nn.Module):
         (values are unknown while tracing; the outputs are the same either way).
 
     Fully masked query rows give 0 (icefall gives 0 when both masks are given, NaN otherwise).
+
+    ``torch.jit.script`` (icefall's export) compiles it: the scripted forward computes the same
+    outputs with the C++ CPU op or the reference math in TorchScript (docs/dropins.md,
+    TorchScript); ``backend="triton"`` does not script.
     """
 
     _NAME = "IcefallRelPositionMultiheadAttention"
@@ -151,6 +156,16 @@ class IcefallRelPositionMultiheadAttention(nn.Module):
                 key_padding_mask: Optional[Tensor] = None, need_weights: bool = True,
                 attn_mask: Optional[Tensor] = None,
                 left_context: int = 0) -> Tuple[Tensor, Optional[Tensor]]:
+        if torch.jit.is_scripting():
+            return self._forward_scripted(query, key, value, pos_emb, key_padding_mask,
+                                          attn_mask, left_context)
+        return self._forward_eager(query, key, value, pos_emb, key_padding_mask, attn_mask,
+                                   left_context)
+
+    @torch.jit.unused
+    def _forward_eager(self, query: Tensor, key: Tensor, value: Tensor, pos_emb: Tensor,
+                       key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor],
+                       left_context: int) -> Tuple[Tensor, Optional[Tensor]]:
         self._check("query", query)
         tgt, bsz = query.shape[0], query.shape[1]
         if isinstance(left_context, bool) or not isinstance(left_context, int) \
@@ -201,6 +216,106 @@ class IcefallRelPositionMultiheadAttention(nn.Module):
             out = call(slice(None), p[0])
         else:  # one table per sequence: r has no batch axis
             out = torch.cat([call(slice(i, i + 1), p[i]) for i in range(bsz)], 0)
+        out = out.reshape(bsz, tgt, E).transpose(0, 1)  # (L, N, E)
+        return self.out_proj(out), None
+
+    # -- torch.jit.script (icefall's export) ---------------------------------------------
+    def __prepare_scriptable__(self) -> "IcefallRelPositionMultiheadAttention":
+        """Called by ``torch.jit.script`` before it compiles the module: whether the graph
+        calls the C++ CPU op (``scripting.mark_cpu_op``)."""
+        mark_cpu_op(self, self._NAME)
+        return self
+
+    def _forward_scripted(self, query: Tensor, key: Tensor, value: Tensor, pos_emb: Tensor,
+                          key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor],
+                          left_context: int) -> Tuple[Tensor, Optional[Tensor]]:
+        """The forward in TorchScript: the eager forward's checks, projections and masks, then
+        ``scripting.rel_attention_cpu_op`` or ``scripting.rel_attention_torch``."""
+        name = "IcefallRelPositionMultiheadAttention"
+        E, H, D = self.embed_dim, self.num_heads, self.head_dim
+        if query.dim() != 3 or query.shape[-1] != E:
+            raise ValueError(f"{name}: query must be (time, batch, embed_dim={E}) seq-first, "
+                             f"got shape {query.shape}")
+        tgt, bsz = query.shape[0], query.shape[1]
+        if left_context < 0:
+            raise ValueError(f"{name}: left_context must be an int >= 0, got {left_context}")
+        src = tgt + left_context
+        for what, t in (("key", key), ("value", value)):
+            if t.dim() != 3 or t.shape[0] != src or t.shape[1] != bsz or t.shape[2] != E:
+                raise ValueError(f"{name}: {what} must be (time, batch, embed_dim={E}) "
+                                 f"seq-first with time = left_context + L = {src} and batch "
+                                 f"{bsz}, got shape {t.shape}")
+        rows = left_context + 2 * tgt - 1
+        if pos_emb.dim() != 3 or (pos_emb.shape[0] != 1 and pos_emb.shape[0] != bsz) \
+                or pos_emb.shape[1] != rows or pos_emb.shape[2] != E:
+            raise ValueError(f"{name}: pos_emb must be (1 or N={bsz}, left_context + 2L - 1 = "
+                             f"{rows}, {E}) for L={tgt}, left_context={left_context}; got "
+                             f"shape {pos_emb.shape}")
+        kpm: Optional[Tensor] = None
+        if key_padding_mask is not None:
+            if (key_padding_mask.dtype != torch.bool and key_padding_mask.dtype != torch.uint8) \
+                    or key_padding_mask.dim() != 2 or key_padding_mask.shape[0] != bsz \
+                    or key_padding_mask.shape[1] != src:
+                raise ValueError(f"{name}: key_padding_mask must be a bool or uint8 tensor "
+                                 f"(N, S) = ({bsz}, {src}), True = padded; got shape "
+                                 f"{key_padding_mask.shape}")
+            kpm = key_padding_mask.to(torch.bool)
+        am: Optional[Tensor] = None
+        if attn_mask is not None:
+            if attn_mask.dtype != torch.bool and attn_mask.dtype != torch.uint8:
+                raise TypeError(f"{name}: attn_mask must be a bool or uint8 tensor (True = "
+                                f"masked); additive float masks are not supported")
+            am = attn_mask.to(torch.bool)
+            if am.dim() == 2 and am.shape[0] == tgt and am.shape[1] == src:
+                am = am[None, None]
+            elif am.dim() == 3 and am.shape[0] == bsz * H and am.shape[1] == tgt \
+                    and am.shape[2] == src:
+                am = am.view(bsz, H, tgt, src)
+            else:
+                raise ValueError(f"{name}: attn_mask must be (L, S) = ({tgt}, {src}) or "
+                                 f"(N * num_heads, L, S) = ({bsz * H}, {tgt}, {src}), got "
+                                 f"shape {attn_mask.shape}")
+        w, b = self.in_proj.get_weight(), self.in_proj.get_bias()
+        assert b is not None  # in_proj has a bias (constructed with bias=True)
+        # As eager (and icefall): equal inputs share one projection
+        if torch.equal(query, key) and torch.equal(key, value):
+            q, k, v = F.linear(query, w, b).chunk(3, dim=-1)
+        else:
+            q = F.linear(query, w[:E], b[:E])
+            if torch.equal(key, value):
+                k, v = F.linear(key, w[E:], b[E:]).chunk(2, dim=-1)
+            else:
+                k = F.linear(key, w[E:2 * E], b[E:2 * E])
+                v = F.linear(value, w[2 * E:], b[2 * E:])
+        q = q.view(tgt, bsz, H, D).transpose(0, 1)  # [N, L, H, D] views, as _heads
+        k = k.view(src, bsz, H, D).transpose(0, 1)
+        v = v.view(src, bsz, H, D).transpose(0, 1)
+        if pos_emb.shape[0] > 1 and pos_emb.stride(0) == 0:
+            pos_emb = pos_emb[:1]
+        p = self.linear_pos(pos_emb)
+        p = p.view(p.shape[0], p.shape[1], H, D)  # [1 or N, R, H, D]
+        root_d = math.sqrt(D)
+        u = (self.pos_bias_u * self.pos_bias_u_scale.exp() * root_d).to(q.dtype)
+        vb = (self.pos_bias_v * self.pos_bias_v_scale.exp() * root_d).to(q.dtype)
+        drop = self.dropout if self.training else 0.0
+        if self.backend == "cpu" and query.device.type != "cpu":
+            raise ValueError(f"{name}: backend='cpu' needs CPU tensors, got query on "
+                             f"{query.device}")
+        outs: List[Tensor] = []
+        n = 1 if p.shape[0] == 1 else bsz  # one table per sequence: r has no batch axis
+        for i in range(n):
+            lo, hi = (0, bsz) if n == 1 else (i, i + 1)
+            kp = None if kpm is None else kpm[lo:hi]
+            m: Optional[Tensor] = None
+            if am is not None:
+                m = (am if am.shape[0] == 1 else am[lo:hi]).expand(hi - lo, H, tgt, src)
+            if hasattr(self, "_jit_cpu_op") and query.device.type == "cpu":
+                outs.append(rel_attention_cpu_op(q[lo:hi], k[lo:hi], v[lo:hi], p[i], u, vb,
+                                                 1.0 / root_d, -1, -1, kp, m, drop, name))
+            else:
+                outs.append(rel_attention_torch(q[lo:hi], k[lo:hi], v[lo:hi], p[i], u, vb,
+                                                1.0 / root_d, -1, -1, kp, m, drop))
+        out = outs[0] if n == 1 else torch.cat(outs, 0)
         out = out.reshape(bsz, tgt, E).transpose(0, 1)  # (L, N, E)
         return self.out_proj(out), None
 

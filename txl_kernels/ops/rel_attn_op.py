@@ -195,6 +195,14 @@ def rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, wi
     if dropout_p > 0.0 and dropout_seed is None:
         dropout_seed = draw_dropout_seed(q.device)
     mem = (None,) * 4 if memory is None else tuple(memory)
+    if torch.jit.is_tracing():
+        # The op itself (its own autograd: the deterministic backward): torch.jit.trace
+        # records a txl_kernels::rel_attn_fwd node, which torch.jit.save writes; the
+        # autograd.Function would be a Python op it cannot save.
+        out, _ = _rel_attn_fwd_op(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left,
+                                  window_right, key_padding_mask, attn_mask, attn_mask_band,
+                                  float(dropout_p), dropout_seed, *mem)
+        return out
     out, _ = _RelAttnFunction.apply(q, k, v, r, r_w_bias, r_r_bias, softmax_scale,
                                     window_left, window_right, key_padding_mask, attn_mask,
                                     attn_mask_band, float(dropout_p), dropout_seed, *mem,
