@@ -229,6 +229,21 @@ def nemo_case():
             lambda t, b: _seq_pos_pad(t, b, 1), ("x", "pos_emb", "padding"), _conformer_axes())
 
 
+def nemo_per_sequence_tables_case():
+    """A position table per sequence (pos_emb (B, 2T - 1, F), as transformers' Parakeet
+    encoder hands its layers): one graph for every batch size."""
+    m = _randomize(NeMoRelPositionMultiHeadAttention(H, F, 0.0, backend="cpu"))
+
+    def make(t, b):
+        x, _, pad = _seq_pos_pad(t, b, 11)
+        return x, torch.randn(b, 2 * t - 1, F, generator=_gen(t + b)), pad
+
+    axes = _conformer_axes()
+    axes["pos_emb"] = {0: "B", 1: "P"}
+    return (Adapter3(m, lambda m, x, pos, pad: m(x, x, x, pad, pos)).eval(), make,
+            ("x", "pos_emb", "padding"), axes)
+
+
 def espnet_case():
     m = _randomize(ESPnetRelPositionMultiHeadedAttention(H, F, 0.0, backend="cpu"))
     # ESPnet's (B, 1, K) mask, True = keep
@@ -344,7 +359,8 @@ def fastspeech2_case():
 
 
 DROPINS = {
-    "nemo": nemo_case, "espnet": espnet_case, "icefall": icefall_case,
+    "nemo": nemo_case, "nemo_per_sequence_tables": nemo_per_sequence_tables_case,
+    "espnet": espnet_case, "icefall": icefall_case,
     "speechbrain": speechbrain_case, "rllib": rllib_case, "diengine": diengine_case,
     "fused_rel_attention": fused_rel_attention_case, "parakeet": parakeet_case,
     "wav2vec2_conformer": wav2vec2_conformer_case, "fastspeech2": fastspeech2_case,
@@ -355,3 +371,196 @@ DROPINS = {
 @pytest.mark.parametrize("name", list(DROPINS))
 def test_dropin_onnx_parity(name, exporter, tmp_path):
     roundtrip(DROPINS[name](), exporter, tmp_path)
+
+
+# ------------------------------------------------------------------------- swapped encoders
+
+class TinyConformer(nn.Module):
+    """A NeMo-shaped encoder with the drop-in (what ``swap_rel_pos_attention`` leaves in a
+    NeMo model): input projection, the relative position table computed for the input's
+    length (no table capped at export), pre-norm layers of self-attention with the frames'
+    padding mask and a feed-forward block."""
+
+    def __init__(self, feat=12, layers=2):
+        super().__init__()
+        self.inp = nn.Linear(feat, F)
+        self.norms = nn.ModuleList(nn.LayerNorm(F) for _ in range(layers))
+        self.attn = nn.ModuleList(NeMoRelPositionMultiHeadAttention(H, F, 0.0, backend="cpu")
+                                  for _ in range(layers))
+        self.ff = nn.ModuleList(nn.Sequential(nn.LayerNorm(F), nn.Linear(F, 2 * F), nn.SiLU(),
+                                              nn.Linear(2 * F, F)) for _ in range(layers))
+
+    @staticmethod
+    def pos_emb(t: int, dtype) -> torch.Tensor:
+        """Sinusoids of the distances t - 1 .. -(t - 1): (1, 2t - 1, F)."""
+        dist = torch.arange(t - 1, -t, -1, dtype=torch.float32)[:, None]
+        freq = torch.exp(torch.arange(0, F, 2, dtype=torch.float32)
+                         * (-torch.log(torch.tensor(10000.0)) / F))
+        angle = dist * freq
+        return torch.stack([angle.sin(), angle.cos()], -1).flatten(1)[None].to(dtype)
+
+    def forward(self, x, lengths):
+        t = x.shape[1]
+        pad = torch.arange(t)[None] >= lengths[:, None]
+        h = self.inp(x)
+        pos = self.pos_emb(t, h.dtype)
+        for norm, attn, ff in zip(self.norms, self.attn, self.ff):
+            y = norm(h)
+            h = h + attn(y, y, y, pad, pos)
+            h = h + ff(h)
+        return h
+
+
+def tiny_conformer_case():
+    def make(t, b):
+        g = _gen(800 + t)
+        lengths = torch.full((b,), t, dtype=torch.int64)
+        lengths[1] = t - 3
+        return torch.randn(b, t, 12, generator=g), lengths
+
+    return (_randomize(TinyConformer()).eval(), make, ("x", "lengths"),
+            {"x": {0: "B", 1: "T"}, "lengths": {0: "B"}})
+
+
+def parakeet_encoder_case():
+    """transformers' ParakeetEncoder (tiny config) after swap_rel_pos_attention."""
+    _hf()
+    from transformers.models.parakeet import modeling_parakeet as pk
+    from transformers.models.parakeet.configuration_parakeet import ParakeetEncoderConfig
+    from txl_kernels import swap_rel_pos_attention
+
+    cfg = ParakeetEncoderConfig(hidden_size=F, num_attention_heads=H, intermediate_size=32,
+                                num_hidden_layers=2, subsampling_conv_channels=8,
+                                num_mel_bins=16, subsampling_factor=4, conv_kernel_size=3,
+                                dropout=0.0, layerdrop=0.0, activation_dropout=0.0,
+                                attention_dropout=0.0)
+    torch.manual_seed(0)
+    enc = pk.ParakeetEncoder(cfg).eval()
+    assert swap_rel_pos_attention(enc, backend="cpu") == 2
+    _randomize(enc)
+
+    def make(t, b):  # mel frames: 4x the encoder's
+        g = _gen(900 + t)
+        mask = torch.ones(b, 4 * t, dtype=torch.bool)
+        mask[1, -12:] = False
+        return torch.randn(b, 4 * t, 16, generator=g), mask
+
+    return (Adapter2(enc, lambda m, x, am: m(input_features=x, attention_mask=am)
+                     .last_hidden_state).eval(),
+            make, ("input_features", "attention_mask"),
+            {"input_features": {0: "B", 1: "T"}, "attention_mask": {0: "B", 1: "T"}})
+
+
+ENCODERS = {"tiny_conformer": tiny_conformer_case, "parakeet_encoder": parakeet_encoder_case}
+
+
+@pytest.mark.parametrize("name", list(ENCODERS))
+def test_encoder_onnx_parity_dynamo_false(name, tmp_path):
+    roundtrip(ENCODERS[name](), "dynamo_false", tmp_path)
+
+
+@pytest.mark.parametrize("name", [
+    "tiny_conformer", pytest.param("parakeet_encoder", marks=pytest.mark.slow)])
+def test_encoder_onnx_parity_dynamo_true(name, tmp_path):
+    roundtrip(ENCODERS[name](), "dynamo_true", tmp_path)
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_quantize_dynamic_exported_encoder(exporter, tmp_path):
+    """sherpa-onnx's int8 step (onnxruntime.quantization.quantize_dynamic, uint8 weights)
+    runs on the exported encoder, and the quantized model runs at other lengths. Tolerance:
+    8-bit weights and activations (one scale per tensor) round each MatMul input to ~1/255 of
+    its range, a relative error of about 1e-2 per product; through 2 layers of 4 to 6
+    products the output stays within 10% of its largest magnitude (a wrong graph is off by
+    about 100%)."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    model, make, names, axes = tiny_conformer_case()
+    path, qpath = tmp_path / "enc.onnx", tmp_path / "enc.int8.onnx"
+    export(model, make(T_EXPORT, B), names, axes, exporter, path)
+    quantize_dynamic(str(path), str(qpath), weight_type=QuantType.QUInt8)
+    ops = {n.op_type for n in onnx.load(str(qpath)).graph.node}
+    assert ops & {"MatMulInteger", "DynamicQuantizeLinear", "DynamicQuantizeMatMul"}, ops
+    for t, b in RUN:
+        args = make(t, b)
+        with torch.no_grad():
+            want = model(*args)
+        assert_parity(run_ort(qpath, dict(zip(names, args))), want, rel=0.1)
+
+
+# ------------------------------------------------- features without an ONNX form: clear errors
+
+def export_refused(model, args, exporter, tmp_path, what):
+    """The export raises, and the error (or one it was raised from) is
+    OnnxExportUnsupported naming ``what`` and the route."""
+    kw = dict(dynamo=False, opset_version=17) if exporter == "dynamo_false" else dict(
+        dynamo=True)
+    if exporter == "dynamo_false" and model.training:
+        kw["training"] = torch.onnx.TrainingMode.TRAINING  # else the exporter calls eval()
+    with pytest.raises(Exception) as info:
+        torch.onnx.export(model, args, str(tmp_path / "refused.onnx"), **kw)
+    err = info.value
+    chain = []
+    while err is not None and err not in chain:
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    ours = [e for e in chain if isinstance(e, OnnxExportUnsupported)]
+    assert ours, f"no OnnxExportUnsupported in {[type(e).__name__ for e in chain]}: {chain[0]}"
+    msg = str(ours[0])
+    assert what in msg and "torch.onnx.export" in msg, msg
+    assert msg in str(info.value)  # what the user reads (dynamo=True: the error's summary)
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_training_dropout_refused(exporter, tmp_path):
+    m = _randomize(NeMoRelPositionMultiHeadAttention(H, F, 0.1, backend="cpu"))
+    model = Adapter3(m, lambda m, x, pos, pad: m(x, x, x, pad, pos)).train()
+    export_refused(model, _seq_pos_pad(T_EXPORT, B, 1), exporter, tmp_path,
+                   "attention dropout")
+
+
+class WithQuantizedMemory(nn.Module):
+    def forward(self, q, k, v, r, mk, mk_scale, mv, mv_scale):
+        from txl_kernels import QuantizedKV
+
+        u = torch.zeros(H, D)
+        return rel_attention(q, k, v, r, u, u, memory=QuantizedKV(mk, mk_scale, mv, mv_scale),
+                             backend="cpu")
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_quantized_memory_refused(exporter, tmp_path):
+    g = _gen(9)
+    t, mlen = 4, 3
+    q, k, v = (torch.randn(B, t, H, D, generator=g) for _ in range(3))
+    mem = quantize_kv(torch.randn(B, mlen, H, D, generator=g),
+                      torch.randn(B, mlen, H, D, generator=g), torch.int8)
+    r = torch.randn(mlen + t, H, D, generator=g)
+    export_refused(WithQuantizedMemory().eval(), (q, k, v, r, *mem), exporter, tmp_path,
+                   "8-bit memory")
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_context_parallel_module_refused(exporter, tmp_path):
+    """A drop-in with a cp_group: refused at its first collective, before torch.distributed
+    is touched (no process group is initialised here)."""
+    m = _randomize(NeMoRelPositionMultiHeadAttention(H, F, 0.0, backend="cpu"))
+    m.cp_group = object()
+    model = Adapter3(m, lambda m, x, pos, pad: m(x, x, x, pad, pos)).eval()
+    export_refused(model, _seq_pos_pad(T_EXPORT, B, 1), exporter, tmp_path,
+                   "context parallelism")
+
+
+class ContextParallel(nn.Module):
+    def forward(self, q, k, v, r):
+        from txl_kernels.distributed import context_parallel_rel_attention
+
+        u = torch.zeros(H, D)
+        return context_parallel_rel_attention(q, k, v, r, u, u, backend="reference")
+
+
+def test_context_parallel_function_refused(tmp_path):
+    g = _gen(10)
+    q, k, v = (torch.randn(B, 4, H, D, generator=g) for _ in range(3))
+    export_refused(ContextParallel().eval(), (q, k, v, torch.randn(4, H, D, generator=g)),
+                   "dynamo_false", tmp_path, "context parallelism")
