@@ -564,3 +564,40 @@ def test_context_parallel_function_refused(tmp_path):
     q, k, v = (torch.randn(B, 4, H, D, generator=g) for _ in range(3))
     export_refused(ContextParallel().eval(), (q, k, v, torch.randn(4, H, D, generator=g)),
                    "dynamo_false", tmp_path, "context parallelism")
+
+
+# ----------------------------------------------------------- the fused op called directly
+
+class DirectOp(nn.Module):
+    """Calls the CPU kernel's registered op itself (as a user of torch.library ops may): the
+    op then reaches the dynamo=False exporter's graph, where its symbolic lowers it."""
+
+    def __init__(self, window):
+        super().__init__()
+        self.window = window
+        self.u = nn.Parameter(torch.randn(H, D, generator=_gen(1)))
+        self.vb = nn.Parameter(torch.randn(H, D, generator=_gen(2)))
+
+    def forward(self, q, k, v, r, key_padding_mask):
+        return torch.ops.txl_kernels.rel_attn_cpu_fwd(
+            q, k, v, r, self.u, self.vb, D ** -0.5, self.window[0], self.window[1],
+            key_padding_mask, None, None, 0.0, None, None, None, None, None)[0]
+
+
+@pytest.mark.parametrize("opset", [17, 19])
+@pytest.mark.parametrize("name", ["causal_memory", "window", "bidirectional"])
+def test_direct_op_symbolic_dynamo_false(name, opset, tmp_path):
+    """The registered symbolic of txl_kernels::rel_attn_cpu_fwd (opset 13 form: ReduceMax's
+    axes an attribute; opset 18 form: an input)."""
+    causal, window, _ = FUNCTIONAL[name]
+    _, make, names, axes = functional_case(name)
+    model = DirectOp((window[0], 0 if causal else window[1])).eval()
+    path = tmp_path / "direct.onnx"
+    torch.onnx.export(model, make(T_EXPORT, B), str(path), dynamo=False, opset_version=opset,
+                      input_names=list(names), output_names=["out"], dynamic_axes=axes)
+    check_graph(onnx.load(str(path)), axes, names)
+    for t, b in RUN:
+        args = make(t, b)
+        with torch.no_grad():
+            want = model(*args)
+        assert_parity(run_ort(path, dict(zip(names, args))), want)
