@@ -172,8 +172,11 @@ def functional_case(name, backend="cpu", d=D):
 @pytest.mark.parametrize("name", list(FUNCTIONAL))
 def test_functional_onnx_parity(name, exporter, tmp_path):
     """Regression: the CPU backend's custom op had no ONNX form ("unrecognized namespace
-    txl_kernels::rel_attn_cpu_fwd" with dynamo=False, no ONNX function with dynamo=True)."""
-    roundtrip(functional_case(name), exporter, tmp_path)
+    txl_kernels::rel_attn_cpu_fwd" with dynamo=False, no ONNX function with dynamo=True).
+    The products are MatMuls (ONNX Runtime's Einsum is several times slower)."""
+    proto = roundtrip(functional_case(name), exporter, tmp_path)
+    ops = {n.op_type for n in proto.graph.node}
+    assert "MatMul" in ops and "Einsum" not in ops, ops
 
 
 @pytest.mark.parametrize("backend", ["auto", "triton", "reference"])
@@ -470,9 +473,9 @@ def test_quantize_dynamic_exported_encoder(exporter, tmp_path):
     """sherpa-onnx's int8 step (onnxruntime.quantization.quantize_dynamic, uint8 weights)
     runs on the exported encoder, and the quantized model runs at other lengths. Tolerance:
     8-bit weights and activations (one scale per tensor) round each MatMul input to ~1/255 of
-    its range, a relative error of about 1e-2 per product; through 2 layers of 4 to 6
-    products the output stays within 10% of its largest magnitude (a wrong graph is off by
-    about 100%)."""
+    its range, an error of about 1% per product; measured here, the output is off by about
+    1% of its largest magnitude, so 5% passes it with margin while a wrong graph (off by
+    ~100%) fails."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     model, make, names, axes = tiny_conformer_case()
@@ -485,7 +488,7 @@ def test_quantize_dynamic_exported_encoder(exporter, tmp_path):
         args = make(t, b)
         with torch.no_grad():
             want = model(*args)
-        assert_parity(run_ort(qpath, dict(zip(names, args))), want, rel=0.1)
+        assert_parity(run_ort(qpath, dict(zip(names, args))), want, rel=0.05)
 
 
 # ------------------------------------------------- features without an ONNX form: clear errors
