@@ -10,7 +10,6 @@ interpreter, so the modules here name ``backend="cpu"``) within 1e-5 of the outp
 magnitude (fp32). The graphs hold only standard ONNX operators (no ``txl_kernels`` domain),
 keep the time axes symbolic and contain no constant sized by the export's length.
 """
-import copy
 
 import pytest
 import torch
