@@ -1,22 +1,26 @@
 """What ``rel_attention`` does while ``torch.onnx.export`` traces a model (both exporters).
 
 The ONNX lowering is the reference path (``reference.rel_attention_reference``): two MatMuls
-for the content and position scores, the relative shift as Pad / Reshape / Slice, the masks
-as comparisons of index ranges and Where, Softmax, a MatMul with the values. While an ONNX
-export traces (:func:`onnx_exporting`), ``rel_attention`` runs that path whatever its
-``backend``, so neither fused op (``txl_kernels::rel_attn_cpu_fwd``, ``txl_kernels::rel_attn_fwd``)
-reaches the graph and the exporter writes the reference's aten ops as standard ONNX
-operators. The user passes nothing: ``torch.onnx.export(model, args)`` works with
+for the content and position scores (its einsums, written as matmuls while an export
+traces: ONNX Runtime's Einsum is several times slower), the relative shift as Pad / Reshape /
+Slice, the masks as comparisons of index ranges and Where, Softmax, a MatMul with the
+values. While an ONNX export traces (:func:`onnx_exporting`), ``rel_attention`` runs that
+path whatever its ``backend``, so neither fused op (``txl_kernels::rel_attn_cpu_fwd``,
+``txl_kernels::rel_attn_fwd``) reaches the graph and the exporter writes the reference's aten
+ops as standard ONNX operators. The user passes nothing: ``torch.onnx.export(model, args)`` works with
 ``dynamo=False`` (the TorchScript exporter, e.g. NeMo's export at opset 17) and ``dynamo=True``
 (torch.export, then onnxscript's torchlib). One definition of the math serves both exporters,
 and every shape in it is computed from the inputs' (symbolic) shapes: dynamic batch and time
 axes, no position table or ``Lq x Lk`` constant fixed at export.
 
 Why a route and not a per-op translation: the ``dynamo=True`` exporter reads translations of
-custom ops only from its ``custom_translation_table`` argument (torch 2.14 has no public
-global registry; ``torch.onnx.ops`` only emits custom-domain nodes), so a translation would
-need an argument from every user. ``torch.onnx.is_in_onnx_export()`` is True while either
-exporter traces, which is where this route is taken.
+custom ops only from its ``custom_translation_table`` argument (torch 2.14 builds its
+registry from torchlib at each export and has no public global registration;
+``torch.onnx.ops`` only emits custom-domain nodes), so a translation would need an argument
+from every user. ``torch.onnx.is_in_onnx_export()`` is True while either exporter traces,
+which is where this route is taken. Where a fused op can still reach a graph (a model that
+calls it directly), :func:`register_onnx_symbolics` gives the dynamo=False exporter its
+symbolic, the same math in ONNX operators.
 
 Features without an ONNX form raise :class:`OnnxExportUnsupported` (a ``RuntimeError``)
 naming the feature and the route: attention dropout in training, an 8-bit memory
