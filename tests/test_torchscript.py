@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from txl_kernels import FusedRelAttention, quantize_kv, rel_attention
 from txl_kernels.distributed import context_parallel_rel_attention
-from txl_kernels.functional import TorchScriptUnsupported
+from txl_kernels._export import ExportUnsupported
 from txl_kernels.modules import (DIEngineAttentionXL, ESPnetRelPositionMultiHeadedAttention,
                                  IcefallRelPositionMultiheadAttention,
                                  NeMoRelPositionMultiHeadAttention,
@@ -390,7 +390,7 @@ def test_jit_trace_refuses_fused_dropout_naming_it(backend, request):
     device = _device_for(backend, request)
     inputs = functools.partial(_attn_inputs, device=device)
     m = _Attn(backend, dropout_p=0.1).to(device).train()
-    with pytest.raises(TorchScriptUnsupported,
+    with pytest.raises(ExportUnsupported,
                        match=r"attention dropout \(dropout_p=0.1.*torch\.jit\.trace"):
         torch.jit.trace(m, inputs(8), check_trace=False)
     torch.jit.trace(_Attn("reference", dropout_p=0.1).to(device).train(), inputs(8),
@@ -405,7 +405,7 @@ def test_jit_trace_refuses_context_parallelism_naming_it():
     m = NeMoRelPositionMultiHeadAttention(H, E, 0.0, backend="reference").eval()
     m.cp_group = object()  # refused before the group is used
     x = rnd(2, 6, E)
-    with pytest.raises(TorchScriptUnsupported,
+    with pytest.raises(ExportUnsupported,
                        match=r"NeMoRelPositionMultiHeadAttention: context parallelism .*"
                              r"torch\.jit\.trace"):
         torch.jit.trace(m, (x, x, x, _padding(2, 6), nemo_rel_pos_emb(E, 6)),
@@ -415,7 +415,7 @@ def test_jit_trace_refuses_context_parallelism_naming_it():
         return context_parallel_rel_attention(q, k, v, r, u, vb, causal=False)
 
     q, k, v, r, _ = _attn_inputs(6)
-    with pytest.raises(TorchScriptUnsupported,
+    with pytest.raises(ExportUnsupported,
                        match=r"context_parallel_rel_attention: context parallelism .*"
                              r"torch\.jit\.trace"):
         torch.jit.trace(ring, (q, k, v, r, torch.ones(2, 16), torch.ones(2, 16)),
@@ -552,7 +552,7 @@ def test_jit_script_icefall_clear_errors(extension):
     """What a scripted icefall module cannot do raises naming the feature and the route: the
     Triton backend (Python launchers) when scripting, attention dropout in training on the C++
     op when the scripted module runs; bad inputs name the argument."""
-    with pytest.raises(TorchScriptUnsupported,
+    with pytest.raises(ExportUnsupported,
                        match=r"backend='triton' cannot be recorded by torch\.jit\.script"):
         torch.jit.script(IcefallRelPositionMultiheadAttention(E, H, backend="triton"))
     x = rnd(6, 2, E)

@@ -9,6 +9,8 @@ Public API:
     SpeechBrainRelPosMHAXL, RLlibRelativeMultiHeadAttention, DIEngineAttentionXL: more drop-ins
     swap_rel_pos_attention, SWAP_TABLE: replace the originals inside a model
     update_mems        segment-memory update (JIT-built C++/CUDA extension, torch fallback)
+    ExportUnsupported  raised by an export route (ONNX, TorchScript, torch.export) for what it
+                       cannot record (docs/export.md)
     load_library       load that extension now (its ops are loaded on first use), e.g. before
                        loading an AOTInductor package that calls the CPU kernel
     QuantizedKV, quantize_kv: 8-bit (int8 / float8_e4m3fn) attention memory
@@ -18,6 +20,7 @@ Public API:
 The test oracles' internals (``rel_shift``, ``rel_shift_pad_reshape``, ``allowed_pairs``) stay
 in :mod:`txl_kernels.reference`; the language model is in :mod:`txl_kernels.models`.
 """
+from ._export import ExportUnsupported
 from .cpu_kernel import load_library
 from .functional import BACKENDS, fused_available, mask_to_band, rel_attention
 from .modules import (SWAP_TABLE, DIEngineAttentionXL, ESPnetRelPositionMultiHeadedAttention,
@@ -39,4 +42,4 @@ __all__ = ["rel_attention", "FusedRelAttention", "NeMoRelPositionMultiHeadAttent
            "Wav2Vec2ConformerSelfAttention", "FastSpeech2ConformerAttention",
            "swap_rel_pos_attention", "SWAP_TABLE", "update_mems", "mask_to_band",
            "fused_available", "BACKENDS", "rel_attention_reference", "QuantizedKV",
-           "quantize_kv", "load_library", "__version__"]
+           "quantize_kv", "load_library", "ExportUnsupported", "__version__"]

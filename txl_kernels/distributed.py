@@ -33,11 +33,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ._export import refuse_context_parallel
 from ._utils import (FUSED_DTYPES, FUSED_MAX_HEADDIM, FUSED_MIN_HEADDIM, check_same,
                      interpreting, no_interpreter_reason)
 from .functional import (BACKENDS, check_deterministic, check_dropout_p, check_padding_mask,
                          check_position_rows, check_softmax_scale, check_tensor, check_window,
-                         clamp_window, fused_available, refuse_jit_context_parallel)
+                         clamp_window, fused_available)
 from .reference import finite_or_zero, in_window, rel_shift, row_poison
 
 __all__ = ["context_parallel_rel_attention", "shard_sequence", "unshard_sequence",
@@ -602,18 +603,6 @@ def _check_args(name, q, k, v, r, r_w_bias, r_r_bias, memory_len, layout, causal
     return wl, wr, scale, dropout_p, kpm, chosen
 
 
-def refuse_export(who: str) -> None:
-    """Raise NotImplementedError naming ``who`` when called under ``torch.export`` (or
-    AOTInductor, which compiles an exported program): context parallelism decides its ring's
-    exchanges and the global lengths at run time, through torch.distributed."""
-    if torch.compiler.is_exporting():
-        raise NotImplementedError(
-            f"{who}: context parallelism (context_parallel_rel_attention, cp_group) cannot go "
-            f"through torch.export or AOTInductor: the ring's exchanges and the global lengths "
-            f"are decided at run time through torch.distributed. Export the model without "
-            f"cp_group (each process then attends over the whole sequence)")
-
-
 def context_parallel_rel_attention(
     q: Tensor,
     k: Tensor,
@@ -690,8 +679,7 @@ def context_parallel_rel_attention(
     scores at a time.
     """
     name = "context_parallel_rel_attention"
-    refuse_export(name)
-    refuse_jit_context_parallel(name)
+    refuse_context_parallel(name)
     # Every argument is checked on this rank before anything is communicated, with
     # rel_attention's checks; the verdicts travel with the first collective (the lengths'
     # all_gather), so a call that one rank rejects raises on every rank and leaves no

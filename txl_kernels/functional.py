@@ -17,6 +17,7 @@ from ._utils import (FUSED_DTYPES, FUSED_MAX_HEADDIM, FUSED_MIN_HEADDIM, REF_DTY
                      no_interpreter_reason)
 from .quant import QUANT_DTYPES, SCALE_DTYPES, QuantizedKV
 from . import selfcheck
+from ._export import check_jit_recordable, check_onnx_exportable, export_route, onnx_exporting
 from .reference import autocast_dtype, in_band, pair_distance, rel_attention_reference
 
 __all__ = ["rel_attention", "fused_available", "mask_to_band", "BACKENDS"]
@@ -196,11 +197,11 @@ def check_window(causal, window_size, who: str = "rel_attention") -> Tuple[int, 
 def clamp_window(wl: int, wr: int, Lq: int, Lk: int) -> Tuple[int, int]:
     """Clamp the window to the distances the shapes hold (d in [-(Lq - 1), Lk - 1]): same
     pairs, and neither the kernels' int32 index arithmetic nor the reference's int64 tensors
-    can overflow. While ``torch.jit.trace`` / ``torch.jit.script`` records the call (the
+    can overflow. While an export route records the call (``_export.export_route``: the
     window then becomes a constant of a graph that runs at other lengths) the bound is
-    :data:`JIT_MAX_LEN` instead of the shapes: the same pairs at every length up to it."""
-    if jit_route() is not None:
-        Lq = Lk = JIT_MAX_LEN + 1
+    :data:`EXPORT_MAX_LEN` instead of the shapes: the same pairs at every length up to it."""
+    if export_route() is not None:
+        Lq = Lk = EXPORT_MAX_LEN + 1
     if wl >= 0:
         wl = min(wl, Lk - 1)
     if wr >= 0:
@@ -208,52 +209,10 @@ def clamp_window(wl: int, wr: int, Lq: int, Lk: int) -> Tuple[int, int]:
     return wl, wr
 
 
-# The longest sequence a graph recorded by TorchScript serves with the window it recorded
+# The longest sequence a graph recorded by an export route serves with the window it recorded
 # (clamp_window); 2**30 keeps the kernels' int32 index sums (a position plus a window side)
 # from overflowing.
-JIT_MAX_LEN = 2 ** 30
-
-
-class TorchScriptUnsupported(RuntimeError):
-    """A feature of ``rel_attention`` that ``torch.jit.trace`` / ``torch.jit.script`` cannot
-    record, met while one of them records the call."""
-
-
-def jit_route() -> Optional[str]:
-    """``"torch.jit.script"`` while TorchScript compiles or runs scripted code,
-    ``"torch.jit.trace"`` while ``torch.jit.trace`` records (also the tracing that
-    ``torch.onnx.export(dynamo=False)`` runs), else None (eager, torch.compile,
-    torch.export)."""
-    if torch.jit.is_scripting():
-        return "torch.jit.script"
-    if torch.jit.is_tracing():
-        return "torch.jit.trace"
-    return None
-
-
-def check_jit_recordable(who: str, dropout_p: float) -> None:
-    """Raise :class:`TorchScriptUnsupported`, naming the feature and the route, for what a
-    fused kernel cannot put in a TorchScript graph (call it where the call takes a fused
-    kernel): attention dropout. A graph records the module's training mode as a constant (it
-    would keep dropping after ``eval()``), and its backward would be the op's own
-    deterministic one, not the caller's choice."""
-    route = jit_route()
-    if route is not None and dropout_p > 0.0:
-        raise TorchScriptUnsupported(
-            f"{who}: attention dropout (dropout_p={dropout_p}, e.g. a module in training mode) "
-            f"in the fused kernels cannot be recorded by {route}: call model.eval() first, or "
-            f"use backend='reference' (its F.dropout records)")
-
-
-def refuse_jit_context_parallel(who: str) -> None:
-    """Raise :class:`TorchScriptUnsupported` while TorchScript records context parallelism
-    (``who``: the function or module that runs the ring; its collectives exchange tensors
-    whose sizes the host reads)."""
-    route = jit_route()
-    if route is not None:
-        raise TorchScriptUnsupported(
-            f"{who}: context parallelism (a cp_group / context_parallel_rel_attention) cannot "
-            f"be recorded by {route}: record the model in one process with cp_group = None")
+EXPORT_MAX_LEN = 2 ** 30
 
 
 def _normalize_masks(q, Lk, causal, window_size, key_padding_mask, attn_mask):
@@ -314,8 +273,10 @@ def mask_to_band(attn_mask: torch.Tensor) -> torch.Tensor:
     d = pair_distance(lq, lk, attn_mask.device)
     allowed = ~attn_mask
     big = lk + lq
-    d_max = torch.where(allowed, d, -big).amax()   # -big when nothing is allowed
-    d_min = torch.where(allowed, d, big).amin()    # +big when nothing is allowed
+    # max() / min() over all dims (aten.max.default): the dynamo=True ONNX exporter has no
+    # translation of amax / amin without dims
+    d_max = torch.where(allowed, d, -big).max()   # -big when nothing is allowed
+    d_min = torch.where(allowed, d, big).min()    # +big when nothing is allowed
     left = d_max.clamp(-lq, lk - 1)
     right = (-d_min).clamp(-lk, lq - 1)
     is_band = (allowed == in_band(d, left, right)).all()
@@ -443,7 +404,10 @@ def rel_attention(
             kernel for CPU tensors, docs/cpu.md: any dtype and head dim, deterministic; built
             with the extension on first use) or ``"auto"`` (the Triton kernel where it can
             run; else, on CPU tensors, the C++ kernel, or the reference with a one-time
-            warning when the extension cannot be built; else the reference).
+            warning when the extension cannot be built; else the reference). While
+            ``torch.onnx.export`` traces (either exporter), every backend runs the reference
+            path, the ONNX lowering (``txl_kernels/_export.py``); dropout, an 8-bit memory
+            and context parallelism then raise ``ExportUnsupported``.
         deterministic: fused backward only. False (default, as in FlashAttention): the
             gradient of r (and, for fp16 / bf16 on sm_80 .. sm_90, of q) is accumulated with
             fp32 atomics in whatever order they arrive (run-to-run bit differences). True:
@@ -536,6 +500,18 @@ def rel_attention(
                              f"{list(attn_mask.shape)}; pass that mask without attn_mask_band")
     else:
         check_position_rows(Lq, Lk, r.shape[0], wl, wr)
+
+    if onnx_exporting():
+        # torch.onnx.export (either exporter) traces the reference path: it is the ONNX
+        # lowering of every backend (txl_kernels/_export.py). The window is the unclamped
+        # one: the clamp to the traced lengths would be a constant of the export's lengths
+        # (dynamo=False) or a symbolic bound (dynamo=True), where the ints allow the same
+        # pairs at every length. attn_mask_band only lets the fused kernels skip reading the
+        # mask (same result): the graph reads attn_mask.
+        check_onnx_exportable(dropout_p, memory)
+        wl, wr = check_window(causal, window_size)
+        return _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
+                          None, 0.0, None)
 
     if backend == "cpu" or (backend == "auto" and q.device.type == "cpu"
                             and not fused_available(q.device)[0]):

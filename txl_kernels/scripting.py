@@ -32,7 +32,7 @@ from torch import Tensor
 
 from ._cpp_ops import warn_fallback
 from .cpu_kernel import cpu_kernel_available, last_dim_contiguous
-from .functional import TorchScriptUnsupported
+from ._export import ExportUnsupported
 from .reference import finite_or_zero, pair_distance, rel_shift, row_poison
 
 __all__ = ["script_uses_cpu_op", "mark_cpu_op", "rel_attention_cpu_op", "rel_attention_torch"]
@@ -43,9 +43,9 @@ def script_uses_cpu_op(who: str, backend: str) -> bool:
     ``backend``) calls the C++ CPU op: "cpu" (raises RuntimeError when the extension cannot
     be built or loaded here) and "auto" where the extension loads (else the reference math,
     with the one-time fallback warning); never for "reference". "triton" raises
-    :class:`TorchScriptUnsupported`: the Triton kernels are launched from Python."""
+    :class:`ExportUnsupported`: the Triton kernels are launched from Python."""
     if backend == "triton":
-        raise TorchScriptUnsupported(
+        raise ExportUnsupported(
             f"{who}: backend='triton' cannot be recorded by torch.jit.script (the Triton "
             f"kernels are launched from Python): script the module with backend='auto' or "
             f"'cpu' (the C++ CPU kernel) or 'reference', or use torch.jit.trace")

@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 from .._cpp_ops import check_extension_backend
+from .._export import ExportUnsupported, export_route, refuse_context_parallel
 from .._utils import (as_len, check_same, check_values, describe, renamed_attribute,
                       renamed_keywords)
 from ..cached_attention import (cached_attention, cached_attention_route,
@@ -579,9 +580,7 @@ class MemTransformerLM(nn.Module):
         ``mem_len`` 0 or the global segment length (of every segment); raise otherwise."""
         import torch.distributed as dist
 
-        from ..distributed import refuse_export
-
-        refuse_export("MemTransformerLM")
+        refuse_context_parallel("MemTransformerLM")
 
         lens = torch.tensor([qlen, mlen], dtype=torch.int64,
                             device=device if dist.get_backend(self.cp_group) == "nccl"
@@ -657,10 +656,11 @@ class MemTransformerLM(nn.Module):
         qlen, bsz = data.shape
         self._check_same_length()
         if cache is not None:
-            if torch.compiler.is_exporting():
-                raise NotImplementedError(
-                    "MemTransformerLM: the K/V cache (cache=) cannot go through torch.export "
-                    "or AOTInductor: its bookkeeping (rows held, positions) is Python state "
+            route = export_route()
+            if route is not None:
+                raise ExportUnsupported(
+                    f"MemTransformerLM: the K/V cache (cache=) cannot be recorded by {route} "
+                    "(nor compiled by AOTInductor): its bookkeeping (rows held, positions) is Python state "
                     "updated in place, which a program would freeze. Export the mems path "
                     "instead: forward(data, target, *mems) (or log_probs(data, *mems)) with "
                     "the memories as inputs; a decoding step is one token, data [1, bsz]")

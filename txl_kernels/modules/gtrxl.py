@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._export import onnx_exporting
 from .._utils import check_values, describe
 from ..functional import BACKENDS, mask_to_band, rel_attention
 from ..scripting import mark_cpu_op, rel_attention_cpu_op, rel_attention_torch
@@ -173,9 +174,11 @@ class DIEngineAttentionXL(nn.Module):
     ``(full_seq, 1, input_dim)`` (distances ``full_seq - 1`` down to 0), u / v ``[head_num,
     head_dim]``, mask ``(cur_seq, full_seq, 1)`` bool, True = masked. The mask must mask every
     key after its query (the model's causal ``triu(ones, 1 + prev_seq)``; checked, one host
-    sync, as the original's ``mask.any().item()``): for such keys the original reads
-    wrapped-around position scores, which have no meaning. The mask reaches the kernel with its
-    band descriptor (the causal mask is a band: no mask is read).
+    sync, as the original's ``mask.any().item()``; under torch.export a check in the program;
+    not while ``torch.onnx.export`` traces, where the mask is a graph input and ONNX has no
+    assertion): for such keys the original reads wrapped-around position scores, which have
+    no meaning. The mask reaches the kernel with its band descriptor (the causal mask is a
+    band: no mask is read).
 
     ``torch.jit.script`` compiles it, as it does the original: the scripted forward computes
     the same outputs with the C++ CPU op or the reference math in TorchScript, the mask read
@@ -239,12 +242,13 @@ class DIEngineAttentionXL(nn.Module):
                                  f" 1) = ({cur}, {full}, 1), True = masked; got "
                                  f"{describe(mask)}")
             am = mask[..., 0]
-        future = torch.ones(cur, full, dtype=torch.bool, device=inputs.device).triu(1 + prev)
-        check_values(~(future if am is None else future & ~am).any(), ValueError,
-                     f"{self._NAME}: the mask lets queries attend keys after them (or mask is "
-                     f"None with cur_seq > 1), where the original reads wrapped-around "
-                     f"position scores; pass the causal mask triu(ones(cur_seq, full_seq), "
-                     f"1 + prev_seq)")
+        if not onnx_exporting():  # there the mask is a graph input: a check of the example
+            future = torch.ones(cur, full, dtype=torch.bool, device=inputs.device).triu(1 + prev)
+            check_values(~(future if am is None else future & ~am).any(), ValueError,
+                         f"{self._NAME}: the mask lets queries attend keys after them (or mask "
+                         f"is None with cur_seq > 1), where the original reads wrapped-around "
+                         f"position scores; pass the causal mask triu(ones(cur_seq, full_seq), "
+                         f"1 + prev_seq)")
         if am is not None:
             band = mask_to_band(am)
             am = am[None, None]
