@@ -13,7 +13,7 @@ from txl_kernels.quant import quantize_kv
 
 from helpers import make_inputs
 
-BACKENDS = ["reference"]
+BACKENDS = ["reference", "cpu"]
 
 
 def full_table(r_short, first, lq, lk):

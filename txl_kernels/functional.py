@@ -534,16 +534,18 @@ def rel_attention(
         # clamped where every pair's row is outside [0, R) either way (position_row_shift)
         r_first_distance = position_row_shift(Lq, Lk, r.shape[0], r_first_distance) + Lk - Lq
 
-    if r_first_distance is not None:
-        if backend in ("cpu", "triton"):
-            raise NotImplementedError(f"rel_attention: r_first_distance is not supported by "
-                                      f"backend={backend!r} yet; use backend='reference'")
+    if r_first_distance is not None and backend in ("triton", "auto") \
+            and fused_available(q.device)[0]:
+        if backend == "triton":
+            raise NotImplementedError("rel_attention: r_first_distance is not supported by "
+                                      "backend='triton' yet; use backend='reference'")
         return _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
                           attn_mask_band, float(dropout_p), memory, r_first_distance)
     if backend == "cpu" or (backend == "auto" and q.device.type == "cpu"
                             and not fused_available(q.device)[0]):
         return _rel_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm,
-                                  mask, attn_mask_band, float(dropout_p), memory, backend)
+                                  mask, attn_mask_band, float(dropout_p), memory, backend,
+                                  r_first_distance)
 
     use_fused = False
     if backend != "reference":
@@ -586,7 +588,7 @@ def rel_attention(
         return rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
                              attn_mask_band, deterministic, float(dropout_p), memory=memory)
     return _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                      attn_mask_band, float(dropout_p), memory)
+                      attn_mask_band, float(dropout_p), memory, r_first_distance)
 
 
 def _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
@@ -601,7 +603,7 @@ def _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
 
 
 def _rel_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                       attn_mask_band, dropout_p, memory, backend):
+                       attn_mask_band, dropout_p, memory, backend, r_first_distance=None):
     """backend "cpu", or "auto" on CPU tensors without the Triton interpreter: the C++ kernel
     (any dtype, any head dim), else (auto only) the reference with a one-time warning."""
     from ._cpp_ops import warn_fallback
@@ -628,6 +630,7 @@ def _rel_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kp
             warn_fallback("cpu", why)
     if not ok:
         return _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                          attn_mask_band, dropout_p, memory)
+                          attn_mask_band, dropout_p, memory, r_first_distance)
     return rel_attn_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                        attn_mask_band, dropout_p, memory=memory)
+                        attn_mask_band, dropout_p, memory=memory,
+                        r_first_distance=r_first_distance)
