@@ -10,10 +10,20 @@ import torch
 
 from txl_kernels import rel_attention
 from txl_kernels.quant import quantize_kv
+from txl_kernels.reference import rel_attention_reference
 
 from helpers import make_inputs
 
-BACKENDS = ["reference", "cpu"]
+BACKENDS = ["reference", "cpu", "triton"]
+# (backend, dtype): fp64 where the backend has it, fp16 on the Triton kernels (bf16 tl.dot is
+# wrong in the interpreter)
+BACKEND_DTYPES = [(b, d) for b in ("reference", "cpu") for d in (torch.float32, torch.float64)]
+BACKEND_DTYPES += [("triton", torch.float32), ("triton", torch.float16)]
+
+
+def _dtype(backend):
+    """The dtype of the single-dtype cases: fp64 where the backend has it."""
+    return torch.float32 if backend == "triton" else torch.float64
 
 
 def full_table(r_short, first, lq, lk):
@@ -30,11 +40,12 @@ def full_table(r_short, first, lq, lk):
 
 
 def check_against_full(backend, B, Lq, Lk, H, D, R, first, dtype, window, causal=False,
-                       kpm=None, grad=True, tol=None, scale=1.0):
+                       kpm=None, grad=True, tol=None, scale=1.0, deterministic=False):
     ts = make_inputs(B, Lq, Lk, H, D, R=R, dtype=dtype, seed=Lq * 7 + Lk + R, scale=scale)
     q, k, v, r, u, vb = (t.requires_grad_(grad) for t in ts)
     out = rel_attention(q, k, v, r, u, vb, causal=causal, window_size=window,
-                        key_padding_mask=kpm, backend=backend, r_first_distance=first)
+                        key_padding_mask=kpm, backend=backend, r_first_distance=first,
+                        deterministic=deterministic)
     # the oracle: the reference with the full table, in float64 for low-precision inputs
     acc = torch.float64 if dtype in (torch.float16, torch.bfloat16) else dtype
     full, p_in, P_in = full_table(r.detach(), first, Lq, Lk)
@@ -77,8 +88,7 @@ WINDOW_CASES = [
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("backend,dtype", BACKEND_DTYPES)
 @pytest.mark.parametrize("lq,lk,window", WINDOW_CASES)
 def test_window_table_matches_full_table(backend, dtype, lq, lk, window):
     R, first = window_table(window)
@@ -105,7 +115,47 @@ def test_window_table_with_key_padding_and_causal(backend):
 ])
 def test_any_first_distance(backend, R, first, window):
     lq = lk = 7 if window[0] < 0 else 11
-    check_against_full(backend, 1, lq, lk, 2, 16, R, first, torch.float64, window)
+    check_against_full(backend, 1, lq, lk, 2, 16, R, first, _dtype(backend), window)
+
+
+@pytest.mark.parametrize("fused,q_only,det", [
+    (False, False, False),  # dq kernel with atomic dr (fp32's default)
+    (False, False, True),   # dq kernel, then the dr kernel over block diagonals
+    (True, False, False),   # dk/dv kernel with dq and dr by atomics
+    (True, False, True),    # ... in key-tile order (ORDERED)
+    (True, True, False),    # ... from q tiles (Q_ONLY)
+    (True, True, True),
+])
+def test_triton_backward_modes(monkeypatch, fused, q_only, det):
+    """Every Triton backward path (forced, in fp32) with a window table: the r rows of each
+    tile come from the row constant, dr lands on the short table's rows."""
+    import txl_kernels.ops.rel_attn_bwd as rb
+    monkeypatch.setattr(rb, "_fused_dq", lambda family, wide: fused)
+    monkeypatch.setattr(rb, "_q_only", lambda family, block_d: q_only)
+    R, first = window_table((3, 5))
+    check_against_full("triton", 2, 21, 21, 2, 16, R, first, torch.float32, (3, 5),
+                       deterministic=det)
+    R, first = window_table((4, 2))  # Lk > Lq
+    check_against_full("triton", 1, 7, 30, 2, 16, R, first, torch.float32, (4, 2),
+                       deterministic=det)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_triton_split_k_forward(num_splits):
+    """The split-K forward (each split primes its window from the row constant)."""
+    from txl_kernels.ops.rel_attn_fwd import rel_attn_fwd
+
+    lq = lk = 50
+    window = (20, 6)
+    R, first = window_table(window)
+    q, k, v, r, u, vb = make_inputs(1, lq, lk, 2, 16, R=R, seed=5)
+    out, lse = rel_attn_fwd(q, k, v, r, u, vb, 0.25, *window, num_splits=num_splits,
+                            r_first_distance=first)
+    full, _, _ = full_table(r, first, lq, lk)
+    ref, ref_lse = rel_attention_reference(q, k, v, full, u, vb, 0.25, *window,
+                                           return_lse=True)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -126,14 +176,14 @@ def test_rows_outside_the_table_read_as_zero_under_a_band(backend):
     from txl_kernels import mask_to_band
 
     lq = lk = 10
-    q, k, v, r, u, vb = make_inputs(1, lq, lk, 2, 16, R=3, dtype=torch.float64)
+    q, k, v, r, u, vb = make_inputs(1, lq, lk, 2, 16, R=3, dtype=_dtype(backend))
     mask = torch.ones(lq, lk, dtype=torch.bool).triu(1)  # causal, densely: d >= 0
     band = mask_to_band(mask)
     out = rel_attention(q, k, v, r, u, vb, causal=False, attn_mask=mask, attn_mask_band=band,
                         backend=backend, r_first_distance=1)
     full, _, _ = full_table(r, 1, lq, lk)
     ref = rel_attention(q, k, v, full, u, vb, causal=False, attn_mask=mask, backend="reference")
-    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -144,14 +194,14 @@ def test_far_first_distance_reads_only_zero_rows(backend, first):
     from txl_kernels import mask_to_band
 
     lq = lk = 6
-    q, k, v, r, u, vb = make_inputs(1, lq, lk, 2, 16, R=3, dtype=torch.float64)
+    q, k, v, r, u, vb = make_inputs(1, lq, lk, 2, 16, R=3, dtype=_dtype(backend))
     mask = torch.zeros(lq, lk, dtype=torch.bool)
     out = rel_attention(q, k, v, r, u, vb, causal=False, attn_mask=mask,
                         attn_mask_band=mask_to_band(mask), backend=backend,
                         r_first_distance=first)
     ref = rel_attention(q, k, v, r.new_zeros(lk + lq - 1, 2, 16), u, vb, causal=False,
                         backend="reference")
-    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
 def test_bad_type_raises_naming_the_argument():
@@ -175,9 +225,22 @@ def test_missing_rows_raise_naming_r_and_the_rows(window, R, first):
                       r_first_distance=first)
 
 
-def test_with_memory_raises_not_implemented():
-    q, k, v, r, u, vb = make_inputs(1, 4, 4, 1, 16, R=7)
-    memory = quantize_kv(k, v, torch.int8)
-    with pytest.raises(NotImplementedError, match="r_first_distance"):
-        rel_attention(q, k, v, r, u, vb, causal=False, window_size=(3, 3), memory=memory,
-                      r_first_distance=3, backend="reference")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_window_table_with_8bit_memory(backend):
+    """With an 8-bit memory (M rows in front of the segment's keys, Lk = M + Lc): the
+    same as the reference over the dequantised keys with the full table (forward only)."""
+    B, M, Lc, H, D = 2, 9, 12, 2, 16
+    window = (5, 3)
+    R, first = window_table(window)
+    q, k, v, r, u, vb = make_inputs(B, Lc, Lc, H, D, R=R, seed=3)
+    _, mk, mv, _, _, _ = make_inputs(B, M, M, H, D, seed=4)
+    memory = quantize_kv(mk, mv, torch.int8)
+    with torch.no_grad():
+        out = rel_attention(q, k, v, r, u, vb, causal=False, window_size=window,
+                            memory=memory, backend=backend, r_first_distance=first)
+        dk, dv = memory.dequantize(q.dtype)
+        kf, vf = torch.cat([dk, k], 1).double(), torch.cat([dv, v], 1).double()
+        full, _, _ = full_table(r, first, Lc, M + Lc)
+        ref = rel_attention(q.double(), kf, vf, full.double(), u.double(), vb.double(),
+                            causal=False, window_size=window, backend="reference")
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)

@@ -449,8 +449,9 @@ def rel_attention(
             ``window_size=(left, right)`` a table of ``left + right + 1`` rows for distances
             ``left`` down to ``-right`` with ``r_first_distance=left`` serves every allowed
             pair (NeMo's local-attention position table), so a windowed call needs no table
-            as long as the sequence. Every backend; not with ``memory``
-            (NotImplementedError).
+            as long as the sequence, and the fused kernels read only that short table.
+            Every backend, forward and backward (the gradient of r has its R rows), and
+            with ``memory`` (``Lk = M + Lc`` above).
 
     Rows whose keys are all masked give output 0 and zero gradients.
     Raises ValueError if an allowed pair needs a row of r outside ``[0, R)`` (the message
@@ -507,10 +508,6 @@ def rel_attention(
     if backend not in BACKENDS:
         raise ValueError(f"rel_attention: backend must be one of {BACKENDS}, got {backend!r}")
     r_first_distance = check_r_first_distance(r_first_distance)
-    if r_first_distance is not None and memory is not None:
-        raise NotImplementedError("rel_attention: r_first_distance is not supported with an "
-                                  "8-bit memory (memory=QuantizedKV); pass "
-                                  "r_first_distance=None with the full-length table")
 
     wl, wr, kpm, mask = _normalize_masks(q, Lk, causal, window_size, key_padding_mask, attn_mask)
     if attn_mask_band is not None:
@@ -534,13 +531,6 @@ def rel_attention(
         # clamped where every pair's row is outside [0, R) either way (position_row_shift)
         r_first_distance = position_row_shift(Lq, Lk, r.shape[0], r_first_distance) + Lk - Lq
 
-    if r_first_distance is not None and backend in ("triton", "auto") \
-            and fused_available(q.device)[0]:
-        if backend == "triton":
-            raise NotImplementedError("rel_attention: r_first_distance is not supported by "
-                                      "backend='triton' yet; use backend='reference'")
-        return _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                          attn_mask_band, float(dropout_p), memory, r_first_distance)
     if backend == "cpu" or (backend == "auto" and q.device.type == "cpu"
                             and not fused_available(q.device)[0]):
         return _rel_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm,
@@ -586,7 +576,8 @@ def rel_attention(
             softmax_scale = -softmax_scale if softmax_scale < 0.0 else 1.0
 
         return rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                             attn_mask_band, deterministic, float(dropout_p), memory=memory)
+                             attn_mask_band, deterministic, float(dropout_p), memory=memory,
+                             r_first_distance=r_first_distance)
     return _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
                       attn_mask_band, float(dropout_p), memory, r_first_distance)
 
