@@ -271,7 +271,7 @@ def mask_to_band(attn_mask: torch.Tensor) -> torch.Tensor:
 
 
 def _self_checked(ts, wl, wr, kpm, mask, band, dropout_p, memory, deterministic,
-                  backend) -> bool:
+                  backend, row_shift: bool = False) -> bool:
     """The first-use self-check's verdict on this call's fused variant (``selfcheck``): True
     to take the fused path; False (backend "auto") to take the reference path after a failed
     check; raises for backend "triton" after a failed check. ``ts``: q, k, v, r and the
@@ -283,7 +283,7 @@ def _self_checked(ts, wl, wr, kpm, mask, band, dropout_p, memory, deterministic,
            kpm is not None, mask is not None,
            band is not None, dropout_p > 0.0,
            "" if memory is None else str(memory.k.dtype).removeprefix("torch."),
-           grads, bool(deterministic) and grads)
+           grads, bool(deterministic) and grads, row_shift)
     if selfcheck.fused_ok(key):
         return True
     if backend == "triton":
@@ -561,7 +561,8 @@ def rel_attention(
         use_fused = use_fused and not grads
     if use_fused and selfcheck.enabled():
         use_fused = _self_checked((q, k, v, r, r_w_bias, r_r_bias), wl, wr, kpm, mask,
-                                  attn_mask_band, dropout_p, memory, deterministic, backend)
+                                  attn_mask_band, dropout_p, memory, deterministic, backend,
+                                  r_first_distance is not None)
 
     if use_fused:
         from .ops import rel_attn_func  # imports triton lazily
