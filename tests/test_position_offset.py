@@ -351,3 +351,15 @@ def test_decode_kernel_missing_rows_raise():
         rel_attn_decode(q, k, v, r, u, vb, 0.25, 4, r_first_distance=4)
     with pytest.raises(TypeError, match="r_first_distance must be an int"):
         rel_attn_decode(q, k, v, r, u, vb, 0.25, 4, r_first_distance=4.0)
+
+
+def test_context_parallel_ring_raises_not_implemented():
+    """The ring indexes the full table in its blocks: r_first_distance raises
+    NotImplementedError naming it, before any communication (no process group here)."""
+    from txl_kernels.distributed import context_parallel_rel_attention
+
+    q, k, v, r, u, vb = make_inputs(1, 6, 6, 1, 16, R=5)
+    with pytest.raises(NotImplementedError, match="r_first_distance is not supported by the "
+                                                  "ring"):
+        context_parallel_rel_attention(q, k, v, r, u, vb, causal=False, window_size=(2, 2),
+                                       backend="reference", r_first_distance=2)
