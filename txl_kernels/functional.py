@@ -302,15 +302,12 @@ def check_r_first_distance(r_first_distance, who: str = "rel_attention") -> Opti
     return int(r_first_distance)
 
 
-def position_row_shift(lq: int, lk: int, rlen: int, r_first_distance: Optional[int]) -> int:
-    """The row constant ``c`` of the pairs' r rows, ``p = j - i + c``: ``Lq - 1`` for the
-    default table (row 0 holds distance ``Lk - 1``), else ``r_first_distance - Lk + Lq``,
-    clamped to ``[-Lk, R + Lq - 1]``: past those bounds every pair's row is outside ``[0, R)``
-    either way (all read as zero), and the clamp keeps the kernels' int32 row arithmetic in
-    range."""
-    if r_first_distance is None:
-        return lq - 1
-    return min(max(r_first_distance - lk + lq, -lk), rlen + lq - 1)
+def clamp_first_distance(lq: int, lk: int, rlen: int, r_first_distance: int) -> int:
+    """``r_first_distance`` clamped to ``[-Lq, R + Lk - 1]``: past those bounds every pair's
+    row (``r_first_distance - d``, ``d`` in ``[-(Lq - 1), Lk - 1]``) is outside ``[0, R)``
+    either way, so all read as zero; the clamp keeps the kernels' int32 row arithmetic and the
+    reference's pad widths in range."""
+    return min(max(r_first_distance, -lq), rlen + lk - 1)
 
 
 def check_position_rows(lq: int, lk: int, rlen: int, wl: int, wr: int,
@@ -528,8 +525,7 @@ def rel_attention(
     else:
         check_position_rows(Lq, Lk, r.shape[0], wl, wr, r_first_distance)
     if r_first_distance is not None:
-        # clamped where every pair's row is outside [0, R) either way (position_row_shift)
-        r_first_distance = position_row_shift(Lq, Lk, r.shape[0], r_first_distance) + Lk - Lq
+        r_first_distance = clamp_first_distance(Lq, Lk, r.shape[0], r_first_distance)
 
     if backend == "cpu" or (backend == "auto" and q.device.type == "cpu"
                             and not fused_available(q.device)[0]):
