@@ -3,9 +3,10 @@
 The first time a process runs a fused-kernel *variant* through ``rel_attention`` (backend
 ``"auto"`` or ``"triton"``) -- a (device, dtype, head dim, fp32 product precision, window sides,
 key padding, dense mask, mask band, dropout, 8-bit memory, gradients recorded, deterministic mode,
-a position table with r_first_distance) combination, each of which compiles its own kernels -- a tiny random problem of that variant runs
-on the fused path and on the reference path (forward, and the backward of all six inputs when
-the call records gradients) and the two are compared with a float64 reference run as the judge.
+a position table with r_first_distance) combination, each of which compiles its own kernels --
+a tiny random problem of that variant runs on the fused path and on the reference path
+(forward, and the backward of all six inputs when the call records gradients) and the two are
+compared with a float64 reference run as the judge.
 The verdict is kept for the process. On a mismatch (or an exception from the fused path) one
 warning names the variant and the error; ``"auto"`` then takes the reference path for that
 variant, ``"triton"`` raises.
