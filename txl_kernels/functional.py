@@ -284,7 +284,7 @@ def mask_to_band(attn_mask: torch.Tensor) -> torch.Tensor:
 
 
 def _self_checked(ts, wl, wr, kpm, mask, band, dropout_p, memory, deterministic,
-                  backend) -> bool:
+                  backend, row_shift: bool = False) -> bool:
     """The first-use self-check's verdict on this call's fused variant (``selfcheck``): True
     to take the fused path; False (backend "auto") to take the reference path after a failed
     check; raises for backend "triton" after a failed check. ``ts``: q, k, v, r and the
@@ -296,7 +296,7 @@ def _self_checked(ts, wl, wr, kpm, mask, band, dropout_p, memory, deterministic,
            kpm is not None, mask is not None,
            band is not None, dropout_p > 0.0,
            "" if memory is None else str(memory.k.dtype).removeprefix("torch."),
-           grads, bool(deterministic) and grads)
+           grads, bool(deterministic) and grads, row_shift)
     if selfcheck.fused_ok(key):
         return True
     if backend == "triton":
@@ -304,10 +304,32 @@ def _self_checked(ts, wl, wr, kpm, mask, band, dropout_p, memory, deterministic,
     return False
 
 
-def check_position_rows(lq: int, lk: int, rlen: int, wl: int, wr: int) -> None:
-    """Raise if an allowed pair (by causal / window structure) needs an r row outside [0, R)."""
+def check_r_first_distance(r_first_distance, who: str = "rel_attention") -> Optional[int]:
+    """``r_first_distance`` is None or an int (not a bool); returned as a Python int."""
+    if r_first_distance is None:
+        return None
+    if isinstance(r_first_distance, bool) or not isinstance(r_first_distance, int):
+        raise TypeError(f"{who}: r_first_distance must be an int (the distance d held by r's "
+                        f"row 0) or None, got {type(r_first_distance).__name__} "
+                        f"{r_first_distance!r:.40}")
+    return int(r_first_distance)
+
+
+def clamp_first_distance(lq: int, lk: int, rlen: int, r_first_distance: int) -> int:
+    """``r_first_distance`` clamped to ``[-Lq, R + Lk - 1]``: past those bounds every pair's
+    row (``r_first_distance - d``, ``d`` in ``[-(Lq - 1), Lk - 1]``) is outside ``[0, R)``
+    either way, so all read as zero; the clamp keeps the kernels' int32 row arithmetic and the
+    reference's pad widths in range."""
+    return min(max(r_first_distance, -lq), rlen + lk - 1)
+
+
+def check_position_rows(lq: int, lk: int, rlen: int, wl: int, wr: int,
+                        r_first_distance: Optional[int] = None) -> None:
+    """Raise if an allowed pair (by causal / window structure) needs an r row outside [0, R).
+    Row 0 of r holds distance ``r_first_distance`` (None: ``Lk - 1``)."""
     # Over all pairs, d = (i + Lk - Lq) - j spans [-(Lq - 1), Lk - 1]; the window clips it, and
-    # p = j - i + Lq - 1 = Lk - 1 - d.
+    # row p = first - d (= j - i + Lq - 1 for first = Lk - 1).
+    first = lk - 1 if r_first_distance is None else r_first_distance
     d_min, d_max = -(lq - 1), lk - 1
     if wr >= 0:
         d_min = max(d_min, -wr)
@@ -315,16 +337,23 @@ def check_position_rows(lq: int, lk: int, rlen: int, wl: int, wr: int) -> None:
         d_max = min(d_max, wl)
     if d_min > d_max:
         return  # no pair is allowed at all
-    # d_max <= lk - 1, so p_lo >= 0: only the last row needed can be missing. (Testing p_lo
-    # too would, on symbolic lengths under torch.export, add a guard such as
-    # lk - 1 - min(wl, lk - 1) >= 0 that the solver cannot prove.)
-    p_lo, p_hi = lk - 1 - d_max, lk - 1 - d_min
-    if p_hi >= rlen:
+    p_lo, p_hi = first - d_max, first - d_min
+    # With the default table d_max <= lk - 1, so p_lo >= 0 and only p_hi is tested: testing
+    # p_lo too would, on symbolic lengths under torch.export, add a guard such as
+    # lk - 1 - min(wl, lk - 1) >= 0 that the solver cannot prove.
+    if (r_first_distance is not None and p_lo < 0) or p_hi >= rlen:
+        if r_first_distance is None:
+            raise ValueError(
+                f"rel_attention: r has {rlen} rows, but the allowed pairs (Lq={lq}, Lk={lk}, "
+                f"window_left={wl}, window_right={wr}) need rows {p_lo}..{p_hi} "
+                f"(row p = j - i + Lq - 1); pass r with at least {p_hi + 1} rows, or restrict "
+                f"the pairs with causal / window_size")
         raise ValueError(
-            f"rel_attention: r has {rlen} rows, but the allowed pairs (Lq={lq}, Lk={lk}, "
-            f"window_left={wl}, window_right={wr}) need rows {p_lo}..{p_hi} "
-            f"(row p = j - i + Lq - 1); pass r with at least {p_hi + 1} rows, or restrict the "
-            f"pairs with causal / window_size")
+            f"rel_attention: r has {rlen} rows and r_first_distance={r_first_distance} (row p "
+            f"holds distance {r_first_distance} - p), but the allowed pairs (Lq={lq}, Lk={lk}, "
+            f"window_left={wl}, window_right={wr}) have distances {d_min}..{d_max} and need "
+            f"rows {p_lo}..{p_hi}; pass r rows for distances {d_max} down to {d_min} with "
+            f"r_first_distance={d_max}, or restrict the pairs with causal / window_size")
 
 
 def rel_attention(
@@ -345,10 +374,12 @@ def rel_attention(
     backend: str = "auto",
     deterministic: bool = False,
     memory: Optional[QuantizedKV] = None,
+    r_first_distance: Optional[int] = None,
 ) -> torch.Tensor:
     """Transformer-XL relative multi-head attention.
 
-    ``S[i, j] = softmax_scale * ((q_i + r_w_bias) . k_j + (q_i + r_r_bias) . r[j - i + Lq - 1])``
+    ``S[i, j] = softmax_scale * ((q_i + r_w_bias) . k_j + (q_i + r_r_bias) . r[j - i + c])``
+    with ``c = Lq - 1`` (default) or ``c = r_first_distance - Lk + Lq``
     ``out_i = sum_j softmax_j(S[i, :] over allowed j) * v_j``
 
     Arguments:
@@ -427,9 +458,20 @@ def rel_attention(
             Forward only on the fused backend: gradients (of q, k, v, r, the biases; the
             memory has none) need ``backend="reference"``, which ``"auto"`` picks when they
             are recorded.
+        r_first_distance: the distance ``d`` held by r's row 0 (an int, any sign), so that row
+            ``p`` holds distance ``r_first_distance - p`` and a pair reads row
+            ``p = r_first_distance - d = j - i + c`` with ``c = r_first_distance - Lk + Lq``.
+            None (default) is ``Lk - 1``, the Transformer-XL table above. With
+            ``window_size=(left, right)`` a table of ``left + right + 1`` rows for distances
+            ``left`` down to ``-right`` with ``r_first_distance=left`` serves every allowed
+            pair (NeMo's local-attention position table), so a windowed call needs no table
+            as long as the sequence, and the fused kernels read only that short table.
+            Every backend, forward and backward (the gradient of r has its R rows), and
+            with ``memory`` (``Lk = M + Lc`` above).
 
     Rows whose keys are all masked give output 0 and zero gradients.
-    Raises ValueError if an allowed pair needs a row of r outside ``[0, R)``.
+    Raises ValueError if an allowed pair needs a row of r outside ``[0, R)`` (the message
+    names the rows needed); rows outside ``[0, R)`` that no allowed pair reads count as zero.
 
     Under ``torch.autocast`` (as for ``scaled_dot_product_attention``) the float16 / bfloat16 /
     float32 inputs are cast to the autocast dtype first, on both backends; the scores are
@@ -481,6 +523,7 @@ def rel_attention(
     check_deterministic(deterministic)
     if backend not in BACKENDS:
         raise ValueError(f"rel_attention: backend must be one of {BACKENDS}, got {backend!r}")
+    r_first_distance = check_r_first_distance(r_first_distance)
 
     wl, wr, kpm, mask = _normalize_masks(q, Lk, causal, window_size, key_padding_mask, attn_mask)
     if attn_mask_band is not None:
@@ -499,7 +542,9 @@ def rel_attention(
                              f"query and key positions), got attn_mask "
                              f"{list(attn_mask.shape)}; pass that mask without attn_mask_band")
     else:
-        check_position_rows(Lq, Lk, r.shape[0], wl, wr)
+        check_position_rows(Lq, Lk, r.shape[0], wl, wr, r_first_distance)
+    if r_first_distance is not None:
+        r_first_distance = clamp_first_distance(Lq, Lk, r.shape[0], r_first_distance)
 
     if onnx_exporting():
         # torch.onnx.export (either exporter) traces the reference path: it is the ONNX
@@ -511,7 +556,7 @@ def rel_attention(
         check_onnx_exportable(dropout_p, memory)
         wl, wr = check_window(causal, window_size)
         return _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                          None, 0.0, None)
+                          None, 0.0, None, r_first_distance)
 
     if backend == "cpu" or (backend == "auto" and q.device.type == "cpu"
                             and not fused_available(q.device)[0]):
@@ -522,7 +567,8 @@ def rel_attention(
         wl, wr = (w0 if isinstance(w, torch.SymInt) and isinstance(w0, int) else w
                   for w, w0 in zip((wl, wr), check_window(causal, window_size)))
         return _rel_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm,
-                                  mask, attn_mask_band, float(dropout_p), memory, backend)
+                                  mask, attn_mask_band, float(dropout_p), memory, backend,
+                                  r_first_distance)
 
     use_fused = False
     if backend != "reference":
@@ -548,7 +594,8 @@ def rel_attention(
         use_fused = use_fused and not grads
     if use_fused and selfcheck.enabled():
         use_fused = _self_checked((q, k, v, r, r_w_bias, r_r_bias), wl, wr, kpm, mask,
-                                  attn_mask_band, dropout_p, memory, deterministic, backend)
+                                  attn_mask_band, dropout_p, memory, deterministic, backend,
+                                  r_first_distance is not None)
 
     if use_fused:
         from .ops import rel_attn_func  # imports triton lazily
@@ -565,23 +612,25 @@ def rel_attention(
             softmax_scale = -softmax_scale if softmax_scale < 0.0 else 1.0
 
         return rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                             attn_mask_band, deterministic, float(dropout_p), memory=memory)
+                             attn_mask_band, deterministic, float(dropout_p), memory=memory,
+                             r_first_distance=r_first_distance)
     return _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                      attn_mask_band, float(dropout_p), memory)
+                      attn_mask_band, float(dropout_p), memory, r_first_distance)
 
 
 def _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-               attn_mask_band, dropout_p, memory):
+               attn_mask_band, dropout_p, memory, r_first_distance=None):
     if memory is not None and memory.k.shape[1] > 0:
         # The oracle: dequantise explicitly, then attend over [memory; current segment].
         mk, mv = memory.dequantize(q.dtype)
         k, v = torch.cat([mk, k], dim=1), torch.cat([mv, v], dim=1)
     return rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr,
-                                   kpm, mask, dropout_p, attn_mask_band=attn_mask_band)
+                                   kpm, mask, dropout_p, attn_mask_band=attn_mask_band,
+                                   r_first_distance=r_first_distance)
 
 
 def _rel_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                       attn_mask_band, dropout_p, memory, backend):
+                       attn_mask_band, dropout_p, memory, backend, r_first_distance=None):
     """backend "cpu", or "auto" on CPU tensors without the Triton interpreter: the C++ kernel
     (any dtype, any head dim), else (auto only) the reference with a one-time warning."""
     from ._cpp_ops import warn_fallback
@@ -608,7 +657,8 @@ def _rel_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kp
             warn_fallback("cpu", why)
     if not ok:
         return _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                          attn_mask_band, dropout_p, memory)
+                          attn_mask_band, dropout_p, memory, r_first_distance)
     check_jit_recordable("rel_attention", dropout_p)
     return rel_attn_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                        attn_mask_band, dropout_p, memory=memory)
+                        attn_mask_band, dropout_p, memory=memory,
+                        r_first_distance=r_first_distance)
