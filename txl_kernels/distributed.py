@@ -242,7 +242,8 @@ def _kernel_r(r: Tensor, ga: int, n_i: int, gb: int, n_j: int, lq: int):
 class _KernelOps:
     """One backend's block ops: ``fwd(q, k, v, r, u, vb, scale, wl, wr, kpm) -> (out, lse)``
     (``lse`` natural log, +inf for rows with no allowed key) and ``bwd(dout, q, k, v, r, u,
-    vb, out, lse, scale, wl, wr, kpm) -> (dq, dk, dv, dr, du, dvb)``, the registered ops of
+    vb, out, lse, scale, wl, wr, kpm) -> (dq, dk, dv, dr, du, dvb)`` (both also take an
+    optional ``attn_mask`` and its ``attn_mask_band``), the registered ops of
     the fused Triton kernels (``txl_kernels::rel_attn_fwd`` / ``rel_attn_bwd``) or of the C++
     CPU kernel (``txl_kernels::rel_attn_cpu_fwd`` / ``rel_attn_cpu_bwd``). ``lse_dtype``: what
     the backward takes (fp32; the CPU kernel's accumulation dtype)."""
@@ -257,21 +258,23 @@ class _KernelOps:
             return torch.float64
         return torch.float32
 
-    def fwd(self, q, k, v, r, u, vb, scale, wl, wr, kpm):
+    def fwd(self, q, k, v, r, u, vb, scale, wl, wr, kpm, attn_mask=None, attn_mask_band=None):
         if self.name == "triton":
             return torch.ops.txl_kernels.rel_attn_fwd(q, k, v, r, u, vb, scale, wl, wr, kpm,
-                                                      None, None, 0.0, None)
+                                                      attn_mask, attn_mask_band, 0.0, None)
         return torch.ops.txl_kernels.rel_attn_cpu_fwd(q, k, v, r, u, vb, scale, wl, wr, kpm,
-                                                      None, None, 0.0, None, None, None, None,
-                                                      None)
+                                                      attn_mask, attn_mask_band, 0.0, None, None,
+                                                      None, None, None)
 
-    def bwd(self, dout, q, k, v, r, u, vb, out, lse, scale, wl, wr, kpm):
+    def bwd(self, dout, q, k, v, r, u, vb, out, lse, scale, wl, wr, kpm, attn_mask=None,
+            attn_mask_band=None):
         if self.name == "triton":
             return torch.ops.txl_kernels.rel_attn_bwd(dout, q, k, v, r, u, vb, out, lse, scale,
-                                                      wl, wr, kpm, None, None,
+                                                      wl, wr, kpm, attn_mask, attn_mask_band,
                                                       self.deterministic, 0.0, None)
         return torch.ops.txl_kernels.rel_attn_cpu_bwd(dout, q, k, v, r, u, vb, out, lse, scale,
-                                                      wl, wr, kpm, None, None, 0.0, None)
+                                                      wl, wr, kpm, attn_mask, attn_mask_band, 0.0,
+                                                      None)
 
 
 def _choose_backend(backend: str, q: Tensor, dropout_p: float, name: str) -> str:
