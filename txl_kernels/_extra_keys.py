@@ -3,7 +3,7 @@
 The ``G`` extra keys join the relative-attention keys in one softmax. The fused kernel computes
 the relative part as usual and returns its normalised rows and row log-sum-exp; the
 ``[B, H, Lq, G]`` extra part is computed here in torch and folded in by a log-sum-exp merge
-(``distributed._merge``, the ring's). The backward is the kernel's own, given the *merged*
+(``_block_ops.merge_block``, as the context-parallel ring merges its blocks). The backward is the kernel's own, given the *merged*
 output and log-sum-exp (as the context-parallel ring calls it): with those its probabilities
 are the joint softmax's, and ``rowsum(dO * O)`` is the joint one, so its gradients are exact;
 the extra part's gradient is added here. Nothing of size ``Lq x Lk`` is formed.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .distributed import _KernelOps, _merge
+from ._block_ops import KernelOps, merge_block
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -42,7 +42,7 @@ class _ExtraKeysAttn(torch.autograd.Function):
         s_lse = torch.logsumexp(s, dim=-1)
         s_out = torch.einsum("bhig,bghd->bihd", torch.exp(s - s_lse[..., None]),
                              extra_v.to(acc))
-        _merge(out, lse, 0, q.shape[1], s_out, s_lse)
+        merge_block(out, lse, 0, q.shape[1], s_out, s_lse)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, r, u, vb, extra_q, extra_k, extra_v, kpm, attn_mask,
                               attn_mask_band, out, lse)
@@ -78,4 +78,4 @@ def rel_attention_extra_keys(backend: str, q, k, v, r, r_w_bias, r_r_bias, extra
     extra_k, extra_v)`` on arguments ``rel_attention`` validated (no dropout, no memory)."""
     ts = [_contiguous_last(t) for t in (q, k, v, r, r_w_bias, r_r_bias) + tuple(extra)]
     return _ExtraKeysAttn.apply(*ts, kpm, attn_mask, attn_mask_band, softmax_scale, wl, wr,
-                                _KernelOps(backend, deterministic))
+                                KernelOps(backend, deterministic))
