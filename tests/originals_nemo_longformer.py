@@ -1037,20 +1037,19 @@ class ConformerLayer(nn.Module):
 class ConformerEncoder(nn.Module):
     """``layers`` of ConformerLayer, ``pos_enc``, ``forward(audio_signal [B, T, d_model], length)``
     with the masks of ``_create_masks`` (no cache), and ``change_attention_model``.
-    ``rel_pos_cls``/``rel_pos_enc_cls``: the classes of the ``rel_pos`` model (the
-    transcriptions in test_conformer.py)."""
+    ``rel_pos_cls``: the ``rel_pos`` attention class (test_conformer.py's transcription)."""
 
     def __init__(self, d_model, n_heads, n_layers, self_attention_model, att_context_size,
-                 rel_pos_cls, rel_pos_enc_cls, global_tokens=0, global_tokens_spacing=1,
+                 rel_pos_cls, global_tokens=0, global_tokens_spacing=1,
                  global_attn_separate=False):
         super().__init__()
         self.d_model, self.n_heads = d_model, n_heads
         self.xscale = None
         self.self_attention_model = self_attention_model
         self.att_context_size = att_context_size
-        self.rel_pos_cls, self.rel_pos_enc_cls = rel_pos_cls, rel_pos_enc_cls
+        self.rel_pos_cls = rel_pos_cls
         if self_attention_model == 'rel_pos':
-            self.pos_enc = rel_pos_enc_cls(d_model=d_model, dropout_rate=0.0, max_len=5000)
+            self.pos_enc = RelPositionalEncoding(d_model=d_model, dropout_rate=0.0, max_len=5000)
         else:
             self.pos_enc = LocalAttRelPositionalEncoding(
                 att_context_size=att_context_size, d_model=d_model, dropout_rate=0.0, max_len=5000)
@@ -1058,6 +1057,7 @@ class ConformerEncoder(nn.Module):
             ConformerLayer(d_model, n_heads, self_attention_model, att_context_size, global_tokens,
                            global_tokens_spacing, global_attn_separate, rel_pos_cls=rel_pos_cls)
             for _ in range(n_layers))
+        self.pos_enc.extend_pe(5000, None, torch.float32)
 
     def _create_masks(self, att_context_size, padding_length, max_audio_length, device):
         if self.self_attention_model != "rel_pos_local_attn":
@@ -1113,7 +1113,7 @@ class ConformerEncoder(nn.Module):
             raise ValueError("When using local attention, context size must be set > 0")
 
         if self_attention_model == "rel_pos":
-            new_pos_enc = self.rel_pos_enc_cls(d_model=self.d_model, dropout_rate=0.0, max_len=5000)
+            new_pos_enc = RelPositionalEncoding(d_model=self.d_model, dropout_rate=0.0, max_len=5000)
         elif self_attention_model == 'rel_pos_local_attn':
             new_pos_enc = LocalAttRelPositionalEncoding(
                 att_context_size=att_context_size, d_model=self.d_model, dropout_rate=0.0, max_len=5000)
