@@ -2,13 +2,15 @@
 // no Lq x Lk tensor is ever formed (docs/cpu.md).
 //
 //   txl_kernels::rel_attn_cpu_fwd(q, k, v, r, u, vb, scale, wl, wr, kpm?, mask?, band?, p,
-//       seed?, mem_k?, mem_k_scale?, mem_v?, mem_v_scale?) -> (out, lse)
+//       seed?, mem_k?, mem_k_scale?, mem_v?, mem_v_scale?, r_first_distance?) -> (out, lse)
 //   txl_kernels::rel_attn_cpu_bwd(dout, q, k, v, r, u, vb, out, lse, scale, wl, wr, kpm?,
-//       mask?, band?, p, seed?) -> (dq, dk, dv, dr, du, dvb)
+//       mask?, band?, p, seed?, r_first_distance?) -> (dq, dk, dv, dr, du, dvb)
 //
 // Forward, per (batch, head, query block [i0, i0 + m)), over the key tiles [j0, j0 + n) that
-// the window / band leaves: AC = (q + u) K^T is one GEMM; BD needs r rows p = j - i + Lq - 1,
-// for the tile the window of m + n - 1 rows starting at P0 = j0 - (i0 + m - 1) + Lq - 1, and
+// the window / band leaves: AC = (q + u) K^T is one GEMM; BD needs r rows p = j - i + c
+// (c = Lq - 1, or r_first_distance - Lk + Lq when r's row 0 holds that distance: rows outside
+// [0, R) read as 0), for the tile the window of m + n - 1 rows starting at
+// P0 = j0 - (i0 + m - 1) + c, and
 // T = (q + vb) Rwin^T is one GEMM whose row a, read from column m - 1 - a on, is BD's row a
 // (the skew is a pointer offset). Consecutive tiles' windows overlap in m - 1 rows: T is kept
 // and shifted, so each tile computes only its n new columns (BD costs one QK-sized GEMM).
@@ -425,6 +427,7 @@ struct Scratch {
 
 struct Geometry {
   int64_t B, Lq, Lk, H, D, R, mlen;
+  int64_t c;  // row constant: the pair (i, j) reads r's row j - i + c
   int64_t dlo, dhi;  // allowed distances d = i + mlen - j: dlo <= d <= dhi (window / band)
   double scale;
   const bool* kpm = nullptr;  // [B, Lk]
@@ -615,7 +618,7 @@ void scores_tile(const Geometry& g, const Head<scalar_t, acc_t>& hd, int64_t b, 
   int64_t ldk;
   const acc_t* kp = hd.K.get(j0, n, kbuf, &ldk);
   gemm_rm<acc_t>(false, true, m, n, D, 1, qu, D, kp, ldk, 0, S, g.BN);
-  const int64_t P0 = j0 - (i0 + m - 1) + g.Lq - 1;
+  const int64_t P0 = j0 - (i0 + m - 1) + g.c;
   advance_window(hd.Rr, g.R, qv, m, D, P0, n, g.BN, first, last, T, tw, rbuf);
   if (!g.tile_needs_masks(i0, m, j0, n)) {
     for (int64_t a = 0; a < m; ++a) {
@@ -910,19 +913,19 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
             add_row(dT.data() + a * tw + (m - 1 - a), dP.data() + a * BN, n);
           }
           // flush the window columns no later tile touches: [0, BN), or all on the last tile
-          const int64_t P0 = j0 - (i0 + m - 1) + Lq - 1;
+          const int64_t P0 = j0 - (i0 + m - 1) + g.c;
           const int64_t cend = last ? m + n - 1 : BN;
           const int64_t pa = std::max<int64_t>(P0, 0), pb = std::min<int64_t>(P0 + cend, R);
           if (pb > pa) {
             int64_t ldr;
             const acc_t* rp = hd.Rr.get(pa, pb - pa, rbuf.data(), &ldr);
             // r rows that hold a NaN or an inf reach only the pairs (query i0 + a, key
-            // p + i0 + a - (Lq - 1)) that the masks allow; dT is 0 everywhere else
+            // p + i0 + a - c) that the masks allow; dT is 0 everywhere else
             rp = zero_flagged_rows(rp, &ldr, pb - pa, D, rflag.data() + pa, rbuf.data(), bad_r);
             gemm_rm<acc_t>(false, false, m, D, pb - pa, 1, dT.data() + (pa - P0), tw, rp, ldr,
                            1, dqv.data(), D);
             add_allowed(g, b, h, i0, m, hd.Rr, pa, bad_r,
-                        [&](int64_t a, int64_t t) { return pa + t + i0 + a - (Lq - 1); },
+                        [&](int64_t a, int64_t t) { return pa + t + i0 + a - g.c; },
                         dT.data() + (pa - P0), tw, dqv.data(), row.data());
             gemm_rm<acc_t>(true, false, pb - pa, D, m, 1, dT.data() + (pa - P0), tw, qv.data(),
                            D, 1, drh + pa * D, D);
@@ -961,7 +964,8 @@ Geometry make_geometry(const at::Tensor& q, int64_t Lk, const at::Tensor& r, dou
                        int64_t wl, int64_t wr, const c10::optional<at::Tensor>& kpm,
                        const c10::optional<at::Tensor>& mask,
                        const c10::optional<at::Tensor>& band, double dropout_p,
-                       const c10::optional<at::Tensor>& seed) {
+                       const c10::optional<at::Tensor>& seed,
+                       c10::optional<int64_t> r_first_distance) {
   Geometry g;
   g.B = q.size(0);
   g.Lq = q.size(1);
@@ -970,6 +974,8 @@ Geometry make_geometry(const at::Tensor& q, int64_t Lk, const at::Tensor& r, dou
   g.Lk = Lk;
   g.R = r.size(0);
   g.mlen = Lk - g.Lq;
+  // int64 throughout: any r_first_distance the op is given stays exact here
+  g.c = r_first_distance.has_value() ? *r_first_distance - Lk + g.Lq : g.Lq - 1;
   TORCH_CHECK(g.mlen >= 0, "rel_attn_cpu: need Lk >= Lq, got Lq=", g.Lq, " and Lk=", Lk);
   g.scale = scale;
   g.dhi = wl < 0 ? kInf : wl;
@@ -1061,7 +1067,7 @@ std::tuple<at::Tensor, at::Tensor> rel_attn_cpu_fwd(
     const c10::optional<at::Tensor>& band, double dropout_p,
     const c10::optional<at::Tensor>& seed, const c10::optional<at::Tensor>& mem_k,
     const c10::optional<at::Tensor>& mem_k_scale, const c10::optional<at::Tensor>& mem_v,
-    const c10::optional<at::Tensor>& mem_v_scale) {
+    const c10::optional<at::Tensor>& mem_v_scale, c10::optional<int64_t> r_first_distance) {
   const c10::optional<at::Tensor> mem[4] = {mem_k, mem_k_scale, mem_v, mem_v_scale};
   const int n_mem = mem_k.has_value() + mem_k_scale.has_value() + mem_v.has_value() +
                     mem_v_scale.has_value();
@@ -1089,7 +1095,7 @@ std::tuple<at::Tensor, at::Tensor> rel_attn_cpu_fwd(
   }
   check_main(q, k, v, r, u, vb, M);
   Geometry g = make_geometry(q, M + k.size(1), r, scale, wl, wr, kpm, mask, band, dropout_p,
-                             seed);
+                             seed, r_first_distance);
   // long key ranges: query blocks of 256 rows, so each block's stream of K, V and r rows
   // (beyond the L2 cache at these lengths) serves twice the queries (measured: ~5% faster at
   // T = 4,096, ~3% slower at T = 1,024, whose rows mostly stay in the caches)
@@ -1108,14 +1114,16 @@ rel_attn_cpu_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& 
                  const at::Tensor& vb, const at::Tensor& out, const at::Tensor& lse,
                  double scale, int64_t wl, int64_t wr, const c10::optional<at::Tensor>& kpm,
                  const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& band,
-                 double dropout_p, const c10::optional<at::Tensor>& seed) {
+                 double dropout_p, const c10::optional<at::Tensor>& seed,
+                 c10::optional<int64_t> r_first_distance) {
   check_main(q, k, v, r, u, vb, 0);
   check_input("dout", dout, 4, q);
   check_input("out", out, 4, q);
   TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(),
               "rel_attn_cpu: dout and out must have q's shape ", q.sizes(), ", got ",
               dout.sizes(), " and ", out.sizes());
-  Geometry g = make_geometry(q, k.size(1), r, scale, wl, wr, kpm, mask, band, dropout_p, seed);
+  Geometry g = make_geometry(q, k.size(1), r, scale, wl, wr, kpm, mask, band, dropout_p, seed,
+                             r_first_distance);
   // enough tasks for every thread: split each (b, h) pair's query blocks when there are fewer
   // pairs than threads (each split then holds its own [Lk, D] / [R, D] accumulators)
   const int64_t pairs = g.B * g.H, nqb = (g.Lq + g.BM - 1) / g.BM;
@@ -1173,12 +1181,12 @@ TORCH_LIBRARY_FRAGMENT(txl_kernels, m) {
         "Tensor r_r_bias, float softmax_scale, int window_left, int window_right, "
         "Tensor? key_padding_mask, Tensor? attn_mask, Tensor? attn_mask_band, "
         "float dropout_p, Tensor? dropout_seed, Tensor? mem_k, Tensor? mem_k_scale, "
-        "Tensor? mem_v, Tensor? mem_v_scale) -> (Tensor, Tensor)");
+        "Tensor? mem_v, Tensor? mem_v_scale, int? r_first_distance=None) -> (Tensor, Tensor)");
   m.def("rel_attn_cpu_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor r, "
         "Tensor r_w_bias, Tensor r_r_bias, Tensor out, Tensor lse, float softmax_scale, "
         "int window_left, int window_right, Tensor? key_padding_mask, Tensor? attn_mask, "
-        "Tensor? attn_mask_band, float dropout_p, Tensor? dropout_seed) "
-        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "Tensor? attn_mask_band, float dropout_p, Tensor? dropout_seed, "
+        "int? r_first_distance=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("rel_attn_cpu_threads() -> int", &rel_attn_cpu_threads);
 }
 

@@ -26,7 +26,8 @@ class KernelOps:
     """One backend's block ops: ``fwd(q, k, v, r, u, vb, scale, wl, wr, kpm) -> (out, lse)``
     (``lse`` natural log, +inf for rows with no allowed key) and ``bwd(dout, q, k, v, r, u,
     vb, out, lse, scale, wl, wr, kpm) -> (dq, dk, dv, dr, du, dvb)`` (both also take an
-    optional ``attn_mask`` and its ``attn_mask_band``), the registered ops of
+    optional ``attn_mask``, its ``attn_mask_band`` and ``r_first_distance``, the distance
+    held by ``r``'s row 0 as the ops take it), the registered ops of
     the fused Triton kernels (``txl_kernels::rel_attn_fwd`` / ``rel_attn_bwd``) or of the C++
     CPU kernel (``txl_kernels::rel_attn_cpu_fwd`` / ``rel_attn_cpu_bwd``). ``lse_dtype``: what
     the backward takes (fp32; the CPU kernel's accumulation dtype)."""
@@ -41,20 +42,23 @@ class KernelOps:
             return torch.float64
         return torch.float32
 
-    def fwd(self, q, k, v, r, u, vb, scale, wl, wr, kpm, attn_mask=None, attn_mask_band=None):
+    def fwd(self, q, k, v, r, u, vb, scale, wl, wr, kpm, attn_mask=None, attn_mask_band=None,
+            r_first_distance=None):
         if self.name == "triton":
             return torch.ops.txl_kernels.rel_attn_fwd(q, k, v, r, u, vb, scale, wl, wr, kpm,
-                                                      attn_mask, attn_mask_band, 0.0, None)
+                                                      attn_mask, attn_mask_band, 0.0, None, None,
+                                                      None, None, None, r_first_distance)
         return torch.ops.txl_kernels.rel_attn_cpu_fwd(q, k, v, r, u, vb, scale, wl, wr, kpm,
                                                       attn_mask, attn_mask_band, 0.0, None, None,
-                                                      None, None, None)
+                                                      None, None, None, r_first_distance)
 
     def bwd(self, dout, q, k, v, r, u, vb, out, lse, scale, wl, wr, kpm, attn_mask=None,
-            attn_mask_band=None):
+            attn_mask_band=None, r_first_distance=None):
         if self.name == "triton":
             return torch.ops.txl_kernels.rel_attn_bwd(dout, q, k, v, r, u, vb, out, lse, scale,
                                                       wl, wr, kpm, attn_mask, attn_mask_band,
-                                                      self.deterministic, 0.0, None)
+                                                      self.deterministic, 0.0, None,
+                                                      r_first_distance)
         return torch.ops.txl_kernels.rel_attn_cpu_bwd(dout, q, k, v, r, u, vb, out, lse, scale,
                                                       wl, wr, kpm, attn_mask, attn_mask_band, 0.0,
-                                                      None)
+                                                      None, r_first_distance)

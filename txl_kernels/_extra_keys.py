@@ -32,9 +32,10 @@ def _contiguous_last(t):
 class _ExtraKeysAttn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, r, u, vb, extra_q, extra_k, extra_v, kpm, attn_mask,
-                attn_mask_band, scale, wl, wr, ops):
+                attn_mask_band, scale, wl, wr, r_first_distance, ops):
         acc = _acc(q.dtype)
-        out_b, lse_b = ops.fwd(q, k, v, r, u, vb, scale, wl, wr, kpm, attn_mask, attn_mask_band)
+        out_b, lse_b = ops.fwd(q, k, v, r, u, vb, scale, wl, wr, kpm, attn_mask, attn_mask_band,
+                               r_first_distance)
         lse = lse_b.to(acc)  # rows with no relative key: +inf -> -inf (no mass) here
         lse = lse.masked_fill(lse == float("inf"), float("-inf"))
         out = out_b.to(acc)
@@ -46,20 +47,20 @@ class _ExtraKeysAttn(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, r, u, vb, extra_q, extra_k, extra_v, kpm, attn_mask,
                               attn_mask_band, out, lse)
-        ctx.args = (scale, wl, wr, ops)
+        ctx.args = (scale, wl, wr, r_first_distance, ops)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         (q, k, v, r, u, vb, extra_q, extra_k, extra_v, kpm, attn_mask, attn_mask_band, out,
          lse) = ctx.saved_tensors
-        scale, wl, wr, ops = ctx.args
+        scale, wl, wr, r_first_distance, ops = ctx.args
         acc = _acc(q.dtype)
         dout = _contiguous_last(dout)
         # the kernel's backward from the merged out and lse (+inf: a row with no key at all)
         lse_k = lse.masked_fill(~torch.isfinite(lse), float("inf")).to(ops.lse_dtype(q.dtype))
         grads = ops.bwd(dout, q, k, v, r, u, vb, out, lse_k, scale, wl, wr, kpm, attn_mask,
-                        attn_mask_band)
+                        attn_mask_band, r_first_distance)
         # the extra part: dS = P * (dO . v_g - rowsum(dO * O)), P the joint softmax's columns
         dout_a = dout.to(acc)
         p = torch.exp(_extra_scores(extra_q, extra_k, scale, acc) - lse[..., None])
@@ -69,13 +70,15 @@ class _ExtraKeysAttn(torch.autograd.Function):
         d_ek = torch.einsum("bhig,bihd->bghd", ds, extra_q.to(acc)) * scale
         d_ev = torch.einsum("bhig,bihd->bghd", p, dout_a)
         return (*grads, d_eq.to(extra_q.dtype), d_ek.to(extra_k.dtype), d_ev.to(extra_v.dtype),
-                *(None,) * 7)
+                *(None,) * 8)
 
 
 def rel_attention_extra_keys(backend: str, q, k, v, r, r_w_bias, r_r_bias, extra, softmax_scale,
-                             wl, wr, kpm, attn_mask, attn_mask_band, deterministic=False):
+                             wl, wr, kpm, attn_mask, attn_mask_band, r_first_distance=None,
+                             deterministic=False):
     """The fused kernels of ``backend`` (``"triton"`` or ``"cpu"``) with ``extra = (extra_q,
-    extra_k, extra_v)`` on arguments ``rel_attention`` validated (no dropout, no memory)."""
+    extra_k, extra_v)`` on arguments ``rel_attention`` validated and normalised (no dropout,
+    no memory; ``r_first_distance`` as the ops take it)."""
     ts = [_contiguous_last(t) for t in (q, k, v, r, r_w_bias, r_r_bias) + tuple(extra)]
     return _ExtraKeysAttn.apply(*ts, kpm, attn_mask, attn_mask_band, softmax_scale, wl, wr,
-                                KernelOps(backend, deterministic))
+                                r_first_distance, KernelOps(backend, deterministic))

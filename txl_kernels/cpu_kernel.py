@@ -49,7 +49,7 @@ def draw_cpu_dropout_seed() -> Tensor:
 
 def _fwd_fake(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
               key_padding_mask, attn_mask, attn_mask_band, dropout_p, dropout_seed, mem_k,
-              mem_k_scale, mem_v, mem_v_scale):
+              mem_k_scale, mem_v, mem_v_scale, r_first_distance=None):
     B, Lq, H, _ = q.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
@@ -58,7 +58,7 @@ def _fwd_fake(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window
 
 def _bwd_fake(dout, q, k, v, r, r_w_bias, r_r_bias, out, lse, softmax_scale, window_left,
               window_right, key_padding_mask, attn_mask, attn_mask_band, dropout_p,
-              dropout_seed):
+              dropout_seed, r_first_distance=None):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
                  for t in (q, k, v, r, r_w_bias, r_r_bias))
 
@@ -66,11 +66,13 @@ def _bwd_fake(dout, q, k, v, r, r_w_bias, r_r_bias, out, lse, softmax_scale, win
 def _setup_context(ctx, inputs, output):
     (q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
      key_padding_mask, attn_mask, attn_mask_band, dropout_p, dropout_seed) = inputs[:14]
-    ctx.has_memory = any(t is not None for t in inputs[14:])
+    ctx.has_memory = any(t is not None for t in inputs[14:18])
+    ctx.n_inputs = len(inputs)
     out, lse = output
     ctx.save_for_backward(q, k, v, r, r_w_bias, r_r_bias, out, lse, key_padding_mask,
                           attn_mask, attn_mask_band, dropout_seed)
-    ctx.args = (softmax_scale, window_left, window_right, dropout_p)
+    r_first_distance = inputs[18] if len(inputs) > 18 else None
+    ctx.args = (softmax_scale, window_left, window_right, dropout_p, r_first_distance)
     ctx.mark_non_differentiable(lse)
 
 
@@ -82,19 +84,20 @@ def _backward(ctx, dout, dlse):
             "backend='reference' (backend='auto' does when inputs require grad)")
     (q, k, v, r, r_w_bias, r_r_bias, out, lse, key_padding_mask, attn_mask, attn_mask_band,
      dropout_seed) = ctx.saved_tensors
-    softmax_scale, window_left, window_right, dropout_p = ctx.args
+    softmax_scale, window_left, window_right, dropout_p, r_first_distance = ctx.args
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     with torch.no_grad():  # the backward op has no derivative: no_second_derivative says so
         grads = torch.ops.txl_kernels.rel_attn_cpu_bwd(
             dout, q, k, v, r, r_w_bias, r_r_bias, out, lse, softmax_scale, window_left,
-            window_right, key_padding_mask, attn_mask, attn_mask_band, dropout_p, dropout_seed)
+            window_right, key_padding_mask, attn_mask, attn_mask_band, dropout_p, dropout_seed,
+            r_first_distance)
     grads = no_second_derivative(
         grads, (dout, q, k, v, r, r_w_bias, r_r_bias),
         "txl_kernels.rel_attention: double backward (differentiating the gradients, e.g. "
         "after create_graph=True or torch.func.grad of torch.func.grad) is not supported by "
         "the CPU kernel; use backend='reference' for it")
-    return (*grads, *(None,) * 12)
+    return (*grads, *(None,) * (ctx.n_inputs - 6))
 
 
 class _RelAttnCpuFunction(torch.autograd.Function):
@@ -129,11 +132,13 @@ def rel_attn_cpu(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
                  key_padding_mask: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
                  attn_mask_band: Optional[Tensor] = None, dropout_p: float = 0.0,
                  dropout_seed: Optional[Tensor] = None,
-                 memory: Optional[QuantizedKV] = None) -> Tensor:
+                 memory: Optional[QuantizedKV] = None,
+                 r_first_distance: Optional[int] = None) -> Tensor:
     """The CPU kernel on arguments validated and normalised by ``rel_attention``
     (``cpu_kernel_available()`` must have said True). Tensors whose last dimension is not
     contiguous are copied; others are read in place through their strides. ``dropout_p > 0``
-    draws ``dropout_seed`` with :func:`draw_cpu_dropout_seed` unless one is given."""
+    draws ``dropout_seed`` with :func:`draw_cpu_dropout_seed` unless one is given.
+    ``r_first_distance``: the distance held by r's row 0 (None: ``Lk - 1``)."""
     if dropout_p > 0.0 and dropout_seed is None:
         dropout_seed = draw_cpu_dropout_seed()
     q, k, v, r, r_w_bias, r_r_bias = (_last_dim_contiguous(t)
@@ -142,5 +147,6 @@ def rel_attn_cpu(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
     mem = tuple(None if t is None else _last_dim_contiguous(t) for t in mem)
     out, _ = _RelAttnCpuFunction.apply(
         q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
-        key_padding_mask, attn_mask, attn_mask_band, float(dropout_p), dropout_seed, *mem)
+        key_padding_mask, attn_mask, attn_mask_band, float(dropout_p), dropout_seed, *mem,
+        r_first_distance)
     return out

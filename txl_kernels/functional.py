@@ -291,10 +291,35 @@ def _self_checked(ts, wl, wr, kpm, mask, band, dropout_p, memory, deterministic,
     return False
 
 
-def check_position_rows(lq: int, lk: int, rlen: int, wl: int, wr: int) -> None:
-    """Raise if an allowed pair (by causal / window structure) needs an r row outside [0, R)."""
+def check_r_first_distance(r_first_distance, who: str = "rel_attention") -> Optional[int]:
+    """``r_first_distance`` is None or an int (not a bool); returned as a Python int."""
+    if r_first_distance is None:
+        return None
+    if isinstance(r_first_distance, bool) or not isinstance(r_first_distance, int):
+        raise TypeError(f"{who}: r_first_distance must be an int (the distance d held by r's "
+                        f"row 0) or None, got {type(r_first_distance).__name__} "
+                        f"{r_first_distance!r:.40}")
+    return int(r_first_distance)
+
+
+def position_row_shift(lq: int, lk: int, rlen: int, r_first_distance: Optional[int]) -> int:
+    """The row constant ``c`` of the pairs' r rows, ``p = j - i + c``: ``Lq - 1`` for the
+    default table (row 0 holds distance ``Lk - 1``), else ``r_first_distance - Lk + Lq``,
+    clamped to ``[-Lk, R + Lq - 1]``: past those bounds every pair's row is outside ``[0, R)``
+    either way (all read as zero), and the clamp keeps the kernels' int32 row arithmetic in
+    range."""
+    if r_first_distance is None:
+        return lq - 1
+    return min(max(r_first_distance - lk + lq, -lk), rlen + lq - 1)
+
+
+def check_position_rows(lq: int, lk: int, rlen: int, wl: int, wr: int,
+                        r_first_distance: Optional[int] = None) -> None:
+    """Raise if an allowed pair (by causal / window structure) needs an r row outside [0, R).
+    Row 0 of r holds distance ``r_first_distance`` (None: ``Lk - 1``)."""
     # Over all pairs, d = (i + Lk - Lq) - j spans [-(Lq - 1), Lk - 1]; the window clips it, and
-    # p = j - i + Lq - 1 = Lk - 1 - d.
+    # row p = first - d (= j - i + Lq - 1 for first = Lk - 1).
+    first = lk - 1 if r_first_distance is None else r_first_distance
     d_min, d_max = -(lq - 1), lk - 1
     if wr >= 0:
         d_min = max(d_min, -wr)
@@ -302,13 +327,20 @@ def check_position_rows(lq: int, lk: int, rlen: int, wl: int, wr: int) -> None:
         d_max = min(d_max, wl)
     if d_min > d_max:
         return  # no pair is allowed at all
-    p_lo, p_hi = lk - 1 - d_max, lk - 1 - d_min
+    p_lo, p_hi = first - d_max, first - d_min
     if p_lo < 0 or p_hi >= rlen:
+        if r_first_distance is None:
+            raise ValueError(
+                f"rel_attention: r has {rlen} rows, but the allowed pairs (Lq={lq}, Lk={lk}, "
+                f"window_left={wl}, window_right={wr}) need rows {p_lo}..{p_hi} "
+                f"(row p = j - i + Lq - 1); pass r with at least {p_hi + 1} rows, or restrict "
+                f"the pairs with causal / window_size")
         raise ValueError(
-            f"rel_attention: r has {rlen} rows, but the allowed pairs (Lq={lq}, Lk={lk}, "
-            f"window_left={wl}, window_right={wr}) need rows {p_lo}..{p_hi} "
-            f"(row p = j - i + Lq - 1); pass r with at least {p_hi + 1} rows, or restrict the "
-            f"pairs with causal / window_size")
+            f"rel_attention: r has {rlen} rows and r_first_distance={r_first_distance} (row p "
+            f"holds distance {r_first_distance} - p), but the allowed pairs (Lq={lq}, Lk={lk}, "
+            f"window_left={wl}, window_right={wr}) have distances {d_min}..{d_max} and need "
+            f"rows {p_lo}..{p_hi}; pass r rows for distances {d_max} down to {d_min} with "
+            f"r_first_distance={d_max}, or restrict the pairs with causal / window_size")
 
 
 def rel_attention(
@@ -329,13 +361,15 @@ def rel_attention(
     backend: str = "auto",
     deterministic: bool = False,
     memory: Optional[QuantizedKV] = None,
+    r_first_distance: Optional[int] = None,
     extra_k: Optional[torch.Tensor] = None,
     extra_v: Optional[torch.Tensor] = None,
     extra_q: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Transformer-XL relative multi-head attention.
 
-    ``S[i, j] = softmax_scale * ((q_i + r_w_bias) . k_j + (q_i + r_r_bias) . r[j - i + Lq - 1])``
+    ``S[i, j] = softmax_scale * ((q_i + r_w_bias) . k_j + (q_i + r_r_bias) . r[j - i + c])``
+    with ``c = Lq - 1`` (default) or ``c = r_first_distance - Lk + Lq``
     ``out_i = sum_j softmax_j(S[i, :] over allowed j) * v_j``
 
     Arguments:
@@ -411,6 +445,16 @@ def rel_attention(
             Forward only on the fused backend: gradients (of q, k, v, r, the biases; the
             memory has none) need ``backend="reference"``, which ``"auto"`` picks when they
             are recorded.
+        r_first_distance: the distance ``d`` held by r's row 0 (an int, any sign), so that row
+            ``p`` holds distance ``r_first_distance - p`` and a pair reads row
+            ``p = r_first_distance - d = j - i + c`` with ``c = r_first_distance - Lk + Lq``.
+            None (default) is ``Lk - 1``, the Transformer-XL table above. With
+            ``window_size=(left, right)`` a table of ``left + right + 1`` rows for distances
+            ``left`` down to ``-right`` with ``r_first_distance=left`` serves every allowed
+            pair (NeMo's local-attention position table), so a windowed call needs no table
+            as long as the sequence, and the fused kernels read only that short table.
+            Every backend, forward and backward (the gradient of r has its R rows), and
+            with ``memory`` (``Lk = M + Lc`` above).
         extra_k, extra_v: optional ``[B, G, H, D]`` extra keys and values that every query
             attends besides ``k`` / ``v`` (e.g. Longformer's global tokens), in the same softmax:
             query ``i`` scores extra key ``g`` ``softmax_scale * extra_q_i . extra_k_g``, a plain
@@ -422,7 +466,8 @@ def rel_attention(
         extra_q: ``[B, Lq, H, D]``, the queries that score the extra keys (default ``q``).
 
     Rows whose keys are all masked give output 0 and zero gradients.
-    Raises ValueError if an allowed pair needs a row of r outside ``[0, R)``.
+    Raises ValueError if an allowed pair needs a row of r outside ``[0, R)`` (the message
+    names the rows needed); rows outside ``[0, R)`` that no allowed pair reads count as zero.
 
     Under ``torch.autocast`` (as for ``scaled_dot_product_attention``) the float16 / bfloat16 /
     float32 inputs are cast to the autocast dtype first, on both backends; the scores are
@@ -475,6 +520,7 @@ def rel_attention(
     check_deterministic(deterministic)
     if backend not in BACKENDS:
         raise ValueError(f"rel_attention: backend must be one of {BACKENDS}, got {backend!r}")
+    r_first_distance = check_r_first_distance(r_first_distance)
 
     wl, wr, kpm, mask = _normalize_masks(q, Lk, causal, window_size, key_padding_mask, attn_mask)
     if attn_mask_band is not None:
@@ -493,7 +539,10 @@ def rel_attention(
                              f"query and key positions), got attn_mask "
                              f"{list(attn_mask.shape)}; pass that mask without attn_mask_band")
     else:
-        check_position_rows(Lq, Lk, r.shape[0], wl, wr)
+        check_position_rows(Lq, Lk, r.shape[0], wl, wr, r_first_distance)
+    if r_first_distance is not None:
+        # clamped where every pair's row is outside [0, R) either way (position_row_shift)
+        r_first_distance = position_row_shift(Lq, Lk, r.shape[0], r_first_distance) + Lk - Lq
 
     if extra is not None and dropout_p > 0.0:
         if backend in ("triton", "cpu"):
@@ -504,7 +553,8 @@ def rel_attention(
     if backend == "cpu" or (backend == "auto" and q.device.type == "cpu"
                             and not fused_available(q.device)[0]):
         return _rel_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm,
-                                  mask, attn_mask_band, float(dropout_p), memory, backend, extra)
+                                  mask, attn_mask_band, float(dropout_p), memory, backend,
+                                  r_first_distance, extra)
 
     use_fused = False
     if backend != "reference":
@@ -551,11 +601,12 @@ def rel_attention(
 
             return rel_attention_extra_keys("triton", q, k, v, r, r_w_bias, r_r_bias, extra,
                                             softmax_scale, wl, wr, kpm, mask, attn_mask_band,
-                                            deterministic)
+                                            r_first_distance, deterministic)
         return rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                             attn_mask_band, deterministic, float(dropout_p), memory=memory)
+                             attn_mask_band, deterministic, float(dropout_p), memory=memory,
+                             r_first_distance=r_first_distance)
     return _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                      attn_mask_band, float(dropout_p), memory, extra)
+                      attn_mask_band, float(dropout_p), memory, r_first_distance, extra)
 
 
 def _check_extra_keys(q, extra_q, extra_k, extra_v, memory, amp):
@@ -594,18 +645,19 @@ def _check_extra_keys(q, extra_q, extra_k, extra_v, memory, amp):
 
 
 def _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-               attn_mask_band, dropout_p, memory, extra=None):
+               attn_mask_band, dropout_p, memory, r_first_distance=None, extra=None):
     if memory is not None and memory.k.shape[1] > 0:
         # The oracle: dequantise explicitly, then attend over [memory; current segment].
         mk, mv = memory.dequantize(q.dtype)
         k, v = torch.cat([mk, k], dim=1), torch.cat([mv, v], dim=1)
     return rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr,
                                    kpm, mask, dropout_p, attn_mask_band=attn_mask_band,
-                                   extra=extra)
+                                   r_first_distance=r_first_distance, extra=extra)
 
 
 def _rel_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                       attn_mask_band, dropout_p, memory, backend, extra=None):
+                       attn_mask_band, dropout_p, memory, backend, r_first_distance=None,
+                       extra=None):
     """backend "cpu", or "auto" on CPU tensors without the Triton interpreter: the C++ kernel
     (any dtype, any head dim), else (auto only) the reference with a one-time warning."""
     from ._cpp_ops import warn_fallback
@@ -632,11 +684,13 @@ def _rel_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kp
             warn_fallback("cpu", why)
     if not ok:
         return _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                          attn_mask_band, dropout_p, memory, extra)
+                          attn_mask_band, dropout_p, memory, r_first_distance, extra)
     if extra is not None:
         from ._extra_keys import rel_attention_extra_keys
 
         return rel_attention_extra_keys("cpu", q, k, v, r, r_w_bias, r_r_bias, extra,
-                                        softmax_scale, wl, wr, kpm, mask, attn_mask_band)
+                                        softmax_scale, wl, wr, kpm, mask, attn_mask_band,
+                                        r_first_distance)
     return rel_attn_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                        attn_mask_band, dropout_p, memory=memory)
+                        attn_mask_band, dropout_p, memory=memory,
+                        r_first_distance=r_first_distance)

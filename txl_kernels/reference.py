@@ -34,22 +34,33 @@ def rel_shift_pad_reshape(x: torch.Tensor) -> torch.Tensor:
     return x_padded[..., 1:, :].reshape(*lead, qlen, klen)
 
 
-def rel_shift(bdt: torch.Tensor, klen: int) -> torch.Tensor:
-    """Generalised relative shift: ``BD[..., i, j] = bdt[..., i, j - i + Lq - 1]``.
+def rel_shift(bdt: torch.Tensor, klen: int, first_distance: Optional[int] = None) -> torch.Tensor:
+    """Generalised relative shift: ``BD[..., i, j] = bdt[..., i, j - i + c]`` with the row
+    constant ``c = first_distance - klen + Lq`` (``c = Lq - 1`` for ``first_distance=None``,
+    i.e. ``klen - 1``: the table whose row 0 holds distance ``klen - 1``).
 
-    ``bdt`` is ``[..., Lq, R]`` (``(q + v) @ r^T``); positions outside ``[0, R)`` give 0.
-    This is the pad/reshape trick: the position axis is zero-padded to a width ``W`` that
-    covers every index, the last two dims are flattened, and reading ``Lq`` rows of ``W - 1``
-    from flat offset ``Lq - 1`` starts row ``i`` ``i`` columns further left (flat index
-    ``i * W + (j - i + Lq - 1)``). Only slicing and reshapes, so torch.compile traces it.
+    ``bdt`` is ``[..., Lq, R]`` (``(q + v) @ r^T``, row ``p`` of r holding distance
+    ``first_distance - p``); positions outside ``[0, R)`` give 0. This is the pad/reshape
+    trick: the position axis is zero-padded (or cropped) to a width ``W`` that covers every
+    index, with ``a = klen - 1 - first_distance`` columns on the left, so that column
+    ``j - i + Lq - 1`` of the padded axis is row ``j - i + c`` of r; the last two dims are
+    flattened, and reading ``Lq`` rows of ``W - 1`` from flat offset ``Lq - 1`` starts row
+    ``i`` ``i`` columns further left (flat index ``i * W + (j - i + Lq - 1)``). Only slicing
+    and reshapes, so torch.compile traces it.
     """
     *lead, qlen, rlen = bdt.shape
-    # W = klen + qlen: >= klen + qlen - 1 columns (every p an allowed pair can use) and
-    # W - 1 >= klen. The pad is negative (a crop of columns no pair reads) when R > W: one
-    # expression for every R, without max(), so torch.export and the ONNX exporters keep the
-    # lengths symbolic (no guard on R against Lq + Lk).
+    # W = klen + qlen: >= klen + qlen - 1 columns (every j - i + Lq - 1 a pair can use) and
+    # W - 1 >= klen. A negative pad is a crop of columns no pair reads (R > W on the right,
+    # or a first_distance above klen - 1 on the left): one expression for every R, without
+    # max(), so torch.export and the ONNX exporters keep the lengths symbolic (no guard on R
+    # against Lq + Lk).
     width = klen + qlen
-    flat = F.pad(bdt, (0, width - rlen)).reshape(*lead, qlen * width)
+    if first_distance is None:
+        flat = F.pad(bdt, (0, width - rlen))
+    else:
+        left = klen - 1 - first_distance
+        flat = F.pad(bdt, (left, width - left - rlen))
+    flat = flat.reshape(*lead, qlen * width)
     rows = flat[..., qlen - 1:qlen - 1 + qlen * (width - 1)]
     return rows.reshape(*lead, qlen, width - 1)[..., :klen]
 
@@ -140,9 +151,11 @@ def rel_attention_reference(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias
                             attn_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
                             return_lse: bool = False, attn_mask_band: Optional[Tensor] = None,
                             dropout_mask: Optional[Tensor] = None,
+                            r_first_distance: Optional[int] = None,
                             extra: Optional[Tuple[Tensor, Tensor, Tensor]] = None):
-    """Einsum relative attention. q ``[B, Lq, H, D]``, k/v ``[B, Lk, H, D]``, r ``[R, H, D]``,
-    biases ``[H, D]``; masks already normalised (causal folded into ``window_right = 0``,
+    """Einsum relative attention. q ``[B, Lq, H, D]``, k/v ``[B, Lk, H, D]``, r ``[R, H, D]``
+    (row ``p`` holds distance ``r_first_distance - p``; None: ``Lk - 1 - p``, see
+    :func:`rel_shift`), biases ``[H, D]``; masks already normalised (causal folded into ``window_right = 0``,
     ``attn_mask`` bool broadcastable to ``[B, H, Lq, Lk]``, True = masked).
 
     The AC and BD products are accumulated in fp32 for fp16/bf16 inputs (from fp32 copies of
@@ -171,7 +184,7 @@ def rel_attention_reference(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias
         return _rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale,
                                         window_left, window_right, key_padding_mask,
                                         attn_mask, dropout_p, return_lse, attn_mask_band,
-                                        dropout_mask, extra)
+                                        dropout_mask, r_first_distance, extra)
 
 
 def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
@@ -192,7 +205,8 @@ def _no_autocast(device_type: str):
 
 def _rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left,
                              window_right, key_padding_mask, attn_mask, dropout_p, return_lse,
-                             attn_mask_band, dropout_mask=None, extra=None):
+                             attn_mask_band, dropout_mask=None, r_first_distance=None,
+                             extra=None):
     lq, lk = q.shape[1], k.shape[1]
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
 
@@ -207,7 +221,7 @@ def _rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wind
     ac += (row_poison(k, acc_dtype) + row_poison(v, acc_dtype)).transpose(1, 2)[:, :, None]
     bdt = torch.einsum("bihd,phd->bhip", rr_head_q, finite_or_zero(r).to(acc_dtype))
     bdt += row_poison(r, acc_dtype).t()[None, :, None]  # [B, H, Lq, R]
-    bd = rel_shift(bdt, lk)
+    bd = rel_shift(bdt, lk, r_first_distance)
     scores = (ac + bd) * softmax_scale
 
     allowed = allowed_pairs(lq, lk, window_left, window_right, key_padding_mask, attn_mask,

@@ -187,7 +187,7 @@ def _probs(ac, bd, lse2, offs_i, j0, qk_scale, pattern, HAS_KPM: tl.constexpr,
 
 @triton.jit
 def _program_setup(A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk,
-                   R_rows, D, HAS_BAND: tl.constexpr, USE_DESC: tl.constexpr,
+                   R_rows, r_shift, D, HAS_BAND: tl.constexpr, USE_DESC: tl.constexpr,
                    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, q_args=0,
                    FROM_Q: tl.constexpr = False):
     """Every backward program's prologue: its batch and head (grid axis 0 is batch * head),
@@ -244,7 +244,7 @@ def _program_setup(A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout
              DELTA + b * stride_l[0] + h * stride_l[1], stride_wm, stride_do[1], stride_l[2],
              bias_u, bias_v)
     keys = (K_bh, V_bh, stride_k[1], stride_v[1])
-    rel = (R_h, stride_r[0], R_rows)
+    rel = (R_h, stride_r[0], R_rows, r_shift)
     pattern = (b, h, Lq, Lk, window_left, window_right, band_on, KPM, stride_kpm, MASK, stride_m)
     drop = (pid_bh, Lq, SEED, drop_thresh, drop_scale)
     return b, h, window_left, window_right, query, keys, rel, pattern, drop
@@ -267,7 +267,7 @@ def _load_kv_tile(keys, j0, offs_j, Lk, offs_d, D, DOT_DTYPE: tl.constexpr,
 @triton.jit
 def _load_r(rel, row0, w, offs_d, D, DOT_DTYPE: tl.constexpr, USE_DESC: tl.constexpr):
     """Rows row0 + w (w = [0, BLOCK)) of r (zero outside [0, R) and past D)."""
-    R_h, stride_rp, R_rows = rel
+    R_h, stride_rp, R_rows, _ = rel
     if USE_DESC:
         rows = R_h.load([row0, 0]).to(DOT_DTYPE)
     else:
@@ -509,8 +509,8 @@ def _dq_dr_atomics(ds_op, ds, k_t, r_lo, r_hi, qv_t, dr_pend, DQ_bh, DR_h, offs_
 
 @triton.jit
 def _rel_attn_bwd_dkdv_kernel(
-    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, outs, strides, atomics, q_args, H, Lq, Lk, R_rows, D,
-    sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
+    A_OP, QV_OP, K, V, R, DO, LSE, DELTA, outs, strides, atomics, q_args, H, Lq, Lk, R_rows,
+    r_shift, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     SKEW_GATHER: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
@@ -539,7 +539,8 @@ def _rel_attn_bwd_dkdv_kernel(
     offs_j = j0 + tl.arange(0, BLOCK)
     mlen = Lk - Lq
     b, h, window_left, window_right, query, keys, rel, pattern, drop = _program_setup(
-        A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows, D,
+        A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows,
+        r_shift, D,
         HAS_BAND, USE_DESC, BLOCK, BLOCK_D, q_args, Q_ONLY)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
@@ -565,14 +566,16 @@ def _rel_attn_bwd_dkdv_kernel(
     e0 = e0.to(DOT_DTYPE)
     ds_cols = tl.zeros([BLOCK, 16], dtype=tl.float32)
     ds_sum = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
-    # The window of query tile m is r rows j0 - i0 + Lq - BLOCK + [0, 2 BLOCK): its hi chunk
+    # The window of query tile m is r rows j0 - i0 + c1 - BLOCK + [0, 2 BLOCK) (c1 = c + 1 for
+    # the row constant c = r_shift of the pairs' rows j - i + c): its hi chunk
     # is the previous tile's lo chunk, carried, so one r tile is loaded per query tile.
     # (ORDERED walks the query tiles down: its lo chunk is the previous tile's hi chunk.)
     w = tl.arange(0, BLOCK)
+    c1 = r_shift + 1
     if ORDERED:
-        r_lo = _load_r(rel, j0 - m_hi * BLOCK + Lq, w, offs_d, D, DOT_DTYPE, USE_DESC)
+        r_lo = _load_r(rel, j0 - m_hi * BLOCK + c1, w, offs_d, D, DOT_DTYPE, USE_DESC)
     else:
-        r_hi = _load_r(rel, j0 - m_lo * BLOCK + Lq, w, offs_d, D, DOT_DTYPE, USE_DESC)
+        r_hi = _load_r(rel, j0 - m_lo * BLOCK + c1, w, offs_d, D, DOT_DTYPE, USE_DESC)
     vterm = (e0, 0)  # Q_ONLY: e0 and v16 = [vb; 0; ...] ([16, BLOCK_D]), for _dr_value
     if Q_ONLY:  # the biases in the operand dtype (exact: they are stored in the input dtype)
         bias_u, bias_v = query[8].to(DOT_DTYPE), query[9].to(DOT_DTYPE)
@@ -614,7 +617,7 @@ def _rel_attn_bwd_dkdv_kernel(
         q_t = a_t
         if Q_ONLY:  # summed in the operand dtype: fewer registers than fp32 sums
             a_t, qv_t = bias_operands(q_t, bias_u, bias_v, K.dtype.element_ty, UPCAST)
-        p_lo = j0 - i0 + Lq - BLOCK
+        p_lo = j0 - i0 + c1 - BLOCK
         if ORDERED:
             r_hi = _load_r(rel, p_lo + BLOCK, w, offs_d, D, DOT_DTYPE, USE_DESC)
         else:
@@ -650,9 +653,9 @@ def _rel_attn_bwd_dkdv_kernel(
         else:
             r_hi = r_lo
     if ATOMIC:  # the last tile's lo chunk (ORDERED: the hi chunk of tile m_lo)
-        rows = j0 - m_hi * BLOCK + Lq + w
+        rows = j0 - m_hi * BLOCK + c1 + w
         if ORDERED:
-            rows = j0 - m_lo * BLOCK + Lq + w
+            rows = j0 - m_lo * BLOCK + c1 + w
             _turn_wait(PROG, _DONE, last)
         _dr_add(DR_h, _dr_value(dr_pend, vterm[1], Q_ONLY, DOT_DTYPE, UPCAST, DOT_PREC), rows,
                 R_rows, stride_dr[1], offs_d, d_ok, sm_scale)
@@ -719,7 +722,7 @@ def _dq_tile(carry, n, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
 def _rel_attn_bwd_dq_kernel(
     A_OP, QV_OP, K, V, R, DO, LSE, DELTA, DQ, DQ_PART, DR_ACC,
     strides, stride_dq, stride_part, stride_dr,
-    H, Lq, Lk, R_rows, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
+    H, Lq, Lk, R_rows, r_shift, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
     ATOMIC_DR: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -735,7 +738,8 @@ def _rel_attn_bwd_dq_kernel(
     m = num_m - 1 - tl.program_id(1)  # longest rows (causal) first
     mlen = Lk - Lq
     b, h, window_left, window_right, query, keys, rel, pattern, drop = _program_setup(
-        A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows, D,
+        A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows,
+        r_shift, D,
         HAS_BAND, USE_DESC, BLOCK, BLOCK_D)
 
     i0 = m * BLOCK
@@ -759,7 +763,8 @@ def _rel_attn_bwd_dq_kernel(
     # Columns w of an unskewed dS tile with w + a >= BLOCK - 1 (row a) are its lo window chunk,
     # the others its hi chunk.
     lo_part = _lo_part(BLOCK)
-    p_lo = n_lo * BLOCK - i0 + Lq - BLOCK  # first r row of the lo chunk of the current tile
+    # first r row of the lo chunk of the current tile (pairs read rows j - i + r_shift)
+    p_lo = n_lo * BLOCK - i0 + r_shift + 1 - BLOCK
     g_prev = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)  # its hi part is pending
     dq = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     carry = (dq, g_prev, p_lo, _load_r(rel, p_lo, w, offs_d, D, DOT_DTYPE, USE_DESC))
@@ -830,7 +835,7 @@ def _dr_tile(carry, m, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
 @triton.jit
 def _rel_attn_bwd_dr_kernel(
     A_OP, QV_OP, K, V, R, DO, LSE, DELTA, Z, strides, stride_z, q_args,
-    H, Lq, Lk, R_rows, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
+    H, Lq, Lk, R_rows, r_shift, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     SKEW_GATHER: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
@@ -849,10 +854,11 @@ def _rel_attn_bwd_dr_kernel(
     d_ok = offs_d < D
     mlen = Lk - Lq
     b, h, window_left, window_right, query, keys, rel, pattern, drop = _program_setup(
-        A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows, D,
+        A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows,
+        r_shift, D,
         HAS_BAND, USE_DESC, BLOCK, BLOCK_D, q_args, FROM_Q)
     w = tl.arange(0, BLOCK)
-    p_lo = t * BLOCK + Lq - BLOCK
+    p_lo = t * BLOCK + r_shift + 1 - BLOCK  # (pairs read rows j - i + r_shift)
     p_hi = p_lo + BLOCK
     r_lo = _load_r(rel, p_lo, w, offs_d, D, DOT_DTYPE, USE_DESC)
     r_hi = _load_r(rel, p_hi, w, offs_d, D, DOT_DTYPE, USE_DESC)
@@ -1080,13 +1086,15 @@ def _dr_from_q(block_d: int, meta: dict) -> bool:
                                   or meta["DROPOUT"])
 
 
-def _atomic_offsets_fit(R_rows: int, Lq: int, Lk: int, H: int, D: int) -> bool:
+def _atomic_offsets_fit(R_rows: int, Lq: int, Lk: int, H: int, D: int,
+                        r_shift: Optional[int] = None) -> bool:
     """Whether the atomics' int32 offsets (_dr_add, and the dq atomics of _dq_dr_atomics)
     reach every row they compute: in the [R, H, D] dr buffer a tile's window rows lie within a
-    few BLOCKs of the pair rows j - i + Lq - 1, which are in (-BLOCK, Lq + Lk); in the
-    [B, Lq, H, D] dq buffer (per batch) the rows are below Lq + BLOCK. Otherwise the
-    deterministic kernels run instead."""
-    return (max(R_rows, Lq + Lk) + 4 * 64) * H * D < 2 ** 31
+    few BLOCKs of the pair rows j - i + c (c = r_shift, default Lq - 1), which are in
+    (c - Lq + 1 - BLOCK, c + Lk + BLOCK); in the [B, Lq, H, D] dq buffer (per batch) the rows
+    are below Lq + BLOCK. Otherwise the deterministic kernels run instead."""
+    c = Lq - 1 if r_shift is None else r_shift
+    return (max(R_rows, Lq + Lk, c + Lk, Lq - c) + 4 * 64) * H * D < 2 ** 31
 
 
 def _bmh(t: torch.Tensor) -> Tuple[int, int, int]:
@@ -1117,6 +1125,7 @@ def rel_attn_bwd(
     key_padding_mask: Optional[torch.Tensor] = None, attn_mask: Optional[torch.Tensor] = None,
     attn_mask_band: Optional[torch.Tensor] = None, deterministic: bool = True,
     dropout_p: float = 0.0, dropout_seed: Optional[torch.Tensor] = None,
+    r_first_distance: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv, dr, du, dvb) of the fused relative attention, each with its
     input's shape and dtype, contiguous.
@@ -1131,8 +1140,9 @@ def rel_attn_bwd(
     to fit (dr near 2**31 elements: _atomic_offsets_fit), else the dq and dr kernels run.
     ``dropout_p`` > 0:
     the forward's dropout, with the same (seed, offset) tensor ``dropout_seed`` (the keep-mask
-    is regenerated, never stored). The arguments are validated by ``rel_attention``; here they
-    are only asserted.
+    is regenerated, never stored). ``r_first_distance``: the distance held by r's row 0
+    (None: ``Lk - 1``), as in ``rel_attn_fwd``; dr has r's R rows. The arguments are
+    validated by ``rel_attention``; here they are only asserted.
     """
     B, Lq, H, D = q.shape
     Lk = k.shape[1]
@@ -1152,7 +1162,8 @@ def rel_attn_bwd(
     assert R_rows >= 1, f"rel_attn_bwd: r {describe(r)}"
     family = config_family(dev)[0]
     block_d = max(16, triton.next_power_of_2(D))
-    fits = _atomic_offsets_fit(R_rows, Lq, Lk, H, D)
+    r_shift = Lq - 1 if r_first_distance is None else int(r_first_distance) - Lk + Lq
+    fits = _atomic_offsets_fit(R_rows, Lq, Lk, H, D, r_shift)
     # ATOMIC: dq and dr in the dk/dv kernel; deterministic, with their adds in a fixed order
     fused_dq = fits and _fused_dq(family, q.dtype == torch.float32)
     ordered = fused_dq and deterministic
@@ -1243,7 +1254,7 @@ def rel_attn_bwd(
                 USE_DESC=descriptors_ok(a_op, qv_op, q, do, k, v, r))
     if meta["USE_DESC"] and dev.type == "cuda" and not INTERPRET:
         ensure_scratch_allocator()
-    sizes = (H, Lq, Lk, R_rows, D, scale, scale * LOG2E.value)
+    sizes = (H, Lq, Lk, R_rows, r_shift, D, scale, scale * LOG2E.value)
     # q and the biases, for the kernels that form q + u and q + vb themselves (FROM_Q, Q_ONLY)
     q_args = (q, r_w_bias, r_r_bias, _bmh(q), (r_w_bias.stride(0), r_r_bias.stride(0)))
     buckets = (length_bucket(Lq), length_bucket(Lk))  # autotune keys only

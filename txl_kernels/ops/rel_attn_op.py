@@ -38,7 +38,7 @@ def _rel_attn_fwd_op(
     attn_mask_band: Optional[Tensor] = None, dropout_p: float = 0.0,
     dropout_seed: Optional[Tensor] = None, mem_k: Optional[Tensor] = None,
     mem_k_scale: Optional[Tensor] = None, mem_v: Optional[Tensor] = None,
-    mem_v_scale: Optional[Tensor] = None,
+    mem_v_scale: Optional[Tensor] = None, r_first_distance: Optional[int] = None,
 ) -> Tuple[Tensor, Tensor]:
     if dropout_p > 0.0 and dropout_seed is None:
         raise ValueError("txl_kernels::rel_attn_fwd: dropout_p > 0 needs dropout_seed (int64 [2] "
@@ -47,7 +47,8 @@ def _rel_attn_fwd_op(
                         window_right, key_padding_mask, attn_mask,
                         attn_mask_band=attn_mask_band, dropout_p=dropout_p,
                         dropout_seed=dropout_seed,
-                        memory=_memory(mem_k, mem_k_scale, mem_v, mem_v_scale))
+                        memory=_memory(mem_k, mem_k_scale, mem_v, mem_v_scale),
+                        r_first_distance=r_first_distance)
 
 
 def _memory(mem_k, mem_k_scale, mem_v, mem_v_scale) -> Optional[QuantizedKV]:
@@ -65,7 +66,7 @@ def _memory(mem_k, mem_k_scale, mem_v, mem_v_scale) -> Optional[QuantizedKV]:
 @_rel_attn_fwd_op.register_fake
 def _(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
       key_padding_mask, attn_mask, attn_mask_band=None, dropout_p=0.0, dropout_seed=None,
-      mem_k=None, mem_k_scale=None, mem_v=None, mem_v_scale=None):
+      mem_k=None, mem_k_scale=None, mem_v=None, mem_v_scale=None, r_first_distance=None):
     B, Lq, H, D = q.shape
     out = q.new_empty((B, Lq, H, D))
     lse = q.new_empty((B, H, Lq), dtype=torch.float32)
@@ -79,17 +80,19 @@ def _rel_attn_bwd_op(
     key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor],
     attn_mask_band: Optional[Tensor] = None, deterministic: bool = True,
     dropout_p: float = 0.0, dropout_seed: Optional[Tensor] = None,
+    r_first_distance: Optional[int] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     return rel_attn_bwd(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, softmax_scale,
                         window_left, window_right, key_padding_mask, attn_mask,
                         attn_mask_band=attn_mask_band, deterministic=deterministic,
-                        dropout_p=dropout_p, dropout_seed=dropout_seed)
+                        dropout_p=dropout_p, dropout_seed=dropout_seed,
+                        r_first_distance=r_first_distance)
 
 
 @_rel_attn_bwd_op.register_fake
 def _(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, softmax_scale, window_left, window_right,
       key_padding_mask, attn_mask, attn_mask_band=None, deterministic=True, dropout_p=0.0,
-      dropout_seed=None):
+      dropout_seed=None, r_first_distance=None):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format),
@@ -101,7 +104,8 @@ def _(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, softmax_scale, window_left, 
 def _save(ctx, inputs, out, lse) -> None:
     (q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
      key_padding_mask, attn_mask, attn_mask_band, dropout_p, dropout_seed) = inputs[:14]
-    ctx.has_memory = any(t is not None for t in inputs[14:])
+    ctx.has_memory = any(t is not None for t in inputs[14:18])
+    ctx.r_first_distance = inputs[18]
     if ctx.has_memory:  # forward only: nothing to save (backward raises)
         return
     ctx.save_for_backward(q, k, v, r, r_w_bias, r_r_bias, out, lse, key_padding_mask,
@@ -123,7 +127,7 @@ def _grads(ctx, dout, deterministic: bool):
         grads = _rel_attn_bwd_op(
             dout, q, k, v, r, r_w_bias, r_r_bias, out, lse, ctx.softmax_scale, ctx.window[0],
             ctx.window[1], key_padding_mask, attn_mask, attn_mask_band, deterministic,
-            ctx.dropout_p, dropout_seed)
+            ctx.dropout_p, dropout_seed, ctx.r_first_distance)
     return no_second_derivative(
         grads, (dout, q, k, v, r, r_w_bias, r_r_bias),
         "txl_kernels.rel_attention: double backward (differentiating the gradients, e.g. "
@@ -135,12 +139,12 @@ def _grads(ctx, dout, deterministic: bool):
 # The op's own autograd (for direct callers of torch.ops.txl_kernels.rel_attn_fwd): the
 # deterministic backward. rel_attn_func below carries the caller's choice instead.
 def _setup_context(ctx, inputs, output):
-    inputs = tuple(inputs) + (None,) * (18 - len(inputs))  # defaults of the trailing arguments
+    inputs = tuple(inputs) + (None,) * (19 - len(inputs))  # defaults of the trailing arguments
     _save(ctx, inputs[:12] + (inputs[12] or 0.0,) + inputs[13:], *output)
 
 
 def _backward(ctx, dout, dlse):
-    return (*_grads(ctx, dout, True), *(None,) * 12)
+    return (*_grads(ctx, dout, True), *(None,) * 13)
 
 
 _rel_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -158,11 +162,11 @@ class _RelAttnFunction(torch.autograd.Function):
     @staticmethod
     def forward(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
                 key_padding_mask, attn_mask, attn_mask_band, dropout_p, dropout_seed,
-                mem_k, mem_k_scale, mem_v, mem_v_scale, deterministic):
+                mem_k, mem_k_scale, mem_v, mem_v_scale, r_first_distance, deterministic):
         return _rel_attn_fwd_op(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left,
                                 window_right, key_padding_mask, attn_mask, attn_mask_band,
                                 dropout_p, dropout_seed, mem_k, mem_k_scale, mem_v,
-                                mem_v_scale)
+                                mem_v_scale, r_first_distance)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -172,13 +176,14 @@ class _RelAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return (*_grads(ctx, dout, ctx.deterministic), *(None,) * 13)
+        return (*_grads(ctx, dout, ctx.deterministic), *(None,) * 14)
 
 
 def rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
                   key_padding_mask=None, attn_mask=None, attn_mask_band=None,
                   deterministic=True, dropout_p=0.0, dropout_seed=None,
-                  memory: Optional[QuantizedKV] = None) -> Tensor:
+                  memory: Optional[QuantizedKV] = None,
+                  r_first_distance: Optional[int] = None) -> Tensor:
     """Fused relative attention on validated, normalised arguments (see functional.py).
     Double backward is not supported: differentiating the gradients (after
     ``create_graph=True``, or torch.func.grad of torch.func.grad) raises; one backward with
@@ -191,12 +196,13 @@ def rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, wi
     ``torch.manual_seed``). It is kept for the backward, which regenerates the same mask.
 
     ``memory``: an 8-bit memory (``QuantizedKV``) read by the kernel in front of k / v
-    (forward only: a backward through it raises)."""
+    (forward only: a backward through it raises). ``r_first_distance``: the distance held by
+    r's row 0 (None: ``Lk - 1``)."""
     if dropout_p > 0.0 and dropout_seed is None:
         dropout_seed = draw_dropout_seed(q.device)
     mem = (None,) * 4 if memory is None else tuple(memory)
     out, _ = _RelAttnFunction.apply(q, k, v, r, r_w_bias, r_r_bias, softmax_scale,
                                     window_left, window_right, key_padding_mask, attn_mask,
                                     attn_mask_band, float(dropout_p), dropout_seed, *mem,
-                                    deterministic)
+                                    r_first_distance, deterministic)
     return out
