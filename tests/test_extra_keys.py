@@ -177,3 +177,31 @@ def test_extra_keys_dropout_on_auto_takes_reference(monkeypatch):
     monkeypatch.setattr(reference_mod, "_rel_attention_reference", spy)
     out = rel_attention(q, k, v, r, u, vb, causal=False, extra_k=ek, extra_v=ev, dropout_p=0.2)
     assert calls and out.shape == q.shape
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+def test_extra_keys_with_short_position_table(backend):
+    """With r_first_distance the band reads a table of left + right + 1 rows; the extra keys
+    merge with it on every backend (forward and every gradient)."""
+    left, right = 3, 2
+    dtype = torch.float32 if backend == "triton" else torch.float64
+    ts, kpm = inputs(dtype)
+    r_short = ts[3][:left + right + 1]
+    full = torch.zeros_like(ts[3])  # row p = distance Lk - 1 - p (Lk = Lq here)
+    full[LQ - 1 - left:LQ + right] = r_short
+    device = FUSED_DEVICE if backend == "triton" else "cpu"
+    short_ts = [t.detach().to(device).requires_grad_() for t in ts[:3] + [r_short] + ts[4:]]
+    q, k, v, r, u, vb, eq, ek, ev = short_ts
+    out = rel_attention(q, k, v, r, u, vb, causal=False, window_size=(left, right),
+                        key_padding_mask=kpm.to(device), softmax_scale=0.3, backend=backend,
+                        r_first_distance=left, extra_q=eq, extra_k=ek, extra_v=ev)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(7),
+                       dtype=torch.float64)
+    grads = torch.autograd.grad((out.double().cpu() * dout).sum(), short_ts)
+    t_out, t_grads = truth(ts[:3] + [full] + ts[4:], kpm, (left, right))
+    t_grads = list(t_grads)
+    t_grads[3] = t_grads[3][LQ - 1 - left:LQ + right]
+    tol = dict(rtol=1e-10, atol=1e-11) if dtype == torch.float64 else dict(rtol=2e-4, atol=2e-5)
+    torch.testing.assert_close(out.double().cpu(), t_out, **tol)
+    for name, a, b in zip(NAMES, grads, t_grads):
+        torch.testing.assert_close(a.double().cpu(), b, **tol, msg=lambda m: f"{name}: {m}")
