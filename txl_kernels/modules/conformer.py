@@ -431,15 +431,6 @@ def nemo_local_position_rows(left: int, right: int) -> List[Optional[int]]:
     return rows
 
 
-def _TEMP_embed_in_full_table(r: Tensor, left: int, lq: int, lk: int) -> Tensor:
-    """TEMPORARY, until rel_attention takes ``r_first_distance``: ``r`` ``[1 or B, n, H, D]``
-    (row ``t`` = distance ``left - t``) placed in a zero table of ``Lk + Lq - 1`` rows (row
-    ``p`` = distance ``Lk - 1 - p``)."""
-    top = lk - 1 - left
-    bottom = (lk + lq - 1) - (top + r.shape[1])
-    return torch.nn.functional.pad(r, (0, 0, 0, 0, top, bottom))
-
-
 class NeMoRelPositionMultiHeadAttentionLongformer(RelPosAttentionBase):
     """Drop-in for NeMo's ``RelPositionMultiHeadAttentionLongformer`` (Conformer /
     FastConformer ``self_attention_model="rel_pos_local_attn"``, also after
@@ -565,7 +556,6 @@ class NeMoRelPositionMultiHeadAttentionLongformer(RelPosAttentionBase):
         if pos_emb.shape[0] > 1 and pos_emb.stride(0) == 0:
             pos_emb = pos_emb[:1]  # an expanded table: project one copy
         r = self._position_table(self._project(self.linear_pos, pos_emb))
-        r = _TEMP_embed_in_full_table(r, left, T, T)
         extra = {}
         glob = self._global_slice(T)
         if glob.stop > 0:
@@ -576,7 +566,8 @@ class NeMoRelPositionMultiHeadAttentionLongformer(RelPosAttentionBase):
             else:
                 gq, gk, gv = q, k, v
             extra = dict(extra_q=gq, extra_k=gk[:, glob], extra_v=v[:, glob])
-        out = self._rel_attention(q, k, v, r, pad_mask, None, (left, right), **extra)
+        out = self._rel_attention(q, k, v, r, pad_mask, None, (left, right),
+                                  r_first_distance=left, **extra)
         qpad = pad_mask
         if glob.stop > 0:
             rows = torch.arange(glob.start, glob.stop, glob.step, device=out.device)
