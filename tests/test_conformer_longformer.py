@@ -258,3 +258,23 @@ def test_kernel_reads_short_table_and_global_keys_only(monkeypatch):
     assert tuple(kwargs["extra_k"].shape) == (2, 3, N_HEAD, N_FEAT // N_HEAD)
     assert kwargs["extra_k"].data_ptr() == k.data_ptr() and kwargs["extra_k"].stride(1) == \
         2 * k.stride(1)
+
+
+@pytest.mark.parametrize("backend", ["cpu"])
+def test_training_with_dropout_and_global_tokens_stays_fused(monkeypatch, backend):
+    """dropout_rate > 0 with global tokens in training: the fused kernels run it (the
+    reference, which forms (B, H, T, T) scores, is never called), forward and backward."""
+    import txl_kernels.reference as reference_mod
+
+    def no_reference(*args, **kwargs):
+        raise AssertionError("the reference path ran")
+
+    monkeypatch.setattr(reference_mod, "_rel_attention_reference", no_reference)
+    torch.manual_seed(0)
+    ours = Longformer(N_HEAD, N_FEAT, 0.3, None, None, [3, 2], global_tokens=2,
+                      backend=backend).train().to(FUSED_DEVICE if backend == "triton" else "cpu")
+    x = rnd(2, 13, N_FEAT, requires_grad=True).to(ours.linear_q.weight.device)
+    out = ours(x, x, x, pad_mask([13, 9], 13).to(x.device), local_pos_emb([3, 2]).to(x.device))
+    out.sum().backward()
+    assert torch.isfinite(out).all() and all(torch.isfinite(p.grad).all()
+                                             for p in ours.parameters() if p.grad is not None)

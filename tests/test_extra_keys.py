@@ -1,7 +1,8 @@
 """rel_attention's extra keys (extra_q / extra_k / extra_v): G more keys every query attends with
 a plain dot-product score, in the same softmax as the relative scores. Checked against a dense
 float64 oracle written here, on every backend, forward and every gradient; the fused backends
-merge the kernel's (out, lse) with the extra part and form nothing Lq x Lk."""
+merge the kernel's (out, lse) with the extra part and form nothing Lq x Lk, also with
+dropout."""
 import pytest
 import torch
 
@@ -51,14 +52,14 @@ def inputs(dtype, lk=LQ, g=G, seed=0):
     return ts, kpm
 
 
-def run(ts, kpm, backend, window, device="cpu", default_q=False):
+def run(ts, kpm, backend, window, device="cpu", default_q=False, dropout_p=0.0):
     ts = [t.detach().to(device).requires_grad_() for t in ts]
     q, k, v, r, u, vb, eq, ek, ev = ts
     extra = dict(extra_k=ek, extra_v=ev) if default_q else dict(extra_q=eq, extra_k=ek,
                                                                  extra_v=ev)
     out = rel_attention(q, k, v, r, u, vb, causal=False, window_size=window,
                         key_padding_mask=kpm.to(device), softmax_scale=0.3, backend=backend,
-                        **extra)
+                        dropout_p=dropout_p, **extra)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(7),
                        dtype=torch.float64).to(out)
     grads = torch.autograd.grad((out * dout).sum(), [t for t in ts if t.requires_grad],
@@ -156,27 +157,40 @@ def test_extra_keys_bad_arguments_raise_clear_errors():
         rel_attention(q, k, v, r, u, vb, extra_q=eq[:, :2], extra_k=ek, extra_v=ev, **call)
     with pytest.raises(TypeError, match="extra_v must be float16"):
         rel_attention(q, k, v, r, u, vb, extra_k=ek, extra_v=ev.long(), **call)
-    with pytest.raises(ValueError, match="dropout_p > 0 runs on the reference path only"):
-        rel_attention(q, k, v, r, u, vb, extra_k=ek, extra_v=ev, dropout_p=0.1,
-                      causal=False, backend="cpu")
     mem = quantize_kv(k[:, :2], v[:, :2], torch.int8)
     with pytest.raises(ValueError, match="not supported with memory"):
         rel_attention(q, k, v, r, u, vb, extra_k=ek, extra_v=ev, memory=mem, **call)
 
 
-def test_extra_keys_dropout_on_auto_takes_reference(monkeypatch):
-    """dropout_p > 0 with extra keys: backend 'auto' computes it on the reference path."""
-    (q, k, v, r, u, vb, eq, ek, ev), _ = inputs(torch.float32)
-    calls = []
-    real = reference_mod._rel_attention_reference
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_extra_keys_dropout_on_fused_kernels(backend):
+    """dropout_p > 0 on the fused backends: the kernels drop the relative part with their
+    keep-mask (from the (seed, offset) pair drawn first), the extra part with torch.rand drawn
+    next; the reference with those two masks gives the same output and gradients."""
+    from txl_kernels.ops.rel_attn_fwd import dropout_keep_mask
 
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(reference_mod, "_rel_attention_reference", spy)
-    out = rel_attention(q, k, v, r, u, vb, causal=False, extra_k=ek, extra_v=ev, dropout_p=0.2)
-    assert calls and out.shape == q.shape
+    p = 0.25  # a multiple of 2^-23: the kernels drop with exactly this rate
+    dtype = torch.float32 if backend == "triton" else torch.float64
+    device = FUSED_DEVICE if backend == "triton" else "cpu"
+    ts, kpm = inputs(dtype)
+    run(ts, kpm, backend, (3, 2), device=device, dropout_p=p)  # first use: self-checks
+    torch.manual_seed(3)
+    out, grads = run(ts, kpm, backend, (3, 2), device=device, dropout_p=p)
+    torch.manual_seed(3)
+    seed = torch.randint(0, 2 ** 62, (2,), dtype=torch.int64, device=device)
+    keep_extra = torch.rand((B, H, LQ, G), device=device) >= p
+    keep = torch.cat([dropout_keep_mask(seed, B, H, LQ, LQ, p).cpu(), keep_extra.cpu()], -1)
+    assert 0 < keep.float().mean() < 1
+    up = [t.detach().double().requires_grad_() for t in ts]
+    want = reference_mod.rel_attention_reference(*up[:6], 0.3, 3, 2, kpm, None, p,
+                                                 dropout_mask=keep, extra=tuple(up[6:]))
+    dout = torch.randn(want.shape, generator=torch.Generator().manual_seed(7),
+                       dtype=torch.float64)
+    want_grads = torch.autograd.grad((want * dout).sum(), up)
+    tol = dict(rtol=1e-10, atol=1e-11) if dtype == torch.float64 else dict(rtol=2e-4, atol=2e-5)
+    torch.testing.assert_close(out.double().cpu(), want, **tol)
+    for name, a, b in zip(NAMES, grads, want_grads):
+        torch.testing.assert_close(a.double().cpu(), b, **tol, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])

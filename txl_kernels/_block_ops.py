@@ -26,8 +26,9 @@ class KernelOps:
     """One backend's block ops: ``fwd(q, k, v, r, u, vb, scale, wl, wr, kpm) -> (out, lse)``
     (``lse`` natural log, +inf for rows with no allowed key) and ``bwd(dout, q, k, v, r, u,
     vb, out, lse, scale, wl, wr, kpm) -> (dq, dk, dv, dr, du, dvb)`` (both also take an
-    optional ``attn_mask``, its ``attn_mask_band`` and ``r_first_distance``, the distance
-    held by ``r``'s row 0 as the ops take it), the registered ops of
+    optional ``attn_mask``, its ``attn_mask_band``, ``r_first_distance`` (the distance held
+    by ``r``'s row 0 as the ops take it) and the kernels' dropout, ``dropout_p`` with its
+    ``dropout_seed``), the registered ops of
     the fused Triton kernels (``txl_kernels::rel_attn_fwd`` / ``rel_attn_bwd``) or of the C++
     CPU kernel (``txl_kernels::rel_attn_cpu_fwd`` / ``rel_attn_cpu_bwd``). ``lse_dtype``: what
     the backward takes (fp32; the CPU kernel's accumulation dtype)."""
@@ -43,22 +44,24 @@ class KernelOps:
         return torch.float32
 
     def fwd(self, q, k, v, r, u, vb, scale, wl, wr, kpm, attn_mask=None, attn_mask_band=None,
-            r_first_distance=None):
+            r_first_distance=None, dropout_p=0.0, dropout_seed=None):
         if self.name == "triton":
             return torch.ops.txl_kernels.rel_attn_fwd(q, k, v, r, u, vb, scale, wl, wr, kpm,
-                                                      attn_mask, attn_mask_band, 0.0, None, None,
-                                                      None, None, None, r_first_distance)
+                                                      attn_mask, attn_mask_band, dropout_p,
+                                                      dropout_seed, None, None, None, None,
+                                                      r_first_distance)
         return torch.ops.txl_kernels.rel_attn_cpu_fwd(q, k, v, r, u, vb, scale, wl, wr, kpm,
-                                                      attn_mask, attn_mask_band, 0.0, None, None,
-                                                      None, None, None, r_first_distance)
+                                                      attn_mask, attn_mask_band, dropout_p,
+                                                      dropout_seed, None, None, None, None,
+                                                      r_first_distance)
 
     def bwd(self, dout, q, k, v, r, u, vb, out, lse, scale, wl, wr, kpm, attn_mask=None,
-            attn_mask_band=None, r_first_distance=None):
+            attn_mask_band=None, r_first_distance=None, dropout_p=0.0, dropout_seed=None):
         if self.name == "triton":
             return torch.ops.txl_kernels.rel_attn_bwd(dout, q, k, v, r, u, vb, out, lse, scale,
                                                       wl, wr, kpm, attn_mask, attn_mask_band,
-                                                      self.deterministic, 0.0, None,
-                                                      r_first_distance)
+                                                      self.deterministic, dropout_p,
+                                                      dropout_seed, r_first_distance)
         return torch.ops.txl_kernels.rel_attn_cpu_bwd(dout, q, k, v, r, u, vb, out, lse, scale,
-                                                      wl, wr, kpm, attn_mask, attn_mask_band, 0.0,
-                                                      None, r_first_distance)
+                                                      wl, wr, kpm, attn_mask, attn_mask_band,
+                                                      dropout_p, dropout_seed, r_first_distance)

@@ -461,8 +461,9 @@ def rel_attention(
             dot product (no bias, no position term, no mask; a key that is also in ``k`` counts
             twice). O(Lq x G) more work and memory. The fused kernels compute the relative part
             and its row log-sum-exp, the extra part is merged in torch, and the backward is the
-            kernels' own given the merged output and log-sum-exp. Not with ``memory``; with
-            ``dropout_p > 0`` only on the reference path (``"auto"`` takes it).
+            kernels' own given the merged output and log-sum-exp. With ``dropout_p > 0`` the
+            fused path drops the extra part with a ``torch.rand`` mask of its own (drawn after
+            the kernels' seed). Not with ``memory``.
         extra_q: ``[B, Lq, H, D]``, the queries that score the extra keys (default ``q``).
 
     Rows whose keys are all masked give output 0 and zero gradients.
@@ -544,12 +545,6 @@ def rel_attention(
         # clamped where every pair's row is outside [0, R) either way (position_row_shift)
         r_first_distance = position_row_shift(Lq, Lk, r.shape[0], r_first_distance) + Lk - Lq
 
-    if extra is not None and dropout_p > 0.0:
-        if backend in ("triton", "cpu"):
-            raise ValueError(f"rel_attention: extra_k with dropout_p > 0 runs on the reference "
-                             f"path only; use backend='auto' or 'reference', got "
-                             f"backend={backend!r}")
-        backend = "reference"
     if backend == "cpu" or (backend == "auto" and q.device.type == "cpu"
                             and not fused_available(q.device)[0]):
         return _rel_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm,
@@ -601,7 +596,7 @@ def rel_attention(
 
             return rel_attention_extra_keys("triton", q, k, v, r, r_w_bias, r_r_bias, extra,
                                             softmax_scale, wl, wr, kpm, mask, attn_mask_band,
-                                            r_first_distance, deterministic)
+                                            r_first_distance, float(dropout_p), deterministic)
         return rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
                              attn_mask_band, deterministic, float(dropout_p), memory=memory,
                              r_first_distance=r_first_distance)
@@ -690,7 +685,7 @@ def _rel_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kp
 
         return rel_attention_extra_keys("cpu", q, k, v, r, r_w_bias, r_r_bias, extra,
                                         softmax_scale, wl, wr, kpm, mask, attn_mask_band,
-                                        r_first_distance)
+                                        r_first_distance, dropout_p)
     return rel_attn_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
                         attn_mask_band, dropout_p, memory=memory,
                         r_first_distance=r_first_distance)
