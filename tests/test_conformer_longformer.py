@@ -16,7 +16,7 @@ from txl_kernels.modules import (NeMoRelPositionMultiHeadAttention,
                                  swap_rel_pos_attention)
 
 from helpers import FUSED_DEVICE
-from test_conformer import N_FEAT, N_HEAD, compare, rnd
+from test_conformer import N_FEAT, N_HEAD, compare, rnd, spy  # noqa: F401 (spy: a fixture)
 from test_dropins_swap import NEMO_PATH, NeMoFake, fake
 
 Longformer = NeMoRelPositionMultiHeadAttentionLongformer
@@ -233,24 +233,14 @@ def test_no_padding_mask_and_expanded_pos_emb():
     torch.testing.assert_close(ours(x, x, x, None, pe.repeat(2, 1, 1)), want)
 
 
-def test_kernel_reads_short_table_and_global_keys_only(monkeypatch):
+def test_kernel_reads_short_table_and_global_keys_only(spy):
     """rel_attention gets the left + right + 1 projected rows with r_first_distance=left (no
     table as long as the sequence), the window, the padding as key_padding_mask and the
     global frames as G extra keys (strided views of the projections)."""
-    import txl_kernels.modules.conformer as conf_mod
-
-    calls = []
-    real = conf_mod.rel_attention
-
-    def spy(*args, **kwargs):
-        calls.append((args, kwargs))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(conf_mod, "rel_attention", spy)
     _, ours = pair([4, 1], 3, 2, False)
     x, pe, pad = rnd(2, 40, N_FEAT), local_pos_emb([4, 1]), pad_mask([40, 31], 40)
     ours(x, x, x, pad, pe)
-    (args, kwargs), = calls
+    (args, kwargs), = spy
     q, k, v, r = args[:4]
     assert tuple(r.shape) == (6, N_HEAD, N_FEAT // N_HEAD) and kwargs["r_first_distance"] == 4
     assert kwargs["window_size"] == (4, 1) and kwargs["key_padding_mask"] is pad
