@@ -244,3 +244,69 @@ def test_window_table_with_8bit_memory(backend):
         ref = rel_attention(q.double(), kf, vf, full.double(), u.double(), vb.double(),
                             causal=False, window_size=window, backend="reference")
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def _op_case(device="cpu"):
+    """A windowed call's operands with the window's table (the ops' positional arguments up to
+    the masks; window (3, 2), r of 6 rows, row 0 at distance 3)."""
+    B, L, H, D = 1, 9, 2, 16
+    q, k, v, r, u, vb = make_inputs(B, L, L, H, D, R=6, requires_grad=True)
+    kpm = torch.zeros(B, L, dtype=torch.bool)
+    kpm[0, 1] = True
+    return (q, k, v, r, u, vb, D ** -0.5, 3, 2, kpm, None, None, 0.0, None)
+
+
+def test_opcheck_triton_ops_with_r_first_distance():
+    """The fused ops' schemas, fake implementations and autograd with the trailing
+    r_first_distance (forward op; its autograd runs the backward op with it)."""
+    import txl_kernels.ops  # noqa: F401  (registers torch.ops.txl_kernels.rel_attn_*)
+
+    args = _op_case() + (None, None, None, None, 3)
+    torch.library.opcheck(torch.ops.txl_kernels.rel_attn_fwd.default, args)
+
+
+def test_opcheck_cpu_ops_with_r_first_distance(extension):
+    from txl_kernels.cpu_kernel import cpu_kernel_available
+
+    assert cpu_kernel_available()[0]  # registers the ops' fake implementations and autograd
+    args = _op_case() + (None, None, None, None, 3)
+    torch.library.opcheck(torch.ops.txl_kernels.rel_attn_cpu_fwd.default, args)
+    q, k, v, r, u, vb = (t.detach() for t in args[:6])
+    out, lse = torch.ops.txl_kernels.rel_attn_cpu_fwd(*args)
+    bargs = (torch.randn_like(out), q, k, v, r, u, vb, out.detach(), lse) + args[6:14] + (3,)
+    torch.library.opcheck(torch.ops.txl_kernels.rel_attn_cpu_bwd.default, bargs)
+
+
+class _WindowAttn(torch.nn.Module):
+    def __init__(self, backend, H=2, D=8):
+        super().__init__()
+        self.backend = backend
+        self.u = torch.nn.Parameter(torch.randn(H, D))
+        self.vb = torch.nn.Parameter(torch.randn(H, D))
+
+    def forward(self, q, k, v, r, kpm):
+        return rel_attention(q, k, v, r, self.u, self.vb, causal=False, window_size=(3, 5),
+                             key_padding_mask=kpm, backend=self.backend, r_first_distance=3)
+
+
+def _export_inputs(T, B=2, H=2, D=8):
+    g = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(B, T, H, D, generator=g) for _ in range(3))
+    r = torch.randn(9, H, D, generator=g)  # the window's table: a static size
+    kpm = torch.zeros(B, T, dtype=torch.bool)
+    kpm[1, -2:] = True
+    return q, k, v, r, kpm
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_torch_export_dynamic_length_with_window_table(backend):
+    """The row offset adds no guard on T: one exported program for every length (from 6 on:
+    below the window's sides the window's own clamping specialises, with or without the
+    argument)."""
+    m = _WindowAttn(backend).eval()
+    T = torch.export.Dim("T", min=6, max=4096)
+    ep = torch.export.export(m, _export_inputs(8),
+                             dynamic_shapes=({1: T}, {1: T}, {1: T}, None, {1: T}))
+    for t in (6, 13, 40):
+        x = _export_inputs(t)
+        torch.testing.assert_close(ep.module()(*x), m(*x), rtol=0, atol=0)

@@ -187,7 +187,7 @@ def _probs(ac, bd, lse2, offs_i, j0, qk_scale, pattern, HAS_KPM: tl.constexpr,
 
 @triton.jit
 def _program_setup(A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk,
-                   R_rows, r_shift, D, HAS_BAND: tl.constexpr, USE_DESC: tl.constexpr,
+                   R_rows, D, HAS_BAND: tl.constexpr, USE_DESC: tl.constexpr,
                    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, q_args=0,
                    FROM_Q: tl.constexpr = False):
     """Every backward program's prologue: its batch and head (grid axis 0 is batch * head),
@@ -244,7 +244,7 @@ def _program_setup(A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout
              DELTA + b * stride_l[0] + h * stride_l[1], stride_wm, stride_do[1], stride_l[2],
              bias_u, bias_v)
     keys = (K_bh, V_bh, stride_k[1], stride_v[1])
-    rel = (R_h, stride_r[0], R_rows, r_shift)
+    rel = (R_h, stride_r[0], R_rows)
     pattern = (b, h, Lq, Lk, window_left, window_right, band_on, KPM, stride_kpm, MASK, stride_m)
     drop = (pid_bh, Lq, SEED, drop_thresh, drop_scale)
     return b, h, window_left, window_right, query, keys, rel, pattern, drop
@@ -267,7 +267,7 @@ def _load_kv_tile(keys, j0, offs_j, Lk, offs_d, D, DOT_DTYPE: tl.constexpr,
 @triton.jit
 def _load_r(rel, row0, w, offs_d, D, DOT_DTYPE: tl.constexpr, USE_DESC: tl.constexpr):
     """Rows row0 + w (w = [0, BLOCK)) of r (zero outside [0, R) and past D)."""
-    R_h, stride_rp, R_rows, _ = rel
+    R_h, stride_rp, R_rows = rel
     if USE_DESC:
         rows = R_h.load([row0, 0]).to(DOT_DTYPE)
     else:
@@ -510,7 +510,7 @@ def _dq_dr_atomics(ds_op, ds, k_t, r_lo, r_hi, qv_t, dr_pend, DQ_bh, DR_h, offs_
 @triton.jit
 def _rel_attn_bwd_dkdv_kernel(
     A_OP, QV_OP, K, V, R, DO, LSE, DELTA, outs, strides, atomics, q_args, H, Lq, Lk, R_rows,
-    r_shift, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
+    r_shift1, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     SKEW_GATHER: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
@@ -538,9 +538,9 @@ def _rel_attn_bwd_dkdv_kernel(
     j0 = n * BLOCK
     offs_j = j0 + tl.arange(0, BLOCK)
     mlen = Lk - Lq
+    r_c1 = Lq + (r_shift1 - 1)  # the pairs read r rows j - i + r_c1 - 1 (_ROW_SHIFT)
     b, h, window_left, window_right, query, keys, rel, pattern, drop = _program_setup(
-        A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows,
-        r_shift, D,
+        A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows, D,
         HAS_BAND, USE_DESC, BLOCK, BLOCK_D, q_args, Q_ONLY)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
@@ -566,16 +566,15 @@ def _rel_attn_bwd_dkdv_kernel(
     e0 = e0.to(DOT_DTYPE)
     ds_cols = tl.zeros([BLOCK, 16], dtype=tl.float32)
     ds_sum = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
-    # The window of query tile m is r rows j0 - i0 + c1 - BLOCK + [0, 2 BLOCK) (c1 = c + 1 for
-    # the row constant c = r_shift of the pairs' rows j - i + c): its hi chunk
+    # The window of query tile m is r rows j0 - i0 + r_c1 - BLOCK + [0, 2 BLOCK) (the pairs
+    # read rows j - i + r_c1 - 1): its hi chunk
     # is the previous tile's lo chunk, carried, so one r tile is loaded per query tile.
     # (ORDERED walks the query tiles down: its lo chunk is the previous tile's hi chunk.)
     w = tl.arange(0, BLOCK)
-    c1 = r_shift + 1
     if ORDERED:
-        r_lo = _load_r(rel, j0 - m_hi * BLOCK + c1, w, offs_d, D, DOT_DTYPE, USE_DESC)
+        r_lo = _load_r(rel, j0 - m_hi * BLOCK + r_c1, w, offs_d, D, DOT_DTYPE, USE_DESC)
     else:
-        r_hi = _load_r(rel, j0 - m_lo * BLOCK + c1, w, offs_d, D, DOT_DTYPE, USE_DESC)
+        r_hi = _load_r(rel, j0 - m_lo * BLOCK + r_c1, w, offs_d, D, DOT_DTYPE, USE_DESC)
     vterm = (e0, 0)  # Q_ONLY: e0 and v16 = [vb; 0; ...] ([16, BLOCK_D]), for _dr_value
     if Q_ONLY:  # the biases in the operand dtype (exact: they are stored in the input dtype)
         bias_u, bias_v = query[8].to(DOT_DTYPE), query[9].to(DOT_DTYPE)
@@ -617,7 +616,7 @@ def _rel_attn_bwd_dkdv_kernel(
         q_t = a_t
         if Q_ONLY:  # summed in the operand dtype: fewer registers than fp32 sums
             a_t, qv_t = bias_operands(q_t, bias_u, bias_v, K.dtype.element_ty, UPCAST)
-        p_lo = j0 - i0 + c1 - BLOCK
+        p_lo = j0 - i0 + r_c1 - BLOCK
         if ORDERED:
             r_hi = _load_r(rel, p_lo + BLOCK, w, offs_d, D, DOT_DTYPE, USE_DESC)
         else:
@@ -653,9 +652,9 @@ def _rel_attn_bwd_dkdv_kernel(
         else:
             r_hi = r_lo
     if ATOMIC:  # the last tile's lo chunk (ORDERED: the hi chunk of tile m_lo)
-        rows = j0 - m_hi * BLOCK + c1 + w
+        rows = j0 - m_hi * BLOCK + r_c1 + w
         if ORDERED:
-            rows = j0 - m_lo * BLOCK + c1 + w
+            rows = j0 - m_lo * BLOCK + r_c1 + w
             _turn_wait(PROG, _DONE, last)
         _dr_add(DR_h, _dr_value(dr_pend, vterm[1], Q_ONLY, DOT_DTYPE, UPCAST, DOT_PREC), rows,
                 R_rows, stride_dr[1], offs_d, d_ok, sm_scale)
@@ -722,7 +721,7 @@ def _dq_tile(carry, n, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
 def _rel_attn_bwd_dq_kernel(
     A_OP, QV_OP, K, V, R, DO, LSE, DELTA, DQ, DQ_PART, DR_ACC,
     strides, stride_dq, stride_part, stride_dr,
-    H, Lq, Lk, R_rows, r_shift, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
+    H, Lq, Lk, R_rows, r_shift1, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
     ATOMIC_DR: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -737,9 +736,9 @@ def _rel_attn_bwd_dq_kernel(
     num_m = tl.cdiv(Lq, BLOCK)
     m = num_m - 1 - tl.program_id(1)  # longest rows (causal) first
     mlen = Lk - Lq
+    r_c1 = Lq + (r_shift1 - 1)  # the pairs read r rows j - i + r_c1 - 1 (_ROW_SHIFT)
     b, h, window_left, window_right, query, keys, rel, pattern, drop = _program_setup(
-        A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows,
-        r_shift, D,
+        A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows, D,
         HAS_BAND, USE_DESC, BLOCK, BLOCK_D)
 
     i0 = m * BLOCK
@@ -763,8 +762,8 @@ def _rel_attn_bwd_dq_kernel(
     # Columns w of an unskewed dS tile with w + a >= BLOCK - 1 (row a) are its lo window chunk,
     # the others its hi chunk.
     lo_part = _lo_part(BLOCK)
-    # first r row of the lo chunk of the current tile (pairs read rows j - i + r_shift)
-    p_lo = n_lo * BLOCK - i0 + r_shift + 1 - BLOCK
+    # first r row of the lo chunk of the current tile (pairs read rows j - i + r_c1 - 1)
+    p_lo = n_lo * BLOCK - i0 + r_c1 - BLOCK
     g_prev = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)  # its hi part is pending
     dq = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     carry = (dq, g_prev, p_lo, _load_r(rel, p_lo, w, offs_d, D, DOT_DTYPE, USE_DESC))
@@ -835,7 +834,7 @@ def _dr_tile(carry, m, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
 @triton.jit
 def _rel_attn_bwd_dr_kernel(
     A_OP, QV_OP, K, V, R, DO, LSE, DELTA, Z, strides, stride_z, q_args,
-    H, Lq, Lk, R_rows, r_shift, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
+    H, Lq, Lk, R_rows, r_shift1, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     SKEW_GATHER: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
@@ -853,12 +852,12 @@ def _rel_attn_bwd_dr_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     mlen = Lk - Lq
+    r_c1 = Lq + (r_shift1 - 1)  # the pairs read r rows j - i + r_c1 - 1 (_ROW_SHIFT)
     b, h, window_left, window_right, query, keys, rel, pattern, drop = _program_setup(
-        A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows,
-        r_shift, D,
+        A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout, H, Lq, Lk, R_rows, D,
         HAS_BAND, USE_DESC, BLOCK, BLOCK_D, q_args, FROM_Q)
     w = tl.arange(0, BLOCK)
-    p_lo = t * BLOCK + r_shift + 1 - BLOCK  # (pairs read rows j - i + r_shift)
+    p_lo = t * BLOCK + r_c1 - BLOCK  # (pairs read rows j - i + r_c1 - 1)
     p_hi = p_lo + BLOCK
     r_lo = _load_r(rel, p_lo, w, offs_d, D, DOT_DTYPE, USE_DESC)
     r_hi = _load_r(rel, p_hi, w, offs_d, D, DOT_DTYPE, USE_DESC)
@@ -1086,6 +1085,13 @@ def _dr_from_q(block_d: int, meta: dict) -> bool:
                                   or meta["DROPOUT"])
 
 
+# _ROW_SHIFT. The kernels take r_shift1 = 1 + the shift of r's rows against the default table
+# (r_first_distance - (Lk - 1); 0 for the default): the pair (i, j) reads row
+# j - i + Lq - 1 + (r_shift1 - 1). Triton specialises an int argument equal to 1 to a
+# constant, so the default table's kernels compile exactly as without the argument (no extra
+# live value; the static sm_90 model unchanged), and another table gets its own variant.
+
+
 def _atomic_offsets_fit(R_rows: int, Lq: int, Lk: int, H: int, D: int,
                         r_shift: Optional[int] = None) -> bool:
     """Whether the atomics' int32 offsets (_dr_add, and the dq atomics of _dq_dr_atomics)
@@ -1254,7 +1260,7 @@ def rel_attn_bwd(
                 USE_DESC=descriptors_ok(a_op, qv_op, q, do, k, v, r))
     if meta["USE_DESC"] and dev.type == "cuda" and not INTERPRET:
         ensure_scratch_allocator()
-    sizes = (H, Lq, Lk, R_rows, r_shift, D, scale, scale * LOG2E.value)
+    sizes = (H, Lq, Lk, R_rows, r_shift - (Lq - 1) + 1, D, scale, scale * LOG2E.value)
     # q and the biases, for the kernels that form q + u and q + vb themselves (FROM_Q, Q_ONLY)
     q_args = (q, r_w_bias, r_r_bias, _bmh(q), (r_w_bias.stride(0), r_r_bias.stride(0)))
     buckets = (length_bucket(Lq), length_bucket(Lk))  # autotune keys only

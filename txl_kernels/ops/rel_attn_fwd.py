@@ -1,8 +1,8 @@
 """Fused Transformer-XL relative attention, forward (Triton): ``rel_attn_fwd``.
 
-Contract. Per batch b and head h, with the row constant c (``r_shift``: Lq - 1 for the default
-table, ``r_first_distance - Lk + Lq`` when r's row 0 holds that distance; rows outside [0, R)
-read as 0):
+Contract. Per batch b and head h, with the row constant c = Lq - 1 + s (s = ``r_shift1 - 1``,
+the shift of r's rows against the default table: 0 for it, ``r_first_distance - (Lk - 1)``
+when r's row 0 holds that distance; rows outside [0, R) read as 0):
 ``S[i, j] = scale * ((q_i + u) . k_j + (q_i + vb) . r[j - i + c])``, ``out = softmax(S) v`` over
 the allowed pairs. q ``[B, Lq, H, D]``, k / v ``[B, Lk, H, D]`` (Lk >= Lq), r ``[R, H, D]``,
 u / vb ``[H, D]``, one dtype among fp16 / bf16 / fp32, head dim 16..256. Any strides with
@@ -198,7 +198,7 @@ def _attend_tile(acc, m_i, l_i, t0, t1, t, qu, qv, tile, kv, rel, pattern, drop,
     n_ok = offs_n < Lk
     # BD: one new window chunk per key tile (rotated by rot once, here), the others carried
     # over from the last tile already rotated; then one merge
-    base = j0 - i0 - (BLOCK_M - 1) + rel[4]  # + the row constant c
+    base = j0 - i0 - (BLOCK_M - 1) + Lq - 1 + (rel[4] - 1)  # (r_shift1: rel_attn_bwd._ROW_SHIFT)
     if BLOCK_M > BLOCK_N:
         t2 = rotate_rows(_window_chunk(qv, rel, base + 2 * BLOCK_N, offs_n0, d_ok, EVEN_D,
                                        UPCAST, DOT_PREC, USE_DESC), rot, BLOCK_M, BLOCK_N)
@@ -329,7 +329,7 @@ def _rel_attn_fwd_operands_kernel(Q, U, VB, A_OP, QV_OP, stride_q, stride_bias, 
 
 
 @triton.jit
-def _program_setup(K, V, R, strides, masks, memory, H, Lq, Lk, R_rows, r_shift, D,
+def _program_setup(K, V, R, strides, masks, memory, H, Lq, Lk, R_rows, r_shift1, D,
                    HAS_BAND: tl.constexpr, USE_DESC: tl.constexpr, QUANT_MEM: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Every forward program's prologue: its batch and head (grid axis 0 is batch * head),
@@ -339,8 +339,8 @@ def _program_setup(K, V, R, strides, masks, memory, H, Lq, Lk, R_rows, r_shift, 
     descriptors made here (zero fill past the rows / D: no pointer math, no masks). Returns
     (pid_bh, b, h, window_left, window_right, kv, rel, pattern): kv what _key_value_tile reads
     (K / V sources, the 8-bit memory's, mem_m) and this (b, h)'s key bias row, rel what
-    _window_chunk reads (with the row constant r_shift: the pair (i, j) reads row j - i +
-    r_shift), pattern what ``pair_mask`` masks with."""
+    _window_chunk reads (with r_shift1: the pair (i, j) reads row j - i + Lq - 1 +
+    (r_shift1 - 1), see rel_attn_bwd._ROW_SHIFT), pattern what ``pair_mask`` masks with."""
     _, stride_k, stride_v, stride_r, _, _ = strides
     window_left, window_right, KPM, stride_kpm, MASK, stride_m, BAND, KBIAS, _ = masks
     pid_bh = tl.program_id(0)
@@ -371,7 +371,7 @@ def _program_setup(K, V, R, strides, masks, memory, H, Lq, Lk, R_rows, r_shift, 
     kv = ((K_bh, offs_n0[:, None] * stride_k[1] + offs_d[None, :], stride_k[1]),
           (V_bh, offs_n0[:, None] * stride_v[1] + offs_d[None, :], stride_v[1]),
           kq_src, vq_src, mem_m, KBIAS + pid_bh.to(tl.int64) * Lk)
-    rel = (R_h, offs_n0[:, None] * stride_r[0] + offs_d[None, :], stride_r[0], R_rows, r_shift)
+    rel = (R_h, offs_n0[:, None] * stride_r[0] + offs_d[None, :], stride_r[0], R_rows, r_shift1)
     pattern = (b, h, Lq, Lk, window_left, window_right, band_on, KPM, stride_kpm, MASK,
                stride_m)
     return pid_bh, b, h, window_left, window_right, kv, rel, pattern
@@ -379,7 +379,7 @@ def _program_setup(K, V, R, strides, masks, memory, H, Lq, Lk, R_rows, r_shift, 
 
 @triton.jit
 def _rel_attn_fwd_kernel(
-    Q, K, V, R, operands, Out, Lse, OPart, LPart, strides, H, Lq, Lk, R_rows, r_shift, D,
+    Q, K, V, R, operands, Out, Lse, OPart, LPart, strides, H, Lq, Lk, R_rows, r_shift1, D,
     qk_scale, num_splits, masks, dropout, memory, LQ_BUCKET, LK_BUCKET,
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_BAND: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -395,7 +395,7 @@ def _rel_attn_fwd_kernel(
     stride_q, _, _, _, stride_bias, stride_o = strides
     SEED, drop_thresh, drop_scale = dropout
     pid_bh, b, h, window_left, window_right, kv, rel, pattern = _program_setup(
-        K, V, R, strides, masks, memory, H, Lq, Lk, R_rows, r_shift, D, HAS_BAND, USE_DESC,
+        K, V, R, strides, masks, memory, H, Lq, Lk, R_rows, r_shift1, D, HAS_BAND, USE_DESC,
         QUANT_MEM, BLOCK_N, BLOCK_D)
     # Heaviest query tiles (largest i0 under causal masks) first.
     m_tile = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -441,7 +441,7 @@ def _rel_attn_fwd_kernel(
     take_first = offs_n0[None, :] < (BLOCK_N - rot)[:, None]
     first_is_0 = (sh < BLOCK_N)[:, None]
     # ---- prime the window: chunks 0 .. C-2 of the first tile
-    base0 = t_begin * BLOCK_N - i0 - (BLOCK_M - 1) + r_shift
+    base0 = t_begin * BLOCK_N - i0 - (BLOCK_M - 1) + Lq - 1 + (r_shift1 - 1)
     t0 = rotate_rows(_window_chunk(qv, rel, base0, offs_n0, d_ok, EVEN_D, UPCAST, DOT_PREC,
                                    USE_DESC), rot, BLOCK_M, BLOCK_N)
     t1 = t0
@@ -898,9 +898,10 @@ def rel_attn_fwd(
     else:
         a_op, qv_op, stride_w = q, q, (0, 0)  # unused
     operands = (u, vb, a_op, qv_op, stride_w)
-    r_shift = Lq - 1 if r_first_distance is None else int(r_first_distance) - Lk + Lq
-    args = (q, k, v, r, operands, out, lse, o_part, l_part, strides, H, Lq, Lk, R_rows, r_shift,
-            D,
+    # 1 + the rows' shift against the default table (1 for it: rel_attn_bwd._ROW_SHIFT)
+    r_shift1 = 1 if r_first_distance is None else int(r_first_distance) - (Lk - 1) + 1
+    args = (q, k, v, r, operands, out, lse, o_part, l_part, strides, H, Lq, Lk, R_rows,
+            r_shift1, D,
             float(softmax_scale) * LOG2E.value, num_splits, masks, dropout_arg, mem_arg,
             length_bucket(Lq), length_bucket(Lk))
     meta = dict(HAS_WL=window_left >= 0 or has_band, HAS_WR=window_right >= 0 or has_band,
