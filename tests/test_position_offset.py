@@ -310,3 +310,56 @@ def test_torch_export_dynamic_length_with_window_table(backend):
     for t in (6, 13, 40):
         x = _export_inputs(t)
         torch.testing.assert_close(ep.module()(*x), m(*x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mem_rows", [0, 6])
+@pytest.mark.parametrize("window_left,R,first", [
+    (4, 5, 4),     # the window's table: distances 4 .. 0
+    (4, 8, 6),     # two rows above it and one below that no key reads
+    (-1, 19, 18),  # no window: distances 17 .. 0 (Lk = 18) and one row above
+])
+def test_decode_kernel_window_table(mem_rows, window_left, R, first):
+    """The split-K decode kernel (one query row, the K/V cache's generation step) with a
+    table whose row 0 holds distance ``first``: the reference with the full table (and the
+    8-bit memory's keys in front)."""
+    from txl_kernels.ops.rel_attn_decode import rel_attn_decode
+
+    B, Lc, H, D = 2, 18 - mem_rows, 2, 16
+    q, k, v, r, u, vb = make_inputs(B, 1, Lc, H, D, R=R, seed=9)
+    memory = None
+    kf, vf = k, v
+    if mem_rows:
+        _, mk, mv, _, _, _ = make_inputs(B, mem_rows, mem_rows, H, D, seed=10)
+        memory = quantize_kv(mk, mv, torch.int8)
+        dk, dv = memory.dequantize(torch.float32)
+        kf, vf = torch.cat([dk, k], 1), torch.cat([dv, v], 1)
+    Lk = kf.shape[1]
+    got = rel_attn_decode(q, k, v, r, u, vb, 0.25, window_left, num_splits=2, memory=memory,
+                          r_first_distance=first)
+    full, _, _ = full_table(r, first, 1, Lk)
+    want = rel_attention_reference(q.double(), kf.double(), vf.double(), full.double(),
+                                   u.double(), vb.double(), 0.25, window_left, 0)
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+
+
+def test_decode_kernel_missing_rows_raise():
+    from txl_kernels.ops.rel_attn_decode import rel_attn_decode
+
+    q, k, v, r, u, vb = make_inputs(1, 1, 10, 1, 16, R=4)
+    with pytest.raises(ValueError, match=r"r has 4 rows and r_first_distance=4.*need rows "
+                                         r"0\.\.4"):
+        rel_attn_decode(q, k, v, r, u, vb, 0.25, 4, r_first_distance=4)
+    with pytest.raises(TypeError, match="r_first_distance must be an int"):
+        rel_attn_decode(q, k, v, r, u, vb, 0.25, 4, r_first_distance=4.0)
+
+
+def test_context_parallel_ring_raises_not_implemented():
+    """The ring indexes the full table in its blocks: r_first_distance raises
+    NotImplementedError naming it, before any communication (no process group here)."""
+    from txl_kernels.distributed import context_parallel_rel_attention
+
+    q, k, v, r, u, vb = make_inputs(1, 6, 6, 1, 16, R=5)
+    with pytest.raises(NotImplementedError, match="r_first_distance is not supported by the "
+                                                  "ring"):
+        context_parallel_rel_attention(q, k, v, r, u, vb, causal=False, window_size=(2, 2),
+                                       backend="reference", r_first_distance=2)

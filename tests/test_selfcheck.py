@@ -197,3 +197,29 @@ def test_masks_dropout_and_memory_variants_pass():
     assert len(verdicts) == 2 and all(err is None for err in verdicts.values()), verdicts
     kinds = {(v.dropout, v.attn_mask, v.key_padding, v.window_left, v.memory) for v in verdicts}
     assert kinds == {(True, True, True, True, ""), (False, False, False, False, "int8")}
+
+
+def test_row_shift_is_its_own_variant_and_checked_with_a_shifted_table(monkeypatch,
+                                                                       count_checks):
+    """A call with r_first_distance runs kernels specialised for a row shift: its own
+    variant, whose check runs the fused path with a shifted table (a wrong backward with the
+    shift only is caught; the default table's variant passes)."""
+    real = op_mod.rel_attn_bwd
+
+    def wrong_with_shift(*args, **kwargs):
+        dq, dk, dv, dr, du, dvb = real(*args, **kwargs)
+        if kwargs.get("r_first_distance") is not None:
+            dr = dr * 2
+        return dq, dk, dv, dr, du, dvb
+
+    monkeypatch.setattr(op_mod, "rel_attn_bwd", wrong_with_shift)
+    ts = _inputs(requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rel_attention(*ts, backend="auto")  # the default table: passes
+    q, k, v, r, u, vb = ts
+    r_win = torch.randn(6, 2, 16, device=FUSED_DEVICE, requires_grad=True)  # window (3, 2)
+    with pytest.warns(RuntimeWarning, match=r"r_first_distance.*dr: max abs"):
+        rel_attention(q, k, v, r_win, u, vb, causal=False, window_size=(3, 2),
+                      r_first_distance=3, backend="auto")
+    assert [v.row_shift for v in count_checks] == [False, True]

@@ -503,13 +503,18 @@ class _ContextParallelRelAttn(torch.autograd.Function):
 
 def _check_args(name, q, k, v, r, r_w_bias, r_r_bias, memory_len, layout, causal,
                 window_size, key_padding_mask, softmax_scale, dropout_p, dropout_seed, backend,
-                deterministic):
+                deterministic, r_first_distance=None):
     """Every check of :func:`context_parallel_rel_attention` that needs no communication:
     ``rel_attention``'s own (functional.py) for the tensors, scale, window, padding mask,
     dropout and flags, with this function's name, and the ring's shapes. Returns (window_left,
     window_right (causal folded in, not clamped to the global shapes), scale, dropout_p, kpm,
     the backend that computes the blocks)."""
     _check_layout(layout)
+    if r_first_distance is not None:
+        raise NotImplementedError(f"{name}: r_first_distance is not supported by the ring (its "
+                                  f"blocks index the full table, row p = j - i + Lq - 1); pass "
+                                  f"r_first_distance=None with that table, or use "
+                                  f"rel_attention")
     for nm, t, nd, lay in (("q", q, 4, "[B, Lq_rank, H, D]"),
                            ("k", k, 4, "[B, memory_len + Lq_rank, H, D]"),
                            ("v", v, 4, "[B, memory_len + Lq_rank, H, D]"),
@@ -575,6 +580,7 @@ def context_parallel_rel_attention(
     backend: str = "auto",
     deterministic: bool = False,
     schedule: Optional[list] = None,
+    r_first_distance: Optional[int] = None,
 ) -> Tensor:
     """Relative attention over a sequence sharded across the ranks of ``group``.
 
@@ -614,6 +620,8 @@ def context_parallel_rel_attention(
             draw their keep-mask in their own block's coordinates; an explicit ``"triton"`` /
             ``"cpu"`` then raises).
         deterministic: the Triton backward's dr reduction, as in ``rel_attention``.
+        r_first_distance: ``rel_attention``'s argument is not supported here: anything but
+            None raises NotImplementedError (on every rank, as the other checks).
         schedule: optional list; each rank appends its ring events (``("recv_posted", step)``,
             ``("compute_begin", step)``, ``("block", step)`` per chunk pair computed,
             ``("skip", step)`` per chunk pair outside the window, ...) to it.
@@ -639,8 +647,9 @@ def context_parallel_rel_attention(
     try:
         wl, wr, scale, dropout_p, kpm, chosen = _check_args(
             name, q, k, v, r, r_w_bias, r_r_bias, memory_len, layout, causal, window_size,
-            key_padding_mask, softmax_scale, dropout_p, dropout_seed, backend, deterministic)
-    except (TypeError, ValueError, RuntimeError) as exc:
+            key_padding_mask, softmax_scale, dropout_p, dropout_seed, backend, deterministic,
+            r_first_distance)
+    except (TypeError, ValueError, RuntimeError) as exc:  # NotImplementedError included
         err = exc
     if not dist.is_available() or not dist.is_initialized():
         if err is not None:

@@ -271,7 +271,7 @@ def mask_to_band(attn_mask: torch.Tensor) -> torch.Tensor:
 
 
 def _self_checked(ts, wl, wr, kpm, mask, band, dropout_p, memory, deterministic,
-                  backend) -> bool:
+                  backend, row_shift: bool = False) -> bool:
     """The first-use self-check's verdict on this call's fused variant (``selfcheck``): True
     to take the fused path; False (backend "auto") to take the reference path after a failed
     check; raises for backend "triton" after a failed check. ``ts``: q, k, v, r and the
@@ -283,7 +283,7 @@ def _self_checked(ts, wl, wr, kpm, mask, band, dropout_p, memory, deterministic,
            kpm is not None, mask is not None,
            band is not None, dropout_p > 0.0,
            "" if memory is None else str(memory.k.dtype).removeprefix("torch."),
-           grads, bool(deterministic) and grads)
+           grads, bool(deterministic) and grads, row_shift)
     if selfcheck.fused_ok(key):
         return True
     if backend == "triton":
@@ -302,15 +302,12 @@ def check_r_first_distance(r_first_distance, who: str = "rel_attention") -> Opti
     return int(r_first_distance)
 
 
-def position_row_shift(lq: int, lk: int, rlen: int, r_first_distance: Optional[int]) -> int:
-    """The row constant ``c`` of the pairs' r rows, ``p = j - i + c``: ``Lq - 1`` for the
-    default table (row 0 holds distance ``Lk - 1``), else ``r_first_distance - Lk + Lq``,
-    clamped to ``[-Lk, R + Lq - 1]``: past those bounds every pair's row is outside ``[0, R)``
-    either way (all read as zero), and the clamp keeps the kernels' int32 row arithmetic in
-    range."""
-    if r_first_distance is None:
-        return lq - 1
-    return min(max(r_first_distance - lk + lq, -lk), rlen + lq - 1)
+def clamp_first_distance(lq: int, lk: int, rlen: int, r_first_distance: int) -> int:
+    """``r_first_distance`` clamped to ``[-Lq, R + Lk - 1]``: past those bounds every pair's
+    row (``r_first_distance - d``, ``d`` in ``[-(Lq - 1), Lk - 1]``) is outside ``[0, R)``
+    either way, so all read as zero; the clamp keeps the kernels' int32 row arithmetic and the
+    reference's pad widths in range."""
+    return min(max(r_first_distance, -lq), rlen + lk - 1)
 
 
 def check_position_rows(lq: int, lk: int, rlen: int, wl: int, wr: int,
@@ -542,8 +539,7 @@ def rel_attention(
     else:
         check_position_rows(Lq, Lk, r.shape[0], wl, wr, r_first_distance)
     if r_first_distance is not None:
-        # clamped where every pair's row is outside [0, R) either way (position_row_shift)
-        r_first_distance = position_row_shift(Lq, Lk, r.shape[0], r_first_distance) + Lk - Lq
+        r_first_distance = clamp_first_distance(Lq, Lk, r.shape[0], r_first_distance)
 
     if backend == "cpu" or (backend == "auto" and q.device.type == "cpu"
                             and not fused_available(q.device)[0]):
@@ -575,7 +571,8 @@ def rel_attention(
         use_fused = use_fused and not grads
     if use_fused and selfcheck.enabled():
         use_fused = _self_checked((q, k, v, r, r_w_bias, r_r_bias), wl, wr, kpm, mask,
-                                  attn_mask_band, dropout_p, memory, deterministic, backend)
+                                  attn_mask_band, dropout_p, memory, deterministic, backend,
+                                  r_first_distance is not None)
 
     if use_fused:
         from .ops import rel_attn_func  # imports triton lazily

@@ -155,8 +155,9 @@ def rel_attention_reference(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias
                             extra: Optional[Tuple[Tensor, Tensor, Tensor]] = None):
     """Einsum relative attention. q ``[B, Lq, H, D]``, k/v ``[B, Lk, H, D]``, r ``[R, H, D]``
     (row ``p`` holds distance ``r_first_distance - p``; None: ``Lk - 1 - p``, see
-    :func:`rel_shift`), biases ``[H, D]``; masks already normalised (causal folded into ``window_right = 0``,
-    ``attn_mask`` bool broadcastable to ``[B, H, Lq, Lk]``, True = masked).
+    :func:`rel_shift`), biases ``[H, D]``; masks already normalised (causal folded into
+    ``window_right = 0``, ``attn_mask`` bool broadcastable to ``[B, H, Lq, Lk]``, True =
+    masked).
 
     The AC and BD products are accumulated in fp32 for fp16/bf16 inputs (from fp32 copies of
     ``q + bias``, ``k`` and ``r``), and the scores, softmax and log-sum-exp are held in fp32

@@ -2,10 +2,11 @@
 
 The first time a process runs a fused-kernel *variant* through ``rel_attention`` (backend
 ``"auto"`` or ``"triton"``) -- a (device, dtype, head dim, fp32 product precision, window sides,
-key padding, dense mask, mask band, dropout, 8-bit memory, gradients recorded, deterministic mode)
-combination, each of which compiles its own kernels -- a tiny random problem of that variant runs
-on the fused path and on the reference path (forward, and the backward of all six inputs when
-the call records gradients) and the two are compared with a float64 reference run as the judge.
+key padding, dense mask, mask band, dropout, 8-bit memory, gradients recorded, deterministic mode,
+a position table with r_first_distance) combination, each of which compiles its own kernels --
+a tiny random problem of that variant runs on the fused path and on the reference path
+(forward, and the backward of all six inputs when the call records gradients) and the two are
+compared with a float64 reference run as the judge.
 The verdict is kept for the process. On a mismatch (or an exception from the fused path) one
 warning names the variant and the error; ``"auto"`` then takes the reference path for that
 variant, ``"triton"`` raises.
@@ -63,6 +64,7 @@ class Variant:
     memory: str            # 8-bit memory dtype ("int8", "float8_e4m3fn") or ""
     grad: bool             # the call records gradients: the backward is checked too
     deterministic: bool    # the backward's mode (with grad): reproducible sums or not
+    row_shift: bool = False  # r_first_distance given: the kernels' runtime row shift
 
     def describe(self) -> str:
         parts = [f"{self.device} {self.dtype}" + (f" ({self.products} products)"
@@ -79,6 +81,8 @@ class Variant:
             parts.append("dropout")
         if self.memory:
             parts.append(f"{self.memory} memory")
+        if self.row_shift:
+            parts.append("r_first_distance")
         parts.append("forward + backward (" + ("deterministic" if self.deterministic
                                                else "atomic") + ")"
                      if self.grad else "forward")
@@ -194,7 +198,9 @@ def _inputs(variant: Variant, dev: torch.device):
 
     q = rand(B, lq, H, D)
     k, v = rand(B, lk - mlen, H, D), rand(B, lk - mlen, H, D)
-    r = rand(lk + lq - 1, H, D)
+    # r_first_distance (row_shift): a table two rows longer at the top and three at the bottom
+    # than the default one (row 0 at distance lk + 1), so the rows' shift is not 0
+    r = rand(lk + lq - 1 + (5 if variant.row_shift else 0), H, D)
     u, vb = rand(H, D, scale=0.5), rand(H, D, scale=0.5)
     memory = None
     if variant.memory:
@@ -222,7 +228,8 @@ def _inputs(variant: Variant, dev: torch.device):
         seed = torch.tensor([int(torch.randint(0, 2 ** 62, (1,), generator=gen)), 0],
                             dtype=torch.int64, device=dev)
     dout = rand(B, lq, H, D)
-    return (q, k, v, r, u, vb), memory, wl, wr, kpm, mask, band, seed, dout
+    first = lk + 1 if variant.row_shift else None
+    return (q, k, v, r, u, vb), memory, wl, wr, kpm, mask, band, seed, dout, first
 
 
 def _compare(variant: Variant, dev: torch.device) -> Optional[str]:
@@ -230,7 +237,7 @@ def _compare(variant: Variant, dev: torch.device) -> Optional[str]:
     from .ops._common import dropout_keep_mask
     from .reference import rel_attention_reference
 
-    ts, memory, wl, wr, kpm, mask, band, seed, dout = _inputs(variant, dev)
+    ts, memory, wl, wr, kpm, mask, band, seed, dout, first = _inputs(variant, dev)
     q = ts[0]
     B, lq, H, D = q.shape
     scale = D ** -0.5
@@ -250,11 +257,12 @@ def _compare(variant: Variant, dev: torch.device) -> Optional[str]:
 
     def reference(xs, ks):
         return rel_attention_reference(xs[0], ks[0], ks[1], xs[3], xs[4], xs[5], scale, wl, wr,
-                                       kpm, mask, p, attn_mask_band=band, dropout_mask=keep)
+                                       kpm, mask, p, attn_mask_band=band, dropout_mask=keep,
+                                       r_first_distance=first)
 
     leaves = [t.detach().requires_grad_(variant.grad) for t in ts]
     fused = rel_attn_func(*leaves, scale, wl, wr, kpm, mask, band, variant.deterministic, p,
-                          dropout_seed=seed, memory=memory)
+                          dropout_seed=seed, memory=memory, r_first_distance=first)
     outs = {"output": fused}
     if variant.grad:
         for name, g in zip(("dq", "dk", "dv", "dr", "dr_w_bias", "dr_r_bias"),

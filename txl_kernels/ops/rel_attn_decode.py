@@ -2,7 +2,8 @@
 generation step of ``MemTransformerLM.generate`` on its K/V cache: ``rel_attn_decode``.
 
 Contract. q ``[B, 1, H, D]``, k / v ``[B, Lk, H, D]``, r ``[R >= Lk, H, D]`` (row j serves key
-j), u / vb ``[H, D]``; returns ``[B, 1, H, D]`` in q's dtype. Causal with an optional left
+j; with ``r_first_distance``, row 0 holding that distance, row ``j + r_first_distance - (Lk -
+1)``), u / vb ``[H, D]``; returns ``[B, 1, H, D]`` in q's dtype. Causal with an optional left
 window (keys ``j >= Lk - 1 - window_left``). Any strides with ``stride(-1) == 1`` (others
 copied). Forward only (inference). With ``memory=QuantizedKV`` (8-bit memory, ``M`` rows):
 the keys are the memory's rows followed by k / v's (``Lk = M + Lc``); the memory is loaded as
@@ -55,7 +56,7 @@ def _decode_tile(acc, m_i, l_i, k, r, v, n_ok, qu, qv, qk_scale, k_scale, v_scal
 @triton.jit
 def _decode_split_kernel(
     Q, K, V, R, U, VB, M_OUT, L_OUT, ACC_OUT, strides, H, Lk, D, window_left, keys_per_split,
-    num_splits, qk_scale, memory,
+    num_splits, qk_scale, memory, r_shift1,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QUANT_MEM: tl.constexpr = False,
 ):
     """Keys j in this split's slice of the row's ``key_range`` (window_left >= 0 here: the
@@ -63,7 +64,10 @@ def _decode_split_kernel(
     (rp, rh), (uh, vbh)); ``memory``: ``_common.memory_launch_args``' tuple. QUANT_MEM: keys
     j < mem_m are the 8-bit memory's (data and per-row scales), in a loop of their own,
     dequantised in registers in fp32 with the scales applied per row (``_decode_tile``);
-    keys j >= mem_m are row j - mem_m of K / V.
+    keys j >= mem_m are row j - mem_m of K / V. Key j reads r's row j + (r_shift1 - 1):
+    ``r_shift1`` is 1 + the rows' shift against the default table (0 for it; Triton
+    specialises the 1 to a constant, so that table's code is unchanged), and the launcher
+    checks that the allowed keys' rows exist.
 
     Why fp32, without rounding the dequantised values to q's dtype as the reference does:
     this kernel computes in fp32 throughout (no tensor-core operands to round for), so its
@@ -101,7 +105,7 @@ def _decode_split_kernel(
     r_off = offs_n0[:, None] * stride_r[0] + offs_d[None, :]
     K_bh = K + b * stride_k[0] + h * stride_k[2]
     V_bh = V + b * stride_v[0] + h * stride_v[2]
-    R_h = R + h * stride_r[1]
+    R_h = R + h * stride_r[1] + tl.cast(r_shift1 - 1, tl.int64) * stride_r[0]
     c0 = 0  # key j >= c0 is row j - c0 of K / V
     if QUANT_MEM:
         kq_src, vq_src, mem_m = memory_bases(memory, b, h, offs_n0, offs_d)
@@ -177,7 +181,8 @@ def num_splits_for(bh: int, lk: int, device: torch.device, block_n: int = 64) ->
 def rel_attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.Tensor,
                     r_w_bias: torch.Tensor, r_r_bias: torch.Tensor, softmax_scale: float,
                     window_left: int = -1, num_splits: int = 0,
-                    memory: Optional[QuantizedKV] = None) -> torch.Tensor:
+                    memory: Optional[QuantizedKV] = None,
+                    r_first_distance: Optional[int] = None) -> torch.Tensor:
     """Relative attention of one query row: q ``[B, 1, H, D]``, k / v ``[B, Lk, H, D]``, r
     ``[R >= Lk, H, D]`` (row ``j`` serves key ``j``), biases ``[H, D]``; causal, with the
     left window ``window_left`` (-1 = none; same_length is ``mem_len - 1``). Any strides with
@@ -189,7 +194,13 @@ def rel_attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.
     int8 / float8_e4m3fn, scales ``[B, M, H]``; any strides with a contiguous last dim). The
     keys are then its ``M`` rows followed by k / v's (``Lc >= 1`` current rows): ``Lk = M +
     Lc`` for r and the window; the memory is read in 8 bits and dequantised in registers
-    (fp32 ``data * scale``, not rounded to q's dtype)."""
+    (fp32 ``data * scale``, not rounded to q's dtype).
+
+    ``r_first_distance``: the distance held by r's row 0 (default None: ``Lk - 1``, row ``j``
+    serves key ``j``); key ``j`` (distance ``Lk - 1 - j``) then reads row
+    ``r_first_distance - (Lk - 1 - j)``, and the rows of the keys the window allows must
+    exist (ValueError naming them), e.g. ``window_left + 1`` rows with
+    ``r_first_distance=window_left``."""
     B, Lq, H, D = q.shape
     mem_m = 0 if memory is None else memory.k.shape[1]
     quant = mem_m > 0
@@ -197,8 +208,23 @@ def rel_attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.
     if Lq != 1:
         raise ValueError(f"rel_attn_decode: q must have one query row (Lq = 1), got "
                          f"{list(q.shape)}")
-    if r.shape[0] < Lk:
-        raise ValueError(f"rel_attn_decode: r needs at least Lk={Lk} rows, got {list(r.shape)}")
+    if r_first_distance is None:
+        if r.shape[0] < Lk:
+            raise ValueError(f"rel_attn_decode: r needs at least Lk={Lk} rows, got "
+                             f"{list(r.shape)}")
+        shift = 0
+    else:
+        if isinstance(r_first_distance, bool) or not isinstance(r_first_distance, int):
+            raise TypeError(f"rel_attn_decode: r_first_distance must be an int or None, got "
+                            f"{type(r_first_distance).__name__}")
+        shift = int(r_first_distance) - (Lk - 1)
+        j_min = 0 if window_left < 0 else max(0, Lk - 1 - window_left)
+        if j_min + shift < 0 or Lk - 1 + shift >= r.shape[0]:
+            raise ValueError(
+                f"rel_attn_decode: r has {r.shape[0]} rows and r_first_distance="
+                f"{r_first_distance}, but the allowed keys (Lk={Lk}, window_left="
+                f"{window_left}) have distances 0..{Lk - 1 - j_min} and need rows "
+                f"{j_min + shift}..{Lk - 1 + shift}")
     q, k, v, r = (last_dim_contiguous(t) for t in (q, k, v, r))
     mem_arg = memory_launch_args(memory, k, v)
     u, vb = last_dim_contiguous(r_w_bias), last_dim_contiguous(r_r_bias)
@@ -216,7 +242,7 @@ def rel_attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.
     _decode_split_kernel[(B * H, splits)](
         q, k, v, r, u, vb, m, l, acc, strides, H, Lk, D,
         int(window_left) if window_left >= 0 else Lk, per_split, splits,
-        float(softmax_scale) * LOG2E.value, mem_arg,
+        float(softmax_scale) * LOG2E.value, mem_arg, shift + 1,
         BLOCK_N=block_n, BLOCK_D=block_d, QUANT_MEM=quant)
     out = torch.empty((B, 1, H, D), device=q.device, dtype=q.dtype)
     _decode_merge_kernel[(B * H,)](
