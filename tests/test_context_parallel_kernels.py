@@ -52,9 +52,9 @@ def _worker(rank, world, port, path):
 
     with gloo_rank(rank, world, port) as dist:
         events = []
-        fwd, bwd = D._KernelOps.fwd, D._KernelOps.bwd
-        D._KernelOps.fwd = lambda self, *a: (events.append(("fwd", self.name)), fwd(self, *a))[1]
-        D._KernelOps.bwd = lambda self, *a: (events.append(("bwd", self.name)), bwd(self, *a))[1]
+        fwd, bwd = D.KernelOps.fwd, D.KernelOps.bwd
+        D.KernelOps.fwd = lambda self, *a: (events.append(("fwd", self.name)), fwd(self, *a))[1]
+        D.KernelOps.bwd = lambda self, *a: (events.append(("bwd", self.name)), bwd(self, *a))[1]
         results = {}
         for case in CASES:
             events.clear()

@@ -3,7 +3,8 @@
 Public API:
     rel_attention      functional relative attention (reference or fused Triton backend)
     FusedRelAttention  drop-in for Transformer-XL's RelPartialLearnableMultiHeadAttn
-    NeMoRelPositionMultiHeadAttention, ESPnetRelPositionMultiHeadedAttention: Conformer drop-ins
+    NeMoRelPositionMultiHeadAttention, NeMoRelPositionMultiHeadAttentionLongformer (local
+    attention with global tokens), ESPnetRelPositionMultiHeadedAttention: Conformer drop-ins
     ParakeetEncoderAttention, Wav2Vec2ConformerSelfAttention, FastSpeech2ConformerAttention
     (HF transformers 5.x), IcefallRelPositionMultiheadAttention,
     SpeechBrainRelPosMHAXL, RLlibRelativeMultiHeadAttention, DIEngineAttentionXL: more drop-ins
@@ -26,7 +27,8 @@ from .functional import BACKENDS, fused_available, mask_to_band, rel_attention
 from .modules import (SWAP_TABLE, DIEngineAttentionXL, ESPnetRelPositionMultiHeadedAttention,
                       FastSpeech2ConformerAttention, FusedRelAttention,
                       IcefallRelPositionMultiheadAttention, Wav2Vec2ConformerSelfAttention,
-                      NeMoRelPositionMultiHeadAttention, ParakeetEncoderAttention,
+                      NeMoRelPositionMultiHeadAttention,
+                      NeMoRelPositionMultiHeadAttentionLongformer, ParakeetEncoderAttention,
                       RLlibRelativeMultiHeadAttention, SpeechBrainRelPosMHAXL,
                       swap_rel_pos_attention)
 from .memory import update_mems
@@ -36,6 +38,7 @@ from .reference import rel_attention_reference
 __version__ = "0.1.0"
 
 __all__ = ["rel_attention", "FusedRelAttention", "NeMoRelPositionMultiHeadAttention",
+           "NeMoRelPositionMultiHeadAttentionLongformer",
            "ESPnetRelPositionMultiHeadedAttention", "ParakeetEncoderAttention",
            "IcefallRelPositionMultiheadAttention", "SpeechBrainRelPosMHAXL",
            "RLlibRelativeMultiHeadAttention", "DIEngineAttentionXL",

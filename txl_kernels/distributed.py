@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._export import refuse_context_parallel
+from ._block_ops import KernelOps, merge_block
 from ._utils import (FUSED_DTYPES, FUSED_MAX_HEADDIM, FUSED_MIN_HEADDIM, check_same,
                      interpreting, no_interpreter_reason)
 from .functional import (BACKENDS, check_deterministic, check_dropout_p, check_padding_mask,
@@ -240,41 +241,6 @@ def _kernel_r(r: Tensor, ga: int, n_i: int, gb: int, n_j: int, lq: int):
     return rows, lo, top
 
 
-class _KernelOps:
-    """One backend's block ops: ``fwd(q, k, v, r, u, vb, scale, wl, wr, kpm) -> (out, lse)``
-    (``lse`` natural log, +inf for rows with no allowed key) and ``bwd(dout, q, k, v, r, u,
-    vb, out, lse, scale, wl, wr, kpm) -> (dq, dk, dv, dr, du, dvb)``, the registered ops of
-    the fused Triton kernels (``txl_kernels::rel_attn_fwd`` / ``rel_attn_bwd``) or of the C++
-    CPU kernel (``txl_kernels::rel_attn_cpu_fwd`` / ``rel_attn_cpu_bwd``). ``lse_dtype``: what
-    the backward takes (fp32; the CPU kernel's accumulation dtype)."""
-
-    def __init__(self, name: str, deterministic: bool = False):
-        self.name, self.deterministic = name, deterministic
-        if name == "triton":
-            from .ops import rel_attn_op  # noqa: F401  (registers the ops; imports triton)
-
-    def lse_dtype(self, dtype):
-        if self.name == "cpu" and dtype == torch.float64:
-            return torch.float64
-        return torch.float32
-
-    def fwd(self, q, k, v, r, u, vb, scale, wl, wr, kpm):
-        if self.name == "triton":
-            return torch.ops.txl_kernels.rel_attn_fwd(q, k, v, r, u, vb, scale, wl, wr, kpm,
-                                                      None, None, 0.0, None)
-        return torch.ops.txl_kernels.rel_attn_cpu_fwd(q, k, v, r, u, vb, scale, wl, wr, kpm,
-                                                      None, None, 0.0, None, None, None, None,
-                                                      None)
-
-    def bwd(self, dout, q, k, v, r, u, vb, out, lse, scale, wl, wr, kpm):
-        if self.name == "triton":
-            return torch.ops.txl_kernels.rel_attn_bwd(dout, q, k, v, r, u, vb, out, lse, scale,
-                                                      wl, wr, kpm, None, None,
-                                                      self.deterministic, 0.0, None)
-        return torch.ops.txl_kernels.rel_attn_cpu_bwd(dout, q, k, v, r, u, vb, out, lse, scale,
-                                                      wl, wr, kpm, None, None, 0.0, None)
-
-
 def _choose_backend(backend: str, q: Tensor, dropout_p: float, name: str) -> str:
     """``"reference"`` (the einsum block math), ``"triton"`` or ``"cpu"``, as
     ``rel_attention`` would choose for ``backend``, except that ``"auto"`` takes the C++
@@ -318,19 +284,6 @@ def _choose_backend(backend: str, q: Tensor, dropout_p: float, name: str) -> str
         if cpu_kernel_available()[0]:
             return "cpu"
     return "reference"
-
-
-def _merge(out: Tensor, lse: Tensor, i0: int, n: int, blk: Tensor, blk_lse: Tensor) -> None:
-    """Fold a block's normalised rows ``blk`` ``[B, n, H, D]`` and their log-sum-exp
-    ``blk_lse`` ``[B, H, n]`` (-inf: no key) into rows ``[i0, i0 + n)`` of the running
-    ``out`` / ``lse``."""
-    old = lse[:, :, i0:i0 + n]
-    new = torch.logaddexp(old, blk_lse)
-    safe = finite_or_zero(new)
-    w_old = torch.exp(old - safe).transpose(1, 2)[..., None]
-    w_blk = torch.exp(blk_lse - safe).transpose(1, 2)[..., None]
-    out[:, i0:i0 + n] = out[:, i0:i0 + n] * w_old + blk * w_blk
-    lse[:, :, i0:i0 + n] = new
 
 
 class _Ring:
@@ -393,7 +346,7 @@ def _boxes(a0: int, A: int, b0: int, Bk: int, prob: "_Problem", wl: int, wr: int
 
 
 def _ring_forward(q, k, v, kpm, r, u, vb, scale, wl, wr, prob: _Problem, ring: _Ring,
-                  drop: _Dropout, ops: Optional[_KernelOps]):
+                  drop: _Dropout, ops: Optional[KernelOps]):
     B, Lq, H, D = q.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = q.new_zeros((B, Lq, H, D), dtype=acc)
@@ -420,7 +373,7 @@ def _ring_forward(q, k, v, kpm, r, u, vb, scale, wl, wr, prob: _Problem, ring: _
                                          kpmb[:, ks] if prob.has_kpm else None)
                     blk_lse = blk_lse.to(acc)  # rows with no key: +inf -> -inf here
                     blk_lse = blk_lse.masked_fill(blk_lse == float("inf"), float("-inf"))
-                    _merge(out, lse, qoff + i_lo, n_i, o.to(acc), blk_lse)
+                    merge_block(out, lse, qoff + i_lo, n_i, o.to(acc), blk_lse)
                 continue
             lo, hi, top, bottom = _window(a0, A, b0, Bk, prob, r.shape[0])
             s = _block_scores(qc, kb[:, koff:koff + Bk], vb_[:, koff:koff + Bk], r[lo:hi],
@@ -433,7 +386,7 @@ def _ring_forward(q, k, v, kpm, r, u, vb, scale, wl, wr, prob: _Problem, ring: _
                 p = p * z
             blk = torch.einsum("bhij,bjhd->bihd", p,
                                finite_or_zero(vb_[:, koff:koff + Bk]).to(acc))
-            _merge(out, lse, qoff, A, blk, blk_lse)
+            merge_block(out, lse, qoff, A, blk, blk_lse)
         ring.log("compute_end", step)
         if pending is not None:
             cur = ring.wait(step + 1, pending)
@@ -441,7 +394,7 @@ def _ring_forward(q, k, v, kpm, r, u, vb, scale, wl, wr, prob: _Problem, ring: _
 
 
 def _ring_backward(dout, q, k, v, kpm, r, u, vb, out, lse, scale, wl, wr, prob: _Problem,
-                   ring: _Ring, drop: _Dropout, ops: Optional[_KernelOps]):
+                   ring: _Ring, drop: _Dropout, ops: Optional[KernelOps]):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     if ops is not None:
         # the kernels' backward from the global row lse and out (+inf: a row with no key)
@@ -741,7 +694,7 @@ def context_parallel_rel_attention(
         else:
             seed = dropout_seed
     drop = _Dropout(dropout_p, seed, B, H, prob.lq, prob.mem + prob.lq)
-    ops = None if chosen == "reference" else _KernelOps(chosen, deterministic)
+    ops = None if chosen == "reference" else KernelOps(chosen, deterministic)
     if ops is not None:
         # the kernels read tensors whose last dimension is contiguous
         q, k, v, r, r_w_bias, r_r_bias = (t if t.stride(-1) == 1 else t.contiguous()

@@ -375,6 +375,9 @@ def rel_attention(
     deterministic: bool = False,
     memory: Optional[QuantizedKV] = None,
     r_first_distance: Optional[int] = None,
+    extra_k: Optional[torch.Tensor] = None,
+    extra_v: Optional[torch.Tensor] = None,
+    extra_q: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Transformer-XL relative multi-head attention.
 
@@ -468,6 +471,16 @@ def rel_attention(
             as long as the sequence, and the fused kernels read only that short table.
             Every backend, forward and backward (the gradient of r has its R rows), and
             with ``memory`` (``Lk = M + Lc`` above).
+        extra_k, extra_v: optional ``[B, G, H, D]`` extra keys and values that every query
+            attends besides ``k`` / ``v`` (e.g. Longformer's global tokens), in the same softmax:
+            query ``i`` scores extra key ``g`` ``softmax_scale * extra_q_i . extra_k_g``, a plain
+            dot product (no bias, no position term, no mask; a key that is also in ``k`` counts
+            twice). O(Lq x G) more work and memory. The fused kernels compute the relative part
+            and its row log-sum-exp, the extra part is merged in torch, and the backward is the
+            kernels' own given the merged output and log-sum-exp. With ``dropout_p > 0`` the
+            fused path drops the extra part with a ``torch.rand`` mask of its own (drawn after
+            the kernels' seed). Not with ``memory``.
+        extra_q: ``[B, Lq, H, D]``, the queries that score the extra keys (default ``q``).
 
     Rows whose keys are all masked give output 0 and zero gradients.
     Raises ValueError if an allowed pair needs a row of r outside ``[0, R)`` (the message
@@ -493,6 +506,7 @@ def rel_attention(
         # in the autocast dtype, on both backends, so the result is in that dtype.
         q, k, v, r, r_w_bias, r_r_bias = (t.to(amp) if t.dtype in FUSED_DTYPES else t
                                           for t in (q, k, v, r, r_w_bias, r_r_bias))
+    extra = _check_extra_keys(q, extra_q, extra_k, extra_v, memory, amp)
     B, Lq, H, D = q.shape
     mlen = 0 if memory is None else _check_memory(memory, q)
     Lk = mlen + k.shape[1]
@@ -556,7 +570,7 @@ def rel_attention(
         check_onnx_exportable(dropout_p, memory)
         wl, wr = check_window(causal, window_size)
         return _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                          None, 0.0, None, r_first_distance)
+                          None, 0.0, None, r_first_distance, extra)
 
     if backend == "cpu" or (backend == "auto" and q.device.type == "cpu"
                             and not fused_available(q.device)[0]):
@@ -568,7 +582,7 @@ def rel_attention(
                   for w, w0 in zip((wl, wr), check_window(causal, window_size)))
         return _rel_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm,
                                   mask, attn_mask_band, float(dropout_p), memory, backend,
-                                  r_first_distance)
+                                  r_first_distance, extra)
 
     use_fused = False
     if backend != "reference":
@@ -608,29 +622,73 @@ def rel_attention(
             # scale * S(q, u, vb) = |scale| * S(-q, -u, -vb), and 0 * S = 1 * S(0, 0, 0); the
             # sign goes into those three inputs (autograd carries it to their gradients).
             sign = -1.0 if softmax_scale < 0.0 else 0.0
+            if extra is not None:  # its scores are linear in extra_q
+                extra = (extra[0] * sign,) + extra[1:]
             q, r_w_bias, r_r_bias = (t * sign for t in (q, r_w_bias, r_r_bias))
             softmax_scale = -softmax_scale if softmax_scale < 0.0 else 1.0
 
+        if extra is not None:
+            from ._extra_keys import rel_attention_extra_keys
+
+            return rel_attention_extra_keys("triton", q, k, v, r, r_w_bias, r_r_bias, extra,
+                                            softmax_scale, wl, wr, kpm, mask, attn_mask_band,
+                                            r_first_distance, float(dropout_p), deterministic)
         return rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
                              attn_mask_band, deterministic, float(dropout_p), memory=memory,
                              r_first_distance=r_first_distance)
     return _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                      attn_mask_band, float(dropout_p), memory, r_first_distance)
+                      attn_mask_band, float(dropout_p), memory, r_first_distance, extra)
+
+
+def _check_extra_keys(q, extra_q, extra_k, extra_v, memory, amp):
+    """``rel_attention``'s extra keys checked (and cast to the autocast dtype ``amp``):
+    None, or the tuple ``(extra_q, extra_k, extra_v)`` with ``extra_q`` defaulting to ``q``."""
+    if extra_k is None and extra_v is None:
+        if extra_q is not None:
+            raise ValueError("rel_attention: extra_q scores the extra keys: pass it with "
+                             "extra_k and extra_v")
+        return None
+    if extra_k is None or extra_v is None:
+        raise ValueError(f"rel_attention: extra_k and extra_v must be given together, got "
+                         f"extra_k={describe(extra_k)}, extra_v={describe(extra_v)}")
+    if memory is not None:
+        raise ValueError("rel_attention: extra_k / extra_v are not supported with memory")
+    extra_q = q if extra_q is None else extra_q
+    check_tensor("extra_k", extra_k, 4, "[B, G, H, D]")
+    check_tensor("extra_v", extra_v, 4, "[B, G, H, D]")
+    check_tensor("extra_q", extra_q, 4, "[B, Lq, H, D]")
+    if amp is not None:
+        extra_q, extra_k, extra_v = (t.to(amp) if t.dtype in FUSED_DTYPES else t
+                                     for t in (extra_q, extra_k, extra_v))
+    B, Lq, H, D = q.shape
+    if extra_k.shape[0] != B or extra_k.shape[1] < 1 or extra_k.shape[2:] != (H, D):
+        raise ValueError(f"rel_attention: extra_k must be [B, G, H, D] = [{B}, G, {H}, {D}] "
+                         f"with G >= 1 to match q {list(q.shape)}, got {list(extra_k.shape)}")
+    if tuple(extra_v.shape) != tuple(extra_k.shape):
+        raise ValueError(f"rel_attention: extra_v must have extra_k's shape "
+                         f"{list(extra_k.shape)}, got {list(extra_v.shape)}")
+    if tuple(extra_q.shape) != tuple(q.shape):
+        raise ValueError(f"rel_attention: extra_q must have q's shape {list(q.shape)}, "
+                         f"got {list(extra_q.shape)}")
+    for name, t in (("extra_q", extra_q), ("extra_k", extra_k), ("extra_v", extra_v)):
+        check_same("rel_attention", name, t, "q", q)
+    return extra_q, extra_k, extra_v
 
 
 def _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-               attn_mask_band, dropout_p, memory, r_first_distance=None):
+               attn_mask_band, dropout_p, memory, r_first_distance=None, extra=None):
     if memory is not None and memory.k.shape[1] > 0:
         # The oracle: dequantise explicitly, then attend over [memory; current segment].
         mk, mv = memory.dequantize(q.dtype)
         k, v = torch.cat([mk, k], dim=1), torch.cat([mv, v], dim=1)
     return rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr,
                                    kpm, mask, dropout_p, attn_mask_band=attn_mask_band,
-                                   r_first_distance=r_first_distance)
+                                   r_first_distance=r_first_distance, extra=extra)
 
 
 def _rel_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                       attn_mask_band, dropout_p, memory, backend, r_first_distance=None):
+                       attn_mask_band, dropout_p, memory, backend, r_first_distance=None,
+                       extra=None):
     """backend "cpu", or "auto" on CPU tensors without the Triton interpreter: the C++ kernel
     (any dtype, any head dim), else (auto only) the reference with a one-time warning."""
     from ._cpp_ops import warn_fallback
@@ -657,8 +715,14 @@ def _rel_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kp
             warn_fallback("cpu", why)
     if not ok:
         return _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                          attn_mask_band, dropout_p, memory, r_first_distance)
+                          attn_mask_band, dropout_p, memory, r_first_distance, extra)
     check_jit_recordable("rel_attention", dropout_p)
+    if extra is not None:
+        from ._extra_keys import rel_attention_extra_keys
+
+        return rel_attention_extra_keys("cpu", q, k, v, r, r_w_bias, r_r_bias, extra,
+                                        softmax_scale, wl, wr, kpm, mask, attn_mask_band,
+                                        r_first_distance, dropout_p)
     return rel_attn_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
                         attn_mask_band, dropout_p, memory=memory,
                         r_first_distance=r_first_distance)

@@ -9,7 +9,7 @@ All functions here take already-validated arguments (see ``txl_kernels.functiona
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -171,7 +171,8 @@ def rel_attention_reference(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias
                             attn_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
                             return_lse: bool = False, attn_mask_band: Optional[Tensor] = None,
                             dropout_mask: Optional[Tensor] = None,
-                            r_first_distance: Optional[int] = None):
+                            r_first_distance: Optional[int] = None,
+                            extra: Optional[Tuple[Tensor, Tensor, Tensor]] = None):
     """Einsum relative attention. q ``[B, Lq, H, D]``, k/v ``[B, Lk, H, D]``, r ``[R, H, D]``
     (row ``p`` holds distance ``r_first_distance - p``; None: ``Lk - 1 - p``, see
     :func:`rel_shift`), biases ``[H, D]``; masks already normalised (causal folded into
@@ -192,6 +193,11 @@ def rel_attention_reference(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias
     undropped scores); kept ones are scaled by ``1 / (1 - dropout_p)``. ``dropout_mask``: an
     explicit keep-mask (bool, True = kept, broadcastable to ``[B, H, Lq, Lk]``, e.g. the fused
     kernels' ``ops.rel_attn_fwd.dropout_keep_mask``) instead of ``F.dropout``'s random one.
+
+    ``extra``: optional ``(extra_q, extra_k, extra_v)`` (``[B, Lq, H, D]``, ``[B, G, H, D]``,
+    ``[B, G, H, D]``): ``G`` more keys that every query attends, scored ``softmax_scale *
+    extra_q_i . extra_k_g`` (no bias, no position term, no mask) as ``G`` more columns of the
+    same softmax, their probabilities weighting ``extra_v``. The lse then covers them too.
     """
     # Autocast, if on, was applied by the caller (functional.rel_attention); here it would
     # turn the fp32 accumulation below back into the low-precision dtype.
@@ -199,7 +205,7 @@ def rel_attention_reference(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias
         return _rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale,
                                         window_left, window_right, key_padding_mask,
                                         attn_mask, dropout_p, return_lse, attn_mask_band,
-                                        dropout_mask, r_first_distance)
+                                        dropout_mask, r_first_distance, extra)
 
 
 def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
@@ -220,7 +226,8 @@ def _no_autocast(device_type: str):
 
 def _rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left,
                              window_right, key_padding_mask, attn_mask, dropout_p, return_lse,
-                             attn_mask_band, dropout_mask=None, r_first_distance=None):
+                             attn_mask_band, dropout_mask=None, r_first_distance=None,
+                             extra=None):
     lq, lk = q.shape[1], k.shape[1]
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
 
@@ -242,6 +249,14 @@ def _rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wind
                             q.device, attn_mask_band)
     scores = scores.masked_fill(~allowed, float("-inf"))
     row_has_key = allowed.any(dim=-1, keepdim=True)
+    if extra is not None:
+        # The extra keys: more columns of the same softmax (every row then has a key).
+        extra_q, extra_k, extra_v = extra
+        extra_scores = torch.einsum("bihd,bghd->bhig", extra_q.to(acc_dtype),
+                                    extra_k.to(acc_dtype)) * softmax_scale
+        scores = torch.cat([scores, extra_scores], dim=-1)
+        row_has_key = torch.ones_like(row_has_key)
+        v = torch.cat([v, extra_v], dim=1)
     # Rows without any allowed key: softmax over zeros, then multiplied by 0, so the output
     # and every gradient are exactly 0 (no NaN from -inf - -inf).
     scores = torch.where(row_has_key, scores, scores.new_zeros(()))

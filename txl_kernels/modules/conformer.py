@@ -1,5 +1,7 @@
-"""Conformer drop-ins: NeMo's ``RelPositionMultiHeadAttention`` and ESPnet's (current, not
-legacy) ``RelPositionMultiHeadedAttention``, computed by ``txl_kernels.rel_attention``.
+"""Conformer drop-ins: NeMo's ``RelPositionMultiHeadAttention`` and
+``RelPositionMultiHeadAttentionLongformer`` (local attention with global tokens) and ESPnet's
+(current, not legacy) ``RelPositionMultiHeadedAttention``, computed by
+``txl_kernels.rel_attention``.
 
 Same constructors, forward signatures, parameter names (state_dict keys) and return values as
 the originals, so checkpoints load with ``strict=True`` and the modules can replace the
@@ -35,7 +37,8 @@ from .._utils import describe
 from ..functional import BACKENDS, rel_attention
 from ._dropin import adopt, check_key_padding_mask
 
-__all__ = ["NeMoRelPositionMultiHeadAttention", "ESPnetRelPositionMultiHeadedAttention"]
+__all__ = ["NeMoRelPositionMultiHeadAttention", "NeMoRelPositionMultiHeadAttentionLongformer",
+           "ESPnetRelPositionMultiHeadedAttention"]
 
 
 class RelPosAttentionBase(nn.Module):
@@ -82,6 +85,27 @@ class RelPosAttentionBase(nn.Module):
         self.dropout = nn.Dropout(p=dropout_rate)
         self.linear_pos = nn.Linear(n_feat, n_feat, bias=False)
 
+    def _init_nemo(self, n_head: int, n_feat: int, dropout_rate: float, pos_bias_u, pos_bias_v,
+                   max_cache_len: int, use_bias: bool, backend: str) -> None:
+        """NeMo's attributes and parameters (``MultiHeadAttention``'s and
+        ``RelPositionMultiHeadAttention``'s constructors): the biases are the shared ``[H,
+        D]`` parameters given, or zero-initialised own ones when either is None."""
+        self._init_common(n_head, n_feat, dropout_rate, use_bias, backend)
+        self.use_bias = use_bias
+        self.dropout_rate = dropout_rate
+        self._max_cache_len = max_cache_len
+        self.cache_drop_size = 0
+        if pos_bias_u is None or pos_bias_v is None:
+            self.pos_bias_u = nn.Parameter(torch.zeros(self.h, self.d_k))
+            self.pos_bias_v = nn.Parameter(torch.zeros(self.h, self.d_k))
+            return
+        for name, t in (("pos_bias_u", pos_bias_u), ("pos_bias_v", pos_bias_v)):
+            if tuple(t.shape) != (self.h, self.d_k):
+                raise ValueError(f"{self._NAME}: {name} must be [n_head, d_k] = "
+                                 f"[{self.h}, {self.d_k}], got {list(t.shape)}")
+        self.pos_bias_u = pos_bias_u
+        self.pos_bias_v = pos_bias_v
+
     # -- checks --------------------------------------------------------------------------
     def _check_seq(self, name: str, t, batch: Optional[int] = None) -> None:
         if not isinstance(t, Tensor) or t.dim() != 3 or t.shape[-1] != self.n_feat \
@@ -100,6 +124,19 @@ class RelPosAttentionBase(nn.Module):
                 f"{self._NAME}: pos_emb must be (1 or B={batch}, 2K - 1 = {want[0]}, "
                 f"n_feat={self.n_feat}) for K={klen} keys{hint}, ordered from distance K - 1 "
                 f"down to -(K - 1); got {list(pos_emb.shape)}")
+
+    def _update_cache(self, query: Tensor, key: Tensor, value: Tensor, cache: Optional[Tensor]):
+        """NeMo's ``update_cache`` (value / cache checked): with a cache, keys and values are
+        both ``cat(cache, key)`` and the next cache is ``cat(cache[:, keep:], query[:,
+        :keep])``, ``keep = T - cache_drop_size``. Returns (key, value, next cache or None)."""
+        B, T = query.shape[0], query.shape[1]
+        if cache is None:
+            self._check_seq("value", value, B)
+            return key, value, None
+        self._check_seq("cache", cache, B)
+        key = value = torch.cat([cache, key], dim=1)
+        keep = T - self.cache_drop_size
+        return key, value, torch.cat([cache[:, keep:, :], query[:, :keep, :]], dim=1)
 
     def _padding_args(self, key_padding_mask, lengths, batch: int, qlen: int, klen: int,
                       device) -> Optional[Tensor]:
@@ -138,7 +175,7 @@ class RelPosAttentionBase(nn.Module):
                 attn_mask_band: Optional[Tensor] = None) -> Tensor:
         """Projections + rel_attention. Returns [B, Lq, H, D]. attn_mask_band: optional
         mask_to_band(attn_mask) of the whole mask (also right for each sequence's slice)."""
-        B, Lq, Lk = query.shape[0], query.shape[1], key.shape[1]
+        Lq, Lk = query.shape[1], key.shape[1]
         q = self._project(self.linear_q, query)
         k = self._project(self.linear_k, key)
         v = self._project(self.linear_v, value)
@@ -151,36 +188,48 @@ class RelPosAttentionBase(nn.Module):
             r = torch.cat([p[:, :Lk], p.new_zeros(p.shape[0], Lq - 1, self.h, self.d_k)], 1)
         else:
             r = p[:, :Lk + Lq - 1]  # row offset 0 (module docstring); a strided view
+        if self.cp_group is not None:
+            u = self.pos_bias_u.to(q.dtype)
+            vb = self.pos_bias_v.to(q.dtype)
+            drop = self.dropout.p if self.training else 0.0
+            return self._attend_context_parallel(q, k, v, p, u, vb, kpm, attn_mask, window,
+                                                 zero_triu, drop)
+        return self._rel_attention(q, k, v, r, kpm, attn_mask, window, attn_mask_band)
+
+    def _rel_attention(self, q: Tensor, k: Tensor, v: Tensor, r: Tensor, kpm: Optional[Tensor],
+                       attn_mask: Optional[Tensor], window: Tuple[int, int],
+                       attn_mask_band: Optional[Tensor] = None, **extra) -> Tensor:
+        """rel_attention on projected q / k / v ``[B, L, H, D]`` and ``r`` ``[1 or B, R, H,
+        D]`` with the module's biases, scale, dropout and backend; ``extra``: more keyword
+        arguments of rel_attention (tensors with a batch axis first)."""
         u = self.pos_bias_u.to(q.dtype)
         vb = self.pos_bias_v.to(q.dtype)
         drop = self.dropout.p if self.training else 0.0
-        if self.cp_group is not None:
-            return self._attend_context_parallel(q, k, v, p, u, vb, kpm, attn_mask, window,
-                                                 zero_triu, drop)
 
-        def call(qq, kk, vv, rr, kp, am, bu=u, bv=vb, band=attn_mask_band):
+        def call(qq, kk, vv, rr, kp, am, bu=u, bv=vb, band=attn_mask_band, **kw):
             return rel_attention(qq, kk, vv, rr, bu, bv, causal=False, window_size=window,
                                  key_padding_mask=kp, attn_mask=am,
                                  attn_mask_band=None if am is None else band,
                                  softmax_scale=1.0 / self.s_d_k, dropout_p=drop,
-                                 backend=self.backend)
+                                 backend=self.backend, **kw)
 
         if r.shape[0] == 1:
-            return call(q, k, v, r[0], kpm, attn_mask)
-        if onnx_exporting() or (torch.compiler.is_exporting()
-                                and isinstance(r.shape[0], torch.SymInt)):
+            return call(q, k, v, r[0], kpm, attn_mask, **extra)
+        if not extra and (onnx_exporting() or (torch.compiler.is_exporting()
+                                               and isinstance(r.shape[0], torch.SymInt))):
             # One table per sequence in a graph whose batch size is dynamic (an ONNX export,
             # torch.export with a dynamic batch), where the loop below would pin the batch
             # size: the batch folded into the heads, one call (the same pairs and sums).
             return self._attend_folded(q, k, v, r, u, vb, kpm, attn_mask, call)
         # One position table per sequence: r has no batch axis, so run sequence by sequence.
         outs = []
-        for b in range(B):
+        for b in range(q.shape[0]):
             am = attn_mask
             if am is not None and am.shape[0] != 1:
                 am = am[b:b + 1]
+            kw = {n: t[b:b + 1] if isinstance(t, Tensor) else t for n, t in extra.items()}
             outs.append(call(q[b:b + 1], k[b:b + 1], v[b:b + 1], r[b],
-                             None if kpm is None else kpm[b:b + 1], am))
+                             None if kpm is None else kpm[b:b + 1], am, **kw))
         return torch.cat(outs, 0)
 
     def _attend_folded(self, q, k, v, r, u, vb, kpm, attn_mask, call) -> Tensor:
@@ -289,21 +338,8 @@ class NeMoRelPositionMultiHeadAttention(RelPosAttentionBase):
                  use_pytorch_sdpa_backends=None, att_context_size: Optional[Sequence[int]] = None,
                  att_context_style: str = "regular", backend: str = "auto"):
         super().__init__()
-        self._init_common(n_head, n_feat, dropout_rate, use_bias, backend)
-        self.use_bias = use_bias
-        self.dropout_rate = dropout_rate
-        self._max_cache_len = max_cache_len
-        self.cache_drop_size = 0
-        if pos_bias_u is None or pos_bias_v is None:
-            self.pos_bias_u = nn.Parameter(torch.zeros(self.h, self.d_k))
-            self.pos_bias_v = nn.Parameter(torch.zeros(self.h, self.d_k))
-        else:
-            for name, t in (("pos_bias_u", pos_bias_u), ("pos_bias_v", pos_bias_v)):
-                if tuple(t.shape) != (self.h, self.d_k):
-                    raise ValueError(f"{self._NAME}: {name} must be [n_head, d_k] = "
-                                     f"[{self.h}, {self.d_k}], got {list(t.shape)}")
-            self.pos_bias_u = pos_bias_u
-            self.pos_bias_v = pos_bias_v
+        self._init_nemo(n_head, n_feat, dropout_rate, pos_bias_u, pos_bias_v, max_cache_len,
+                        use_bias, backend)
         if att_context_style not in ("regular", "chunked_limited"):
             raise ValueError(f"{self._NAME}: att_context_style must be 'regular' or "
                              f"'chunked_limited', got {att_context_style!r}")
@@ -356,14 +392,8 @@ class NeMoRelPositionMultiHeadAttention(RelPosAttentionBase):
         self._check_seq("query", query)
         B, T = query.shape[0], query.shape[1]
         self._check_seq("key", key, B)
-        new_cache = None
-        if cache is not None:
-            self._check_seq("cache", cache, B)
-            key = value = torch.cat([cache, key], dim=1)
-            keep = T - self.cache_drop_size
-            new_cache = torch.cat([cache[:, keep:, :], query[:, :keep, :]], dim=1)
-        else:
-            self._check_seq("value", value, B)
+        key, value, new_cache = self._update_cache(query, key, value, cache)
+        if cache is None:
             if value.shape[1] != key.shape[1]:
                 raise ValueError(f"{self._NAME}: value must have key's length {key.shape[1]}, "
                                  f"got {list(value.shape)}")
@@ -404,6 +434,237 @@ class NeMoRelPositionMultiHeadAttention(RelPosAttentionBase):
         new.cache_drop_size = getattr(module, "cache_drop_size", None) or 0
         return adopt(new, module, ("linear_q", "linear_k", "linear_v", "linear_out",
                                    "linear_pos"))
+
+
+def nemo_local_position_rows(left: int, right: int) -> List[Optional[int]]:
+    """Which row of the ``left + right + 1``-row position table (distances ``left`` down to
+    ``-right``, NeMo's ``LocalAttRelPositionalEncoding``) NeMo's
+    ``RelPositionMultiHeadAttentionLongformer`` adds to the scores of each distance ``d =
+    left, left - 1, ..., -right`` (None: no position term).
+
+    NeMo's band has ``2w + 1`` columns, ``w = max(left, right)``, column ``c`` holding distance
+    ``w - c``; it adds table rows ``0 .. left - 1`` to columns ``0 .. left - 1`` and rows
+    ``left .. left + right`` to the last ``right + 1`` columns. That is row ``left - d`` for
+    every ``d`` when ``left == right``; otherwise the columns are offset by ``w - left`` or
+    ``w - right``, so some distances read another distance's row and some none.
+    """
+    w = max(left, right)
+    rows: List[Optional[int]] = []
+    for d in range(left, -right - 1, -1):
+        c = w - d
+        if c < left:
+            rows.append(c)
+        elif c >= 2 * w - right:
+            rows.append(left + c - (2 * w - right))
+        else:
+            rows.append(None)
+    return rows
+
+
+class NeMoRelPositionMultiHeadAttentionLongformer(RelPosAttentionBase):
+    """Drop-in for NeMo's ``RelPositionMultiHeadAttentionLongformer`` (Conformer /
+    FastConformer ``self_attention_model="rel_pos_local_attn"``, also after
+    ``change_attention_model("rel_pos_local_attn", [left, right])``): local attention over
+    ``att_context_size = [left, right]`` with global tokens, computed by
+    ``txl_kernels.rel_attention`` in O(T x (left + right + G)) time and memory.
+
+    Args:
+        n_head, n_feat, dropout_rate, pos_bias_u, pos_bias_v, max_cache_len, use_bias: as in
+            :class:`NeMoRelPositionMultiHeadAttention`.
+        att_context_size: ``[left, right]``, ints >= 0, not both 0 (NeMo's local context;
+            ``-1`` is not allowed here, as in NeMo). Passed to the kernel as ``window_size``.
+        global_tokens, global_tokens_spacing: the frames ``0, s, 2s, ...`` of the first
+            ``global_tokens * s`` are global (``s`` = spacing): every query also attends
+            them, and they attend every frame.
+        global_attn_separate: separate ``global_q`` / ``global_k`` / ``global_v`` projections
+            (state dict keys as in NeMo) for the global scores and the global rows.
+        use_pytorch_sdpa, use_pytorch_sdpa_backends: accepted and ignored (NeMo's class
+            refuses ``use_pytorch_sdpa=True``).
+        backend: ``rel_attention`` backend.
+
+    ``forward(query, key, value, pad_mask, pos_emb, cache=None)``:
+        query / key / value ``[B, T, n_feat]`` (one length). pad_mask: bool ``(B, T)``, True =
+        padded (NeMo's encoder passes it), or None. pos_emb: ``(1 or B, left + right + 1,
+        n_feat)``, distances ``left`` down to ``-right`` (``LocalAttRelPositionalEncoding``).
+        cache: as in NeMo only an empty ``(B, 0, n_feat)`` one runs (NeMo asserts equal query
+        and key lengths); then keys and values are ``key`` and the return value is
+        ``(out, query[:, :T - cache_drop_size])``.
+
+    What it computes, as NeMo's class does: the relative scores with both biases over the
+    window ``-right <= i - j <= left`` and unpadded keys; the position term as NeMo places it
+    (:func:`nemo_local_position_rows`: each distance its own row only when ``left ==
+    right``); the global keys scored ``global_q_i . global_k_g / sqrt(d_k)`` (no bias, no
+    position term, padded ones included) in the same softmax, with the values of ``v``
+    (``linear_v``, also with ``global_attn_separate``), passed as ``rel_attention``'s extra
+    keys; padded query rows 0; then the rows of the global frames (padded ones too) replaced
+    by a softmax over every unpadded key of ``global_q . global_k / sqrt(d_k)`` weighting
+    ``global_v``. NeMo pads T to a multiple of ``2 max(left, right)`` and forms ``(B, H, T,
+    2w + 1)`` scores; this module does neither.
+    """
+
+    _NAME = "NeMoRelPositionMultiHeadAttentionLongformer"
+
+    def __init__(self, n_head: int, n_feat: int, dropout_rate: float,
+                 pos_bias_u: Optional[nn.Parameter], pos_bias_v: Optional[nn.Parameter],
+                 att_context_size: Sequence[int], max_cache_len: int = 0,
+                 global_tokens: int = 0, global_tokens_spacing: int = 1,
+                 global_attn_separate: bool = False, use_bias: bool = True,
+                 use_pytorch_sdpa: bool = False, use_pytorch_sdpa_backends=None,
+                 backend: str = "auto"):
+        super().__init__()
+        self._init_nemo(n_head, n_feat, dropout_rate, pos_bias_u, pos_bias_v, max_cache_len,
+                        use_bias, backend)
+        self.att_context_size = att_context_size
+        for name, value, low in (("global_tokens", global_tokens, 0),
+                                 ("global_tokens_spacing", global_tokens_spacing, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{self._NAME}: {name} must be an int >= {low}, got {value!r}")
+        self.global_tokens = global_tokens
+        self.global_tokens_spacing = global_tokens_spacing
+        self.global_attn_separate = bool(global_attn_separate)
+        if self.global_attn_separate:
+            self.global_q = nn.Linear(n_feat, n_feat, bias=use_bias)
+            self.global_k = nn.Linear(n_feat, n_feat, bias=use_bias)
+            self.global_v = nn.Linear(n_feat, n_feat, bias=use_bias)
+
+    @property
+    def att_context_size(self) -> List[int]:
+        return list(self._window)
+
+    @att_context_size.setter
+    def att_context_size(self, value) -> None:
+        ok = (isinstance(value, (list, tuple)) and len(value) == 2
+              and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value)
+              and max(value) > 0)
+        if not ok:
+            raise ValueError(f"{self._NAME}: att_context_size must be [left, right], ints >= 0 "
+                             f"and not both 0 (a window of left + right + 1 > 1 frames), got "
+                             f"{value!r}")
+        self._window = (int(value[0]), int(value[1]))
+
+    def _global_slice(self, T: int) -> slice:
+        """The global frames ``0, s, 2s, ...`` of the first ``global_tokens * s``, as a slice."""
+        s = self.global_tokens_spacing
+        return slice(0, min(self.global_tokens * s, T), s)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, pad_mask: Optional[Tensor],
+                pos_emb: Tensor, cache: Optional[Tensor] = None):
+        self._check_seq("query", query)
+        B, T = query.shape[0], query.shape[1]
+        self._check_seq("key", key, B)
+        if cache is not None and (not isinstance(cache, Tensor) or cache.dim() != 3
+                                  or cache.shape[1] != 0):
+            raise ValueError(
+                f"{self._NAME}: cache must be empty, (B, 0, n_feat): NeMo's "
+                f"RelPositionMultiHeadAttentionLongformer attends within the current frames "
+                f"only (it asserts equal query and key lengths); got {describe(cache)}")
+        key, value, new_cache = self._update_cache(query, key, value, cache)
+        for name, t in (("key", key), ("value", value)):
+            if t.shape[1] != T:
+                raise ValueError(f"{self._NAME}: {name} must have the query's length T={T} "
+                                 f"(local attention within one sequence), got {list(t.shape)}")
+        if self.cp_group is not None:
+            raise ValueError(f"{self._NAME}: context parallelism (cp_group) is not supported")
+        left, right = self._window
+        if pad_mask is not None and (not isinstance(pad_mask, Tensor)
+                                     or pad_mask.dtype != torch.bool
+                                     or tuple(pad_mask.shape) != (B, T)):
+            raise ValueError(f"{self._NAME}: pad_mask must be a bool tensor (B, T) = ({B}, {T}), "
+                             f"True = padded frame, or None; got {describe(pad_mask)}")
+        n_pos = left + right + 1
+        if not isinstance(pos_emb, Tensor) or pos_emb.dim() != 3 \
+                or pos_emb.shape[0] not in (1, B) or tuple(pos_emb.shape[1:]) != (n_pos,
+                                                                                   self.n_feat):
+            raise ValueError(
+                f"{self._NAME}: pos_emb must be (1 or B={B}, left + right + 1 = {n_pos}, "
+                f"n_feat={self.n_feat}) for att_context_size [{left}, {right}], distances "
+                f"{left} down to {-right} (LocalAttRelPositionalEncoding); got "
+                f"{describe(pos_emb)}")
+        q = self._project(self.linear_q, query)
+        k = self._project(self.linear_k, key)
+        v = self._project(self.linear_v, value)
+        if pos_emb.shape[0] > 1 and pos_emb.stride(0) == 0:
+            pos_emb = pos_emb[:1]  # an expanded table: project one copy
+        r = self._position_table(self._project(self.linear_pos, pos_emb))
+        extra = {}
+        glob = self._global_slice(T)
+        if glob.stop > 0:
+            if self.global_attn_separate:
+                gq = self._project(self.global_q, query)
+                gk = self._project(self.global_k, key)
+                gv = self._project(self.global_v, value)
+            else:
+                gq, gk, gv = q, k, v
+            extra = dict(extra_q=gq, extra_k=gk[:, glob], extra_v=v[:, glob])
+        out = self._rel_attention(q, k, v, r, pad_mask, None, (left, right),
+                                  r_first_distance=left, **extra)
+        qpad = pad_mask
+        if glob.stop > 0:
+            rows = torch.arange(glob.start, glob.stop, glob.step, device=out.device)
+            out = out.index_copy(1, rows, self._global_rows(gq[:, glob], gk, gv, pad_mask))
+            if qpad is not None:
+                qpad = qpad.index_fill(1, rows, False)  # global rows stay, padded or not
+        out = self._finish(out, qpad)
+        return out if cache is None else (out, new_cache)
+
+    def _position_table(self, p: Tensor) -> Tensor:
+        """The rows of the projected table ``p`` ``[1 or B, left + right + 1, H, D]`` that NeMo
+        adds for distances ``left .. -right`` (:func:`nemo_local_position_rows`; zero where
+        it adds none): ``p`` itself when ``left == right``."""
+        rows = nemo_local_position_rows(*self._window)
+        if rows == list(range(len(rows))):
+            return p
+        zero = p.shape[1]
+        index = torch.tensor([zero if i is None else i for i in rows], device=p.device)
+        return torch.cat([p, p.new_zeros(p[:, :1].shape)], 1).index_select(1, index)
+
+    def _global_rows(self, gq: Tensor, gk: Tensor, gv: Tensor,
+                     pad_mask: Optional[Tensor]) -> Tensor:
+        """The global frames' rows ``[B, G, H, D]``: softmax over the unpadded keys of
+        ``global_q . global_k / sqrt(d_k)``, weighting ``global_v`` (NeMo fills padded keys
+        with the dtype's lowest value, so a sequence with no unpadded key averages them all).
+
+        The queries are laid out as NeMo lays them out: it views the ``[B, G, H, D]`` global
+        queries as ``transpose(0, 1).reshape(B * H, G, D)`` against keys ``[B * H, T, D]``,
+        so for ``G > 1`` the row of global frame ``g`` in head ``h`` is scored with another
+        (frame, head)'s query vector. Reproduced here (the identity for ``G = 1``)."""
+        B, G, H, D = gq.shape
+        gq = gq.transpose(0, 1).reshape(B, H, G, D).transpose(1, 2)
+        s = torch.einsum("bghd,bjhd->bhgj", gq / self.s_d_k, gk)
+        if pad_mask is not None:
+            s = s.masked_fill(pad_mask[:, None, None, :], torch.finfo(s.dtype).min)
+        prob = self.dropout(torch.softmax(s, dim=-1))
+        return torch.einsum("bhgj,bjhd->bghd", prob, gv)
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, att_context_size={self.att_context_size}, "
+                f"global_tokens={self.global_tokens}, "
+                f"global_tokens_spacing={self.global_tokens_spacing}, "
+                f"global_attn_separate={self.global_attn_separate}")
+
+    @classmethod
+    def from_module(cls, module: nn.Module,
+                    **kwargs) -> "NeMoRelPositionMultiHeadAttentionLongformer":
+        """Wrap a NeMo ``RelPositionMultiHeadAttentionLongformer``: the new module shares its
+        linear layers (the global ones too) and biases (same Parameter objects) and copies
+        ``att_context_size``, the global-token settings, ``_max_cache_len``,
+        ``cache_drop_size``, dropout and training mode. ``kwargs`` go to the constructor
+        (``backend``)."""
+        n_feat = module.linear_q.in_features
+        separate = bool(getattr(module, "global_attn_separate", False))
+        with torch.device("meta"):
+            new = cls(module.h, n_feat, module.dropout.p, module.pos_bias_u, module.pos_bias_v,
+                      list(module.att_context_size),
+                      max_cache_len=getattr(module, "_max_cache_len", 0),
+                      global_tokens=module.global_tokens,
+                      global_tokens_spacing=module.global_tokens_spacing,
+                      global_attn_separate=separate,
+                      use_bias=module.linear_q.bias is not None, **kwargs)
+        new.cache_drop_size = getattr(module, "cache_drop_size", None) or 0
+        names = ("linear_q", "linear_k", "linear_v", "linear_out", "linear_pos")
+        if separate:
+            names += ("global_q", "global_k", "global_v")
+        return adopt(new, module, names)
 
 
 class ESPnetRelPositionMultiHeadedAttention(RelPosAttentionBase):

@@ -15,7 +15,8 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch.nn as nn
 
-from .conformer import ESPnetRelPositionMultiHeadedAttention, NeMoRelPositionMultiHeadAttention
+from .conformer import (ESPnetRelPositionMultiHeadedAttention, NeMoRelPositionMultiHeadAttention,
+                        NeMoRelPositionMultiHeadAttentionLongformer)
 from .gtrxl import DIEngineAttentionXL, RLlibRelativeMultiHeadAttention
 from .icefall import IcefallRelPositionMultiheadAttention
 from .parakeet import (FastSpeech2ConformerAttention, ParakeetEncoderAttention,
@@ -44,6 +45,10 @@ SWAP_TABLE: Dict[str, _Entry] = {
     "nemo.collections.asr.parts.submodules.multi_head_attention.RelPositionMultiHeadAttention":
         _Entry(NeMoRelPositionMultiHeadAttention, _CONFORMER_NEEDS,
                ("backend", "att_context_size")),
+    "nemo.collections.asr.parts.submodules.multi_head_attention."
+    "RelPositionMultiHeadAttentionLongformer":
+        _Entry(NeMoRelPositionMultiHeadAttentionLongformer,
+               _CONFORMER_NEEDS + ("att_context_size", "global_tokens", "global_tokens_spacing")),
     "espnet.nets.pytorch_backend.transformer.attention.RelPositionMultiHeadedAttention":
         _Entry(ESPnetRelPositionMultiHeadedAttention, _CONFORMER_NEEDS),
     # icefall runs recipes from their folder: the class lives in a top-level ``conformer``
@@ -109,14 +114,16 @@ def _convert(name: str, child: nn.Module, entry: _Entry, options: dict) -> nn.Mo
 def swap_rel_pos_attention(model: nn.Module, backend: str = "auto",
                            att_context_size: Optional[Sequence[int]] = None) -> int:
     """Replace, inside ``model``, every module whose class is a key of :data:`SWAP_TABLE`
-    (NeMo ``RelPositionMultiHeadAttention``, ESPnet ``RelPositionMultiHeadedAttention``, ...)
+    (NeMo ``RelPositionMultiHeadAttention`` and ``RelPositionMultiHeadAttentionLongformer``,
+    ESPnet ``RelPositionMultiHeadedAttention``, ...)
     by its drop-in, sharing the original's parameters (the drop-in's ``from_module``).
 
     Args:
         model: the model; modules are matched by full class path (module docstring).
         backend: ``rel_attention`` backend for every drop-in.
-        att_context_size: NeMo only: the window, e.g. ``encoder.att_context_size`` for a
-            ``"regular"`` style encoder.
+        att_context_size: NeMo's ``RelPositionMultiHeadAttention`` only: the window, e.g.
+            ``encoder.att_context_size`` for a ``"regular"`` style encoder (the Longformer
+            drop-in keeps its original's ``att_context_size``).
 
     Every match is converted before any is replaced, so an error leaves the model untouched.
     A module reached under several names (shared between parents, or held twice by one:
