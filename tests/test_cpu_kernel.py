@@ -379,6 +379,6 @@ def test_main_reports_and_checks_the_cpu_kernel(capsys):
     out = capsys.readouterr().out
     assert "cpu attention kernel" in out and "built: loaded" in out
     isa = torch.ops.txl_kernels.cpu_isa()
-    assert (f"cpu kernel ISA variant         {isa} (ATen's CPU capability: "
+    assert (f"{'cpu kernel ISA variant':<28} {isa} (ATen's CPU capability: "
             f"{torch.backends.cpu.get_cpu_capability()})") in out
     assert any(line.split()[:1] == ["cpu"] for line in out.splitlines())  # the layer check row
