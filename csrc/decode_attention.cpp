@@ -7,6 +7,7 @@
 
 #include <torch/library.h>
 
+#include "cpu_isa.h"
 #include "cpu_simd.h"
 #include "segment_memory.h"
 
@@ -22,7 +23,8 @@
 namespace txl_kernels {
 namespace {
 
-// The fp32 loops are also compiled for AVX2 + FMA and picked at load time (cpu_simd.h).
+// The fp32 loops are also compiled for AVX2 + FMA and for AVX-512, the variant picked at run
+// time from ATen's own choice (cpu_isa.h).
 
 template <typename T>
 using acc_t = std::conditional_t<std::is_same<T, double>::value, double, float>;
@@ -160,8 +162,9 @@ struct Job {
 };
 
 // The two streaming loops, over a range of (batch, key) rows. Plain loops that the compiler
-// vectorises; for fp32 on x86-64 with GCC they are also compiled for AVX2 + FMA and picked at
-// load time (target_clones), the default build targeting SSE2 only.
+// vectorises; for fp32 on x86-64 with GCC they are also compiled for AVX2 + FMA and for
+// AVX-512 and the variant is picked at run time (cpu_isa.h), the default build targeting SSE2
+// only.
 template <typename T, typename Q, typename S>
 TXL_ALWAYS_INLINE inline void scores_rows(const Job<T, Q, S>& J, int64_t i0, int64_t i1) {
   using A = acc_t<T>;
@@ -211,24 +214,38 @@ TXL_ALWAYS_INLINE inline void weighted_rows(const Job<T, Q, S>& J, int64_t b, ac
   }
 }
 
-// fp32 entry points, with AVX2 + FMA clones; fp64 calls the templates directly
-#define TXL_FP32_LOOPS(Q, S, NAME)                                                          \
-  TXL_CLONES void scores_##NAME(const Job<float, Q, S>& J, int64_t i0, int64_t i1) {        \
+// fp32 entry points, one per ISA variant, called through cpu_isa(); fp64 calls the templates
+// directly
+#define TXL_FP32_VARIANT(Q, S, NAME, ISA, ATTR)                                              \
+  ATTR void scores_##NAME##_##ISA(const Job<float, Q, S>& J, int64_t i0, int64_t i1) {        \
     scores_rows<float, Q, S>(J, i0, i1);                                                    \
   }                                                                                         \
-  TXL_CLONES void weighted_##NAME(const Job<float, Q, S>& J, int64_t b, float* acc) {       \
+  ATTR void weighted_##NAME##_##ISA(const Job<float, Q, S>& J, int64_t b, float* acc) {       \
     weighted_rows<float, Q, S>(J, b, acc);                                                  \
-  }                                                                                         \
+  }
+#define TXL_FP32_LOOPS(Q, S, NAME)                                                          \
+  TXL_FP32_VARIANT(Q, S, NAME, default, )                                                   \
+  TXL_FP32_VARIANT(Q, S, NAME, avx2, TXL_TARGET_AVX2)                                       \
+  TXL_FP32_VARIANT(Q, S, NAME, avx512, TXL_TARGET_AVX512)                                   \
   inline void scores_any(const Job<float, Q, S>& J, int64_t i0, int64_t i1) {               \
-    scores_##NAME(J, i0, i1);                                                               \
+    switch (cpu_isa()) {                                                                    \
+      case CpuIsa::kAvx512: return scores_##NAME##_avx512(J, i0, i1);                       \
+      case CpuIsa::kAvx2: return scores_##NAME##_avx2(J, i0, i1);                           \
+      default: return scores_##NAME##_default(J, i0, i1);                                   \
+    }                                                                                       \
   }                                                                                         \
   inline void weighted_any(const Job<float, Q, S>& J, int64_t b, float* acc) {              \
-    weighted_##NAME(J, b, acc);                                                             \
+    switch (cpu_isa()) {                                                                    \
+      case CpuIsa::kAvx512: return weighted_##NAME##_avx512(J, b, acc);                     \
+      case CpuIsa::kAvx2: return weighted_##NAME##_avx2(J, b, acc);                         \
+      default: return weighted_##NAME##_default(J, b, acc);                                 \
+    }                                                                                       \
   }
 TXL_FP32_LOOPS(int8_t, float, i8_f32)
 TXL_FP32_LOOPS(int8_t, c10::Half, i8_f16)
 TXL_FP32_LOOPS(c10::Float8_e4m3fn, float, f8_f32)
 TXL_FP32_LOOPS(c10::Float8_e4m3fn, c10::Half, f8_f16)
+#undef TXL_FP32_VARIANT
 #undef TXL_FP32_LOOPS
 
 template <typename Q, typename S>

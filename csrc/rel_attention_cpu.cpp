@@ -32,13 +32,15 @@
 // where torch exports no BLAS symbol. bf16 / fp16 tiles are converted to fp32 first (one tile
 // row per key, so the conversions cost 1 / m of the GEMMs); fp32 / fp64 tiles are read in place
 // through their row strides. The row loops (scale, max, exp, sums) are in cpu_simd.h's vector
-// types with AVX2 clones: at::vec compiles to its scalar fallback in an extension built for the
-// baseline ISA.
+// types, compiled for the baseline, AVX2 + FMA and AVX-512, the variant chosen at run time from
+// ATen's own choice (cpu_isa.h): at::vec compiles to its scalar fallback in an extension built
+// for the baseline ISA.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
+#include "cpu_isa.h"
 #include "cpu_simd.h"
 
 #include <algorithm>
@@ -118,7 +120,7 @@ void gemm_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T
   c.addmm_(a, b, beta == T(0) ? T(1) : beta, alpha);
 }
 
-// ---- row loops: generic, and for fp32 in vector types, compiled for AVX2 + FMA as well
+// ---- row loops: generic, and for fp32 in vector types, compiled per ISA variant (cpu_isa.h)
 
 template <typename T>
 T add_max(T* s, const T* t, int64_t n) {  // s += t; returns max(s)
@@ -171,17 +173,22 @@ void ds_row(T* dp, const T* p, int64_t n, T sc, T delta) {
 }
 
 #ifdef TXL_VEC8
-TXL_CLONES float add_max(float* s, const float* t, int64_t n) {
+// The fp32 row loops, written once over the vector type V (v8f, or v16f in the AVX-512
+// variant), compiled per ISA variant below and called through the variant's table.
+namespace rows {
+template <typename V>
+TXL_ALWAYS_INLINE inline float add_max(float* s, const float* t, int64_t n) {
+  constexpr int64_t W = sizeof(V) / sizeof(float);
   float m = -std::numeric_limits<float>::infinity();
   int64_t x = 0;
-  if (n >= 8) {
-    v8f mv = v8f{} + m;
-    for (; x + 8 <= n; x += 8) {
-      const v8f v = loadu8(s + x) + loadu8(t + x);
-      storeu8(s + x, v);
+  if (n >= W) {
+    V mv = V{} + m;
+    for (; x + W <= n; x += W) {
+      const V v = loadu<V>(s + x) + loadu<V>(t + x);
+      storeu(s + x, v);
       mv = v > mv ? v : mv;
     }
-    m = hmax8(mv);
+    m = hmax(mv);
   }
   for (; x < n; ++x) {
     s[x] += t[x];
@@ -189,52 +196,111 @@ TXL_CLONES float add_max(float* s, const float* t, int64_t n) {
   }
   return m;
 }
-TXL_CLONES float row_max(const float* s, int64_t n) {
+template <typename V>
+TXL_ALWAYS_INLINE inline float row_max(const float* s, int64_t n) {
+  constexpr int64_t W = sizeof(V) / sizeof(float);
   float m = -std::numeric_limits<float>::infinity();
   int64_t x = 0;
-  if (n >= 8) {
-    v8f mv = loadu8(s);
-    for (x = 8; x + 8 <= n; x += 8) {
-      const v8f v = loadu8(s + x);
+  if (n >= W) {
+    V mv = loadu<V>(s);
+    for (x = W; x + W <= n; x += W) {
+      const V v = loadu<V>(s + x);
       mv = v > mv ? v : mv;
     }
-    m = hmax8(mv);
+    m = hmax(mv);
   }
   for (; x < n; ++x) m = s[x] > m ? s[x] : m;
   return m;
 }
-TXL_CLONES float exp2_sum(float* s, int64_t n, float mx) {
-  v8f acc = {};
+template <typename V>
+TXL_ALWAYS_INLINE inline float exp2_sum(float* s, int64_t n, float mx) {
+  constexpr int64_t W = sizeof(V) / sizeof(float);
+  V acc = {};
   int64_t x = 0;
-  for (; x + 8 <= n; x += 8) {
-    const v8f e = exp2_8_nonpos(loadu8(s + x) - mx);
-    storeu8(s + x, e);
+  for (; x + W <= n; x += W) {
+    const V e = exp2_nonpos(loadu<V>(s + x) - mx);
+    storeu(s + x, e);
     acc += e;
   }
-  float sum = hsum8(acc);
+  float sum = hsum(acc);
   for (; x < n; ++x) {
     s[x] = std::exp2(s[x] - mx);
     sum += s[x];
   }
   return sum;
 }
-TXL_CLONES void mul_rows(float* s, const float* z, int64_t n) {
+TXL_ALWAYS_INLINE inline void mul_rows(float* s, const float* z, int64_t n) {
   for (int64_t x = 0; x < n; ++x) s[x] *= z[x];
 }
-TXL_CLONES void scale_row(float* s, float c, int64_t n) {
+TXL_ALWAYS_INLINE inline void scale_row(float* s, float c, int64_t n) {
   for (int64_t x = 0; x < n; ++x) s[x] *= c;
 }
-TXL_CLONES void add_row(float* s, const float* t, int64_t n) {
+TXL_ALWAYS_INLINE inline void add_row(float* s, const float* t, int64_t n) {
   for (int64_t x = 0; x < n; ++x) s[x] += t[x];
 }
-TXL_CLONES void exp_diff(float* s, int64_t n, float c) {
+template <typename V>
+TXL_ALWAYS_INLINE inline void exp_diff(float* s, int64_t n, float c) {
+  constexpr int64_t W = sizeof(V) / sizeof(float);
   const float l2e = static_cast<float>(kLog2e);
   int64_t x = 0;
-  for (; x + 8 <= n; x += 8) storeu8(s + x, exp2_8_nonpos((loadu8(s + x) - c) * l2e));
+  for (; x + W <= n; x += W) storeu(s + x, exp2_nonpos((loadu<V>(s + x) - c) * l2e));
   for (; x < n; ++x) s[x] = std::exp2((s[x] - c) * l2e);
 }
-TXL_CLONES void ds_row(float* dp, const float* p, int64_t n, float sc, float delta) {
+TXL_ALWAYS_INLINE inline void ds_row(float* dp, const float* p, int64_t n, float sc,
+                                     float delta) {
   for (int64_t x = 0; x < n; ++x) dp[x] = sc * (p[x] == 1.0f ? 0.0f : p[x]) * (dp[x] - delta);
+}
+
+struct Table {
+  float (*add_max)(float*, const float*, int64_t);
+  float (*row_max)(const float*, int64_t);
+  float (*exp2_sum)(float*, int64_t, float);
+  void (*mul_rows)(float*, const float*, int64_t);
+  void (*scale_row)(float*, float, int64_t);
+  void (*add_row)(float*, const float*, int64_t);
+  void (*exp_diff)(float*, int64_t, float);
+  void (*ds_row)(float*, const float*, int64_t, float, float);
+};
+
+// One ISA variant: the loops compiled under ATTR with vectors V, and its table.
+#define TXL_ROW_VARIANT(ISA, ATTR, V)                                                         \
+  namespace ISA {                                                                             \
+  ATTR float add_max(float* s, const float* t, int64_t n) { return rows::add_max<V>(s, t, n); } \
+  ATTR float row_max(const float* s, int64_t n) { return rows::row_max<V>(s, n); }            \
+  ATTR float exp2_sum(float* s, int64_t n, float mx) { return rows::exp2_sum<V>(s, n, mx); }  \
+  ATTR void mul_rows(float* s, const float* z, int64_t n) { rows::mul_rows(s, z, n); }        \
+  ATTR void scale_row(float* s, float c, int64_t n) { rows::scale_row(s, c, n); }             \
+  ATTR void add_row(float* s, const float* t, int64_t n) { rows::add_row(s, t, n); }          \
+  ATTR void exp_diff(float* s, int64_t n, float c) { rows::exp_diff<V>(s, n, c); }            \
+  ATTR void ds_row(float* dp, const float* p, int64_t n, float sc, float delta) {             \
+    rows::ds_row(dp, p, n, sc, delta);                                                        \
+  }                                                                                           \
+  constexpr Table kTable = {add_max, row_max, exp2_sum, mul_rows,                             \
+                            scale_row, add_row, exp_diff, ds_row};                            \
+  }
+TXL_ROW_VARIANT(isa_default, , v8f)
+TXL_ROW_VARIANT(isa_avx2, TXL_TARGET_AVX2, v8f)
+TXL_ROW_VARIANT(isa_avx512, TXL_TARGET_AVX512, v16f)
+#undef TXL_ROW_VARIANT
+
+// The table of the variant that cpu_isa() names (cpu_isa.h).
+inline const Table& table() {
+  static constexpr const Table* kTables[] = {&isa_default::kTable, &isa_avx2::kTable,
+                                             &isa_avx512::kTable};
+  return *kTables[static_cast<int>(cpu_isa())];
+}
+}  // namespace rows
+
+// The fp32 overloads of the row loops above (the templates serve fp64).
+inline float add_max(float* s, const float* t, int64_t n) { return rows::table().add_max(s, t, n); }
+inline float row_max(const float* s, int64_t n) { return rows::table().row_max(s, n); }
+inline float exp2_sum(float* s, int64_t n, float mx) { return rows::table().exp2_sum(s, n, mx); }
+inline void mul_rows(float* s, const float* z, int64_t n) { rows::table().mul_rows(s, z, n); }
+inline void scale_row(float* s, float c, int64_t n) { rows::table().scale_row(s, c, n); }
+inline void add_row(float* s, const float* t, int64_t n) { rows::table().add_row(s, t, n); }
+inline void exp_diff(float* s, int64_t n, float c) { rows::table().exp_diff(s, n, c); }
+inline void ds_row(float* dp, const float* p, int64_t n, float sc, float delta) {
+  rows::table().ds_row(dp, p, n, sc, delta);
 }
 #endif
 

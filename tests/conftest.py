@@ -33,3 +33,21 @@ def extension():
                         f"{st['log']}")
         pytest.skip(f"the C++ extension cannot be built here: {st['reason']}")
     return mod
+
+
+# The ISA variants of the CPU kernels' row code (docs/cpu.md, "ISA variants").
+CPU_ISAS = ["avx512", "avx2", "default"]
+
+
+@pytest.fixture(params=CPU_ISAS)
+def cpu_isa(request, extension):
+    """Runs a CPU-kernel test once per ISA variant of the kernels' row code that this machine
+    runs, forced with the test-only ``cpu_isa_override`` op (ATen's choice is restored after);
+    a variant this CPU cannot run is skipped with the reason."""
+    ops = torch.ops.txl_kernels
+    if request.param not in ops.cpu_isa_supported():
+        pytest.skip(f"this CPU cannot run the {request.param} variant "
+                    f"(it runs {ops.cpu_isa_supported()})")
+    assert ops.cpu_isa_override(request.param) == request.param
+    yield request.param
+    ops.cpu_isa_override("")

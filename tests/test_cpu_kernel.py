@@ -1,6 +1,8 @@
 """The fused CPU kernel (csrc/rel_attention_cpu.cpp, backend="cpu"): forward and every gradient
 against the float64 reference, every mask kind, odd sizes, dtypes, thread counts, dropout, the
-8-bit memory, the torch.library registrations and backend="auto" routing."""
+8-bit memory, the torch.library registrations and backend="auto" routing. The correctness
+tests run on every ISA variant of the row code that the machine runs (the cpu_isa fixture);
+the choice of the variant itself is tested at the end."""
 import pytest
 import torch
 
@@ -93,11 +95,11 @@ CASES = [  # (B, Lq, Lk, H, D, mask kind)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[-1]}-{c[1]}x{c[2]}-D{c[4]}" for c in CASES])
-def test_forward_and_gradients_match_float64_reference(case):
+def test_forward_and_gradients_match_float64_reference(case, cpu_isa):
     _check_all(*_run(*case))
 
 
-def test_fully_masked_rows_give_zero_output_and_zero_gradients():
+def test_fully_masked_rows_give_zero_output_and_zero_gradients(cpu_isa):
     ts, out, *_ = _run(2, 37, 53, 2, 16, "padding")
     assert torch.equal(out[-1], torch.zeros_like(out[-1]))  # batch 1: every key padded
     out[-1].sum().backward()
@@ -107,7 +109,7 @@ def test_fully_masked_rows_give_zero_output_and_zero_gradients():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_within_twice_the_error_of_torch(dtype):
+def test_low_precision_within_twice_the_error_of_torch(dtype, cpu_isa):
     _check_all(*_run(2, 37, 70, 2, 41, "causal", dtype=dtype))
     _check_all(*_run(1, 37, 53, 2, 24, "dense", dtype=dtype))
 
@@ -124,7 +126,7 @@ def test_float64_matches_reference_closely():
     (torch.float64, 1e20, 1.0, 1e-6), (torch.float32, 3e5, 1.0, 1e-2),
     (torch.float32, 300.0, 1.0, 1e-4), (torch.float64, None, 1e150, 1e-6),
     (torch.float64, 1.0, 1e150, 1e-6)])
-def test_saturated_softmax_backward_matches_reference(dtype, scale, magnitude, tol):
+def test_saturated_softmax_backward_matches_reference(dtype, scale, magnitude, tol, cpu_isa):
     """Issue #42 item 2: where the softmax saturates (one key takes all the weight) the
     backward recomputes P = 1 exactly and the row's dS is 0, as the reference's is: no NaN /
     inf, and no scale-amplified rounding of dP - rowsum(dO * O)."""
@@ -208,7 +210,7 @@ def test_kernel_runs_on_torch_intra_op_threads():
         torch.set_num_threads(threads)
 
 
-def test_8bit_memory_forward_matches_reference():
+def test_8bit_memory_forward_matches_reference(cpu_isa):
     B, Lq, M, H, D = 2, 13, 40, 2, 32
     g = torch.Generator().manual_seed(3)
     mk, mv = (torch.randn(B, M, H, D, generator=g) for _ in range(2))
@@ -237,7 +239,7 @@ def _auto(*args, **kw):
         return rel_attention(*args, backend="auto", **kw)
 
 
-def test_dropout_uses_the_triton_keep_mask_and_is_reproducible():
+def test_dropout_uses_the_triton_keep_mask_and_is_reproducible(cpu_isa):
     from txl_kernels.ops._common import dropout_keep_mask  # the Triton kernels' mask
 
     B, Lq, Lk, H, D, p = 2, 21, 50, 2, 16, 0.3
@@ -321,6 +323,54 @@ def test_auto_on_cpu_takes_the_cpu_kernel_and_falls_back_with_a_warning(monkeypa
         rel_attention(*ts, backend="cpu")
 
 
+def _isa_in_fresh_process(**env_extra):
+    """(ATen's CPU capability, the CPU kernel's ISA variant) in a fresh process with
+    ``env_extra`` set, after one call of the kernel."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    env.update(env_extra, PYTHONPATH=str(root))
+    code = ("import torch; from txl_kernels import rel_attention; "
+            "ts = [torch.randn(*s) for s in ((1, 9, 1, 8), (1, 9, 1, 8), (1, 9, 1, 8), "
+            "(17, 1, 8), (1, 8), (1, 8))]; rel_attention(*ts, backend='cpu'); "
+            "print(torch.backends.cpu.get_cpu_capability(), torch.ops.txl_kernels.cpu_isa())")
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return tuple(r.stdout.split()[-2:])
+
+
+@pytest.mark.parametrize("aten", [None, "default", "avx2", "avx512"])
+def test_isa_variant_is_atens_choice_in_a_fresh_process(aten, extension):
+    """The row code's variant is ATen's pick, the user's switch ATEN_CPU_CAPABILITY
+    included (read once per process): default selects the baseline, avx2 the AVX2 variant."""
+    supported = torch.ops.txl_kernels.cpu_isa_supported()
+    if aten is not None and aten not in supported:
+        pytest.skip(f"this CPU cannot run the {aten} variant (it runs {supported})")
+    cap, isa = _isa_in_fresh_process(**({} if aten is None else {"ATEN_CPU_CAPABILITY": aten}))
+    assert isa == cap.lower(), (cap, isa)
+    if aten is not None:
+        assert isa == aten
+
+
+def test_isa_override_forces_a_variant_and_names_a_bad_one(extension):
+    ops = torch.ops.txl_kernels
+    aten = ops.cpu_isa()
+    assert aten == torch.backends.cpu.get_cpu_capability().lower()
+    try:
+        assert ops.cpu_isa_override("default") == "default" == ops.cpu_isa()
+        with pytest.raises(ValueError, match='isa must be "avx512", "avx2", "default" or "" '
+                                             r'\(ATen\'s choice\), got "sse9"'):
+            ops.cpu_isa_override("sse9")
+        assert ops.cpu_isa() == "default"
+    finally:
+        assert ops.cpu_isa_override("") == aten
+
+
 @pytest.mark.slow  # the whole main job (layer check, LM report): about two minutes here
 def test_main_reports_and_checks_the_cpu_kernel(capsys):
     import txl_kernels.__main__ as main_mod
@@ -328,4 +378,7 @@ def test_main_reports_and_checks_the_cpu_kernel(capsys):
     assert main_mod.main([]) == 0
     out = capsys.readouterr().out
     assert "cpu attention kernel" in out and "built: loaded" in out
+    isa = torch.ops.txl_kernels.cpu_isa()
+    assert (f"{'cpu kernel ISA variant':<28} {isa} (ATen's CPU capability: "
+            f"{torch.backends.cpu.get_cpu_capability()})") in out
     assert any(line.split()[:1] == ["cpu"] for line in out.splitlines())  # the layer check row

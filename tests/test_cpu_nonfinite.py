@@ -41,11 +41,13 @@ def _poisoned(ts, where, value):
     return bad, zero
 
 
-def test_allowed_pair_with_a_nonfinite_value_stays_nonfinite():
+@pytest.mark.parametrize("dtype, Lk", [(torch.float64, 6), (torch.float32, 20)])
+def test_allowed_pair_with_a_nonfinite_value_stays_nonfinite(dtype, Lk, cpu_isa):
     """An allowed key whose v is NaN poisons the rows that attend it, even where its
-    probability underflows to 0 (0 * NaN), as the reference does."""
-    ts = _inputs(4, 6, 9, seed=6)
-    kpm = torch.zeros(1, 6, dtype=torch.bool)
+    probability underflows to 0 (0 * NaN), as the reference does. In fp32 on every ISA
+    variant of the row code, with rows long enough for its vector loops."""
+    ts = _inputs(4, Lk, Lk + 3, seed=6, dtype=dtype)
+    kpm = torch.zeros(1, Lk, dtype=torch.bool)
     kpm[0, 2] = True
     bad, _ = _poisoned(ts, [(2, (0, 4))], float("nan"))
     out, grads = _run("cpu", bad, causal=False, key_padding_mask=kpm)
@@ -110,7 +112,7 @@ def _decode_inputs(Lc, M=0, seed=9, dtype=torch.float64):
 
 @pytest.mark.parametrize("value", POISONS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_decode_attention_never_reads_slots_before_its_window(value, dtype):
+def test_decode_attention_never_reads_slots_before_its_window(value, dtype, cpu_isa):
     (q, k, v, r, u, vb), mem = _decode_inputs(7, M=4, dtype=dtype)
     lo = 6  # keys 0..5 excluded: memory rows 0..3 and cache rows 0..1
     attend = torch.ops.txl_kernels.decode_attention

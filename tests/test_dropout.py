@@ -166,7 +166,7 @@ def _assert_unbiased(outs, p, n):
 
 
 @pytest.mark.parametrize("p", UNBIASED_P)
-def test_cpu_backend_output_unbiased_over_seeds(p, extension):
+def test_cpu_backend_output_unbiased_over_seeds(p, extension, cpu_isa):
     """The C++ kernel: 4 seeds x 2^20 elements (enough for the old 0.26 % bias at p = 0.1)."""
     B, Lq, Lk, H = 2, 256, 1024, 2
     ts = _uniform_inputs(B, Lq, Lk, H)
@@ -193,7 +193,7 @@ def test_triton_forward_output_unbiased_over_seeds(p):
 
 
 @pytest.mark.parametrize("p", [0.001, 0.3, 0.5, 0.999])
-def test_cpu_kernel_drops_exactly_the_triton_mask(p, extension):
+def test_cpu_kernel_drops_exactly_the_triton_mask(p, extension, cpu_isa):
     """The C++ kernel's mask is dropout_keep_mask's bit for bit, dithered threshold included:
     with uniform P over Lk keys and v[j] the unit vector e_j, out[i, j] is keep[i, j] times
     the scale / Lk."""

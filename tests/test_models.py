@@ -735,7 +735,7 @@ def test_decode_matches_reference(lk, d, wl, splits, dtype, impl):
 @pytest.mark.parametrize("lk,d,wl,B,dtype", [
     (1, 16, -1, 2, torch.float32), (37, 41, -1, 2, torch.float32), (130, 16, 20, 3, torch.float32),
     (70, 32, 0, 1, torch.float32), (45, 41, 7, 2, torch.float64), (19, 8, -1, 1, torch.float64)])
-def test_decode_extension_matches_reference(lk, d, wl, B, dtype):
+def test_decode_extension_matches_reference(lk, d, wl, B, dtype, cpu_isa):
     """The C++ extension's CPU decode step (``decode_attention_cpu`` with extension_backend
     "extension": raises rather than fall back) against the einsum reference at Lq = 1, with
     the cache's seq-first strided keys / values and a strided position table; and equal to the
@@ -765,7 +765,7 @@ def test_decode_extension_matches_reference(lk, d, wl, B, dtype):
     (torch.float8_e4m3fn, torch.float32, torch.float32, 20, 3, 9),
     (torch.int8, torch.float16, torch.float64, 9, 1, 30),
     (torch.float8_e4m3fn, torch.float16, torch.float32, 1, 1, -1)])
-def test_decode_extension_8bit_memory(qdtype, sdtype, dtype, m, lc, wl):
+def test_decode_extension_8bit_memory(qdtype, sdtype, dtype, m, lc, wl, cpu_isa):
     """The C++ decode step with an 8-bit memory (read in 8 bits, dequantised in registers)
     against the dequantise-then-attend oracle (``QuantizedKV.dequantize`` + the einsum
     reference): only the arithmetic order may differ; and equal to the torch fallback that

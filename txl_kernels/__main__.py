@@ -283,6 +283,10 @@ def main(argv=None) -> int:
         from .cpu_kernel import cpu_kernel_available
         cpu_ok, why = (False, "--no-build") if args.no_build else cpu_kernel_available()
         _row("cpu attention kernel", ("built: " if cpu_ok else "not built: ") + why)
+        if cpu_ok:  # its row loops' ISA variant follows ATen's choice (docs/cpu.md)
+            aten = torch.backends.cpu.get_cpu_capability()
+            _row("cpu kernel ISA variant",
+                 f"{torch.ops.txl_kernels.cpu_isa()} (ATen's CPU capability: {aten})")
 
     shape = SHAPES["cuda" if device.type == "cuda" else "cpu"]
     qlen, mlen, bsz = shape["qlen"], shape["mlen"], shape["bsz"]

@@ -13,6 +13,8 @@ the extension that :mod:`txl_kernels._build` compiles registers them, and they a
                      v_scale?) -> Tensor                                          (CPU only)
     decode_layer(x, weights..., Tensor(a!) keys, Tensor(b!) values, r, u, vb, scale, lo,
                  k_mem?, k_scale?, v_mem?, v_scale?) -> Tensor                    (CPU only)
+    cpu_isa() -> str, cpu_isa_supported() -> str[], cpu_isa_override(str isa) -> str
+        the CPU kernels' ISA variant (docs/cpu.md, "ISA variants"); no tensors, no fakes
 
 The fake (meta) implementations below give their outputs' shapes and dtypes without running
 them, so ``torch.compile`` traces through them and ``torch.library.opcheck`` checks them like
