@@ -42,6 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._export import onnx_exporting
 from .._utils import check_values
 from ..functional import BACKENDS, mask_to_band
 from ..reference import rel_shift
@@ -249,6 +250,11 @@ class _HFRelPosAttention(RelPosAttentionBase):
         no [T, T] tensor. [B, T, H, D]. With ``cp_group`` the sums over the keys run over
         every rank's keys (a differentiable all-reduce: every rank takes this path)."""
         T = k.shape[1]
+        if self.cp_group is None and (onnx_exporting() or not torch.is_grad_enabled() or not any(
+                t.requires_grad for t in (q, k, v, self.pos_bias_u))):
+            # No gradient recorded (inference, or an ONNX graph, which has none): the value
+            # alone, without the [D, D] products that only carry the gradient.
+            return (v.sum(dim=1) / T)[:, None]
         qu = q + self.pos_bias_u.to(q.dtype)
         sums = [torch.einsum("bjhd,bjhe->bhde", k, v.detach()), k.sum(dim=1), v.sum(dim=1)]
         if self.cp_group is not None:
