@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ._export import refuse_context_parallel
 from ._utils import (FUSED_DTYPES, FUSED_MAX_HEADDIM, FUSED_MIN_HEADDIM, check_same,
                      interpreting, no_interpreter_reason)
 from .functional import (BACKENDS, check_deterministic, check_dropout_p, check_padding_mask,
@@ -678,6 +679,7 @@ def context_parallel_rel_attention(
     scores at a time.
     """
     name = "context_parallel_rel_attention"
+    refuse_context_parallel(name)
     # Every argument is checked on this rank before anything is communicated, with
     # rel_attention's checks; the verdicts travel with the first collective (the lengths'
     # all_gather), so a call that one rank rejects raises on every rank and leaves no

@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from .._export import refuse_context_parallel
 from .._utils import describe
 from ..functional import BACKENDS, rel_attention
 from ._dropin import adopt, check_key_padding_mask
@@ -48,6 +49,8 @@ class RelPosAttentionBase(nn.Module):
     def _global_len(self, n: int, device) -> int:
         """The sum of ``n`` over ``cp_group`` (all-gathered)."""
         import torch.distributed as dist
+
+        refuse_context_parallel(self._NAME)  # the first collective of the ring's callers
 
         t = torch.tensor([n], dtype=torch.int64,
                          device=device if dist.get_backend(self.cp_group) == "nccl" else "cpu")
