@@ -1,11 +1,12 @@
 """What ``rel_attention`` does while ``torch.onnx.export`` traces a model (both exporters).
 
-The ONNX lowering is the reference path (``reference.rel_attention_reference``): two MatMuls
-for the content and position scores, the relative shift as Pad / Reshape / Slice, the masks
-as comparisons of index ranges and Where, Softmax, a MatMul with the values. While an ONNX
-export traces (:func:`onnx_exporting`), ``rel_attention`` runs that path whatever its
-``backend``, so neither fused op (``txl_kernels::rel_attn_cpu_fwd``, ``txl_kernels::rel_attn_fwd``)
-reaches the graph and the exporter writes the reference's aten ops as standard ONNX
+The ONNX lowering is :func:`onnx_rel_attention`: the reference path's math
+(``reference.rel_attention_reference``) written for ONNX Runtime: MatMuls for the content and
+position scores, the relative shift as Pad / Reshape / Slice (``reference.rel_shift``), the
+masks as comparisons of index ranges and Where (``reference.allowed_pairs``), Softmax, a
+MatMul with the values. While an ONNX export traces (:func:`onnx_exporting`), ``rel_attention``
+runs it whatever its ``backend``, so neither fused op (``txl_kernels::rel_attn_cpu_fwd``,
+``txl_kernels::rel_attn_fwd``) reaches the graph and the exporter writes standard ONNX
 operators. The user passes nothing: ``torch.onnx.export(model, args)`` works with
 ``dynamo=False`` (the TorchScript exporter, e.g. NeMo's export at opset 17) and ``dynamo=True``
 (torch.export, then onnxscript's torchlib). One definition of the math serves both exporters,
@@ -29,9 +30,10 @@ import sys
 import torch
 
 from ._utils import assume_constant_result
+from .reference import allowed_pairs, mask_scores, rel_shift
 
 __all__ = ["onnx_exporting", "OnnxExportUnsupported", "check_onnx_exportable",
-           "refuse_context_parallel"]
+           "refuse_context_parallel", "onnx_rel_attention"]
 
 ROUTE = "torch.onnx.export"
 
@@ -81,3 +83,45 @@ def check_onnx_exportable(dropout_p: float, memory) -> None:
             "rel_attention: an 8-bit memory (memory=QuantizedKV)",
             "export with the memory dequantised in front of k / v (memory.dequantize() "
             "concatenated with k and v along the time axis, memory=None)")
+
+
+def onnx_rel_attention(q, k, v, r, r_w_bias, r_r_bias, softmax_scale: float, window_left: int,
+                       window_right: int, key_padding_mask=None, attn_mask=None,
+                       attn_mask_band=None):
+    """The reference's forward (``rel_attention_reference`` without dropout), in the form
+    ONNX Runtime runs as fast as the original Conformers' exported attention
+    (benchmarks/onnx_encoder.py): arguments as normalised by ``rel_attention``.
+
+    * The products are MatMuls on ``[B, H, T, D]`` views: ONNX Runtime's Einsum is slower on
+      the ``[B, H, Lq, R]`` position term than its MatMul.
+    * Non-finite k / v / r rows as in the reference (an allowed pair that uses one gets a NaN
+      score, which poisons its query row; an excluded pair reaches nothing), computed on the
+      rows, not on the scores: ``z = x * 0`` is 0 on finite entries and NaN elsewhere, so
+      ``x + z.sum(-1)`` is ``x`` on finite rows and NaN across a non-finite one, and the
+      products give a NaN score exactly where the reference adds its NaN; v enters ``P @ V``
+      with its non-finite entries zeroed (``where(z == 0, v, 0)``), so a probability of 0
+      times an inf value cannot leak. No ``nan_to_num`` (its ONNX form casts to fp64) and no
+      pass over the ``Lq x Lk`` scores.
+    * The scale multiplies ``q + bias`` ([B, Lq, H, D]) rather than the scores.
+    * The masks' passes (Where, the fully masked rows' Where and Mul) are written only when
+      there is a mask or a window.
+    """
+    lq, lk = q.shape[1], k.shape[1]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    zk, zv, zr = k * 0, v * 0, r * 0
+    k_rows = (k + (zk.sum(dim=-1, keepdim=True) + zv.sum(dim=-1, keepdim=True))).to(acc)
+    r_rows = (r + zr.sum(dim=-1, keepdim=True)).to(acc)
+    qu = ((q + r_w_bias).to(acc) * softmax_scale).transpose(1, 2)    # [B, H, Lq, D]
+    qv = ((q + r_r_bias).to(acc) * softmax_scale).transpose(1, 2)
+    scores = torch.matmul(qu, k_rows.permute(0, 2, 3, 1)) \
+        + rel_shift(torch.matmul(qv, r_rows.permute(1, 2, 0)), lk)    # [B, H, Lq, Lk]
+    if window_left >= 0 or window_right >= 0 or key_padding_mask is not None \
+            or attn_mask is not None:
+        allowed = allowed_pairs(lq, lk, window_left, window_right, key_padding_mask, attn_mask,
+                                q.device, attn_mask_band)
+        scores, row_has_key = mask_scores(scores, allowed)
+        prob = torch.softmax(scores, dim=-1) * row_has_key
+    else:
+        prob = torch.softmax(scores, dim=-1)
+    v_finite = torch.where(zv == 0, v, zv.new_zeros(())).transpose(1, 2)
+    return torch.matmul(prob.to(v.dtype), v_finite).transpose(1, 2).to(q.dtype)

@@ -17,7 +17,7 @@ from ._utils import (FUSED_DTYPES, FUSED_MAX_HEADDIM, FUSED_MIN_HEADDIM, REF_DTY
                      no_interpreter_reason)
 from .quant import QUANT_DTYPES, SCALE_DTYPES, QuantizedKV
 from . import selfcheck
-from ._export import check_onnx_exportable, onnx_exporting
+from ._export import check_onnx_exportable, onnx_exporting, onnx_rel_attention
 from .reference import autocast_dtype, in_band, pair_distance, rel_attention_reference
 
 __all__ = ["rel_attention", "fused_available", "mask_to_band", "BACKENDS"]
@@ -484,11 +484,11 @@ def rel_attention(
         check_position_rows(Lq, Lk, r.shape[0], wl, wr)
 
     if onnx_exporting():
-        # torch.onnx.export (either exporter) traces the reference path: it is the ONNX
-        # lowering of every backend (txl_kernels/_export.py)
+        # torch.onnx.export (either exporter) traces the reference's math in its ONNX form:
+        # the lowering of every backend (txl_kernels/_export.py)
         check_onnx_exportable(dropout_p, memory)
-        return _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                          attn_mask_band, 0.0, None)
+        return onnx_rel_attention(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm,
+                                  mask, attn_mask_band)
 
     if backend == "cpu" or (backend == "auto" and q.device.type == "cpu"
                             and not fused_available(q.device)[0]):
