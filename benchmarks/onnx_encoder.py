@@ -303,8 +303,9 @@ def parse_args(argv=None):
     ap.add_argument("--layers", type=int, default=2, help="Conformer blocks (default 2)")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--backend", default="reference",
-                    help="rel_attention backend of the swapped drop-in at export time")
+    ap.add_argument("--backend", default="auto",
+                    help="rel_attention backend of the swapped drop-in (default auto; an ONNX "
+                         "export traces the reference path whatever the backend)")
     ap.add_argument("--mask", action="store_true",
                     help="export with the attention_mask input (all frames valid)")
     ap.add_argument("--quick", action="store_true",
