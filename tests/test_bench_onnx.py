@@ -42,7 +42,7 @@ def test_quick_run_exports_checks_and_reports(tmp_path, capsys):
 
 def test_table_marks_points_over_the_target():
     args = onnx_encoder.parse_args(["--quick"])
-    ok = dict(status="ok", T=38, peak_bytes=2 ** 30)
+    ok = dict(status="ok", T=38, peak_bytes=2 ** 30, cpu_seconds=1.0)
     points = {(0.05, 1, "original"): [dict(ok, seconds=1.0), dict(ok, seconds=3.0)],
               (0.05, 1, "swapped"): [dict(ok, seconds=1.2), dict(ok, seconds=1.0)],
               (0.1, 1, "original"): [dict(ok, seconds=1.0)],
@@ -51,6 +51,6 @@ def test_table_marks_points_over_the_target():
               (0.2, 1, "swapped"): [dict(status="failed", reason="exit 1: boom")]}
     text, over = onnx_encoder.table(points, {0.05: 1e-6}, args)
     # medians: 2.0 vs 1.1 (yes), 1.0 vs 1.2 (over), and a failed point counts as not met
-    assert "| 3 s | 38 | 1 | 2.000 | 1.100 | 0.550 | 1.00 | 1.00 | 1.0e-06 | yes |" in text
+    assert "| 3 s | 38 | 1 | 2.000 | 1.100 | 0.550 | 1.000 | 1.00 | 1.00 | 1.0e-06 | yes |" in text
     assert "| 1.200 |" in text and "| NO |" in text and "exit 1: boom" in text
     assert over == [(0.1, 1, pytest.approx(1.2)), (0.2, 1, None)]
