@@ -88,3 +88,23 @@ def test_nonfinite_rows_as_the_reference(tmp_path):
     got, want = _run(sess, x, True), _reference(m, x, True)
     assert want.isnan().any() and not want[:, :4].isnan().any()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_dynamo_exporter_runs_the_same_lowering(tmp_path):
+    """``torch.onnx.export(dynamo=True)`` writes the same operators (no Einsum, no custom op)
+    and ONNX Runtime matches the reference at lengths not used at export."""
+    m = _Attn(True).eval()
+    T = torch.export.Dim("T", min=2, max=4096)
+    prog = torch.onnx.export(m, _inputs(6), dynamo=True,
+                             dynamic_shapes=({1: T}, {1: T}, {1: T}, {0: 2 * T - 1}, {1: T}))
+    prog.save(str(tmp_path / "a.onnx"))
+    graph = onnx.load(str(tmp_path / "a.onnx")).graph
+    assert {n.domain for n in graph.node} <= {"", "ai.onnx"}
+    assert "Einsum" not in {n.op_type for n in graph.node}
+    sess = ort.InferenceSession(str(tmp_path / "a.onnx"), providers=["CPUExecutionProvider"])
+    names = [i.name for i in sess.get_inputs()]
+    for t in (5, 11):
+        x = _inputs(t)
+        got = sess.run(None, dict(zip(names, (a.numpy() for a in x))))[0]
+        torch.testing.assert_close(torch.from_numpy(got), _reference(m, x, True), rtol=1e-5,
+                                   atol=1e-5)
