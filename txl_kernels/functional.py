@@ -263,8 +263,10 @@ def mask_to_band(attn_mask: torch.Tensor) -> torch.Tensor:
     d = pair_distance(lq, lk, attn_mask.device)
     allowed = ~attn_mask
     big = lk + lq
-    d_max = torch.where(allowed, d, -big).amax()   # -big when nothing is allowed
-    d_min = torch.where(allowed, d, big).amin()    # +big when nothing is allowed
+    # max() / min() over all dims (aten.max.default): the dynamo=True ONNX exporter has no
+    # translation of amax / amin without dims
+    d_max = torch.where(allowed, d, -big).max()   # -big when nothing is allowed
+    d_min = torch.where(allowed, d, big).min()    # +big when nothing is allowed
     left = d_max.clamp(-lq, lk - 1)
     right = (-d_min).clamp(-lk, lq - 1)
     is_band = (allowed == in_band(d, left, right)).all()
@@ -485,10 +487,15 @@ def rel_attention(
 
     if onnx_exporting():
         # torch.onnx.export (either exporter) traces the reference's math in its ONNX form:
-        # the lowering of every backend (txl_kernels/_export.py)
+        # the lowering of every backend (txl_kernels/_export.py). The window is the unclamped
+        # one: the clamp to the traced lengths would be a constant of the export's lengths
+        # (dynamo=False) or a symbolic bound (dynamo=True), where the ints allow the same
+        # pairs at every length. attn_mask_band only lets the fused kernels skip reading the
+        # mask (same result): the graph reads attn_mask.
         check_onnx_exportable(dropout_p, memory)
+        wl, wr = check_window(causal, window_size)
         return onnx_rel_attention(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm,
-                                  mask, attn_mask_band)
+                                  mask, None)
 
     if backend == "cpu" or (backend == "auto" and q.device.type == "cpu"
                             and not fused_available(q.device)[0]):

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from .._export import refuse_context_parallel
+from .._export import onnx_exporting, refuse_context_parallel
 from .._utils import describe
 from ..functional import BACKENDS, rel_attention
 from ._dropin import adopt, check_key_padding_mask
@@ -158,15 +158,19 @@ class RelPosAttentionBase(nn.Module):
             return self._attend_context_parallel(q, k, v, p, u, vb, kpm, attn_mask, window,
                                                  zero_triu, drop)
 
-        def call(qq, kk, vv, rr, kp, am):
-            return rel_attention(qq, kk, vv, rr, u, vb, causal=False, window_size=window,
+        def call(qq, kk, vv, rr, kp, am, bu=u, bv=vb, band=attn_mask_band):
+            return rel_attention(qq, kk, vv, rr, bu, bv, causal=False, window_size=window,
                                  key_padding_mask=kp, attn_mask=am,
-                                 attn_mask_band=None if am is None else attn_mask_band,
+                                 attn_mask_band=None if am is None else band,
                                  softmax_scale=1.0 / self.s_d_k, dropout_p=drop,
                                  backend=self.backend)
 
         if r.shape[0] == 1:
             return call(q, k, v, r[0], kpm, attn_mask)
+        if onnx_exporting():
+            # One table per sequence in a graph whose batch size is dynamic: the batch folded
+            # into the heads, one call (the same pairs and sums as the loop below).
+            return self._attend_folded(q, k, v, r, u, vb, kpm, attn_mask, call)
         # One position table per sequence: r has no batch axis, so run sequence by sequence.
         outs = []
         for b in range(B):
@@ -176,6 +180,25 @@ class RelPosAttentionBase(nn.Module):
             outs.append(call(q[b:b + 1], k[b:b + 1], v[b:b + 1], r[b],
                              None if kpm is None else kpm[b:b + 1], am))
         return torch.cat(outs, 0)
+
+    def _attend_folded(self, q, k, v, r, u, vb, kpm, attn_mask, call) -> Tensor:
+        """``call`` on ``[1, L, B * H, D]`` tensors, r ``[B, R, H, D]`` as ``[R, B * H, D]``,
+        the biases repeated per sequence and the masks as one ``[1, B * H, Lq | 1, Lk]``
+        mask; back to ``[B, Lq, H, D]``."""
+        B, Lq, H, D = q.shape
+        Lk = k.shape[1]
+
+        def fold(t):
+            return t.transpose(0, 1).reshape(1, t.shape[1], B * H, D)
+
+        masked = None if kpm is None else kpm[:, None, None, :]
+        if attn_mask is not None:
+            masked = attn_mask if masked is None else masked | attn_mask
+        if masked is not None:
+            masked = masked.expand(B, H, masked.shape[2], Lk).reshape(1, B * H, -1, Lk)
+        out = call(fold(q), fold(k), fold(v), r.transpose(0, 1).reshape(-1, B * H, D), None,
+                   masked, u.repeat(B, 1), vb.repeat(B, 1), None)
+        return out.reshape(Lq, B, H, D).transpose(0, 1)
 
     def _attend_context_parallel(self, q, k, v, p, u, vb, kpm, attn_mask, window, zero_triu,
                                  drop) -> Tensor:
