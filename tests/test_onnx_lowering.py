@@ -108,3 +108,38 @@ def test_dynamo_exporter_runs_the_same_lowering(tmp_path):
         got = sess.run(None, dict(zip(names, (a.numpy() for a in x))))[0]
         torch.testing.assert_close(torch.from_numpy(got), _reference(m, x, True), rtol=1e-5,
                                    atol=1e-5)
+
+
+class _Banded(torch.nn.Module):
+    """A [T, T] mask shared by the batch and the heads (built from the length, as encoders
+    build limited-context masks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = _Attn(False)
+
+    def forward(self, q, k, v, r):
+        t = torch.arange(q.shape[1])
+        far = (t[:, None] - t[None, :]).abs() > 2
+        return rel_attention(q, k, v, r, self.inner.u, self.inner.vb, causal=False,
+                             attn_mask=far)
+
+
+def test_a_shared_mask_is_not_copied_per_head(tmp_path):
+    """The mask reaches the scores by broadcasting: no Expand of it to [B, H, Lq, Lk] (ONNX
+    Runtime would materialise it and run the mask's passes once per head)."""
+    m = _Banded().eval()
+    dyn = {"q": {1: "T"}, "k": {1: "T"}, "v": {1: "T"}, "r": {0: "R"}}
+    torch.onnx.export(m, _inputs(6)[:4], str(tmp_path / "a.onnx"), dynamo=False,
+                      opset_version=17, input_names=list(dyn), output_names=["out"],
+                      dynamic_axes=dyn)
+    assert "Expand" not in {n.op_type for n in onnx.load(str(tmp_path / "a.onnx")).graph.node}
+    sess = ort.InferenceSession(str(tmp_path / "a.onnx"), providers=["CPUExecutionProvider"])
+    for t in (5, 11):
+        q, k, v, r, _ = _inputs(t)
+        got = sess.run(None, dict(zip(dyn, (a.numpy() for a in (q, k, v, r)))))[0]
+        ti = torch.arange(t)
+        want = rel_attention_reference(q, k, v, r, m.inner.u.detach(), m.inner.vb.detach(),
+                                       D ** -0.5, -1, -1, None,
+                                       (ti[:, None] - ti[None, :]).abs() > 2)
+        torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-5, atol=1e-5)

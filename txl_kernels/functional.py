@@ -491,11 +491,12 @@ def rel_attention(
         # one: the clamp to the traced lengths would be a constant of the export's lengths
         # (dynamo=False) or a symbolic bound (dynamo=True), where the ints allow the same
         # pairs at every length. attn_mask_band only lets the fused kernels skip reading the
-        # mask (same result): the graph reads attn_mask.
+        # mask (same result): the graph reads attn_mask, as given (checked above; broadcast
+        # where it is used, so no [B, H, Lq, Lk] copy of a mask shared by the heads).
         check_onnx_exportable(dropout_p, memory)
         wl, wr = check_window(causal, window_size)
         return onnx_rel_attention(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm,
-                                  mask, None)
+                                  attn_mask, None)
 
     if backend == "cpu" or (backend == "auto" and q.device.type == "cpu"
                             and not fused_available(q.device)[0]):
