@@ -30,6 +30,7 @@ from typing import List, Optional, Sequence, Set
 import torch
 
 from . import _build
+from ._export import register_onnx_symbolics
 from ._utils import assume_constant_result
 
 __all__ = ["load_extension", "unavailable", "use_extension", "warn_fallback",
@@ -158,4 +159,5 @@ def _register_fakes() -> None:
                        ("decode_layer", _decode_layer_fake)):
         if hasattr(torch.ops.txl_kernels, name):  # a build without the op: nothing to fake
             torch.library.register_fake(f"txl_kernels::{name}", fake)
+    register_onnx_symbolics()  # rel_attn_cpu_fwd called directly, exported by dynamo=False
     _FAKES_REGISTERED = True

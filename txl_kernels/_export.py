@@ -14,10 +14,13 @@ and every shape in it is computed from the inputs' (symbolic) shapes: dynamic ba
 axes, no position table or ``Lq x Lk`` constant fixed at export.
 
 Why a route and not a per-op translation: the ``dynamo=True`` exporter reads translations of
-custom ops only from its ``custom_translation_table`` argument (torch 2.14 has no public
-global registry; ``torch.onnx.ops`` only emits custom-domain nodes), so a translation would
-need an argument from every user. ``torch.onnx.is_in_onnx_export()`` is True while either
-exporter traces, which is where this route is taken.
+custom ops only from its ``custom_translation_table`` argument (torch 2.14 builds its
+registry from torchlib at each export and has no public global registration;
+``torch.onnx.ops`` only emits custom-domain nodes), so a translation would need an argument
+from every user. ``torch.onnx.is_in_onnx_export()`` is True while either exporter traces,
+which is where this route is taken. Where a fused op can still reach a graph (a model that
+calls it directly), :func:`register_onnx_symbolics` gives the dynamo=False exporter its
+symbolic, the same math in ONNX operators.
 
 Features without an ONNX form raise :class:`OnnxExportUnsupported` (a ``RuntimeError``)
 naming the feature and the route: attention dropout in training, an 8-bit memory
@@ -30,10 +33,9 @@ import sys
 import torch
 
 from ._utils import assume_constant_result
-from .reference import allowed_pairs, mask_scores, rel_shift
 
 __all__ = ["onnx_exporting", "OnnxExportUnsupported", "check_onnx_exportable",
-           "refuse_context_parallel", "onnx_rel_attention"]
+           "refuse_context_parallel", "onnx_rel_attention", "register_onnx_symbolics"]
 
 ROUTE = "torch.onnx.export"
 
@@ -106,6 +108,8 @@ def onnx_rel_attention(q, k, v, r, r_w_bias, r_r_bias, softmax_scale: float, win
     * The masks' passes (Where, the fully masked rows' Where and Mul) are written only when
       there is a mask or a window.
     """
+    from .reference import allowed_pairs, mask_scores, rel_shift  # it imports this module
+
     lq, lk = q.shape[1], k.shape[1]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     zk, zv, zr = k * 0, v * 0, r * 0
@@ -125,3 +129,117 @@ def onnx_rel_attention(q, k, v, r, r_w_bias, r_r_bias, softmax_scale: float, win
         prob = torch.softmax(scores, dim=-1)
     v_finite = torch.where(zv == 0, v, zv.new_zeros(())).transpose(1, 2)
     return torch.matmul(prob.to(v.dtype), v_finite).transpose(1, 2).to(q.dtype)
+
+
+# -- the fused ops in a TorchScript exporter graph -----------------------------------------
+# A model that calls a fused op itself (``torch.ops.txl_kernels.rel_attn_cpu_fwd``, not
+# through rel_attention) puts the op in the dynamo=False exporter's graph: there a symbolic
+# per op writes the same reference math with ONNX operators, registered for opset 13
+# (ReduceMax with an ``axes`` attribute) and 18 (``axes`` an input) by
+# :func:`register_onnx_symbolics`, and so for every opset from 13 on.
+
+_FUSED_OPS = ("txl_kernels::rel_attn_cpu_fwd", "txl_kernels::rel_attn_fwd")
+
+
+def _rel_attn_symbolic(opset: int):
+    def symbolic(g, q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
+                 key_padding_mask, attn_mask, attn_mask_band=None, dropout_p=None,
+                 dropout_seed=None, mem_k=None, *rest):
+        from torch.onnx import symbolic_helper as sh
+
+        def const(x, kind):
+            return sh._maybe_get_const(x, kind)
+
+        def given(x):
+            return x is not None and not sh._is_none(x)
+
+        if (given(mem_k) or (given(dropout_p) and const(dropout_p, "f") > 0.0)):
+            raise OnnxExportUnsupported(
+                "txl_kernels fused op: an 8-bit memory or attention dropout cannot be "
+                f"exported by {ROUTE}; trace the model in eval mode without memory=QuantizedKV")
+
+        def i64(*vals):
+            return g.op("Constant", value_t=torch.tensor(vals, dtype=torch.int64))
+
+        def dim(x, axis):  # x.shape[axis] as int64 [1]
+            return g.op("Gather", g.op("Shape", x), i64(axis), axis_i=0)
+
+        def reduce_max(x):  # over the last axis, kept
+            if opset >= 18:
+                return g.op("ReduceMax", x, i64(-1), keepdims_i=1)
+            return g.op("ReduceMax", x, axes_i=[-1], keepdims_i=1)
+
+        scale = const(softmax_scale, "f")
+        wl, wr = int(const(window_left, "i")), int(const(window_right, "i"))
+        # scores: (q + u) k^T and the shifted (q + v) r^T, [B, H, Lq, Lk] / [B, H, Lq, R]
+        qu = g.op("Transpose", g.op("Add", q, r_w_bias), perm_i=[0, 2, 1, 3])
+        qv = g.op("Transpose", g.op("Add", q, r_r_bias), perm_i=[0, 2, 1, 3])
+        ac = g.op("MatMul", qu, g.op("Transpose", k, perm_i=[0, 2, 3, 1]))
+        bdt = g.op("MatMul", qv, g.op("Transpose", r, perm_i=[1, 2, 0]))
+        lq, lk, rlen = dim(q, 1), dim(k, 1), dim(r, 0)
+        batch, heads = dim(q, 0), dim(q, 2)
+        one = i64(1)
+        # rel_shift (reference.rel_shift): pad the position axis to W = Lk + Lq, flatten,
+        # read Lq rows of W - 1 from offset Lq - 1, keep Lk columns
+        width = g.op("Add", lk, lq)
+        pads = g.op("Concat", i64(0, 0, 0, 0, 0, 0, 0), g.op("Sub", width, rlen), axis_i=0)
+        flat = g.op("Reshape", g.op("Pad", bdt, pads),
+                    g.op("Concat", batch, heads, g.op("Mul", lq, width), axis_i=0))
+        start = g.op("Sub", lq, one)
+        wm1 = g.op("Sub", width, one)
+        rows = g.op("Slice", flat, start, g.op("Add", start, g.op("Mul", lq, wm1)), i64(2))
+        bd = g.op("Slice", g.op("Reshape", rows, g.op("Concat", batch, heads, lq, wm1,
+                                                      axis_i=0)),
+                  i64(0), lk, i64(3))
+        scores = g.op("Mul", g.op("Add", ac, bd),
+                      g.op("Constant", value_t=torch.tensor(scale, dtype=torch.float32)))
+        # allowed pairs: d = (i + Lk - Lq) - j within the window, key not padded, not masked
+        zero = i64(0)
+        i = g.op("Unsqueeze", g.op("Range", zero, g.op("Squeeze", lq, zero), one), i64(1))
+        j = g.op("Range", zero, g.op("Squeeze", lk, zero), one)
+        d = g.op("Sub", g.op("Add", i, g.op("Squeeze", g.op("Sub", lk, lq), zero)), j)
+        allowed = g.op("Constant", value_t=torch.tensor(True))
+        if wl >= 0:
+            allowed = g.op("And", allowed, g.op("LessOrEqual", d, i64(wl)))
+        if wr >= 0:
+            allowed = g.op("And", allowed, g.op("LessOrEqual", g.op("Neg", d), i64(wr)))
+        if given(key_padding_mask):
+            kpm = g.op("Unsqueeze", key_padding_mask, i64(1, 2))
+            allowed = g.op("And", allowed, g.op("Not", kpm))
+        if given(attn_mask):
+            allowed = g.op("And", allowed, g.op("Not", attn_mask))
+        allowed = g.op("And", allowed, g.op("Constant", value_t=torch.ones(
+            1, 1, 1, 1, dtype=torch.bool)))
+        allowed = g.op("Expand", allowed, g.op("Shape", scores))
+        row_has = g.op("Cast", reduce_max(g.op("Cast", allowed, to_i=1)), to_i=9)
+        ninf = g.op("Constant", value_t=torch.tensor(float("-inf")))
+        masked = g.op("Where", allowed, scores, ninf)
+        safe = g.op("Where", row_has, masked, g.op("Constant", value_t=torch.tensor(0.0)))
+        prob = g.op("Mul", g.op("Softmax", safe, axis_i=-1), g.op("Cast", row_has, to_i=1))
+        out = g.op("MatMul", prob, g.op("Transpose", v, perm_i=[0, 2, 1, 3]))
+        out = g.op("Transpose", out, perm_i=[0, 2, 1, 3])
+        # the op's second output, the row log-sum-exp [B, H, Lq] (+inf for empty rows)
+        lse = g.op("Add", g.op("Log", g.op("ReduceSum", g.op("Exp", g.op(
+            "Sub", safe, reduce_max(safe))), i64(-1), keepdims_i=1)), reduce_max(safe))
+        lse = g.op("Where", row_has, lse, g.op("Constant", value_t=torch.tensor(float("inf"))))
+        return out, g.op("Squeeze", lse, i64(-1))
+
+    return symbolic
+
+
+_SYMBOLICS_REGISTERED = False
+
+
+def register_onnx_symbolics() -> None:
+    """Register the fused ops' symbolics with the dynamo=False exporter, once (imports
+    ``torch.onnx``; called where the ops are defined: the extension's load, the Triton ops'
+    module)."""
+    global _SYMBOLICS_REGISTERED
+    if _SYMBOLICS_REGISTERED:
+        return
+    from torch.onnx import register_custom_op_symbolic
+
+    for name in _FUSED_OPS:
+        for opset in (13, 18):
+            register_custom_op_symbolic(name, _rel_attn_symbolic(opset), opset)
+    _SYMBOLICS_REGISTERED = True

@@ -391,7 +391,10 @@ def rel_attention(
             kernel for CPU tensors, docs/cpu.md: any dtype and head dim, deterministic; built
             with the extension on first use) or ``"auto"`` (the Triton kernel where it can
             run; else, on CPU tensors, the C++ kernel, or the reference with a one-time
-            warning when the extension cannot be built; else the reference).
+            warning when the extension cannot be built; else the reference). While
+            ``torch.onnx.export`` traces (either exporter), every backend runs the reference's
+            math in its ONNX form, the lowering (``_export.onnx_rel_attention``); dropout, an
+            8-bit memory and context parallelism then raise ``OnnxExportUnsupported``.
         deterministic: fused backward only. False (default, as in FlashAttention): the
             gradient of r (and, for fp16 / bf16 on sm_80 .. sm_90, of q) is accumulated with
             fp32 atomics in whatever order they arrive (run-to-run bit differences). True:

@@ -173,9 +173,10 @@ class DIEngineAttentionXL(nn.Module):
     ``(full_seq, 1, input_dim)`` (distances ``full_seq - 1`` down to 0), u / v ``[head_num,
     head_dim]``, mask ``(cur_seq, full_seq, 1)`` bool, True = masked. The mask must mask every
     key after its query (the model's causal ``triu(ones, 1 + prev_seq)``; checked, one host
-    sync, as the original's ``mask.any().item()``): for such keys the original reads
-    wrapped-around position scores, which have no meaning. The mask reaches the kernel with its
-    band descriptor (the causal mask is a band: no mask is read).
+    sync, as the original's ``mask.any().item()``; not while ``torch.onnx.export`` traces,
+    where the mask is a graph input): for such keys the original reads wrapped-around
+    position scores, which have no meaning. The mask reaches the kernel with its band
+    descriptor (the causal mask is a band: no mask is read).
     """
 
     _NAME = "DIEngineAttentionXL"

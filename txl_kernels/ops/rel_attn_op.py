@@ -22,6 +22,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .._export import register_onnx_symbolics
 from .._utils import no_second_derivative
 from ..quant import QuantizedKV
 from .rel_attn_bwd import rel_attn_bwd
@@ -144,6 +145,7 @@ def _backward(ctx, dout, dlse):
 
 
 _rel_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+register_onnx_symbolics()  # the op called directly, exported by dynamo=False
 
 
 class _RelAttnFunction(torch.autograd.Function):
