@@ -1,6 +1,8 @@
 """The ONNX lowering of ``rel_attention`` (txl_kernels/_export.py): a graph ONNX Runtime runs
 as fast as the original Conformers' exported attention (benchmarks/onnx_encoder.py) and the
 reference's results, non-finite rows included."""
+import json
+
 import pytest
 import torch
 
@@ -143,3 +145,25 @@ def test_a_shared_mask_is_not_copied_per_head(tmp_path):
                                        D ** -0.5, -1, -1, None,
                                        (ti[:, None] - ti[None, :]).abs() > 2)
         torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["no_mask", "key_padding"])
+def test_passes_over_the_scores(masked, tmp_path):
+    """The nodes ONNX Runtime runs on [B, H, Lq, Lk] tensors (graph optimisations off, so
+    the exported graph as it is): AC's MatMul, the rel_shift's last Slice, AC + BD, the
+    Softmax and, with a mask, one Where."""
+    _export(masked, tmp_path / "a.onnx")
+    so = ort.SessionOptions()
+    so.enable_profiling = True
+    so.profile_file_prefix = str(tmp_path / "profile")
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(str(tmp_path / "a.onnx"), so,
+                                providers=["CPUExecutionProvider"])
+    _run(sess, _inputs(11), masked)
+    with open(sess.end_profiling()) as f:
+        events = json.load(f)
+    full = sorted(e["args"]["op_name"] for e in events
+                  if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")
+                  and [2, H, 11, 11] in [list(t.values())[0]
+                                         for t in e["args"].get("output_type_shape", [])])
+    assert full == ["Add", "MatMul", "Slice", "Softmax"] + (["Where"] if masked else [])

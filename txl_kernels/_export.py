@@ -105,10 +105,11 @@ def onnx_rel_attention(q, k, v, r, r_w_bias, r_r_bias, softmax_scale: float, win
       times an inf value cannot leak. No ``nan_to_num`` (its ONNX form casts to fp64) and no
       pass over the ``Lq x Lk`` scores.
     * The scale multiplies ``q + bias`` ([B, Lq, H, D]) rather than the scores.
-    * The masks' passes (Where, the fully masked rows' Where and Mul) are written only when
-      there is a mask or a window.
+    * The masks take one pass over the scores (a Where; the rows without an allowed key are
+      zeroed on the ``[B, H, Lq, D]`` output), written only when there is a mask or a
+      window; without one the scores see the sum of the products and the Softmax only.
     """
-    from .reference import allowed_pairs, mask_scores, rel_shift  # it imports this module
+    from .reference import allowed_pairs, rel_shift  # it imports this module
 
     lq, lk = q.shape[1], k.shape[1]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -123,12 +124,23 @@ def onnx_rel_attention(q, k, v, r, r_w_bias, r_r_bias, softmax_scale: float, win
             or attn_mask is not None:
         allowed = allowed_pairs(lq, lk, window_left, window_right, key_padding_mask, attn_mask,
                                 q.device, attn_mask_band)
-        scores, row_has_key = mask_scores(scores, allowed)
-        prob = torch.softmax(scores, dim=-1) * row_has_key
+        row_has_key = allowed.any(dim=-1, keepdim=True)                # [B|1, 1|H, Lq, 1]
+        # one pass over the scores: excluded pairs at -inf, and every pair of a row without
+        # an allowed key at 0 (its softmax is then finite, and its output row is multiplied
+        # by 0 below: exactly 0, as the reference)
+        fill = torch.where(row_has_key, scores.new_full((), float("-inf")),
+                           scores.new_zeros(()))
+        scores = torch.where(allowed, scores, fill)
     else:
-        prob = torch.softmax(scores, dim=-1)
+        row_has_key = None
     v_finite = torch.where(zv == 0, v, zv.new_zeros(())).transpose(1, 2)
-    return torch.matmul(prob.to(v.dtype), v_finite).transpose(1, 2).to(q.dtype)
+    prob = torch.softmax(scores, dim=-1)
+    if prob.dtype != v.dtype:  # a traced .to() is a Cast node even to the same dtype
+        prob = prob.to(v.dtype)
+    out = torch.matmul(prob, v_finite)                                 # [B, H, Lq, D]
+    if row_has_key is not None:
+        out = out * row_has_key
+    return out.transpose(1, 2).to(q.dtype)
 
 
 # -- the fused ops in a TorchScript exporter graph -----------------------------------------

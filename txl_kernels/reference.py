@@ -19,7 +19,7 @@ from ._export import onnx_exporting
 
 __all__ = ["rel_shift", "rel_shift_pad_reshape", "rel_attention_reference", "allowed_pairs",
            "pair_distance", "in_window", "in_band", "autocast_dtype", "finite_or_zero",
-           "row_poison", "mask_scores"]
+           "row_poison"]
 
 
 def rel_shift_pad_reshape(x: torch.Tensor) -> torch.Tensor:
@@ -153,16 +153,6 @@ def allowed_pairs(
     return allowed
 
 
-def mask_scores(scores: Tensor, allowed: Tensor):
-    """-> (``scores`` with the pairs ``allowed`` excludes at -inf, ``row_has_key``
-    ``[..., Lq, 1]``). Rows without any allowed key get scores of 0: their softmax, multiplied
-    by ``row_has_key``, is then exactly 0, and so are the output and every gradient (no NaN
-    from -inf - -inf)."""
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    row_has_key = allowed.any(dim=-1, keepdim=True)
-    return torch.where(row_has_key, scores, scores.new_zeros(())), row_has_key
-
-
 def rel_attention_reference(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
                             r_r_bias: Tensor, softmax_scale: float, window_left: int,
                             window_right: int, key_padding_mask: Optional[Tensor] = None,
@@ -235,7 +225,11 @@ def _rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wind
 
     allowed = allowed_pairs(lq, lk, window_left, window_right, key_padding_mask, attn_mask,
                             q.device, attn_mask_band)
-    scores, row_has_key = mask_scores(scores, allowed)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    row_has_key = allowed.any(dim=-1, keepdim=True)
+    # Rows without any allowed key: softmax over zeros, then multiplied by 0, so the output
+    # and every gradient are exactly 0 (no NaN from -inf - -inf).
+    scores = torch.where(row_has_key, scores, scores.new_zeros(()))
     prob = torch.softmax(scores, dim=-1) * row_has_key
     if dropout_p > 0.0 and dropout_mask is not None:
         prob = prob * dropout_mask / (1.0 - dropout_p)
