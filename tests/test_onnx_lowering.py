@@ -1,6 +1,6 @@
-"""The ONNX lowering of ``rel_attention`` (txl_kernels/_export.py): a graph ONNX Runtime runs
-as fast as the original Conformers' exported attention (benchmarks/onnx_encoder.py) and the
-reference's results, non-finite rows included."""
+"""The ONNX lowering of ``rel_attention`` (txl_kernels/_onnx_lowering.py): a graph ONNX
+Runtime runs as fast as the original Conformers' exported attention (benchmarks/onnx_encoder.py)
+and the reference's results, non-finite rows included."""
 import json
 
 import pytest

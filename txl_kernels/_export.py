@@ -1,7 +1,7 @@
 """What ``rel_attention`` does while ``torch.onnx.export`` traces a model (both exporters).
 
-The ONNX lowering is :func:`onnx_rel_attention`: the reference path's math
-(``reference.rel_attention_reference``) written for ONNX Runtime: MatMuls for the content and
+The ONNX lowering is ``_onnx_lowering.onnx_rel_attention``: the reference path's math
+(``reference.rel_attention_reference``) written for ONNX Runtime, MatMuls for the content and
 position scores, the relative shift as Pad / Reshape / Slice (``reference.rel_shift``), the
 masks as comparisons of index ranges and Where (``reference.allowed_pairs``), Softmax, a
 MatMul with the values. While an ONNX export traces (:func:`onnx_exporting`), ``rel_attention``
@@ -35,7 +35,7 @@ import torch
 from ._utils import assume_constant_result
 
 __all__ = ["onnx_exporting", "OnnxExportUnsupported", "check_onnx_exportable",
-           "refuse_context_parallel", "onnx_rel_attention", "register_onnx_symbolics"]
+           "refuse_context_parallel", "register_onnx_symbolics"]
 
 ROUTE = "torch.onnx.export"
 
@@ -85,62 +85,6 @@ def check_onnx_exportable(dropout_p: float, memory) -> None:
             "rel_attention: an 8-bit memory (memory=QuantizedKV)",
             "export with the memory dequantised in front of k / v (memory.dequantize() "
             "concatenated with k and v along the time axis, memory=None)")
-
-
-def onnx_rel_attention(q, k, v, r, r_w_bias, r_r_bias, softmax_scale: float, window_left: int,
-                       window_right: int, key_padding_mask=None, attn_mask=None,
-                       attn_mask_band=None):
-    """The reference's forward (``rel_attention_reference`` without dropout), in the form
-    ONNX Runtime runs as fast as the original Conformers' exported attention
-    (benchmarks/onnx_encoder.py): arguments as normalised by ``rel_attention``.
-
-    * The products are MatMuls on ``[B, H, T, D]`` views: ONNX Runtime's Einsum is slower on
-      the ``[B, H, Lq, R]`` position term than its MatMul.
-    * Non-finite k / v / r rows as in the reference (an allowed pair that uses one gets a NaN
-      score, which poisons its query row; an excluded pair reaches nothing), computed on the
-      rows, not on the scores: ``z = x * 0`` is 0 on finite entries and NaN elsewhere, so
-      ``x + z.sum(-1)`` is ``x`` on finite rows and NaN across a non-finite one, and the
-      products give a NaN score exactly where the reference adds its NaN; v enters ``P @ V``
-      with its non-finite entries zeroed (``where(z == 0, v, 0)``), so a probability of 0
-      times an inf value cannot leak. No ``nan_to_num`` (its ONNX form casts to fp64) and no
-      pass over the ``Lq x Lk`` scores.
-    * The scale multiplies ``q + bias`` ([B, Lq, H, D]) rather than the scores.
-    * The masks take one pass over the scores (a Where; the rows without an allowed key are
-      zeroed on the ``[B, H, Lq, D]`` output), written only when there is a mask or a
-      window; without one the scores see the sum of the products and the Softmax only.
-    """
-    from .reference import allowed_pairs, rel_shift  # it imports this module
-
-    lq, lk = q.shape[1], k.shape[1]
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    zk, zv, zr = k * 0, v * 0, r * 0
-    k_rows = (k + (zk.sum(dim=-1, keepdim=True) + zv.sum(dim=-1, keepdim=True))).to(acc)
-    r_rows = (r + zr.sum(dim=-1, keepdim=True)).to(acc)
-    qu = ((q + r_w_bias).to(acc) * softmax_scale).transpose(1, 2)    # [B, H, Lq, D]
-    qv = ((q + r_r_bias).to(acc) * softmax_scale).transpose(1, 2)
-    scores = torch.matmul(qu, k_rows.permute(0, 2, 3, 1)) \
-        + rel_shift(torch.matmul(qv, r_rows.permute(1, 2, 0)), lk)    # [B, H, Lq, Lk]
-    if window_left >= 0 or window_right >= 0 or key_padding_mask is not None \
-            or attn_mask is not None:
-        allowed = allowed_pairs(lq, lk, window_left, window_right, key_padding_mask, attn_mask,
-                                q.device, attn_mask_band)
-        row_has_key = allowed.any(dim=-1, keepdim=True)                # [B|1, 1|H, Lq, 1]
-        # one pass over the scores: excluded pairs at -inf, and every pair of a row without
-        # an allowed key at 0 (its softmax is then finite, and its output row is multiplied
-        # by 0 below: exactly 0, as the reference)
-        fill = torch.where(row_has_key, scores.new_full((), float("-inf")),
-                           scores.new_zeros(()))
-        scores = torch.where(allowed, scores, fill)
-    else:
-        row_has_key = None
-    v_finite = torch.where(zv == 0, v, zv.new_zeros(())).transpose(1, 2)
-    prob = torch.softmax(scores, dim=-1)
-    if prob.dtype != v.dtype:  # a traced .to() is a Cast node even to the same dtype
-        prob = prob.to(v.dtype)
-    out = torch.matmul(prob, v_finite)                                 # [B, H, Lq, D]
-    if row_has_key is not None:
-        out = out * row_has_key
-    return out.transpose(1, 2).to(q.dtype)
 
 
 # -- the fused ops in a TorchScript exporter graph -----------------------------------------

@@ -17,7 +17,8 @@ from ._utils import (FUSED_DTYPES, FUSED_MAX_HEADDIM, FUSED_MIN_HEADDIM, REF_DTY
                      no_interpreter_reason)
 from .quant import QUANT_DTYPES, SCALE_DTYPES, QuantizedKV
 from . import selfcheck
-from ._export import check_onnx_exportable, onnx_exporting, onnx_rel_attention
+from ._export import check_onnx_exportable, onnx_exporting
+from ._onnx_lowering import onnx_rel_attention
 from .reference import autocast_dtype, in_band, pair_distance, rel_attention_reference
 
 __all__ = ["rel_attention", "fused_available", "mask_to_band", "BACKENDS"]
@@ -393,8 +394,8 @@ def rel_attention(
             run; else, on CPU tensors, the C++ kernel, or the reference with a one-time
             warning when the extension cannot be built; else the reference). While
             ``torch.onnx.export`` traces (either exporter), every backend runs the reference's
-            math in its ONNX form, the lowering (``_export.onnx_rel_attention``); dropout, an
-            8-bit memory and context parallelism then raise ``OnnxExportUnsupported``.
+            math in its ONNX form (``_onnx_lowering.onnx_rel_attention``); dropout, an 8-bit
+            memory and context parallelism then raise ``OnnxExportUnsupported``.
         deterministic: fused backward only. False (default, as in FlashAttention): the
             gradient of r (and, for fp16 / bf16 on sm_80 .. sm_90, of q) is accumulated with
             fp32 atomics in whatever order they arrive (run-to-run bit differences). True:
