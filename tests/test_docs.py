@@ -5,7 +5,8 @@ whose names it uses (in file order: later blocks build on earlier ones). What an
 from the reader's own program (their model, encoder, data: names no block defines) is made
 here, small, by the block's entry in ``SETUPS``; an entry whose block is gone fails the test,
 so the table follows the documents. A block is skipped, with the reason, when it imports a
-framework that is not installed or builds on a block that is skipped. The examples choose the
+framework that is not installed or builds on a block that is skipped. Blocks that take tens of
+seconds (``SLOW``) run with the slow tests. The examples choose the
 GPU when there is one and the CPU otherwise; on the CPU they run as on a reader's machine,
 without the test suite's Triton interpreter (the C++ kernel, or the reference path).
 """
@@ -203,6 +204,10 @@ SETUPS: Dict[Tuple[str, str], Tuple[Callable, Optional[Callable]]] = {
     ("docs/distributed.md", "attn.cp_group = group"): (_cp_parakeet, _check_cp_parakeet),
 }
 
+# (file, a line of the block): blocks that take tens of seconds (an AOTInductor compile), marked
+# slow (run with `pytest -m slow`)
+SLOW = {("docs/export.md", "aoti_compile_and_package(")}
+
 BLOCKS = [b for path in FILES for b in python_blocks(path)]
 
 
@@ -214,9 +219,15 @@ def _setup_of(block: Block):
 
 
 def test_every_setup_matches_one_block():
-    for path, needle in SETUPS:
-        n = sum(b.path == path and needle in b.code for b in BLOCKS)
-        assert n == 1, f"SETUPS entry ({path!r}, {needle!r}) matches {n} blocks, not 1"
+    for table, entries in (("SETUPS", SETUPS), ("SLOW", SLOW)):
+        for path, needle in entries:
+            n = sum(b.path == path and needle in b.code for b in BLOCKS)
+            assert n == 1, f"{table} entry ({path!r}, {needle!r}) matches {n} blocks, not 1"
+
+
+def _param(block: Block):
+    slow = any(path == block.path and needle in block.code for path, needle in SLOW)
+    return pytest.param(block, id=block.where, marks=[pytest.mark.slow] if slow else [])
 
 
 def _skip_reason(block: Block, chain: List[Block]) -> Optional[str]:
@@ -244,7 +255,7 @@ def _chain(block: Block) -> List[Block]:
     return chain
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=[b.where for b in BLOCKS])
+@pytest.mark.parametrize("block", [_param(b) for b in BLOCKS])
 def test_doc_example_runs(block, monkeypatch, tmp_path):
     chain = _chain(block)
     reason = _skip_reason(block, chain)

@@ -1,13 +1,13 @@
 """What ``rel_attention`` does while ``torch.onnx.export`` traces a model (both exporters).
 
-The ONNX lowering is the reference path (``reference.rel_attention_reference``): two MatMuls
-for the content and position scores (its einsums, written as matmuls while an export
-traces: ONNX Runtime's Einsum is several times slower), the relative shift as Pad / Reshape /
-Slice, the masks as comparisons of index ranges and Where, Softmax, a MatMul with the
-values. While an ONNX export traces (:func:`onnx_exporting`), ``rel_attention`` runs that
-path whatever its ``backend``, so neither fused op (``txl_kernels::rel_attn_cpu_fwd``,
-``txl_kernels::rel_attn_fwd``) reaches the graph and the exporter writes the reference's aten
-ops as standard ONNX operators. The user passes nothing: ``torch.onnx.export(model, args)`` works with
+The ONNX lowering is ``_onnx_lowering.onnx_rel_attention``: the reference path's math
+(``reference.rel_attention_reference``) written for ONNX Runtime, MatMuls for the content and
+position scores, the relative shift as Pad / Reshape / Slice (``reference.rel_shift``), the
+masks as comparisons of index ranges and Where (``reference.allowed_pairs``), Softmax, a
+MatMul with the values. While an ONNX export traces (:func:`onnx_exporting`), ``rel_attention``
+runs it whatever its ``backend``, so neither fused op (``txl_kernels::rel_attn_cpu_fwd``,
+``txl_kernels::rel_attn_fwd``) reaches the graph and the exporter writes standard ONNX
+operators. The user passes nothing: ``torch.onnx.export(model, args)`` works with
 ``dynamo=False`` (the TorchScript exporter, e.g. NeMo's export at opset 17) and ``dynamo=True``
 (torch.export, then onnxscript's torchlib). One definition of the math serves both exporters,
 and every shape in it is computed from the inputs' (symbolic) shapes: dynamic batch and time

@@ -18,6 +18,7 @@ from ._utils import (FUSED_DTYPES, FUSED_MAX_HEADDIM, FUSED_MIN_HEADDIM, REF_DTY
 from .quant import QUANT_DTYPES, SCALE_DTYPES, QuantizedKV
 from . import selfcheck
 from ._export import check_jit_recordable, check_onnx_exportable, export_route, onnx_exporting
+from ._onnx_lowering import onnx_rel_attention
 from .reference import autocast_dtype, in_band, pair_distance, rel_attention_reference
 
 __all__ = ["rel_attention", "fused_available", "mask_to_band", "BACKENDS"]
@@ -439,9 +440,9 @@ def rel_attention(
             with the extension on first use) or ``"auto"`` (the Triton kernel where it can
             run; else, on CPU tensors, the C++ kernel, or the reference with a one-time
             warning when the extension cannot be built; else the reference). While
-            ``torch.onnx.export`` traces (either exporter), every backend runs the reference
-            path, the ONNX lowering (``txl_kernels/_export.py``); dropout, an 8-bit memory
-            and context parallelism then raise ``ExportUnsupported``.
+            ``torch.onnx.export`` traces (either exporter), every backend runs the reference's
+            math in its ONNX form (``_onnx_lowering.onnx_rel_attention``); dropout, an 8-bit
+            memory and context parallelism then raise ``ExportUnsupported``.
         deterministic: fused backward only. False (default, as in FlashAttention): the
             gradient of r (and, for fp16 / bf16 on sm_80 .. sm_90, of q) is accumulated with
             fp32 atomics in whatever order they arrive (run-to-run bit differences). True:
@@ -561,16 +562,20 @@ def rel_attention(
         r_first_distance = clamp_first_distance(Lq, Lk, r.shape[0], r_first_distance)
 
     if onnx_exporting():
-        # torch.onnx.export (either exporter) traces the reference path: it is the ONNX
-        # lowering of every backend (txl_kernels/_export.py). The window is the unclamped
+        # torch.onnx.export (either exporter) traces the reference's math in its ONNX form:
+        # the lowering of every backend (txl_kernels/_export.py). The window is the unclamped
         # one: the clamp to the traced lengths would be a constant of the export's lengths
         # (dynamo=False) or a symbolic bound (dynamo=True), where the ints allow the same
         # pairs at every length. attn_mask_band only lets the fused kernels skip reading the
-        # mask (same result): the graph reads attn_mask.
+        # mask (same result): the graph reads attn_mask, as given (checked above; broadcast
+        # where it is used, so no [B, H, Lq, Lk] copy of a mask shared by the heads).
         check_onnx_exportable(dropout_p, memory)
         wl, wr = check_window(causal, window_size)
-        return _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                          None, 0.0, None, r_first_distance, extra)
+        if extra is not None:  # the extra keys' columns: the reference's form
+            return _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
+                              None, 0.0, None, r_first_distance, extra)
+        return onnx_rel_attention(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm,
+                                  attn_mask, None, r_first_distance)
 
     if backend == "cpu" or (backend == "auto" and q.device.type == "cpu"
                             and not fused_available(q.device)[0]):

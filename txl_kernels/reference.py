@@ -15,7 +15,6 @@ import torch
 from torch import Tensor
 import torch.nn.functional as F
 
-from ._export import onnx_exporting
 
 __all__ = ["rel_shift", "rel_shift_pad_reshape", "rel_attention_reference", "allowed_pairs",
            "pair_distance", "in_window", "in_band", "autocast_dtype", "finite_or_zero",
@@ -66,23 +65,6 @@ def rel_shift(bdt: torch.Tensor, klen: int, first_distance: Optional[int] = None
     flat = flat.reshape(lead + [qlen * width])
     rows = flat[..., qlen - 1:qlen - 1 + qlen * (width - 1)]
     return rows.reshape(lead + [qlen, width - 1])[..., :klen]
-
-
-# The reference's three products as transposes and a (broadcast) matmul: what they are
-# exported as while torch.onnx.export traces (ONNX Runtime runs its Einsum operator several
-# times slower than MatMul).
-_AS_MATMUL = {
-    "bihd,bjhd->bhij": lambda a, b: a.transpose(1, 2) @ b.permute(0, 2, 3, 1),
-    "bihd,phd->bhip": lambda a, b: a.transpose(1, 2) @ b.permute(1, 2, 0),
-    "bhij,bjhd->bihd": lambda a, b: (a @ b.transpose(1, 2)).transpose(1, 2),
-}
-
-
-def _product(equation: str, a: Tensor, b: Tensor) -> Tensor:
-    """``torch.einsum(equation, a, b)``; MatMul in an ONNX export (``_AS_MATMUL``)."""
-    if onnx_exporting():
-        return _AS_MATMUL[equation](a, b)
-    return torch.einsum(equation, a, b)
 
 
 def finite_or_zero(x: torch.Tensor) -> torch.Tensor:
@@ -238,9 +220,9 @@ def _rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wind
     rr_head_q = (q + r_r_bias).to(acc_dtype)
     # Non-finite k / v / r rows: zeroed in the products, NaN added to the scores of the pairs
     # that use them (a no-op, + 0, on finite inputs; in place: no second score tensor)
-    ac = _product("bihd,bjhd->bhij", rw_head_q, finite_or_zero(k).to(acc_dtype))
+    ac = torch.einsum("bihd,bjhd->bhij", rw_head_q, finite_or_zero(k).to(acc_dtype))
     ac += (row_poison(k, acc_dtype) + row_poison(v, acc_dtype)).transpose(1, 2)[:, :, None]
-    bdt = _product("bihd,phd->bhip", rr_head_q, finite_or_zero(r).to(acc_dtype))
+    bdt = torch.einsum("bihd,phd->bhip", rr_head_q, finite_or_zero(r).to(acc_dtype))
     bdt += row_poison(r, acc_dtype).t()[None, :, None]  # [B, H, Lq, R]
     bd = rel_shift(bdt, lk, r_first_distance)
     scores = (ac + bd) * softmax_scale
@@ -265,7 +247,7 @@ def _rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wind
         prob = prob * dropout_mask / (1.0 - dropout_p)
     elif dropout_p > 0.0:
         prob = F.dropout(prob, p=dropout_p, training=True)
-    out = _product("bhij,bjhd->bihd", prob.to(v.dtype), finite_or_zero(v)).to(q.dtype)
+    out = torch.einsum("bhij,bjhd->bihd", prob.to(v.dtype), finite_or_zero(v)).to(q.dtype)
     if not return_lse:
         return out
     lse = torch.logsumexp(scores.detach(), dim=-1)
