@@ -702,3 +702,26 @@ def test_export_refuses_context_parallelism_and_the_kv_cache():
     with pytest.raises(tk.ExportUnsupported, match="MemTransformerLM: the K/V cache .* cannot "
                                                    "be recorded by torch.export"):
         torch.export.export(Cached(), _lm_inputs(2, 1, 0)[:2])
+
+
+@pytest.mark.parametrize("global_tokens", [0, 1])
+def test_export_nemo_longformer_dynamic(request, global_tokens):
+    """NeMo's local attention drop-in (band with the left + right + 1 row table, global
+    tokens joined in one softmax) exports with dynamic batch and length on the CPU kernel
+    and equals eager at other shapes."""
+    _backend(request, "cpu")
+    torch.manual_seed(0)
+    lf = tk.NeMoRelPositionMultiHeadAttentionLongformer(
+        2, F_, 0.0, None, None, att_context_size=[3, 2], global_tokens=global_tokens,
+        backend="cpu")
+    m = _Call(lf, lambda m, x, p, kpm: m(x, x, x, kpm, p)).eval()
+
+    def make(B, T, _):
+        g = torch.Generator().manual_seed(10 * B + T)
+        kpm = torch.zeros(B, T, dtype=torch.bool)
+        kpm[-1, T - 2:] = True
+        return torch.randn(B, T, F_, generator=g), torch.randn(1, 6, F_, generator=g), kpm
+
+    B, T, _ = _dims()
+    _export_matches_eager(m, make, (({0: B, 1: T}, None, {0: B, 1: T}),), (2, 11, 0),
+                          [(3, 5, 0), (1, 17, 0)], "cpu")

@@ -361,6 +361,25 @@ def fastspeech2_case():
             lambda t, b: _seq_pos_pad(t, b, 7), ("x", "pos_emb", "padding"), _conformer_axes())
 
 
+def nemo_longformer_case(global_tokens=0):
+    """NeMo's local attention (att_context_size [3, 2]): a position table of the
+    left + right + 1 local offsets (static), global tokens joined in the same softmax."""
+    from txl_kernels import NeMoRelPositionMultiHeadAttentionLongformer
+
+    m = _randomize(NeMoRelPositionMultiHeadAttentionLongformer(
+        H, F, 0.0, None, None, att_context_size=[3, 2], global_tokens=global_tokens,
+        backend="cpu"))
+
+    def make(t, b):
+        x, _, pad = _seq_pos_pad(t, b, 13)
+        return x, torch.randn(1, 6, F, generator=_gen(t + b)), pad
+
+    axes = _conformer_axes()
+    del axes["pos_emb"]
+    return (Adapter3(m, lambda m, x, pos, pad: m(x, x, x, pad, pos)).eval(), make,
+            ("x", "pos_emb", "padding"), axes)
+
+
 DROPINS = {
     "nemo": nemo_case, "nemo_per_sequence_tables": nemo_per_sequence_tables_case,
     "espnet": espnet_case, "icefall": icefall_case,
@@ -374,6 +393,28 @@ DROPINS = {
 @pytest.mark.parametrize("name", list(DROPINS))
 def test_dropin_onnx_parity(name, exporter, tmp_path):
     roundtrip(DROPINS[name](), exporter, tmp_path)
+
+
+@pytest.mark.parametrize("global_tokens", [0, 1])
+def test_nemo_longformer_onnx_parity(global_tokens, tmp_path):
+    """NeMo's local attention drop-in (band, short position table, global tokens) through
+    both exporters: dynamo=False with dynamic_axes, dynamo=True with dynamic_shapes (its
+    local position table is static: left + right + 1 rows at every length)."""
+    roundtrip(nemo_longformer_case(global_tokens), "dynamo_false", tmp_path)
+    pytest.importorskip("onnxscript", reason="the export extra is not installed")
+    model, make, names, axes = nemo_longformer_case(global_tokens)
+    Bd, Td = torch.export.Dim("B", min=1, max=64), torch.export.Dim("T", min=2, max=4096)
+    prog = torch.onnx.export(model, make(T_EXPORT, B), dynamo=True, input_names=list(names),
+                             output_names=["out"],
+                             dynamic_shapes=({0: Bd, 1: Td}, None, {0: Bd, 1: Td}))
+    path = tmp_path / "dynamo.onnx"
+    prog.save(str(path))
+    check_graph(onnx.load(str(path)), axes, names)
+    for t, b in RUN:
+        args = make(t, b)
+        with torch.no_grad():
+            want = model(*args)
+        assert_parity(run_ort(path, dict(zip(names, args))), want)
 
 
 def test_icefall_onnx_opset13(tmp_path):

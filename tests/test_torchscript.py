@@ -155,6 +155,24 @@ def test_jit_trace_nemo(backend):
     assert_trace_follows_lengths(m, inputs)
 
 
+@pytest.mark.parametrize("global_tokens", [0, 1])
+def test_jit_trace_nemo_longformer(backend, global_tokens):
+    """NeMo's local attention drop-in (the left + right + 1 row table, global tokens)."""
+    from txl_kernels import NeMoRelPositionMultiHeadAttentionLongformer
+
+    torch.manual_seed(0)
+    m = NeMoRelPositionMultiHeadAttentionLongformer(H, E, 0.0, None, None,
+                                                    att_context_size=[3, 2],
+                                                    global_tokens=global_tokens,
+                                                    backend=backend)
+
+    def inputs(T, B=3):
+        x = rnd(B, T, E, seed=T)
+        return x, x, x, _padding(B, T), rnd(1, 6, E, seed=T + 1)
+
+    assert_trace_follows_lengths(m, inputs)
+
+
 def test_jit_trace_keeps_a_window_longer_than_the_traced_length(backend):
     """NeMo's limited context (att_context_size, a window) traced at a length shorter than the
     window: the recorded window is not clamped to that length, so longer inputs keep it."""

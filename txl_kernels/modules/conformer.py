@@ -603,7 +603,7 @@ class NeMoRelPositionMultiHeadAttentionLongformer(RelPosAttentionBase):
             rows = torch.arange(glob.start, glob.stop, glob.step, device=out.device)
             out = out.index_copy(1, rows, self._global_rows(gq[:, glob], gk, gv, pad_mask))
             if qpad is not None:
-                qpad = qpad.index_fill(1, rows, False)  # global rows stay, padded or not
+                qpad = qpad.index_fill(1, rows, 0)  # global rows stay, padded or not (0: False)
         out = self._finish(out, qpad)
         return out if cache is None else (out, new_cache)
 
