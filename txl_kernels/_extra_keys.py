@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ._block_ops import KernelOps, merge_block
+from .cpu_kernel import draw_cpu_dropout_seed, last_dim_contiguous
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -23,10 +24,6 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 def _extra_scores(extra_q: Tensor, extra_k: Tensor, scale: float, acc) -> Tensor:
     """``scale * extra_q_i . extra_k_g``, ``[B, H, Lq, G]`` in ``acc``."""
     return torch.einsum("bihd,bghd->bhig", extra_q.to(acc), extra_k.to(acc)) * scale
-
-
-def _contiguous_last(t):
-    return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
 class _ExtraKeysAttn(torch.autograd.Function):
@@ -61,7 +58,7 @@ class _ExtraKeysAttn(torch.autograd.Function):
          lse, dropout_seed, extra_keep) = ctx.saved_tensors
         scale, wl, wr, r_first_distance, dropout_p, ops = ctx.args
         acc = _acc(q.dtype)
-        dout = _contiguous_last(dout)
+        dout = last_dim_contiguous(dout)
         # the kernel's backward from the merged out and lse (+inf: a row with no key at all)
         lse_k = lse.masked_fill(~torch.isfinite(lse), float("inf")).to(ops.lse_dtype(q.dtype))
         grads = ops.bwd(dout, q, k, v, r, u, vb, out, lse_k, scale, wl, wr, kpm, attn_mask,
@@ -103,7 +100,7 @@ def rel_attention_extra_keys(backend: str, q, k, v, r, r_w_bias, r_r_bias, extra
     ``[B, H, Lq, G]`` extra part is dropped with ``torch.rand(...) >= dropout_p``, drawn next
     from the default generator of q's device, kept ones scaled by ``1 / (1 - dropout_p)``;
     both masks are kept for the backward."""
-    ts = [_contiguous_last(t) for t in (q, k, v, r, r_w_bias, r_r_bias) + tuple(extra)]
+    ts = [last_dim_contiguous(t) for t in (q, k, v, r, r_w_bias, r_r_bias) + tuple(extra)]
     seed = keep = None
     if dropout_p > 0.0:
         if backend == "triton":
@@ -111,8 +108,6 @@ def rel_attention_extra_keys(backend: str, q, k, v, r, r_w_bias, r_r_bias, extra
 
             seed = draw_dropout_seed(q.device)
         else:
-            from .cpu_kernel import draw_cpu_dropout_seed
-
             seed = draw_cpu_dropout_seed()
         B, Lq, H, _ = q.shape
         keep = torch.rand((B, H, Lq, extra[1].shape[1]), device=q.device) >= dropout_p

@@ -563,14 +563,12 @@ def rel_attention(
 
     if onnx_exporting():
         # torch.onnx.export (either exporter) traces the reference's math in its ONNX form:
-        # the lowering of every backend (txl_kernels/_export.py). The window is the unclamped
-        # one: the clamp to the traced lengths would be a constant of the export's lengths
-        # (dynamo=False) or a symbolic bound (dynamo=True), where the ints allow the same
-        # pairs at every length. attn_mask_band only lets the fused kernels skip reading the
-        # mask (same result): the graph reads attn_mask, as given (checked above; broadcast
-        # where it is used, so no [B, H, Lq, Lk] copy of a mask shared by the heads).
+        # the lowering of every backend (txl_kernels/_export.py). The window is clamped to
+        # EXPORT_MAX_LEN, not to the traced lengths (clamp_window), so the graph allows the
+        # same pairs at every length. attn_mask_band only lets the fused kernels skip reading
+        # the mask (same result): the graph reads attn_mask, as given (checked above;
+        # broadcast where it is used, so no [B, H, Lq, Lk] copy of a mask shared by the heads).
         check_onnx_exportable(dropout_p, memory)
-        wl, wr = check_window(causal, window_size)
         if extra is not None:  # the extra keys' columns: the reference's form
             return _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
                               None, 0.0, None, r_first_distance, extra)
@@ -579,12 +577,6 @@ def rel_attention(
 
     if backend == "cpu" or (backend == "auto" and q.device.type == "cpu"
                             and not fused_available(q.device)[0]):
-        # The C++ op takes concrete ints: a window clamped to symbolic lengths (torch.export
-        # with dynamic lengths) would pin the lengths to one value there. The kernel's int64
-        # distances saturate (a window wider than the lengths allows every pair), so the
-        # window as given allows the same pairs.
-        wl, wr = (w0 if isinstance(w, torch.SymInt) and isinstance(w0, int) else w
-                  for w, w0 in zip((wl, wr), check_window(causal, window_size)))
         return _rel_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm,
                                   mask, attn_mask_band, float(dropout_p), memory, backend,
                                   r_first_distance, extra)
