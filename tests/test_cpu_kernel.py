@@ -88,6 +88,7 @@ CASES = [  # (B, Lq, Lk, H, D, mask kind)
     (1, 300, 2100, 1, 16, "window"),   # long key ranges: the forward's 256-row query blocks
     (1, 300, 2100, 1, 16, "full"),
     (1, 37, 45, 2, 24, "window2"),
+    (2, 150, 150, 3, 41, "window2"),   # band tiles: 32-row blocks, heads innermost, B > 1
     (2, 37, 53, 2, 16, "padding"),
     (2, 37, 53, 2, 16, "dense"),
     (2, 37, 53, 2, 16, "band"),
@@ -112,6 +113,7 @@ def test_fully_masked_rows_give_zero_output_and_zero_gradients(cpu_isa):
 def test_low_precision_within_twice_the_error_of_torch(dtype, cpu_isa):
     _check_all(*_run(2, 37, 70, 2, 41, "causal", dtype=dtype))
     _check_all(*_run(1, 37, 53, 2, 24, "dense", dtype=dtype))
+    _check_all(*_run(2, 100, 100, 2, 41, "window2", dtype=dtype))  # band tiles
 
 
 def test_float64_matches_reference_closely():
