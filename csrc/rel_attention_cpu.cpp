@@ -847,7 +847,7 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
 // Band tiles read each k / v row once per query block that sees it (W / BM + 1 times): the
 // backward, which runs (batch, head) tasks, first copies the head's rows out of [B, T, H, D]
 // (H rows per page) into a dense [Lk, D] buffer, and X then reads from there. Measured at
-// T = 16,384, H = 8, D = 128, W = 257, one thread: backward ~20% faster.
+// T = 16,384, H = 8, D = 128, window (128, 128), one thread: backward ~10% faster.
 template <typename scalar_t, typename acc_t>
 void head_copy(Rows<scalar_t, acc_t>& X, int64_t n, scalar_t* buf) {
   for (int64_t j = 0; j < n; ++j)
@@ -1051,11 +1051,12 @@ void check_input(const char* name, const at::Tensor& t, int64_t dim, const at::T
 
 // Local attention, a window of W = dhi - dlo + 1 keys narrow against Lk: each query block
 // needs only its BM + W - 1 keys. Blocks of kBandBM queries with one key tile spanning them
-// keep the tiles' unused corners small (W = 257: 89% of a 32 x 288 tile is inside the
+// keep the tiles' unused corners small (W = 257: 80% of a 64 x 320 tile is inside the
 // window, 50% of a 256 x 256 one), and the forward runs the heads of one query block one
 // after another (the [B, T, H, D] rows of a block share their pages and cache lines across
-// heads). Measured at T = 16,384, H = 8, D = 128, W = 257, one thread: forward 458 -> 255 ms.
-constexpr int64_t kBandBM = 32, kBandMaxW = 1024;
+// heads). Measured at T = 16,384, H = 8, D = 128, window (128, 128), one thread: forward
+// 511 -> 411 ms, forward + backward 1,662 -> 1,385 ms (32- and 128-row blocks: slower).
+constexpr int64_t kBandBM = 64, kBandMaxW = 1024;
 
 void use_band_tiles(Geometry& g) {
   if (g.dlo <= -kInf || g.dhi >= kInf) return;

@@ -88,7 +88,7 @@ CASES = [  # (B, Lq, Lk, H, D, mask kind)
     (1, 300, 2100, 1, 16, "window"),   # long key ranges: the forward's 256-row query blocks
     (1, 300, 2100, 1, 16, "full"),
     (1, 37, 45, 2, 24, "window2"),
-    (2, 150, 150, 3, 41, "window2"),   # band tiles: 32-row blocks, heads innermost, B > 1
+    (2, 150, 150, 3, 41, "window2"),   # band tiles: 64-row blocks, heads innermost, B > 1
     (2, 37, 53, 2, 16, "padding"),
     (2, 37, 53, 2, 16, "dense"),
     (2, 37, 53, 2, 16, "band"),

@@ -269,11 +269,21 @@ class RelPosAttentionBase(nn.Module):
     def _finish(self, out: Tensor, query_pad: Optional[Tensor]) -> Tensor:
         B, Lq = out.shape[0], out.shape[1]
         if query_pad is not None:
-            out = out.masked_fill(query_pad[:, :, None, None], 0.0)
+            if out.requires_grad or out._base is not None or _tracing():
+                out = out.masked_fill(query_pad[:, :, None, None], 0.0)
+            else:  # the attention's own output and no graph (inference): no [B, T, H, D] copy
+                out.masked_fill_(query_pad[:, :, None, None], 0.0)
         return self.linear_out(out.reshape(B, Lq, self.n_feat))
 
     def extra_repr(self) -> str:
         return f"n_head={self.h}, n_feat={self.n_feat}, backend={self.backend!r}"
+
+
+def _tracing() -> bool:
+    """Whether a graph is being recorded (ONNX, torch.jit.trace, torch.export, torch.compile):
+    then no in-place updates of the attention's output."""
+    return (onnx_exporting() or torch.jit.is_tracing() or torch.compiler.is_compiling()
+            or torch.compiler.is_exporting())
 
 
 class NeMoRelPositionMultiHeadAttention(RelPosAttentionBase):
@@ -580,6 +590,17 @@ class NeMoRelPositionMultiHeadAttentionLongformer(RelPosAttentionBase):
                 f"n_feat={self.n_feat}) for att_context_size [{left}, {right}], distances "
                 f"{left} down to {-right} (LocalAttRelPositionalEncoding); got "
                 f"{describe(pos_emb)}")
+        out, qpad = self._local_attention(query, key, value, pad_mask, pos_emb)
+        out = self._finish(out, qpad)
+        return out if cache is None else (out, new_cache)
+
+    def _local_attention(self, query: Tensor, key: Tensor, value: Tensor,
+                         pad_mask: Optional[Tensor], pos_emb: Tensor):
+        """The attention output ``[B, T, H, D]`` before ``linear_out`` and the query rows to
+        zero. A method of its own so that the projections are freed on return, before
+        ``linear_out`` runs (inference keeps 4, not 6, ``[B, T, n_feat]`` tensors at its peak)."""
+        T = query.shape[1]
+        left, right = self._window
         q = self._project(self.linear_q, query)
         k = self._project(self.linear_k, key)
         v = self._project(self.linear_v, value)
@@ -601,11 +622,14 @@ class NeMoRelPositionMultiHeadAttentionLongformer(RelPosAttentionBase):
         qpad = pad_mask
         if glob.stop > 0:
             rows = torch.arange(glob.start, glob.stop, glob.step, device=out.device)
-            out = out.index_copy(1, rows, self._global_rows(gq[:, glob], gk, gv, pad_mask))
+            grows = self._global_rows(gq[:, glob], gk, gv, pad_mask)
+            if out.requires_grad or _tracing():
+                out = out.index_copy(1, rows, grows)
+            else:
+                out.index_copy_(1, rows, grows)
             if qpad is not None:
                 qpad = qpad.index_fill(1, rows, 0)  # global rows stay, padded or not (0: False)
-        out = self._finish(out, qpad)
-        return out if cache is None else (out, new_cache)
+        return out, qpad
 
     def _position_table(self, p: Tensor) -> Tensor:
         """The rows of the projected table ``p`` ``[1 or B, left + right + 1, H, D]`` that NeMo
