@@ -276,3 +276,27 @@ def test_training_with_dropout_and_global_tokens_stays_fused(monkeypatch, backen
     out.sum().backward()
     assert torch.isfinite(out).all() and all(torch.isfinite(p.grad).all()
                                              for p in ours.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("g", [0, 1])
+def test_inference_frees_the_projections_before_linear_out(g):
+    """Without a graph the q / k / v projections are gone when linear_out runs (inference
+    peaks at 4, not 6, [B, T, n_feat] tensors), and the output is unchanged (padded rows
+    zeroed, global rows written, in place)."""
+    import weakref
+    orig, ours = pair([4, 3], g=g, backend="cpu")
+    T = 23
+    x = rnd(2, T, N_FEAT, seed=3)
+    pos, mask = local_pos_emb([4, 3]), pad_mask([T, 15], T)
+    refs, alive = [], []
+    hooks = [getattr(ours, n).register_forward_hook(lambda m, i, o: refs.append(weakref.ref(o)))
+             for n in ("linear_q", "linear_k", "linear_v")]
+    hooks.append(ours.linear_out.register_forward_pre_hook(
+        lambda m, i: alive.extend(r() is not None for r in refs)))
+    with torch.no_grad():
+        got = ours(x, x, x, mask, pos)
+        want = orig(x, x, x, mask, pos)
+    for h in hooks:
+        h.remove()
+    assert len(alive) == 3 and not any(alive)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
