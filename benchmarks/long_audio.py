@@ -7,6 +7,10 @@ unswapped encoder.
     python benchmarks/long_audio.py --minutes 10 --layers 24   # the full-depth encoder
     python benchmarks/long_audio.py --minutes 0.2 0.4 --hidden 256 --layers 1 \\
         --backend reference                                # pipeline check
+    python benchmarks/long_audio.py --minutes 10 30 60 --variants swapped --timeout-s 14400
+                                                     # full attention to an hour (swapped only)
+    python benchmarks/long_audio.py --attention local --window 128 128 --minutes 60 \\
+        --layers 24 --variants swapped --timeout-s 7200   # the whole encoder, local attention
 
 Audio length -> frames: 100 mel frames per second (10 ms hop), 8x subsampling, so 12.5
 encoder frames per second: 10 minutes = 60,000 mel frames in, 7,500 encoder frames through the
@@ -23,8 +27,18 @@ input features: the baseline), resets the peak RSS (``/proc/self/clear_refs``) a
 forward's wall time, the peak RSS and the extra above the baseline. A variant whose attention
 would not fit in the available memory (estimated from the dense tensors the original builds
 per layer) is not started, and neither is any longer length; a process the kernel kills is
-reported as such. Both variants get the same weights and input, and the script checks that
-their outputs agree where both ran.
+reported as such (the swapped variant is never held back by the estimate: its attention holds
+no tensor larger than ``O(T)``). Both variants get the same weights and input, and the script
+checks that their outputs agree where both ran. After the table, a "memory linear in T" line per
+variant gives the extra RSS per 1,000 encoder frames at each length and the ratio of the longest
+length's extra / T to the shortest's (1.0 = exactly linear).
+
+``--attention local --window L R``: every attention module of the swapped encoder runs local
+attention (``ParakeetEncoderAttention.window_size = (L, R)``: frame ``i`` attends frames ``i - L``
+to ``i + R``), the rest of the blocks (feed-forward, convolution) unchanged; transformers' own
+``ParakeetEncoderAttention`` has no local attention, so the unswapped variant is not run in this
+mode (said when asked for). Global tokens are not offered here (the HF encoder has none; NeMo's
+local attention with global tokens is ``benchmarks/local_attention.py``).
 
 ``--plot PATH`` writes a PNG of time and peak RSS against the audio length (matplotlib).
 """
@@ -63,6 +77,25 @@ def unswapped_attention_bytes(T: int, heads: int, itemsize: int = 4) -> int:
     return heads * T * (2 * (R + 1) + 2 * T) * itemsize
 
 
+def memory_skip_reason(variant: str, T: int, args, available) -> str:
+    """Why the point (variant, T encoder frames) is not started, or "" to run it: only the
+    unswapped variant's dense attention tensors (:func:`unswapped_attention_bytes`) are held
+    against ``available`` bytes (None = unknown: run); the swapped encoder's memory is linear
+    in T (no tensor of its attention larger than O(T)), so it always runs."""
+    if variant != "unswapped" or available is None:
+        return ""
+    need = unswapped_attention_bytes(T, args.heads)
+    if need <= cpu_suite.MEMORY_HEADROOM * available:
+        return ""
+    return (f"its attention needs about {need / GiB:.1f} GiB per layer (BD [1, {args.heads}, "
+            f"{T}, {2 * T - 1}] and its copies); {available / GiB:.1f} GiB available")
+
+
+def attention_note(args) -> str:
+    return ("full attention" if args.attention == "full" else
+            f"local attention, window [{args.window[0]}, {args.window[1]}] (swapped only)")
+
+
 def build_encoder(args):
     import torch
     from transformers import ParakeetEncoder, ParakeetEncoderConfig
@@ -98,6 +131,15 @@ def child(variant: str, minutes: float, args) -> dict:
         if swapped != args.layers:
             raise RuntimeError(f"swap_rel_pos_attention replaced {swapped} modules, expected "
                                f"{args.layers}")
+        if args.attention == "local":
+            from txl_kernels.modules import ParakeetEncoderAttention
+
+            for m in enc.modules():
+                if isinstance(m, ParakeetEncoderAttention):
+                    m.window_size = tuple(args.window)
+    elif args.attention != "full":
+        raise ValueError(f"--attention {args.attention}: the unswapped encoder (transformers' "
+                         f"ParakeetEncoderAttention) has full attention only")
     mel = encoder_frames(minutes) * SUBSAMPLING
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():
@@ -117,6 +159,8 @@ def child(variant: str, minutes: float, args) -> dict:
                 seconds=seconds, peak_bytes=peak_kb * 1024,
                 extra_bytes=max(0, peak_kb - base_kb) * 1024, base_bytes=base_kb * 1024,
                 swapped_modules=swapped, attn_implementation=str(cfg._attn_implementation),
+                attention=args.attention,
+                window=list(args.window) if args.attention == "local" else None,
                 backend=args.backend if variant == "swapped" else "transformers",
                 fingerprint=out[0, idx, :8].double().flatten().tolist(),
                 out_scale=float(out.abs().mean()))
@@ -125,7 +169,8 @@ def child(variant: str, minutes: float, args) -> dict:
 def run_child(variant: str, minutes: float, args) -> dict:
     argv = ["--child", variant, str(minutes), "--layers", str(args.layers), "--hidden",
             str(args.hidden), "--heads", str(args.heads), "--threads", str(args.threads),
-            "--backend", args.backend]
+            "--backend", args.backend, "--attention", args.attention,
+            "--window", *map(str, args.window)]
     t0 = time.time()
     rec, why = cpu_suite.run_json_child(str(Path(__file__).resolve()), argv, args.timeout_s)
     if rec is None:
@@ -142,8 +187,8 @@ def agreement(a: dict, b: dict) -> float:
 
 def table(recs, args) -> str:
     out = [f"ParakeetEncoder, hidden {args.hidden}, {args.heads} heads, {args.layers} "
-           f"block(s), fp32, batch 1, {args.threads} thread(s); swapped: "
-           f"rel_attention(backend={args.backend!r}).", "",
+           f"block(s), {attention_note(args)}, fp32, batch 1, {args.threads} thread(s); "
+           f"swapped: rel_attention(backend={args.backend!r}).", "",
            "| audio | encoder frames T | variant | time (s) | time / block (s) | peak RSS (GiB) "
            "| extra RSS (GiB) | note |", "|---:|---:|---|---:|---:|---:|---:|---|"]
     by = {(r["minutes"], r["variant"]): r for r in recs}
@@ -167,6 +212,27 @@ def table(recs, args) -> str:
             else:
                 out.append(f"| {m:g} min | {T} | {v} | | | | | {r['status']}: {r['reason']} |")
     return "\n".join(out) + "\n"
+
+
+def linearity_lines(recs) -> list:
+    """Per variant with at least one length run: "memory linear in T", the extra RSS per 1,000
+    encoder frames at each length and the ratio of the longest length's extra / T to the
+    shortest's (1.0: exactly linear; above 1: growing faster than T)."""
+    out = []
+    for v in VARIANTS:
+        ok = sorted((r for r in recs if r["variant"] == v and r["status"] == "ok"),
+                    key=lambda r: r["T"])
+        if not ok:
+            continue
+        per = [r["extra_bytes"] / r["T"] * 1000 for r in ok]
+        line = (f"{v}: memory linear in T: extra RSS per 1,000 frames "
+                + ", ".join(f"{r['minutes']:g} min (T {r['T']}) {p / 2 ** 20:.1f} MiB"
+                            for r, p in zip(ok, per)))
+        if len(ok) > 1:
+            line += (f"; (extra / T) at {ok[-1]['minutes']:g} min / at {ok[0]['minutes']:g} min "
+                     f"= {per[-1] / max(per[0], 1e-30):.2f}")
+        out.append(line)
+    return out
 
 
 def plot(recs, path: str, args) -> None:
@@ -196,7 +262,8 @@ def plot(recs, path: str, args) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"ParakeetEncoder, hidden {args.hidden}, {args.heads} heads, {args.layers} "
-                 f"block(s), fp32, {args.threads} thread(s), CPU", fontsize=9)
+                 f"block(s), {attention_note(args)}, fp32, {args.threads} thread(s), CPU",
+                 fontsize=9)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -214,6 +281,12 @@ def parse_args(argv=None):
                     help="rel_attention backend of the drop-in (default cpu; 'reference' "
                          "checks the pipeline where the CPU kernel is not built)")
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--attention", default="full", choices=("full", "local"),
+                    help="full (default) or local attention in every block (swapped only; "
+                         "no global tokens: the HF encoder has none)")
+    ap.add_argument("--window", type=int, nargs=2, default=[128, 128], metavar=("L", "R"),
+                    help="--attention local: frame i attends frames i - L to i + R "
+                         "(default 128 128)")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per child process")
     ap.add_argument("--plot", default=None, help="write a PNG here")
     ap.add_argument("--json", default=None, help="write the records here")
@@ -229,33 +302,37 @@ def main(argv=None) -> int:
     print("\n".join(cpu_suite.machine_lines()), flush=True)
     print(f"command: python benchmarks/long_audio.py {' '.join(argv or sys.argv[1:])}",
           flush=True)
+    variants = list(args.variants)
+    if args.attention == "local" and "unswapped" in variants:
+        variants.remove("unswapped")
+        print("unswapped: not run with --attention local (transformers' ParakeetEncoderAttention "
+              "has full attention only)", flush=True)
     recs = []
     stopped = {}
     for m in sorted(args.minutes):
         T = encoder_frames(m)
-        for v in args.variants:
+        for v in variants:
             if v in stopped:
                 rec = dict(variant=v, minutes=m, T=T, status="not run",
                            reason=f"stopped at {stopped[v]:g} min")
             else:
-                need = unswapped_attention_bytes(T, args.heads) if v == "unswapped" else 0
-                avail = cpu_suite.mem_available_bytes()
-                if need and avail is not None and need > cpu_suite.MEMORY_HEADROOM * avail:
-                    rec = dict(variant=v, minutes=m, T=T, status="not run",
-                               reason=f"its attention needs about {need / GiB:.1f} GiB per "
-                                      f"layer (BD [1, {args.heads}, {T}, {2 * T - 1}] and its "
-                                      f"copies); {avail / GiB:.1f} GiB available")
+                why = memory_skip_reason(v, T, args, cpu_suite.mem_available_bytes())
+                if why:
+                    rec = dict(variant=v, minutes=m, T=T, status="not run", reason=why)
                 else:
                     rec = run_child(v, m, args)
                 if rec["status"] != "ok":
                     stopped[v] = m
             recs.append(rec)
-            what = (f"{rec['seconds']:.2f} s, peak RSS {rec['peak_bytes'] / GiB:.2f} GiB "
+            what = (f"{rec['seconds']:.2f} s ({rec['seconds'] / args.layers:.2f} s per block), "
+                    f"peak RSS {rec['peak_bytes'] / GiB:.2f} GiB "
                     f"(extra {rec['extra_bytes'] / GiB:.2f})" if rec["status"] == "ok"
                     else f"{rec['status']}: {rec['reason']}")
             print(f"  {m:>5g} min  T={T:<6} {v:<9} {what}", flush=True)
     print()
     print(table(recs, args))
+    for line in linearity_lines(recs):
+        print(line)
     for v, m in stopped.items():
         print(f"{v}: stops at {m:g} minutes of audio ({encoder_frames(m)} encoder frames).")
     if args.plot:

@@ -236,10 +236,16 @@ def versions() -> str:
     return ", ".join(out)
 
 
-def header(args, argv) -> list:
+def header_lines(script: str, argv) -> list:
+    """Date, machine, versions and the command line of a benchmark run (``script``: its path
+    from the repository root)."""
     return [f"date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
             *cpu_suite.machine_lines(), f"versions: {versions()}",
-            "command: python benchmarks/onnx_encoder.py " + " ".join(argv)]
+            f"command: python {script} " + " ".join(argv)]
+
+
+def header(args, argv) -> list:
+    return header_lines("benchmarks/onnx_encoder.py", argv)
 
 
 def _median(recs, key):

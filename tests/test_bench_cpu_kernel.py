@@ -266,3 +266,65 @@ def test_long_audio_swapped_encoder_agrees_with_the_original():
     assert a["T"] == b["T"] == long_audio.encoder_frames(0.05)
     assert long_audio.agreement(a, b) < 1e-4
     assert "outputs agree to" in long_audio.table(recs, args)
+
+
+def test_long_audio_memory_guard_holds_back_only_the_unswapped_encoder():
+    """At an hour of audio (T 45,000) on a 23.5 GiB machine the swapped encoder still runs (its
+    attention is O(T)); the unswapped one is held back, and runs where its tensors fit."""
+    args = long_audio.parse_args(["--heads", "8"])
+    T = long_audio.encoder_frames(60)
+    assert T == 45000
+    avail = int(23.5 * GiB)
+    assert long_audio.memory_skip_reason("swapped", T, args, avail) == ""
+    why = long_audio.memory_skip_reason("unswapped", T, args, avail)
+    assert "BD [1, 8, 45000, 89999]" in why and "23.5 GiB available" in why
+    assert long_audio.memory_skip_reason("unswapped", 750, args, avail) == ""
+    assert long_audio.memory_skip_reason("unswapped", T, args, None) == ""
+
+
+def test_long_audio_memory_linear_line():
+    recs = [dict(variant="swapped", minutes=m, T=long_audio.encoder_frames(m), status="ok",
+                 extra_bytes=long_audio.encoder_frames(m) * 2 ** 20 * f)
+            for m, f in ((10, 1.0), (60, 1.5))]
+    recs.append(dict(variant="unswapped", minutes=60, T=45000, status="not run", reason="x"))
+    (line,) = long_audio.linearity_lines(recs)
+    assert line.startswith("swapped: memory linear in T: extra RSS per 1,000 frames ")
+    assert "10 min (T 7500) 1000.0 MiB, 60 min (T 45000) 1500.0 MiB" in line
+    assert line.endswith("(extra / T) at 60 min / at 10 min = 1.50")
+
+
+def test_long_audio_local_attention_reaches_every_block():
+    """--attention local sets every swapped block's window: a window covering the sequence gives
+    the full-attention encoder's output, a short one another output; the unswapped encoder has
+    no local attention."""
+    pytest.importorskip("transformers.models.parakeet")
+    common = ["--hidden", "64", "--heads", "2", "--layers", "2", "--backend", "reference",
+              "--threads", str(torch.get_num_threads())]
+    T = long_audio.encoder_frames(0.05)
+    full = long_audio.child("swapped", 0.05, long_audio.parse_args(common))
+    wide = long_audio.child("swapped", 0.05, long_audio.parse_args(
+        common + ["--attention", "local", "--window", str(T), str(T)]))
+    short = long_audio.child("swapped", 0.05, long_audio.parse_args(
+        common + ["--attention", "local", "--window", "2", "1"]))
+    assert wide["attention"] == "local" and wide["window"] == [T, T]
+    assert long_audio.agreement(full, wide) < 1e-5
+    assert long_audio.agreement(full, short) > 1e-3
+    with pytest.raises(ValueError, match="full attention only"):
+        long_audio.child("unswapped", 0.05, long_audio.parse_args(
+            common + ["--attention", "local"]))
+
+
+def test_long_audio_local_mode_end_to_end(capsys):
+    """The script in local mode at tiny sizes: fresh processes, the unswapped variant said and
+    skipped, time per block, the memory-linear line."""
+    pytest.importorskip("transformers.models.parakeet")
+    rc = long_audio.main(["--attention", "local", "--window", "4", "4", "--minutes", "0.05",
+                          "0.1", "--hidden", "64", "--heads", "2", "--layers", "1", "--backend",
+                          "reference", "--threads", "1", "--timeout-s", "120"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "unswapped: not run with --attention local" in out
+    assert "local attention, window [4, 4]" in out
+    assert out.count("s per block)") == 2
+    assert "swapped: memory linear in T: extra RSS per 1,000 frames 0.05 min (T 38)" in out
+    assert "(extra / T) at 0.1 min / at 0.05 min = " in out

@@ -101,6 +101,60 @@ def test_matches_original_fp64_with_gradients(kind, T):
     compare(orig, ours, run(orig_mask), run(mask), torch.float64, grads=True)
 
 
+@pytest.mark.parametrize("window", [(3, 3), (4, 1), (0, 2), (-1, 2)])
+@pytest.mark.parametrize("kind", ["none", "encoder", "flat"])
+def test_window_size_matches_original_with_band_mask(kind, window):
+    """window_size=(left, right): the original with an attention_mask that also masks the pairs
+    outside ``i - left <= j <= i + right``, forward and gradients; with the probabilities
+    asked for (the eager math) too."""
+    B, T = 3, 19
+    cfg, orig, ours = pair()
+    ours.window_size = window
+    x = rnd(B, T, HIDDEN, seed=5)
+    pe_mod = hf.ParakeetEncoderRelPositionalEncoding(cfg)
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    band = torch.ones(T, T, dtype=torch.bool)
+    if window[0] >= 0:
+        band &= j >= i - window[0]
+    if window[1] >= 0:
+        band &= j <= i + window[1]
+    enc = masks("encoder", B, T)
+    orig_mask = band.expand(B, 1, T, T) if kind == "none" else enc & band
+    mask = masks(kind, B, T)
+
+    def run(mask_, **kw):
+        def f(mod, dtype, device):
+            xx = x.to(dtype).requires_grad_()
+            pe = pe_mod(xx.detach()).requires_grad_()
+            return (mod(xx, pe, mask_, **kw)[0],), (xx, pe)
+        return f
+
+    compare(orig, ours, run(orig_mask), run(mask), torch.float64, grads=True)
+    _, orig, ours = pair(impl="eager")  # the eager original returns its probabilities
+    ours.window_size = window
+    x = x.float()
+    with torch.no_grad():
+        want_out, want_p = orig(x, pe_mod(x), orig_mask)
+        out, p = ours(x, pe_mod(x), mask, output_attentions=True)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(p, want_p, rtol=1e-5, atol=1e-6)
+
+
+def test_window_size_after_swap_and_checked():
+    cfg = config()
+    torch.manual_seed(0)
+    orig = hf.ParakeetEncoderAttention(cfg, 0)
+    new = ParakeetEncoderAttention.from_module(orig, backend="reference", window_size=(2, 5))
+    assert new.window_size == (2, 5) and "window_size=(2, 5)" in repr(new)
+    assert ParakeetEncoderAttention(cfg, 0).window_size == (-1, -1)
+    with pytest.raises(ValueError, match=r"ParakeetEncoderAttention: window_size entries must "
+                                         r"be >= -1.*\(-2, 3\)"):
+        new.window_size = (-2, 3)
+    with pytest.raises(TypeError, match=r"ParakeetEncoderAttention: window_size must be a "
+                                        r"\(left, right\) pair of ints, got 4"):
+        ParakeetEncoderAttention(cfg, 0, window_size=4)
+
+
 @pytest.mark.parametrize("kind", ["flat", "keys"])
 def test_padding_reaches_kernel_as_key_padding_only(spy, kind):
     B, T = 3, 13

@@ -35,7 +35,7 @@ from __future__ import annotations
 import importlib
 import sys
 from types import SimpleNamespace
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -44,8 +44,8 @@ from torch import Tensor
 
 from .._export import onnx_exporting
 from .._utils import check_values
-from ..functional import BACKENDS, mask_to_band
-from ..reference import rel_shift
+from ..functional import BACKENDS, check_window, mask_to_band
+from ..reference import in_window, pair_distance, rel_shift
 from ._dropin import adopt
 from .conformer import ESPnetRelPositionMultiHeadedAttention, RelPosAttentionBase
 
@@ -131,6 +131,12 @@ def _eager_terms(module: "RelPosAttentionBase", x: Tensor, pos_emb: Tensor):
     return v, ac, bd
 
 
+def _outside_window(window: Tuple[int, int], T: int, device) -> Tensor:
+    """``[1, 1, T, T]`` True where key ``j`` is outside query ``i``'s ``window`` (``(left,
+    right)``, -1 = unbounded), as ``rel_attention`` reads ``window_size``."""
+    return ~in_window(pair_distance(T, T, device), *window)[None, None]
+
+
 def _eager_output(module: "RelPosAttentionBase", probs: Tensor, v: Tensor):
     """The originals' dropout on the probabilities (training only) and ``probs @ v`` ->
     (``[B, T, H, D]``, the probabilities as returned)."""
@@ -186,9 +192,11 @@ class _HFRelPosAttention(RelPosAttentionBase):
                          f"(B, 1, 1, T) or (B, T) with B={batch}, T={qlen}; got {list(shape)}")
 
     def _hf_attend(self, hidden_states: Tensor, pos_emb: Optional[Tensor], mask,
-                   pos_name: str, kwargs):
+                   pos_name: str, kwargs, window: Tuple[int, int] = (-1, -1)):
         """-> (attn_output, the attention probabilities or None): the fused path, or the
-        original's eager math when the caller asks for the probabilities (``kwargs``)."""
+        original's eager math when the caller asks for the probabilities (``kwargs``).
+        ``window``: ``rel_attention``'s ``window_size`` (local attention; the eager math
+        masks the pairs outside it)."""
         self._check_seq("hidden_states", hidden_states)
         B, T = hidden_states.shape[0], hidden_states.shape[1]
         if pos_emb is None:
@@ -212,13 +220,16 @@ class _HFRelPosAttention(RelPosAttentionBase):
                 masked = kpm[:, None, None, :] | qpad[:, None, :, None]
                 if rest is not None:
                     masked = masked | rest
+            if window != (-1, -1):
+                masked = _outside_window(window, T, hidden_states.device) if masked is None \
+                    else masked | _outside_window(window, T, hidden_states.device)
             v, ac, bd = _eager_terms(self, hidden_states, pos_emb)
             out, probs = _eager_output(self, self._eager_probs(ac, bd, masked), v)
             return self._finish(out, None), probs
         self._grab = {} if qpad is not None else None
         try:
             out = self._attend(hidden_states, hidden_states, hidden_states, pos_emb, kpm, rest,
-                               (-1, -1), attn_mask_band=band)
+                               window, attn_mask_band=band)
             grabbed = self._grab
         finally:
             self._grab = None
@@ -279,6 +290,13 @@ class ParakeetEncoderAttention(_HFRelPosAttention):
         layer_idx: kept as ``self.layer_idx``.
         backend: ``rel_attention`` backend: ``"auto"``, ``"reference"``, ``"triton"`` or
             ``"cpu"``.
+        window_size: ``(left, right)`` local attention, ``rel_attention``'s ``window_size``:
+            query ``i`` attends key ``j`` only if ``i - left <= j <= i + right`` (``-1`` =
+            unbounded on that side); ``(-1, -1)`` (default) is the original's full attention.
+            The same as passing the original an ``attention_mask`` that also masks the pairs
+            outside that band, without a ``[T, T]`` mask (time and memory O(T x (left + right
+            + 1)) with the fused kernels). Can be changed later through the ``window_size``
+            attribute (e.g. on every module after ``swap_rel_pos_attention``).
 
     Context parallelism (docs/distributed.md): with ``module.cp_group = group`` each rank
     passes its contiguous slice of the frames, the whole ``2T - 1`` position table and its
@@ -308,7 +326,8 @@ class ParakeetEncoderAttention(_HFRelPosAttention):
 
     _NAME = "ParakeetEncoderAttention"
 
-    def __init__(self, config, layer_idx: Optional[int] = None, backend: str = "auto"):
+    def __init__(self, config, layer_idx: Optional[int] = None, backend: str = "auto",
+                 window_size: Sequence[int] = (-1, -1)):
         nn.Module.__init__(self)
         self.config = config
         self.layer_idx = layer_idx
@@ -339,6 +358,15 @@ class ParakeetEncoderAttention(_HFRelPosAttention):
         self.relative_k_proj = nn.Linear(hidden, hidden, bias=False)
         self.bias_u = nn.Parameter(torch.zeros(heads, self.head_dim))
         self.bias_v = nn.Parameter(torch.zeros(heads, self.head_dim))
+        self.window_size = window_size
+
+    @property
+    def window_size(self) -> Tuple[int, int]:
+        return self._window
+
+    @window_size.setter
+    def window_size(self, value) -> None:
+        self._window = check_window(False, value, f"{self._NAME}")
 
     # The shared base's names for the original's layers (no state dict keys of their own).
     linear_q = property(lambda self: self.q_proj)
@@ -353,7 +381,7 @@ class ParakeetEncoderAttention(_HFRelPosAttention):
     def forward(self, hidden_states: Tensor, position_embeddings: Optional[Tensor],
                 attention_mask: Optional[Tensor] = None, **kwargs):
         return self._hf_attend(hidden_states, position_embeddings, attention_mask,
-                               "position_embeddings", kwargs)
+                               "position_embeddings", kwargs, self._window)
 
     def _eager_probs(self, ac: Tensor, bd: Tensor, masked: Optional[Tensor]) -> Tensor:
         # the original: the masked position term (finfo.min) is the eager interface's additive
@@ -369,7 +397,7 @@ class ParakeetEncoderAttention(_HFRelPosAttention):
         """Wrap a transformers ``ParakeetEncoderAttention``: shares its layers and biases (same
         Parameter objects), copies ``attention_dropout`` and the training mode, and is also an
         instance of the original class (module docstring). ``kwargs`` go to the constructor
-        (``backend``)."""
+        (``backend``, ``window_size``)."""
         with torch.device("meta"):
             new = cls(module.config, module.layer_idx, **kwargs)
         new.attention_dropout = module.attention_dropout
@@ -378,7 +406,8 @@ class ParakeetEncoderAttention(_HFRelPosAttention):
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.n_feat}, num_heads={self.h}, head_dim={self.d_k}, "
-                f"backend={self.backend!r}")
+                f"backend={self.backend!r}"
+                + ("" if self._window == (-1, -1) else f", window_size={self._window}"))
 
 
 class Wav2Vec2ConformerSelfAttention(_HFRelPosAttention):
