@@ -289,14 +289,20 @@ def test_inference_frees_the_projections_before_linear_out(g):
     x = rnd(2, T, N_FEAT, seed=3)
     pos, mask = local_pos_emb([4, 3]), pad_mask([T, 15], T)
     refs, alive = [], []
-    hooks = [getattr(ours, n).register_forward_hook(lambda m, i, o: refs.append(weakref.ref(o)))
-             for n in ("linear_q", "linear_k", "linear_v")]
-    hooks.append(ours.linear_out.register_forward_pre_hook(
-        lambda m, i: alive.extend(r() is not None for r in refs)))
+    project = ours._project
+
+    def tracked(linear, inp):  # the [B, T, H, D] projections of q, k and v, tracked
+        out = project(linear, inp)
+        if linear in (ours.linear_q, ours.linear_k, ours.linear_v):
+            refs.append(weakref.ref(out))
+        return out
+
+    ours._project = tracked
+    hook = ours.linear_out.register_forward_pre_hook(
+        lambda m, i: alive.extend(r() is not None for r in refs))
     with torch.no_grad():
         got = ours(x, x, x, mask, pos)
         want = orig(x, x, x, mask, pos)
-    for h in hooks:
-        h.remove()
+    hook.remove()
     assert len(alive) == 3 and not any(alive)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
