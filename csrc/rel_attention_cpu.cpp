@@ -391,8 +391,9 @@ struct Dropout {
 // fp32 product of value and scale, rounded to the input dtype).
 template <typename scalar_t, typename acc_t>
 struct Rows {
-  const scalar_t* base = nullptr;  // row 0 of the segment
+  const scalar_t* base = nullptr;  // row `first` of the segment
   int64_t ld = 0, D = 0, M = 0;
+  int64_t first = 0;  // the segment row base holds (a copy of a row range: band tiles)
   const uint8_t* mem = nullptr;  // memory row 0 (int8 or fp8 bytes)
   int64_t mem_ld = 0;
   bool mem_fp8 = false;
@@ -412,7 +413,7 @@ struct Rows {
     if constexpr (std::is_same<scalar_t, acc_t>::value) {
       if (j0 >= M) {
         *ldo = ld;
-        return base + (j0 - M) * ld;
+        return base + (j0 - M - first) * ld;
       }
     }
     for (int64_t t = 0; t < n; ++t) {
@@ -421,7 +422,7 @@ struct Rows {
       if (j < M) {
         for (int64_t d = 0; d < D; ++d) o[d] = mem_value(j, d);
       } else {
-        const scalar_t* x = base + (j - M) * ld;
+        const scalar_t* x = base + (j - M - first) * ld;
         for (int64_t d = 0; d < D; ++d) o[d] = static_cast<acc_t>(x[d]);
       }
     }
@@ -490,6 +491,10 @@ struct Scratch {
   T* end() { return p + n; }
   T& operator[](int64_t i) { return p[i]; }
 };
+
+// band tiles (use_band_tiles): query rows per block, widest window, query blocks per
+// forward task
+constexpr int64_t kBandBM = 64, kBandMaxW = 1024, kBandChunk = 8;
 
 struct Geometry {
   int64_t B, Lq, Lk, H, D, R, mlen;
@@ -740,6 +745,21 @@ Head<scalar_t, acc_t> head_rows(const at::Tensor& k, const at::Tensor& v, const 
   return hd;
 }
 
+// Band tiles read each k / v row once per query block that sees it (W / BM + 1 times), and
+// a [B, T, H, D] tensor holds one head's row per H * D elements (a page per row at H * D =
+// 1,024 fp32): the backward, which runs (batch, head) tasks, first copies the head's k and v
+// rows into dense [Lk, D] buffers, the forward the rows of its chunk of query blocks, and
+// X then reads from there (rows j0 .. j0 + n - 1, X.first = j0).
+template <typename scalar_t, typename acc_t>
+void head_copy(Rows<scalar_t, acc_t>& X, int64_t j0, int64_t n, scalar_t* buf) {
+  const scalar_t* src = X.base + (j0 - X.first) * X.ld;
+  for (int64_t t = 0; t < n; ++t)
+    std::memcpy(buf + t * X.D, src + t * X.ld, static_cast<size_t>(X.D) * sizeof(scalar_t));
+  X.base = buf;
+  X.ld = X.D;
+  X.first = j0;
+}
+
 // ---- forward
 
 template <typename scalar_t>
@@ -756,15 +776,19 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
   // tasks p, p + lanes, ...): the threads work on neighbouring query blocks of one (batch,
   // head) at a time and share its K, V and r rows in the last-level cache, where contiguous
   // chunks would have each thread stream another head's (at T = 16,384 two heads' K, V and r
-  // are 32 MB). Band tiles order them (b, query block, h) instead: a block's few hundred K, V
-  // rows stay cached for every head, and each row's H heads are read together. Each task
-  // writes only its own rows: results do not depend on the lanes or the order.
-  const int64_t ntask = B * H * nqb, Lk = g.Lk;
+  // are 32 MB). Band tasks, chunks of query blocks, run (b, chunk, h) instead: the chunk's
+  // q and out rows are read and written for every head while their pages are at hand. Each
+  // task writes only its own rows: results do not depend on the lanes or the order.
+  // Band tiles without 8-bit memory: a task is a chunk of kBandChunk query blocks of one head,
+  // whose k and v rows it first copies out (head_copy), flagging the non-finite v rows.
+  const bool copy = g.band && !(mem && mem[0].has_value());
+  const int64_t C = copy ? kBandChunk : 1, nch = (nqb + C - 1) / C;
+  const int64_t ntask = B * H * nch, Lk = g.Lk;
   // the v rows that hold a NaN or an inf, per (batch, head), flagged in one pass before the
   // tasks where any tile can have masked pairs (read by those tiles only)
   const bool may_mask = g.kpm || g.mask || g.dlo > -kInf || g.dhi < kInf;
-  std::vector<uint8_t> vflags(may_mask ? B * H * Lk : 0);
-  if (may_mask)
+  std::vector<uint8_t> vflags(may_mask && !copy ? B * H * Lk : 0);
+  if (may_mask && !copy)
     at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
       Scratch<acc_t> buf(BN * D);
       for (int64_t bh = begin; bh < end; ++bh) {
@@ -778,64 +802,86 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
     Scratch<acc_t> qu(BM * D), qv(BM * D), S(BM * BN), T(BM * tw + kWindowPad), acc(BM * D),
         kbuf(BN * D), vbuf(BN * D), rbuf((BM + BN) * D), mx(BM), l(BM), tmax(BM),
         z(g.drop.on ? BM * BN : 0), row(D);
+    const int64_t crows = copy ? C * BM + BN : 0;  // a chunk's key rows: at most C BM + W - 1
+    Scratch<scalar_t> kc(crows * D), vc(crows * D);
+    std::vector<uint8_t> cflags(crows);
     std::vector<int64_t> bad_v;
     const acc_t sc = static_cast<acc_t>(g.scale * kLog2e);
     for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
       for (int64_t task = lane; task < ntask; task += lanes) {
-        const int64_t b = task / (H * nqb);
-        const int64_t h = g.band ? task % H : (task / nqb) % H;
-        const int64_t qb = g.band ? (task / H) % nqb : task % nqb;
-        const int64_t i0 = qb * BM, m = std::min(BM, Lq - i0);
-        const auto hd = head_rows<scalar_t, acc_t>(k, v, r, mem, b, h);
-        const scalar_t* qp = q.data_ptr<scalar_t>() + b * q.stride(0) + h * q.stride(2) +
-                             i0 * q.stride(1);
-        load_q(qp, q.stride(1), u.data_ptr<scalar_t>() + h * u.stride(0), m, D, sc, qu.data());
-        load_q(qp, q.stride(1), vb.data_ptr<scalar_t>() + h * vb.stride(0), m, D, sc, qv.data());
-        std::fill(acc.begin(), acc.end(), acc_t(0));
-        std::fill(mx.begin(), mx.end(), -std::numeric_limits<acc_t>::infinity());
-        std::fill(l.begin(), l.end(), acc_t(0));
-        int64_t jlo, jhi;
-        g.key_range(i0, m, &jlo, &jhi);
-        for (int64_t j0 = jlo; j0 <= jhi; j0 += BN) {
-          const int64_t n = std::min(BN, jhi + 1 - j0);
-          scores_tile(g, hd, b, h, i0, m, j0, n, j0 == jlo, j0 + BN > jhi, qu.data(), qv.data(),
-                      S.data(), window_base(T, BM), tw, kbuf.data(), rbuf.data(),
-                      tmax.data());
-          if (g.drop.on) g.drop.keep_scale(b * H + h, Lq, i0, m, j0, n, z.data(), BN);
-          for (int64_t a = 0; a < m; ++a) {
-            acc_t* s = S.data() + a * BN;
-            const acc_t mnew = std::max(mx[a], tmax[a]);
-            if (mnew == -std::numeric_limits<acc_t>::infinity()) {
-              std::fill(s, s + n, acc_t(0));
-              continue;
+        const int64_t b = task / (H * nch);
+        const int64_t h = g.band ? task % H : (task / nch) % H;
+        const int64_t ch = g.band ? (task / H) % nch : task % nch;
+        auto hd = head_rows<scalar_t, acc_t>(k, v, r, mem, b, h);
+        // the v flags of keys vfirst.. (the whole head's, or the chunk's rows)
+        const uint8_t* vflag = may_mask && !copy ? vflags.data() + (b * H + h) * Lk : nullptr;
+        int64_t vfirst = 0;
+        const int64_t qb0 = ch * C, qb1 = std::min(nqb, qb0 + C);
+        if (copy) {
+          int64_t cjlo, cjhi;
+          g.key_range(qb0 * BM, std::min(Lq, qb1 * BM) - qb0 * BM, &cjlo, &cjhi);
+          if (cjhi >= cjlo) {
+            head_copy(hd.K, cjlo, cjhi + 1 - cjlo, kc.data());
+            head_copy(hd.V, cjlo, cjhi + 1 - cjlo, vc.data());
+            for (int64_t t = 0; t <= cjhi - cjlo; ++t) {
+              int64_t ld;
+              cflags[t] = any_nonfinite(hd.V.get(cjlo + t, 1, row.data(), &ld), D);
             }
-            const acc_t alpha = std::exp2(mx[a] - mnew);
-            l[a] = l[a] * alpha + exp2_sum(s, n, mnew);
-            mx[a] = mnew;
-            if (alpha != acc_t(1)) scale_row(acc.data() + a * D, alpha, D);
-            if (g.drop.on) mul_rows(s, z.data() + a * BN, n);
           }
-          int64_t ldv;
-          const acc_t* vp = hd.V.get(j0, n, vbuf.data(), &ldv);
-          // a tile with masked pairs: its non-finite v rows reach only the rows allowed them
-          const bool masked = g.tile_needs_masks(i0, m, j0, n);
-          if (masked)
-            vp = zero_flagged_rows(vp, &ldv, n, D, vflags.data() + (b * H + h) * Lk + j0,
-                                   vbuf.data(), bad_v);
-          gemm_rm<acc_t>(false, false, m, D, n, 1, S.data(), BN, vp, ldv, 1, acc.data(), D);
-          if (masked)
-            add_allowed(g, b, h, i0, m, hd.V, j0, bad_v,
-                        [j0](int64_t, int64_t t) { return j0 + t; }, S.data(), BN, acc.data(),
-                        row.data());
+          vflag = cflags.data();
+          vfirst = cjlo;
         }
-        for (int64_t a = 0; a < m; ++a) {
-          scalar_t* o = outp + ((b * Lq + i0 + a) * H + h) * D;
-          const bool any = l[a] > acc_t(0);
-          const acc_t inv = any ? acc_t(1) / l[a] : acc_t(0);
-          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[a * D + d] * inv);
-          lsep[(b * H + h) * Lq + i0 + a] =
-              any ? (mx[a] + std::log2(l[a])) * static_cast<acc_t>(kLn2)
-                  : std::numeric_limits<acc_t>::infinity();
+        for (int64_t qb = qb0; qb < qb1; ++qb) {
+          const int64_t i0 = qb * BM, m = std::min(BM, Lq - i0);
+          const scalar_t* qp = q.data_ptr<scalar_t>() + b * q.stride(0) + h * q.stride(2) +
+                               i0 * q.stride(1);
+          load_q(qp, q.stride(1), u.data_ptr<scalar_t>() + h * u.stride(0), m, D, sc, qu.data());
+          load_q(qp, q.stride(1), vb.data_ptr<scalar_t>() + h * vb.stride(0), m, D, sc, qv.data());
+          std::fill(acc.begin(), acc.end(), acc_t(0));
+          std::fill(mx.begin(), mx.end(), -std::numeric_limits<acc_t>::infinity());
+          std::fill(l.begin(), l.end(), acc_t(0));
+          int64_t jlo, jhi;
+          g.key_range(i0, m, &jlo, &jhi);
+          for (int64_t j0 = jlo; j0 <= jhi; j0 += BN) {
+            const int64_t n = std::min(BN, jhi + 1 - j0);
+            scores_tile(g, hd, b, h, i0, m, j0, n, j0 == jlo, j0 + BN > jhi, qu.data(), qv.data(),
+                        S.data(), window_base(T, BM), tw, kbuf.data(), rbuf.data(),
+                        tmax.data());
+            if (g.drop.on) g.drop.keep_scale(b * H + h, Lq, i0, m, j0, n, z.data(), BN);
+            for (int64_t a = 0; a < m; ++a) {
+              acc_t* s = S.data() + a * BN;
+              const acc_t mnew = std::max(mx[a], tmax[a]);
+              if (mnew == -std::numeric_limits<acc_t>::infinity()) {
+                std::fill(s, s + n, acc_t(0));
+                continue;
+              }
+              const acc_t alpha = std::exp2(mx[a] - mnew);
+              l[a] = l[a] * alpha + exp2_sum(s, n, mnew);
+              mx[a] = mnew;
+              if (alpha != acc_t(1)) scale_row(acc.data() + a * D, alpha, D);
+              if (g.drop.on) mul_rows(s, z.data() + a * BN, n);
+            }
+            int64_t ldv;
+            const acc_t* vp = hd.V.get(j0, n, vbuf.data(), &ldv);
+            // a tile with masked pairs: its non-finite v rows reach only the rows allowed them
+            const bool masked = g.tile_needs_masks(i0, m, j0, n);
+            if (masked)
+              vp = zero_flagged_rows(vp, &ldv, n, D, vflag + (j0 - vfirst), vbuf.data(), bad_v);
+            gemm_rm<acc_t>(false, false, m, D, n, 1, S.data(), BN, vp, ldv, 1, acc.data(), D);
+            if (masked)
+              add_allowed(g, b, h, i0, m, hd.V, j0, bad_v,
+                          [j0](int64_t, int64_t t) { return j0 + t; }, S.data(), BN, acc.data(),
+                          row.data());
+          }
+          for (int64_t a = 0; a < m; ++a) {
+            scalar_t* o = outp + ((b * Lq + i0 + a) * H + h) * D;
+            const bool any = l[a] > acc_t(0);
+            const acc_t inv = any ? acc_t(1) / l[a] : acc_t(0);
+            for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[a * D + d] * inv);
+            lsep[(b * H + h) * Lq + i0 + a] =
+                any ? (mx[a] + std::log2(l[a])) * static_cast<acc_t>(kLn2)
+                    : std::numeric_limits<acc_t>::infinity();
+          }
         }
       }
     }
@@ -843,18 +889,6 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
 }
 
 // ---- backward
-
-// Band tiles read each k / v row once per query block that sees it (W / BM + 1 times): the
-// backward, which runs (batch, head) tasks, first copies the head's rows out of [B, T, H, D]
-// (H rows per page) into a dense [Lk, D] buffer, and X then reads from there. Measured at
-// T = 16,384, H = 8, D = 128, window (128, 128), one thread: backward ~10% faster.
-template <typename scalar_t, typename acc_t>
-void head_copy(Rows<scalar_t, acc_t>& X, int64_t n, scalar_t* buf) {
-  for (int64_t j = 0; j < n; ++j)
-    std::memcpy(buf + j * X.D, X.base + j * X.ld, static_cast<size_t>(X.D) * sizeof(scalar_t));
-  X.base = buf;
-  X.ld = X.D;
-}
 
 template <typename scalar_t>
 void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& q,
@@ -897,8 +931,8 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
       const int64_t bh = task / S_, sp = task % S_, b = bh / H, h = bh % H;
       auto hd = head_rows<scalar_t, acc_t>(k, v, r, nullptr, b, h);
       if (g.band) {
-        head_copy(hd.K, Lk, kc.data());
-        head_copy(hd.V, Lk, vc.data());
+        head_copy(hd.K, 0, Lk, kc.data());
+        head_copy(hd.V, 0, Lk, vc.data());
       }
       acc_t* dkh = dkp + task * Lk * D;
       acc_t* dvh = dvp + task * Lk * D;
@@ -1056,7 +1090,6 @@ void check_input(const char* name, const at::Tensor& t, int64_t dim, const at::T
 // after another (the [B, T, H, D] rows of a block share their pages and cache lines across
 // heads). Measured at T = 16,384, H = 8, D = 128, window (128, 128), one thread: forward
 // 511 -> 411 ms, forward + backward 1,662 -> 1,385 ms (32- and 128-row blocks: slower).
-constexpr int64_t kBandBM = 64, kBandMaxW = 1024;
 
 void use_band_tiles(Geometry& g) {
   if (g.dlo <= -kInf || g.dhi >= kInf) return;

@@ -60,6 +60,31 @@ def test_allowed_pair_with_a_nonfinite_value_stays_nonfinite(dtype, Lk, cpu_isa)
 
 
 @pytest.mark.parametrize("value", POISONS)
+def test_band_tiles_keep_excluded_nonfinite_rows_out(value, cpu_isa):
+    """Band tiles (a window narrow against the keys: the forward copies each chunk's k / v
+    rows and flags its non-finite v rows, the backward copies each head's): the query rows
+    whose window holds no poisoned k / v row equal the reference's, finite, in the output and
+    dq; the others are not finite. Rows at both ends of the forward's 512-query chunks and
+    inside one, two chunks sharing rows."""
+    Lq = Lk = 700
+    left, right = 5, 3
+    ts = _inputs(Lq, Lk, Lq + Lk - 1, D=8, seed=3, dtype=torch.float32)
+    keys = (0, 200, 300, 509, 511, 512, 515, 699)
+    bad, _ = _poisoned(ts, [(2, (0, j)) for j in keys if j != 200] + [(1, (0, 200))], value)
+    out, grads = _run("cpu", bad, causal=False, window_size=(left, right))
+    ref, ref_grads = _run("reference", bad, causal=False, window_size=(left, right))
+    i = torch.arange(Lq)
+    clean = torch.ones(Lq, dtype=torch.bool)
+    for j in keys:  # query i sees key j when -right <= i - j <= left
+        clean &= ~((i - j <= left) & (i - j >= -right))
+    assert 0 < clean.sum() < Lq
+    for got, want in ((out, ref), (grads[0], ref_grads[0])):
+        torch.testing.assert_close(got[0, clean], want[0, clean], rtol=1e-4, atol=1e-5)
+        assert torch.isfinite(got[0, clean]).all()
+        assert not torch.isfinite(got[0, ~clean]).all(dim=-1).all(dim=-1).any()
+
+
+@pytest.mark.parametrize("value", POISONS)
 @pytest.mark.parametrize("which", ["v_scale", "k_scale", "v", "k"])
 def test_8bit_memory_padded_row_reaches_nothing(value, which):
     B, Lq, M, H, D = 1, 4, 5, 1, 4
