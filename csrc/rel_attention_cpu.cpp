@@ -61,6 +61,12 @@ void dgemm_(const char*, const char*, const int*, const int*, const int*, const 
             const double*, const int*, const double*, const int*, const double*, double*,
             const int*) __attribute__((weak));
 int MKL_Set_Num_Threads_Local(int) __attribute__((weak));  // MKL's C interface
+// MKL's packed GEMM (CBLAS, 32-bit ints): an operand packed once, multiplied many times
+size_t cblas_sgemm_pack_get_size(int, int, int, int) __attribute__((weak));
+void cblas_sgemm_pack(int, int, int, int, int, int, float, const float*, int, float*)
+    __attribute__((weak));
+void cblas_sgemm_compute(int, int, int, int, int, int, const float*, int, const float*, int,
+                         float, float*, int) __attribute__((weak));
 }
 
 namespace txl_kernels {
@@ -119,6 +125,36 @@ void gemm_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T
   if (beta == T(0)) c.zero_();
   c.addmm_(a, b, beta == T(0) ? T(1) : beta, alpha);
 }
+
+// MKL's CBLAS constants
+constexpr int kCblasRowMajor = 101, kCblasNoTrans = 111, kCblasTrans = 112, kCblasPacked = 151,
+              kCblasBMatrix = 162;
+
+// fp32 B = X^T for row-major C[M, N] = A[M, K] B, X [N, K] with rows ld apart, packed once
+// (MKL's packed GEMM): band tiles multiply every query block by the same short position table
+// (all its rows), which plain sgemm would pack again for each block.
+struct PackedBT {
+  at::Tensor buf;
+  int N = 0, K = 0;
+  static bool available() {
+    return cblas_sgemm_pack_get_size && cblas_sgemm_pack && cblas_sgemm_compute;
+  }
+  void pack(const float* X, int64_t ld, int64_t N_, int64_t K_, int64_t M_hint) {
+    N = static_cast<int>(N_);
+    K = static_cast<int>(K_);
+    const size_t bytes = cblas_sgemm_pack_get_size(kCblasBMatrix, static_cast<int>(M_hint), N, K);
+    const int64_t floats = static_cast<int64_t>(bytes / sizeof(float)) + 16;
+    if (!buf.defined() || buf.numel() < floats) buf = at::empty({floats}, at::kFloat);
+    cblas_sgemm_pack(kCblasRowMajor, kCblasBMatrix, kCblasTrans, static_cast<int>(M_hint), N, K,
+                     1.0f, X, static_cast<int>(ld), buf.data_ptr<float>());
+  }
+  // C[M, N] = A[M, K] B (beta 0)
+  void compute(int64_t M, const float* A, int64_t lda, float* C, int64_t ldc) const {
+    cblas_sgemm_compute(kCblasRowMajor, kCblasNoTrans, kCblasPacked, static_cast<int>(M), N, K,
+                        A, static_cast<int>(lda), buf.data_ptr<float>(), K, 0.0f, C,
+                        static_cast<int>(ldc));
+  }
+};
 
 // ---- row loops: generic, and for fp32 in vector types, compiled per ISA variant (cpu_isa.h)
 
@@ -394,6 +430,7 @@ struct Rows {
   const scalar_t* base = nullptr;  // row `first` of the segment
   int64_t ld = 0, D = 0, M = 0;
   int64_t first = 0;  // the segment row base holds (a copy of a row range: band tiles)
+  const PackedBT* packed = nullptr;  // all rows packed as a GEMM's B^T (fp32), or none
   const uint8_t* mem = nullptr;  // memory row 0 (int8 or fp8 bytes)
   int64_t mem_ld = 0;
   bool mem_fp8 = false;
@@ -633,6 +670,12 @@ void fill_window(const Rows<scalar_t, acc_t>& Rr, int64_t R, const acc_t* qv, in
     std::fill(T + a * tw + cb, T + a * tw + c1, acc_t(0));
   }
   if (!any) return;
+  if constexpr (std::is_same<acc_t, float>::value) {
+    if (Rr.packed && pa == 0 && pb == R) {  // every row of the table: the packed copy
+      Rr.packed->compute(a1 - a0, qv + a0 * D, D, T + a0 * tw + (pa - P0), tw);
+      return;
+    }
+  }
   int64_t ldr;
   const acc_t* rp = Rr.get(pa, pb - pa, rbuf, &ldr);
   gemm_rm<acc_t>(false, true, a1 - a0, pb - pa, D, 1, qv + a0 * D, D, rp, ldr, 0,
@@ -805,6 +848,10 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
     const int64_t crows = copy ? C * BM + BN : 0;  // a chunk's key rows: at most C BM + W - 1
     Scratch<scalar_t> kc(crows * D), vc(crows * D);
     std::vector<uint8_t> cflags(crows);
+    // fp32 band tiles whose blocks read every row of r (a short table): r^T packed per task
+    const bool pack_r = copy && std::is_same<scalar_t, float>::value && PackedBT::available() &&
+                        g.R <= BM + BN;
+    PackedBT rpack;
     std::vector<int64_t> bad_v;
     const acc_t sc = static_cast<acc_t>(g.scale * kLog2e);
     for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
@@ -830,6 +877,12 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
           }
           vflag = cflags.data();
           vfirst = cjlo;
+          if constexpr (std::is_same<scalar_t, float>::value) {
+            if (pack_r) {
+              rpack.pack(hd.Rr.base, hd.Rr.ld, g.R, D, BM);
+              hd.Rr.packed = &rpack;
+            }
+          }
         }
         for (int64_t qb = qb0; qb < qb1; ++qb) {
           const int64_t i0 = qb * BM, m = std::min(BM, Lq - i0);
@@ -921,6 +974,10 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
     std::vector<uint8_t> kflag(Lk), vflag(Lk), rflag(R);
     // band tiles: the task's k and v rows copied to [Lk, D] (head_copy)
     Scratch<scalar_t> kc(g.band ? Lk * D : 0), vc(g.band ? Lk * D : 0);
+    // and, in fp32 where every block reads all of a short r, r^T packed per task
+    const bool pack_r = g.band && std::is_same<scalar_t, float>::value &&
+                        PackedBT::available() && g.R <= BM + BN;
+    PackedBT rpack;
     // sc: the scores' factor, scale * log2(e) (log2 units); ds_scale: the softmax scale alone,
     // for dS = scale * P (dP - delta)
     const acc_t sc = static_cast<acc_t>(g.scale * kLog2e);
@@ -933,6 +990,12 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
       if (g.band) {
         head_copy(hd.K, 0, Lk, kc.data());
         head_copy(hd.V, 0, Lk, vc.data());
+      }
+      if constexpr (std::is_same<scalar_t, float>::value) {
+        if (pack_r) {
+          rpack.pack(hd.Rr.base, hd.Rr.ld, R, D, BM);
+          hd.Rr.packed = &rpack;
+        }
       }
       acc_t* dkh = dkp + task * Lk * D;
       acc_t* dvh = dvp + task * Lk * D;

@@ -95,6 +95,16 @@ def test_window_table_matches_full_table(backend, dtype, lq, lk, window):
     check_against_full(backend, 2, lq, lk, 2, 41, R, first, dtype, window)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("window", [(6, 4), (9, 0)])
+def test_cpu_band_tiles_with_window_table(dtype, window):
+    """The CPU kernel's band tiles over many query blocks and two forward chunks (700
+    queries), heads 3, head dim 41, with the window's own table (fp32: r^T packed once per
+    task and multiplied by every block)."""
+    R, first = window_table(window)
+    check_against_full("cpu", 2, 700, 700, 3, 41, R, first, dtype, window)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_window_table_with_key_padding_and_causal(backend):
     lq = lk = 13
