@@ -2,8 +2,9 @@
 
 The ``G`` extra keys join the relative-attention keys in one softmax. The fused kernel computes
 the relative part as usual and returns its normalised rows and row log-sum-exp; the
-``[B, H, Lq, G]`` extra part (with its own dropout mask) is computed here in torch and folded in by a log-sum-exp merge
-(``_block_ops.merge_block``, as the context-parallel ring merges its blocks). The backward is the kernel's own, given the *merged*
+``[B, H, Lq, G]`` extra part (with its own dropout mask) is computed here in torch and folded
+in by a log-sum-exp merge (the arithmetic of ``_block_ops.merge_block``, with which the
+context-parallel ring merges its blocks), in place on the kernel's output. The backward is the kernel's own, given the *merged*
 output and log-sum-exp (as the context-parallel ring calls it): with those its probabilities
 are the joint softmax's, and ``rowsum(dO * O)`` is the joint one, so its gradients are exact;
 the extra part's gradient is added here. Nothing of size ``Lq x Lk`` is formed.
@@ -13,8 +14,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._block_ops import KernelOps, merge_block
+from ._block_ops import KernelOps
 from .cpu_kernel import draw_cpu_dropout_seed, last_dim_contiguous
+from .reference import finite_or_zero
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -22,8 +24,27 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 
 def _extra_scores(extra_q: Tensor, extra_k: Tensor, scale: float, acc) -> Tensor:
-    """``scale * extra_q_i . extra_k_g``, ``[B, H, Lq, G]`` in ``acc``."""
-    return torch.einsum("bihd,bghd->bhig", extra_q.to(acc), extra_k.to(acc)) * scale
+    """``scale * extra_q_i . extra_k_g``, ``[B, H, Lq, G]`` in ``acc`` (a batched GEMM on
+    strided views: no copy of extra_q)."""
+    return torch.matmul(extra_q.to(acc).transpose(1, 2),
+                        extra_k.to(acc).permute(0, 2, 3, 1)) * scale
+
+
+def _add_weighted(out: Tensor, w: Tensor, x: Tensor) -> None:
+    """``out[b, i, h] += sum_g w[b, h, i, g] x[b, g, h]`` in place (out ``[B, Lq, H, D]``, w
+    ``[B, H, Lq, G]``, x ``[B, G, H, D]``): one pass over out per extra key, no ``[B, Lq, H,
+    D]`` temporary, for a few keys; a batched GEMM for many."""
+    if w.shape[-1] <= 8:
+        for g in range(w.shape[-1]):
+            out.addcmul_(w[..., g].transpose(1, 2)[..., None], x[:, g, None])
+    else:
+        out.add_(torch.matmul(w, x.transpose(1, 2)).transpose(1, 2))
+
+
+def _row_dot(a: Tensor, b: Tensor) -> Tensor:
+    """``sum_d a[b, i, h, d] b[b, i, h, d]`` as ``[B, H, Lq]`` (batched dot products: no
+    ``[B, Lq, H, D]`` product)."""
+    return torch.matmul(a.unsqueeze(-2), b.unsqueeze(-1))[..., 0, 0].transpose(1, 2)
 
 
 class _ExtraKeysAttn(torch.autograd.Function):
@@ -35,21 +56,26 @@ class _ExtraKeysAttn(torch.autograd.Function):
         drop = dict(dropout_p=dropout_p, dropout_seed=dropout_seed)
         out_b, lse_b = ops.fwd(q, k, v, r, u, vb, scale, wl, wr, kpm, attn_mask, attn_mask_band,
                                r_first_distance, **drop)
-        lse = lse_b.to(acc)  # rows with no relative key: +inf -> -inf (no mass) here
-        lse = lse.masked_fill(lse == float("inf"), float("-inf"))
+        lse_b = lse_b.to(acc)  # rows with no relative key: +inf -> -inf (no mass) here
+        lse_b = lse_b.masked_fill(lse_b == float("inf"), float("-inf"))
+        # the log-sum-exp merge of the kernel's rows with the extra keys' (merge_block's
+        # arithmetic, in place on the kernel's fresh output): out = out_b exp(lse_b - lse) +
+        # sum_g exp(s_g - lse) Z_g v_g, lse = logaddexp(lse_b, logsumexp_g s_g)
         out = out_b.to(acc)
         s = _extra_scores(extra_q, extra_k, scale, acc)
-        s_lse = torch.logsumexp(s, dim=-1)
-        s_prob = torch.exp(s - s_lse[..., None])
+        lse = torch.logaddexp(lse_b, torch.logsumexp(s, dim=-1))
+        safe = finite_or_zero(lse)
+        p = torch.exp(s - safe[..., None])
         z = _dropout_factor(extra_keep, dropout_p, acc)
         if z is not None:  # the lse stays that of the undropped scores, as in the kernels
-            s_prob = s_prob * z
-        s_out = torch.einsum("bhig,bghd->bihd", s_prob, extra_v.to(acc))
-        merge_block(out, lse, 0, q.shape[1], s_out, s_lse)
+            p = p * z
+        out.mul_(torch.exp(lse_b - safe).transpose(1, 2)[..., None])
+        _add_weighted(out, p, extra_v.to(acc))
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, r, u, vb, extra_q, extra_k, extra_v, kpm, attn_mask,
                               attn_mask_band, out, lse, dropout_seed, extra_keep)
         ctx.args = (scale, wl, wr, r_first_distance, dropout_p, ops)
+        ctx.q_is_extra_q = extra_q is q  # then d(extra_q) goes into dq, in place
         return out
 
     @staticmethod
@@ -61,9 +87,9 @@ class _ExtraKeysAttn(torch.autograd.Function):
         dout = last_dim_contiguous(dout)
         # the kernel's backward from the merged out and lse (+inf: a row with no key at all)
         lse_k = lse.masked_fill(~torch.isfinite(lse), float("inf")).to(ops.lse_dtype(q.dtype))
-        grads = ops.bwd(dout, q, k, v, r, u, vb, out, lse_k, scale, wl, wr, kpm, attn_mask,
-                        attn_mask_band, r_first_distance, dropout_p=dropout_p,
-                        dropout_seed=dropout_seed)
+        dq, *grads = ops.bwd(dout, q, k, v, r, u, vb, out, lse_k, scale, wl, wr, kpm,
+                             attn_mask, attn_mask_band, r_first_distance, dropout_p=dropout_p,
+                             dropout_seed=dropout_seed)
         # the extra part: dS = P * (Z * dO . v_g - rowsum(dO * O)), P the joint softmax's
         # columns, Z the dropout factor (1 without dropout); O is the dropped output, so
         # rowsum(dO * O) is the joint rowsum of P * Z * dP, as in the kernels' backward
@@ -71,14 +97,21 @@ class _ExtraKeysAttn(torch.autograd.Function):
         p = torch.exp(_extra_scores(extra_q, extra_k, scale, acc) - lse[..., None])
         z = _dropout_factor(extra_keep, dropout_p, acc)
         pz = p if z is None else p * z
-        dp = torch.einsum("bihd,bghd->bhig", dout_a, extra_v.to(acc))
-        delta = (dout_a * out.to(acc)).sum(-1).transpose(1, 2)  # [B, H, Lq]
-        ds = (pz * dp) - p * delta[..., None]
-        d_eq = torch.einsum("bhig,bghd->bihd", ds, extra_k.to(acc)) * scale
-        d_ek = torch.einsum("bhig,bihd->bghd", ds, extra_q.to(acc)) * scale
-        d_ev = torch.einsum("bhig,bihd->bghd", pz, dout_a)
-        return (*grads, d_eq.to(extra_q.dtype), d_ek.to(extra_k.dtype), d_ev.to(extra_v.dtype),
-                *(None,) * 11)
+        ev, ek = extra_v.to(acc), extra_k.to(acc)
+        dp = torch.matmul(dout_a.transpose(1, 2), ev.permute(0, 2, 3, 1))  # [B, H, Lq, G]
+        delta = _row_dot(dout_a, out.to(acc))  # [B, H, Lq]
+        ds = (pz * dp - p * delta[..., None]) * scale
+        d_ek = torch.matmul(ds.transpose(-1, -2), extra_q.to(acc).transpose(1, 2))
+        d_ev = torch.matmul(pz.transpose(-1, -2), dout_a.transpose(1, 2))
+        if ctx.q_is_extra_q and dq.dtype == acc:
+            _add_weighted(dq, ds, ek)  # d(extra_q) is dq's: one gradient, no second tensor
+            d_eq = None
+        else:
+            d_eq = torch.zeros(extra_q.shape, dtype=acc, device=dq.device)
+            _add_weighted(d_eq, ds, ek)
+            d_eq = d_eq.to(extra_q.dtype)
+        return (dq, *grads, d_eq, d_ek.transpose(1, 2).to(extra_k.dtype),
+                d_ev.transpose(1, 2).to(extra_v.dtype), *(None,) * 11)
 
 
 def _dropout_factor(keep, dropout_p: float, acc):
