@@ -37,6 +37,7 @@
 // for the baseline ISA.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
@@ -49,6 +50,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -428,6 +430,13 @@ struct Rows {
     *ldo = D;
     return buf;
   }
+
+  // row j in the input dtype: in place (segment rows) or dequantised into buf [D]
+  const scalar_t* raw(int64_t j, scalar_t* buf) const {
+    if (j >= M) return base + (j - M) * ld;
+    for (int64_t d = 0; d < D; ++d) buf[d] = static_cast<scalar_t>(mem_value(j, d));
+    return buf;
+  }
 };
 
 // ---- non-finite operand rows: what the masks exclude must not reach the results
@@ -613,11 +622,142 @@ void add_allowed(const Geometry& g, int64_t b, int64_t h, int64_t i0, int64_t m,
   }
 }
 
+// ---- bf16 / fp16 GEMMs on oneDNN's brgemm micro-kernels (AMX on x86)
+//
+// Where the CPU packs the dtype natively (at::native::cpublas::could_pack: AMX-BF16 for bf16,
+// AMX-FP16 for fp16, the check PyTorch's own CPU flash attention makes) and the row code runs
+// its AVX-512 variant (cpu_isa.h: ATen's choice or the override), the forward's three GEMMs
+// take the operands in the input dtype with fp32 accumulation: (q + u) K^T and (q + vb) Rwin^T
+// with q + bias rounded to the input dtype (as load_q rounds it), and P V with P rounded to the
+// input dtype, as PyTorch's bf16 flash attention rounds it. The softmax, the window T and the
+// output accumulator stay fp32. Elsewhere (and for fp32 / fp64) the tiles go through the fp32
+// BLAS. brgemm reads B in the VNNI layout, pairs of consecutive K-index rows interleaved:
+// B[k, n] at ((k / 2) ldb + n) 2 + k % 2, K padded to even with zeros; the tiles are packed
+// into it straight from their rows (the transposes of K and r come free with the packing),
+// which serves any N and leading dimension, where cpublas::pack takes untransposed panels of
+// 16 to 64 columns only.
+
+template <typename T>
+constexpr bool kLowp = std::is_same<T, at::BFloat16>::value || std::is_same<T, at::Half>::value;
+
+// calls of the forward that took the brgemm route (txl_kernels::cpu_brgemm_calls, for tests)
+std::atomic<int64_t> g_brgemm_calls{0};
+
+// Whether a call in dtype st takes the brgemm route (decided once per call; never in a torch
+// without cpublas::brgemm).
+bool brgemm_route(at::ScalarType st) {
+#ifdef CPUBLAS_BRGEMM_BF16BF16F32
+  if (st == at::kBFloat16 || st == at::kHalf)
+    return cpu_isa() == CpuIsa::kAvx512 && at::native::cpublas::could_pack(st);
+#endif
+  return false;
+}
+
+// Releases the AMX tile state that this thread's brgemm calls configured (as PyTorch does).
+void brgemm_done() {
+#ifdef CPUBLAS_BRGEMM_BF16BF16F32
+  at::native::cpublas::brgemm_release();
+#endif
+}
+
+// q + bias, summed in acc_t and rounded to the input dtype (as the reference rounds it)
+template <typename acc_t, typename scalar_t>
+inline scalar_t q_plus(scalar_t q, scalar_t bias) {
+  return static_cast<scalar_t>(static_cast<acc_t>(q) + static_cast<acc_t>(bias));
+}
+
+// C[M, N] (ld ldc) = A[M, K] (ld lda) @ B (VNNI, ld ldb), or += with add
+template <typename scalar_t>
+void brgemm_vnni(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc,
+                 bool add, const scalar_t* A, const scalar_t* B, float* C) {
+#ifdef CPUBLAS_BRGEMM_BF16BF16F32
+  if constexpr (kLowp<scalar_t>) {
+    at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, A, B, C, /*is_vnni=*/true);
+    return;
+  }
+#endif
+  TORCH_CHECK(false, "rel_attn_cpu: brgemm called for ", c10::CppTypeToScalarType<scalar_t>::value);
+}
+
+// One thread's brgemm operands: (q + u) and (q + vb) of the current query block, the packed
+// B panel, and P in the input dtype.
+template <typename scalar_t>
+struct LowpGemm {
+  int64_t D, Dp;  // head dim, and rounded up to even (the K of the q GEMMs)
+  float sc;       // scale * log2(e): the scores' factor, applied to the fp32 products
+  Scratch<scalar_t> qu, qv, b, p, row;
+
+  LowpGemm(int64_t BM, int64_t BN, int64_t D_, float sc_)
+      : D(D_), Dp((D_ + 1) / 2 * 2), sc(sc_), qu(BM * Dp), qv(BM * Dp),
+        b(std::max((BM + BN) * Dp, (BN + 1) * D)), p(BM * (BN + 1)), row(D_) {}
+
+  // qu, qv = q + u, q + vb of query rows [0, m) (q rows ldq apart), zero-padded to Dp
+  void load(const scalar_t* q, int64_t ldq, const scalar_t* u, const scalar_t* vb, int64_t m) {
+    for (int64_t a = 0; a < m; ++a) {
+      scalar_t* ou = qu.data() + a * Dp;
+      scalar_t* ov = qv.data() + a * Dp;
+      for (int64_t d = 0; d < D; ++d) {
+        ou[d] = q_plus<float>(q[a * ldq + d], u[d]);
+        ov[d] = q_plus<float>(q[a * ldq + d], vb[d]);
+      }
+      if (Dp > D) ou[D] = ov[D] = scalar_t(0);
+    }
+  }
+
+  // C[m, n] (ld ldc) = sc * A[m, Dp] @ X[j0, j0 + n)^T (A: qu or qv rows)
+  template <typename Rw>
+  void abt(const scalar_t* A, int64_t m, const Rw& X, int64_t j0, int64_t n, float* C,
+           int64_t ldc) {
+    scalar_t* o = b.data();
+    for (int64_t t = 0; t < n; ++t) {
+      const scalar_t* x = X.raw(j0 + t, row.data());
+      for (int64_t d = 0; d + 1 < D; d += 2) {
+        o[d * n + 2 * t] = x[d];
+        o[d * n + 2 * t + 1] = x[d + 1];
+      }
+      if (Dp > D) {
+        o[(D - 1) * n + 2 * t] = x[D - 1];
+        o[(D - 1) * n + 2 * t + 1] = scalar_t(0);
+      }
+    }
+    brgemm_vnni<scalar_t>(m, n, Dp, Dp, n, ldc, false, A, o, C);
+    for (int64_t a = 0; a < m; ++a) scale_row(C + a * ldc, sc, n);
+  }
+
+  // acc[m, D] += P @ X[j0, j0 + n), P = S[m, n] (ld lds) rounded to the input dtype; the rows
+  // t with flags[t] (when flags) enter as zeros and are listed in bad (for add_allowed)
+  template <typename Rw>
+  void pv(const float* S, int64_t lds, int64_t m, const Rw& X, int64_t j0, int64_t n,
+          const uint8_t* flags, std::vector<int64_t>& bad, float* acc) {
+    const int64_t np = (n + 1) / 2 * 2;
+    scalar_t* o = b.data();
+    bad.clear();
+    for (int64_t t = 0; t < np; ++t) {
+      scalar_t* ot = o + (t / 2) * 2 * D + t % 2;
+      const bool zero = t >= n || (flags && flags[t]);
+      if (t < n && flags && flags[t]) bad.push_back(t);
+      if (zero) {
+        for (int64_t d = 0; d < D; ++d) ot[2 * d] = scalar_t(0);
+        continue;
+      }
+      const scalar_t* x = X.raw(j0 + t, row.data());
+      for (int64_t d = 0; d < D; ++d) ot[2 * d] = x[d];
+    }
+    scalar_t* pp = p.data();
+    for (int64_t a = 0; a < m; ++a) {
+      for (int64_t t = 0; t < n; ++t) pp[a * np + t] = static_cast<scalar_t>(S[a * lds + t]);
+      if (np > n) pp[a * np + n] = scalar_t(0);
+    }
+    brgemm_vnni<scalar_t>(m, D, np, np, D, D, true, pp, o, acc);
+  }
+};
+
 // T[a0:a1, c0:c1) = (q + vb)[a0:a1] @ r[P0 + c]^T over the columns whose rows exist (others 0)
+// (with lp: lp's qv rows on brgemm)
 template <typename scalar_t, typename acc_t>
 void fill_window(const Rows<scalar_t, acc_t>& Rr, int64_t R, const acc_t* qv, int64_t a0,
                  int64_t a1, int64_t D, int64_t P0, int64_t c0, int64_t c1, acc_t* T,
-                 int64_t tw, acc_t* rbuf) {
+                 int64_t tw, acc_t* rbuf, LowpGemm<scalar_t>* lp = nullptr) {
   if (a1 <= a0 || c1 <= c0) return;
   const int64_t pa = std::max<int64_t>(P0 + c0, 0), pb = std::min<int64_t>(P0 + c1, R);
   const bool any = pb > pa;
@@ -627,6 +767,13 @@ void fill_window(const Rows<scalar_t, acc_t>& Rr, int64_t R, const acc_t* qv, in
     std::fill(T + a * tw + cb, T + a * tw + c1, acc_t(0));
   }
   if (!any) return;
+  if constexpr (kLowp<scalar_t>) {
+    if (lp) {
+      lp->abt(lp->qv.data() + a0 * lp->Dp, a1 - a0, Rr, pa, pb - pa, T + a0 * tw + (pa - P0),
+              tw);
+      return;
+    }
+  }
   int64_t ldr;
   const acc_t* rp = Rr.get(pa, pb - pa, rbuf, &ldr);
   gemm_rm<acc_t>(false, true, a1 - a0, pb - pa, D, 1, qv + a0 * D, D, rp, ldr, 0,
@@ -645,18 +792,18 @@ constexpr int64_t kRowGroup = 32;
 template <typename scalar_t, typename acc_t>
 void advance_window(const Rows<scalar_t, acc_t>& Rr, int64_t R, const acc_t* qv, int64_t m,
                     int64_t D, int64_t P0, int64_t n, int64_t BN, bool first, bool last,
-                    acc_t* T, int64_t tw, acc_t* rbuf) {
+                    acc_t* T, int64_t tw, acc_t* rbuf, LowpGemm<scalar_t>* lp = nullptr) {
   if (!first) shift_window(T, m, tw, BN, false, 0);
   const int64_t c0 = first ? 0 : m - 1, c1 = m - 1 + n;
   if (!first && !last) {
-    fill_window(Rr, R, qv, 0, m, D, P0, c0, c1, T, tw, rbuf);
+    fill_window(Rr, R, qv, 0, m, D, P0, c0, c1, T, tw, rbuf, lp);
     return;
   }
   for (int64_t a0 = 0; a0 < m; a0 += kRowGroup) {
     const int64_t a1 = std::min(m, a0 + kRowGroup);
     const int64_t lo = first ? std::max(c0, m - a1) : c0;
     const int64_t hi = last ? std::min(c1, m - 1 - a0 + n) : c1;
-    fill_window(Rr, R, qv, a0, a1, D, P0, lo, hi, T, tw, rbuf);
+    fill_window(Rr, R, qv, a0, a1, D, P0, lo, hi, T, tw, rbuf, lp);
   }
 }
 
@@ -667,25 +814,34 @@ void load_q(const scalar_t* q, int64_t ldq, const scalar_t* bias, int64_t m, int
             acc_t mult, acc_t* out) {
   for (int64_t a = 0; a < m; ++a)
     for (int64_t d = 0; d < D; ++d)
-      out[a * D + d] = mult * static_cast<acc_t>(static_cast<scalar_t>(
-          static_cast<acc_t>(q[a * ldq + d]) + static_cast<acc_t>(bias[d])));
+      out[a * D + d] = mult * static_cast<acc_t>(q_plus<acc_t>(q[a * ldq + d], bias[d]));
 }
 
 // The scores tile S = scale * log2(e) * (AC + BD) with -inf at masked pairs, T advanced to
 // this tile (last: no later key tile for these query rows). qu and qv come multiplied by
 // scale * log2(e), so the GEMMs give the scaled terms in log2 units and one pass adds BD's
-// skewed rows (and takes the row maxima into rmax, when given).
+// skewed rows (and takes the row maxima into rmax, when given). With lp, both GEMMs run on
+// brgemm from lp's rows of q + u and q + vb (qu and qv unused).
 template <typename scalar_t, typename acc_t>
 void scores_tile(const Geometry& g, const Head<scalar_t, acc_t>& hd, int64_t b, int64_t h,
                  int64_t i0, int64_t m, int64_t j0, int64_t n, bool first, bool last,
                  const acc_t* qu, const acc_t* qv, acc_t* S, acc_t* T, int64_t tw, acc_t* kbuf,
-                 acc_t* rbuf, acc_t* rmax) {
+                 acc_t* rbuf, acc_t* rmax, LowpGemm<scalar_t>* lp = nullptr) {
   const int64_t D = g.D;
-  int64_t ldk;
-  const acc_t* kp = hd.K.get(j0, n, kbuf, &ldk);
-  gemm_rm<acc_t>(false, true, m, n, D, 1, qu, D, kp, ldk, 0, S, g.BN);
+  bool done = false;
+  if constexpr (kLowp<scalar_t>) {
+    if (lp) {
+      lp->abt(lp->qu.data(), m, hd.K, j0, n, S, g.BN);
+      done = true;
+    }
+  }
+  if (!done) {
+    int64_t ldk;
+    const acc_t* kp = hd.K.get(j0, n, kbuf, &ldk);
+    gemm_rm<acc_t>(false, true, m, n, D, 1, qu, D, kp, ldk, 0, S, g.BN);
+  }
   const int64_t P0 = j0 - (i0 + m - 1) + g.c;
-  advance_window(hd.Rr, g.R, qv, m, D, P0, n, g.BN, first, last, T, tw, rbuf);
+  advance_window(hd.Rr, g.R, qv, m, D, P0, n, g.BN, first, last, T, tw, rbuf, lp);
   if (!g.tile_needs_masks(i0, m, j0, n)) {
     for (int64_t a = 0; a < m; ++a) {
       acc_t* s = S + a * g.BN;
@@ -770,6 +926,9 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
       }
     });
   const int64_t lanes = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntask));
+  // bf16 / fp16 GEMMs on brgemm where the CPU supports them (decided once for the call)
+  const bool lowp = brgemm_route(q.scalar_type());
+  if (lowp) g_brgemm_calls.fetch_add(1, std::memory_order_relaxed);
   at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
     SequentialBlas one_thread;
     Scratch<acc_t> qu(BM * D), qv(BM * D), S(BM * BN), T(BM * tw + kWindowPad), acc(BM * D),
@@ -777,6 +936,8 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
         z(g.drop.on ? BM * BN : 0), row(D);
     std::vector<int64_t> bad_v;
     const acc_t sc = static_cast<acc_t>(g.scale * kLog2e);
+    std::unique_ptr<LowpGemm<scalar_t>> lp;
+    if (lowp) lp = std::make_unique<LowpGemm<scalar_t>>(BM, BN, D, static_cast<float>(sc));
     for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
       for (int64_t task = lane; task < ntask; task += lanes) {
         const int64_t b = task / (H * nqb), h = (task / nqb) % H, qb = task % nqb;
@@ -784,8 +945,14 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
         const auto hd = head_rows<scalar_t, acc_t>(k, v, r, mem, b, h);
         const scalar_t* qp = q.data_ptr<scalar_t>() + b * q.stride(0) + h * q.stride(2) +
                              i0 * q.stride(1);
-        load_q(qp, q.stride(1), u.data_ptr<scalar_t>() + h * u.stride(0), m, D, sc, qu.data());
-        load_q(qp, q.stride(1), vb.data_ptr<scalar_t>() + h * vb.stride(0), m, D, sc, qv.data());
+        const scalar_t* up = u.data_ptr<scalar_t>() + h * u.stride(0);
+        const scalar_t* vbp = vb.data_ptr<scalar_t>() + h * vb.stride(0);
+        if (lp) {
+          lp->load(qp, q.stride(1), up, vbp, m);
+        } else {
+          load_q(qp, q.stride(1), up, m, D, sc, qu.data());
+          load_q(qp, q.stride(1), vbp, m, D, sc, qv.data());
+        }
         std::fill(acc.begin(), acc.end(), acc_t(0));
         std::fill(mx.begin(), mx.end(), -std::numeric_limits<acc_t>::infinity());
         std::fill(l.begin(), l.end(), acc_t(0));
@@ -795,7 +962,7 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
           const int64_t n = std::min(BN, jhi + 1 - j0);
           scores_tile(g, hd, b, h, i0, m, j0, n, j0 == jlo, j0 + BN > jhi, qu.data(), qv.data(),
                       S.data(), window_base(T, BM), tw, kbuf.data(), rbuf.data(),
-                      tmax.data());
+                      tmax.data(), lp.get());
           if (g.drop.on) g.drop.keep_scale(b * H + h, Lq, i0, m, j0, n, z.data(), BN);
           for (int64_t a = 0; a < m; ++a) {
             acc_t* s = S.data() + a * BN;
@@ -810,14 +977,22 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
             if (alpha != acc_t(1)) scale_row(acc.data() + a * D, alpha, D);
             if (g.drop.on) mul_rows(s, z.data() + a * BN, n);
           }
-          int64_t ldv;
-          const acc_t* vp = hd.V.get(j0, n, vbuf.data(), &ldv);
           // a tile with masked pairs: its non-finite v rows reach only the rows allowed them
           const bool masked = g.tile_needs_masks(i0, m, j0, n);
-          if (masked)
-            vp = zero_flagged_rows(vp, &ldv, n, D, vflags.data() + (b * H + h) * Lk + j0,
-                                   vbuf.data(), bad_v);
-          gemm_rm<acc_t>(false, false, m, D, n, 1, S.data(), BN, vp, ldv, 1, acc.data(), D);
+          const uint8_t* vfl = masked ? vflags.data() + (b * H + h) * Lk + j0 : nullptr;
+          bool done = false;
+          if constexpr (kLowp<scalar_t>) {
+            if (lp) {
+              lp->pv(S.data(), BN, m, hd.V, j0, n, vfl, bad_v, acc.data());
+              done = true;
+            }
+          }
+          if (!done) {
+            int64_t ldv;
+            const acc_t* vp = hd.V.get(j0, n, vbuf.data(), &ldv);
+            if (masked) vp = zero_flagged_rows(vp, &ldv, n, D, vfl, vbuf.data(), bad_v);
+            gemm_rm<acc_t>(false, false, m, D, n, 1, S.data(), BN, vp, ldv, 1, acc.data(), D);
+          }
           if (masked)
             add_allowed(g, b, h, i0, m, hd.V, j0, bad_v,
                         [j0](int64_t, int64_t t) { return j0 + t; }, S.data(), BN, acc.data(),
@@ -834,6 +1009,7 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
         }
       }
     }
+    if (lp) brgemm_done();
   });
 }
 
@@ -1240,6 +1416,17 @@ int64_t rel_attn_cpu_threads() {
   return chunks.load();
 }
 
+// How the forward's GEMMs run for dtype at the current ISA variant: "brgemm (AMX)" (bf16 /
+// fp16 operands, fp32 accumulation), "fp32 tiles" (bf16 / fp16 converted to fp32 for the
+// BLAS) or "native" (fp32 / fp64).
+std::string cpu_lowp_route(at::ScalarType dtype) {
+  if (dtype != at::kBFloat16 && dtype != at::kHalf) return "native";
+  return brgemm_route(dtype) ? "brgemm (AMX)" : "fp32 tiles";
+}
+
+// Forward calls so far that took the brgemm route (tests read it before and after a call).
+int64_t cpu_brgemm_calls() { return g_brgemm_calls.load(); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(txl_kernels, m) {
@@ -1254,6 +1441,8 @@ TORCH_LIBRARY_FRAGMENT(txl_kernels, m) {
         "Tensor? attn_mask_band, float dropout_p, Tensor? dropout_seed, "
         "int? r_first_distance=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("rel_attn_cpu_threads() -> int", &rel_attn_cpu_threads);
+  m.def("cpu_lowp_route(ScalarType dtype) -> str", &cpu_lowp_route);
+  m.def("cpu_brgemm_calls() -> int", &cpu_brgemm_calls);
 }
 
 TORCH_LIBRARY_IMPL(txl_kernels, CPU, m) {
