@@ -679,17 +679,75 @@ void brgemm_vnni(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int6
   TORCH_CHECK(false, "rel_attn_cpu: brgemm called for ", c10::CppTypeToScalarType<scalar_t>::value);
 }
 
+// The VNNI leading dimension of a packed X^T panel of n rows: n rounded up to 16, plus 16 where
+// that is a multiple of 256 (its k-pair rows would be a multiple of 1 KiB apart and crowd a few
+// L1 sets).
+inline int64_t vnni_ld(int64_t n) {
+  const int64_t ld = (n + 15) / 16 * 16;
+  return ld % 256 == 0 ? ld + 16 : ld;
+}
+
+// X^T of X's rows [0, n) [n, D] packed for brgemm: out[((d / 2) ld + j) 2 + d % 2] = X[j, d]
+// (d padded to even with zeros); a tile of rows [j0, j0 + c) is then out + 2 j0 with ld_b = ld.
+// One pass per call: each (batch, head)'s K and each head's r, read by every query block.
+template <typename scalar_t, typename Rw>
+void pack_transposed(const Rw& X, int64_t n, int64_t D, int64_t ld, scalar_t* out,
+                     scalar_t* row) {
+  using W = uint32_t;  // one pair (d, d + 1) of 16-bit values
+  static_assert(sizeof(scalar_t) == 2, "bf16 / fp16 only");
+  const int64_t Dh = D / 2;
+  W* o = reinterpret_cast<W*>(out);
+  for (int64_t j = 0; j < n; ++j) {
+    const scalar_t* x = X.raw(j, row);
+    for (int64_t e = 0; e < Dh; ++e) {
+      W w;
+      std::memcpy(&w, x + 2 * e, sizeof w);
+      o[e * ld + j] = w;
+    }
+    if (D % 2) {
+      scalar_t pair[2] = {x[D - 1], scalar_t(0)};
+      std::memcpy(o + Dh * ld + j, pair, sizeof(W));
+    }
+  }
+}
+
+// The route's two per-tile element loops, compiled for AVX-512 (the route runs only under
+// that variant) so that they vectorise:
+// o[2 d + e] = xe[d], rows x0 and x1 of a VNNI pair interleaved
+TXL_TARGET_AVX512 void interleave_pair(const uint16_t* x0, const uint16_t* x1, int64_t D,
+                                       uint16_t* o) {
+  for (int64_t d = 0; d < D; ++d) {
+    o[2 * d] = x0[d];
+    o[2 * d + 1] = x1[d];
+  }
+}
+// o[t] = bf16(s[t]), rounded to nearest even with NaN kept (a quiet NaN), as c10::BFloat16
+TXL_TARGET_AVX512 void round_to_bf16(const float* s, int64_t n, uint16_t* o) {
+  for (int64_t t = 0; t < n; ++t) {
+    uint32_t u;
+    std::memcpy(&u, s + t, sizeof u);
+    const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    o[t] = static_cast<uint16_t>(s[t] != s[t] ? 0x7FC0u : r);
+  }
+}
+
 // One thread's brgemm operands: (q + u) and (q + vb) of the current query block, the packed
-// B panel, and P in the input dtype.
+// V tile, and P in the input dtype.
 template <typename scalar_t>
 struct LowpGemm {
   int64_t D, Dp;  // head dim, and rounded up to even (the K of the q GEMMs)
   float sc;       // scale * log2(e): the scores' factor, applied to the fp32 products
-  Scratch<scalar_t> qu, qv, b, p, row;
+  Scratch<scalar_t> qu, qv, b, p, row0, row1, zero;
+  // the current (batch, head)'s packed K^T and r^T panels (pack_transposed) and their ld
+  const scalar_t* kt = nullptr;
+  const scalar_t* rt = nullptr;
+  int64_t ldk = 0, ldr = 0;
 
   LowpGemm(int64_t BM, int64_t BN, int64_t D_, float sc_)
-      : D(D_), Dp((D_ + 1) / 2 * 2), sc(sc_), qu(BM * Dp), qv(BM * Dp),
-        b(std::max((BM + BN) * Dp, (BN + 1) * D)), p(BM * (BN + 1)), row(D_) {}
+      : D(D_), Dp((D_ + 1) / 2 * 2), sc(sc_), qu(BM * Dp), qv(BM * Dp), b((BN + 1) * D),
+        p(BM * (BN + 1)), row0(D_), row1(D_), zero(D_) {
+    std::fill(zero.begin(), zero.end(), scalar_t(0));
+  }
 
   // qu, qv = q + u, q + vb of query rows [0, m) (q rows ldq apart), zero-padded to Dp
   void load(const scalar_t* q, int64_t ldq, const scalar_t* u, const scalar_t* vb, int64_t m) {
@@ -704,23 +762,10 @@ struct LowpGemm {
     }
   }
 
-  // C[m, n] (ld ldc) = sc * A[m, Dp] @ X[j0, j0 + n)^T (A: qu or qv rows)
-  template <typename Rw>
-  void abt(const scalar_t* A, int64_t m, const Rw& X, int64_t j0, int64_t n, float* C,
-           int64_t ldc) {
-    scalar_t* o = b.data();
-    for (int64_t t = 0; t < n; ++t) {
-      const scalar_t* x = X.raw(j0 + t, row.data());
-      for (int64_t d = 0; d + 1 < D; d += 2) {
-        o[d * n + 2 * t] = x[d];
-        o[d * n + 2 * t + 1] = x[d + 1];
-      }
-      if (Dp > D) {
-        o[(D - 1) * n + 2 * t] = x[D - 1];
-        o[(D - 1) * n + 2 * t + 1] = scalar_t(0);
-      }
-    }
-    brgemm_vnni<scalar_t>(m, n, Dp, Dp, n, ldc, false, A, o, C);
+  // C[m, n] (ld ldc) = sc * A[m, Dp] @ X[j0, j0 + n)^T, X^T packed at Xt (ld ldx)
+  void abt(const scalar_t* A, int64_t m, const scalar_t* Xt, int64_t ldx, int64_t j0,
+           int64_t n, float* C, int64_t ldc) {
+    brgemm_vnni<scalar_t>(m, n, Dp, Dp, ldx, ldc, false, A, Xt + 2 * j0, C);
     for (int64_t a = 0; a < m; ++a) scale_row(C + a * ldc, sc, n);
   }
 
@@ -730,25 +775,28 @@ struct LowpGemm {
   void pv(const float* S, int64_t lds, int64_t m, const Rw& X, int64_t j0, int64_t n,
           const uint8_t* flags, std::vector<int64_t>& bad, float* acc) {
     const int64_t np = (n + 1) / 2 * 2;
-    scalar_t* o = b.data();
     bad.clear();
-    for (int64_t t = 0; t < np; ++t) {
-      scalar_t* ot = o + (t / 2) * 2 * D + t % 2;
-      const bool zero = t >= n || (flags && flags[t]);
+    auto rd = [&](int64_t t, scalar_t* buf) -> const uint16_t* {
       if (t < n && flags && flags[t]) bad.push_back(t);
-      if (zero) {
-        for (int64_t d = 0; d < D; ++d) ot[2 * d] = scalar_t(0);
-        continue;
-      }
-      const scalar_t* x = X.raw(j0 + t, row.data());
-      for (int64_t d = 0; d < D; ++d) ot[2 * d] = x[d];
+      const scalar_t* x = t >= n || (flags && flags[t]) ? zero.data() : X.raw(j0 + t, buf);
+      return reinterpret_cast<const uint16_t*>(x);
+    };
+    // rows t, t + 1 interleaved: B[t, d] at (t / 2) 2 D + 2 d + t % 2
+    uint16_t* o = reinterpret_cast<uint16_t*>(b.data());
+    for (int64_t t = 0; t < np; t += 2) {
+      const uint16_t* x0 = rd(t, row0.data());
+      const uint16_t* x1 = rd(t + 1, row1.data());
+      interleave_pair(x0, x1, D, o + t * D);
     }
     scalar_t* pp = p.data();
     for (int64_t a = 0; a < m; ++a) {
-      for (int64_t t = 0; t < n; ++t) pp[a * np + t] = static_cast<scalar_t>(S[a * lds + t]);
+      if constexpr (std::is_same<scalar_t, at::BFloat16>::value)
+        round_to_bf16(S + a * lds, n, reinterpret_cast<uint16_t*>(pp + a * np));
+      else
+        for (int64_t t = 0; t < n; ++t) pp[a * np + t] = static_cast<scalar_t>(S[a * lds + t]);
       if (np > n) pp[a * np + n] = scalar_t(0);
     }
-    brgemm_vnni<scalar_t>(m, D, np, np, D, D, true, pp, o, acc);
+    brgemm_vnni<scalar_t>(m, D, np, np, D, D, true, pp, b.data(), acc);
   }
 };
 
@@ -769,8 +817,8 @@ void fill_window(const Rows<scalar_t, acc_t>& Rr, int64_t R, const acc_t* qv, in
   if (!any) return;
   if constexpr (kLowp<scalar_t>) {
     if (lp) {
-      lp->abt(lp->qv.data() + a0 * lp->Dp, a1 - a0, Rr, pa, pb - pa, T + a0 * tw + (pa - P0),
-              tw);
+      lp->abt(lp->qv.data() + a0 * lp->Dp, a1 - a0, lp->rt, lp->ldr, pa, pb - pa,
+              T + a0 * tw + (pa - P0), tw);
       return;
     }
   }
@@ -831,7 +879,7 @@ void scores_tile(const Geometry& g, const Head<scalar_t, acc_t>& hd, int64_t b, 
   bool done = false;
   if constexpr (kLowp<scalar_t>) {
     if (lp) {
-      lp->abt(lp->qu.data(), m, hd.K, j0, n, S, g.BN);
+      lp->abt(lp->qu.data(), m, lp->kt, lp->ldk, j0, n, S, g.BN);
       done = true;
     }
   }
@@ -929,6 +977,28 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
   // bf16 / fp16 GEMMs on brgemm where the CPU supports them (decided once for the call)
   const bool lowp = brgemm_route(q.scalar_type());
   if (lowp) g_brgemm_calls.fetch_add(1, std::memory_order_relaxed);
+  // and then each (batch, head)'s K^T and each head's r^T packed once for all query blocks
+  const int64_t Dp = (D + 1) / 2 * 2, ldk = vnni_ld(Lk), ldr = vnni_ld(g.R);
+  at::Tensor kt, rt;
+  if constexpr (kLowp<scalar_t>) {
+    if (lowp) {
+      kt = at::empty({B * H, Dp * ldk}, q.options());
+      rt = at::empty({H, Dp * ldr}, q.options());
+      at::parallel_for(0, B * H + H, 1, [&](int64_t begin, int64_t end) {
+        Scratch<scalar_t> row(D);
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t bh = i < B * H ? i : i - B * H;
+          const auto hd = head_rows<scalar_t, acc_t>(k, v, r, mem, bh / H, bh % H);
+          if (i < B * H)
+            pack_transposed(hd.K, Lk, D, ldk, kt.data_ptr<scalar_t>() + i * Dp * ldk,
+                            row.data());
+          else
+            pack_transposed(hd.Rr, g.R, D, ldr, rt.data_ptr<scalar_t>() + bh * Dp * ldr,
+                            row.data());
+        }
+      });
+    }
+  }
   at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
     SequentialBlas one_thread;
     Scratch<acc_t> qu(BM * D), qv(BM * D), S(BM * BN), T(BM * tw + kWindowPad), acc(BM * D),
@@ -948,6 +1018,10 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
         const scalar_t* up = u.data_ptr<scalar_t>() + h * u.stride(0);
         const scalar_t* vbp = vb.data_ptr<scalar_t>() + h * vb.stride(0);
         if (lp) {
+          lp->kt = kt.data_ptr<scalar_t>() + (b * H + h) * Dp * ldk;
+          lp->rt = rt.data_ptr<scalar_t>() + h * Dp * ldr;
+          lp->ldk = ldk;
+          lp->ldr = ldr;
           lp->load(qp, q.stride(1), up, vbp, m);
         } else {
           load_q(qp, q.stride(1), up, m, D, sc, qu.data());
