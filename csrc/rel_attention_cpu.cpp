@@ -30,8 +30,9 @@
 // GEMMs go to the BLAS that libtorch_cpu carries and exports (sgemm_ / dgemm_, MKL in the x86
 // wheels; ATen's own cpublas::gemm is not exported to extensions), through at::addmm_ on views
 // where torch exports no BLAS symbol. bf16 / fp16 tiles are converted to fp32 first (one tile
-// row per key, so the conversions cost 1 / m of the GEMMs); fp32 / fp64 tiles are read in place
-// through their row strides. The row loops (scale, max, exp, sums) are in cpu_simd.h's vector
+// row per key, so the conversions cost 1 / m of the GEMMs), except in the forward on CPUs with
+// AMX for the dtype, whose GEMMs run on oneDNN's brgemm in the input dtype ("bf16 / fp16 GEMMs
+// on oneDNN's brgemm" below); fp32 / fp64 tiles are read in place through their row strides. The row loops (scale, max, exp, sums) are in cpu_simd.h's vector
 // types, compiled for the baseline, AVX2 + FMA and AVX-512, the variant chosen at run time from
 // ATen's own choice (cpu_isa.h): at::vec compiles to its scalar fallback in an extension built
 // for the baseline ISA.

@@ -472,4 +472,7 @@ def test_main_reports_and_checks_the_cpu_kernel(capsys):
     isa = torch.ops.txl_kernels.cpu_isa()
     assert (f"{'cpu kernel ISA variant':<28} {isa} (ATen's CPU capability: "
             f"{torch.backends.cpu.get_cpu_capability()})") in out
+    route = torch.ops.txl_kernels.cpu_lowp_route
+    assert (f"{'cpu kernel bf16 / fp16':<28} bf16: {route(torch.bfloat16)}, "
+            f"fp16: {route(torch.float16)}") in out
     assert any(line.split()[:1] == ["cpu"] for line in out.splitlines())  # the layer check row
