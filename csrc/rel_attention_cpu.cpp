@@ -30,9 +30,10 @@
 // GEMMs go to the BLAS that libtorch_cpu carries and exports (sgemm_ / dgemm_, MKL in the x86
 // wheels; ATen's own cpublas::gemm is not exported to extensions), through at::addmm_ on views
 // where torch exports no BLAS symbol. bf16 / fp16 tiles are converted to fp32 first (one tile
-// row per key, so the conversions cost 1 / m of the GEMMs), except in the forward on CPUs with
-// AMX for the dtype, whose GEMMs run on oneDNN's brgemm in the input dtype ("bf16 / fp16 GEMMs
-// on oneDNN's brgemm" below); fp32 / fp64 tiles are read in place through their row strides. The row loops (scale, max, exp, sums) are in cpu_simd.h's vector
+// row per key, so the conversions cost 1 / m of the GEMMs), except on CPUs with AMX for the
+// dtype, where the forward's GEMMs and the backward's scores and dO V^T run on oneDNN's brgemm
+// in the input dtype ("bf16 / fp16 GEMMs on oneDNN's brgemm" below); fp32 / fp64 tiles are
+// read in place through their row strides. The row loops (scale, max, exp, sums) are in cpu_simd.h's vector
 // types, compiled for the baseline, AVX2 + FMA and AVX-512, the variant chosen at run time from
 // ATen's own choice (cpu_isa.h): at::vec compiles to its scalar fallback in an extension built
 // for the baseline ISA.
@@ -631,8 +632,10 @@ void add_allowed(const Geometry& g, int64_t b, int64_t h, int64_t i0, int64_t m,
 // take the operands in the input dtype with fp32 accumulation: (q + u) K^T and (q + vb) Rwin^T
 // with q + bias rounded to the input dtype (as load_q rounds it), and P V with P rounded to the
 // input dtype, as PyTorch's bf16 flash attention rounds it. The softmax, the window T and the
-// output accumulator stay fp32. Elsewhere (and for fp32 / fp64) the tiles go through the fp32
-// BLAS. brgemm reads B in the VNNI layout, pairs of consecutive K-index rows interleaved:
+// output accumulator stay fp32. The backward recomputes the scores the same way (so P matches
+// the saved lse) and takes dP = dO V^T from dO and V in the input dtype; its GEMMs with an
+// fp32 operand (P, dS, dT) stay on the fp32 BLAS. Elsewhere (and for fp32 / fp64) the tiles go
+// through the fp32 BLAS. brgemm reads B in the VNNI layout, pairs of consecutive K-index rows interleaved:
 // B[k, n] at ((k / 2) ldb + n) 2 + k % 2, K padded to even with zeros; the tiles are packed
 // into it straight from their rows (the transposes of K and r come free with the packing),
 // which serves any N and leading dimension, where cpublas::pack takes untransposed panels of
@@ -641,7 +644,7 @@ void add_allowed(const Geometry& g, int64_t b, int64_t h, int64_t i0, int64_t m,
 template <typename T>
 constexpr bool kLowp = std::is_same<T, at::BFloat16>::value || std::is_same<T, at::Half>::value;
 
-// calls of the forward that took the brgemm route (txl_kernels::cpu_brgemm_calls, for tests)
+// forward and backward calls that took the brgemm route (txl_kernels::cpu_brgemm_calls, tests)
 std::atomic<int64_t> g_brgemm_calls{0};
 
 // Whether a call in dtype st takes the brgemm route (decided once per call; never in a torch
@@ -732,20 +735,21 @@ TXL_TARGET_AVX512 void round_to_bf16(const float* s, int64_t n, uint16_t* o) {
   }
 }
 
-// One thread's brgemm operands: (q + u) and (q + vb) of the current query block, the packed
-// V tile, and P in the input dtype.
+// One thread's brgemm operands: (q + u) and (q + vb) of the current query block (and its
+// output gradient rows, in the backward), the packed V tile, and P in the input dtype.
 template <typename scalar_t>
 struct LowpGemm {
   int64_t D, Dp;  // head dim, and rounded up to even (the K of the q GEMMs)
   float sc;       // scale * log2(e): the scores' factor, applied to the fp32 products
-  Scratch<scalar_t> qu, qv, b, p, row0, row1, zero;
+  Scratch<scalar_t> qu, qv, go, b, p, row0, row1, zero;
   // the current (batch, head)'s packed K^T and r^T panels (pack_transposed) and their ld
   const scalar_t* kt = nullptr;
   const scalar_t* rt = nullptr;
   int64_t ldk = 0, ldr = 0;
 
   LowpGemm(int64_t BM, int64_t BN, int64_t D_, float sc_)
-      : D(D_), Dp((D_ + 1) / 2 * 2), sc(sc_), qu(BM * Dp), qv(BM * Dp), b((BN + 1) * D),
+      : D(D_), Dp((D_ + 1) / 2 * 2), sc(sc_), qu(BM * Dp), qv(BM * Dp), go(BM * Dp),
+        b((BN + 1) * D),
         p(BM * (BN + 1)), row0(D_), row1(D_), zero(D_) {
     std::fill(zero.begin(), zero.end(), scalar_t(0));
   }
@@ -763,11 +767,21 @@ struct LowpGemm {
     }
   }
 
-  // C[m, n] (ld ldc) = sc * A[m, Dp] @ X[j0, j0 + n)^T, X^T packed at Xt (ld ldx)
+  // go = the rows [0, m) of dout (rows ldo apart), zero-padded to Dp
+  void load_dout(const scalar_t* dout, int64_t ldo, int64_t m) {
+    for (int64_t a = 0; a < m; ++a) {
+      std::memcpy(go.data() + a * Dp, dout + a * ldo, D * sizeof(scalar_t));
+      if (Dp > D) go[a * Dp + D] = scalar_t(0);
+    }
+  }
+
+  // C[m, n] (ld ldc) = sc * A[m, Dp] @ X[j0, j0 + n)^T, X^T packed at Xt (ld ldx); without
+  // the factor when scaled is false
   void abt(const scalar_t* A, int64_t m, const scalar_t* Xt, int64_t ldx, int64_t j0,
-           int64_t n, float* C, int64_t ldc) {
+           int64_t n, float* C, int64_t ldc, bool scaled = true) {
     brgemm_vnni<scalar_t>(m, n, Dp, Dp, ldx, ldc, false, A, Xt + 2 * j0, C);
-    for (int64_t a = 0; a < m; ++a) scale_row(C + a * ldc, sc, n);
+    if (scaled)
+      for (int64_t a = 0; a < m; ++a) scale_row(C + a * ldc, sc, n);
   }
 
   // acc[m, D] += P @ X[j0, j0 + n), P = S[m, n] (ld lds) rounded to the input dtype; the rows
@@ -1109,8 +1123,21 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
   acc_t* dup = du.data_ptr<acc_t>();
   acc_t* dvbp = dvb.data_ptr<acc_t>();
   const acc_t* lsep = lse.data_ptr<acc_t>();
+  // the brgemm route (as the forward's): the scores' two GEMMs, recomputed as the forward
+  // computed them, and dP = dO V^T (bf16 / fp16 operands that are exact, fp32 accumulation);
+  // the other GEMMs take fp32 operands (P, dS) and stay on the fp32 tiles
+  const bool lowp = brgemm_route(q.scalar_type());
+  if (lowp) g_brgemm_calls.fetch_add(1, std::memory_order_relaxed);
+  const int64_t Dp = (D + 1) / 2 * 2, ldkt = vnni_ld(Lk), ldrt = vnni_ld(R);
   at::parallel_for(0, B * H * S_, 1, [&](int64_t begin, int64_t end) {
     SequentialBlas one_thread;
+    // the task's K^T, V^T and r^T panels (pack_transposed), when on the brgemm route
+    std::unique_ptr<LowpGemm<scalar_t>> lp;
+    Scratch<scalar_t> kt(lowp ? Dp * ldkt : 0), vt(lowp ? Dp * ldkt : 0),
+        rt(lowp ? Dp * ldrt : 0);
+    if (lowp)
+      lp = std::make_unique<LowpGemm<scalar_t>>(BM, BN, D,
+                                                static_cast<float>(g.scale * kLog2e));
     // qu, qv: (q + u), (q + vb) for the gradients; qus, qvs: times scale * log2(e), for the
     // scores in log2 units
     Scratch<acc_t> qu(BM * D), qv(BM * D), qus(BM * D), qvs(BM * D), S(BM * BN), dP(BM * BN),
@@ -1134,6 +1161,17 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
       flag_nonfinite_rows(hd.K, Lk, BN, kbuf.data(), kflag.data());
       flag_nonfinite_rows(hd.V, Lk, BN, vbuf.data(), vflag.data());
       flag_nonfinite_rows(hd.Rr, R, BN, rbuf.data(), rflag.data());
+      if constexpr (kLowp<scalar_t>) {
+        if (lp) {
+          pack_transposed(hd.K, Lk, D, ldkt, kt.data(), lp->row0.data());
+          pack_transposed(hd.V, Lk, D, ldkt, vt.data(), lp->row0.data());
+          pack_transposed(hd.Rr, R, D, ldrt, rt.data(), lp->row0.data());
+          lp->kt = kt.data();
+          lp->rt = rt.data();
+          lp->ldk = ldkt;
+          lp->ldr = ldrt;
+        }
+      }
       for (int64_t qb = sp; qb < nqb; qb += S_) {
         const int64_t i0 = qb * BM, m = std::min(BM, Lq - i0);
         int64_t jlo, jhi;
@@ -1147,6 +1185,12 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
         load_q(qp, q.stride(1), vbp, m, D, acc_t(1), qv.data());
         load_q(qp, q.stride(1), up, m, D, sc, qus.data());
         load_q(qp, q.stride(1), vbp, m, D, sc, qvs.data());
+        if (lp) {
+          lp->load(qp, q.stride(1), up, vbp, m);
+          lp->load_dout(dout.data_ptr<scalar_t>() + b * dout.stride(0) + i0 * dout.stride(1) +
+                            h * dout.stride(2),
+                        dout.stride(1), m);
+        }
         for (int64_t a = 0; a < m; ++a) {
           const scalar_t* go = dout.data_ptr<scalar_t>() + b * dout.stride(0) +
                                (i0 + a) * dout.stride(1) + h * dout.stride(2);
@@ -1168,7 +1212,7 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
           const bool last = j0 + BN > jhi;
           scores_tile(g, hd, b, h, i0, m, j0, n, j0 == jlo, last, qus.data(), qvs.data(),
                       S.data(), window_base(T, BM), tw, kbuf.data(), rbuf.data(),
-                      static_cast<acc_t*>(nullptr));
+                      static_cast<acc_t*>(nullptr), lp.get());
           // P = exp(S - lse), 0 at masked pairs / rows. The difference is taken in natural
           // units, S rounded to them as the forward rounded its lse ((max + log2 sum) * ln 2):
           // a saturated row's top score then cancels its lse exactly (P = 1), where lse *
@@ -1194,8 +1238,18 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
             vp = zero_flagged_rows(vp, &ldv, n, D, vflag.data() + j0, vbuf.data(), bad_v);
           }
           const auto key = [j0](int64_t, int64_t t) { return j0 + t; };
-          // dP = dO V^T
-          gemm_rm<acc_t>(false, true, m, n, D, 1, dO.data(), D, vp, ldv, 0, dP.data(), BN);
+          // dP = dO V^T (the flagged v rows' columns recomputed below where allowed, else 0)
+          bool done = false;
+          if constexpr (kLowp<scalar_t>) {
+            if (lp) {
+              lp->abt(lp->go.data(), m, vt.data(), lp->ldk, j0, n, dP.data(), BN, false);
+              for (const int64_t t : bad_v)
+                for (int64_t a = 0; a < m; ++a) dP[a * BN + t] = acc_t(0);
+              done = true;
+            }
+          }
+          if (!done)
+            gemm_rm<acc_t>(false, true, m, n, D, 1, dO.data(), D, vp, ldv, 0, dP.data(), BN);
           for (const int64_t t : bad_v) {
             int64_t l1;
             const acc_t* x = hd.V.get(j0 + t, 1, row.data(), &l1);
@@ -1260,6 +1314,7 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
           }
       }
     }
+    if (lp) brgemm_done();
   });
 }
 
@@ -1499,7 +1554,8 @@ std::string cpu_lowp_route(at::ScalarType dtype) {
   return brgemm_route(dtype) ? "brgemm (AMX)" : "fp32 tiles";
 }
 
-// Forward calls so far that took the brgemm route (tests read it before and after a call).
+// Forward and backward calls so far that took the brgemm route (tests read it before and
+// after a call).
 int64_t cpu_brgemm_calls() { return g_brgemm_calls.load(); }
 
 }  // namespace
