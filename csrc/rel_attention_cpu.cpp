@@ -30,13 +30,16 @@
 // GEMMs go to the BLAS that libtorch_cpu carries and exports (sgemm_ / dgemm_, MKL in the x86
 // wheels; ATen's own cpublas::gemm is not exported to extensions), through at::addmm_ on views
 // where torch exports no BLAS symbol. bf16 / fp16 tiles are converted to fp32 first (one tile
-// row per key, so the conversions cost 1 / m of the GEMMs); fp32 / fp64 tiles are read in place
-// through their row strides. The row loops (scale, max, exp, sums) are in cpu_simd.h's vector
+// row per key, so the conversions cost 1 / m of the GEMMs), except on CPUs with AMX for the
+// dtype, where the forward's GEMMs and the backward's scores and dO V^T run on oneDNN's brgemm
+// in the input dtype ("bf16 / fp16 GEMMs on oneDNN's brgemm" below); fp32 / fp64 tiles are
+// read in place through their row strides. The row loops (scale, max, exp, sums) are in cpu_simd.h's vector
 // types, compiled for the baseline, AVX2 + FMA and AVX-512, the variant chosen at run time from
 // ATen's own choice (cpu_isa.h): at::vec compiles to its scalar fallback in an extension built
 // for the baseline ISA.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
@@ -49,6 +52,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -466,6 +470,13 @@ struct Rows {
     *ldo = D;
     return buf;
   }
+
+  // row j in the input dtype: in place (segment rows) or dequantised into buf [D]
+  const scalar_t* raw(int64_t j, scalar_t* buf) const {
+    if (j >= M) return base + (j - M) * ld;
+    for (int64_t d = 0; d < D; ++d) buf[d] = static_cast<scalar_t>(mem_value(j, d));
+    return buf;
+  }
 };
 
 // ---- non-finite operand rows: what the masks exclude must not reach the results
@@ -656,11 +667,203 @@ void add_allowed(const Geometry& g, int64_t b, int64_t h, int64_t i0, int64_t m,
   }
 }
 
+// ---- bf16 / fp16 GEMMs on oneDNN's brgemm micro-kernels (AMX on x86)
+//
+// Where the CPU packs the dtype natively (at::native::cpublas::could_pack: AMX-BF16 for bf16,
+// AMX-FP16 for fp16, the check PyTorch's own CPU flash attention makes) and the row code runs
+// its AVX-512 variant (cpu_isa.h: ATen's choice or the override), the forward's three GEMMs
+// take the operands in the input dtype with fp32 accumulation: (q + u) K^T and (q + vb) Rwin^T
+// with q + bias rounded to the input dtype (as load_q rounds it), and P V with P rounded to the
+// input dtype, as PyTorch's bf16 flash attention rounds it. The softmax, the window T and the
+// output accumulator stay fp32. The backward recomputes the scores the same way (so P matches
+// the saved lse) and takes dP = dO V^T from dO and V in the input dtype; its GEMMs with an
+// fp32 operand (P, dS, dT) stay on the fp32 BLAS. Elsewhere (and for fp32 / fp64) the tiles go
+// through the fp32 BLAS. brgemm reads B in the VNNI layout, pairs of consecutive K-index rows interleaved:
+// B[k, n] at ((k / 2) ldb + n) 2 + k % 2, K padded to even with zeros; the tiles are packed
+// into it straight from their rows (the transposes of K and r come free with the packing),
+// which serves any N and leading dimension, where cpublas::pack takes untransposed panels of
+// 16 to 64 columns only.
+
+template <typename T>
+constexpr bool kLowp = std::is_same<T, at::BFloat16>::value || std::is_same<T, at::Half>::value;
+
+// forward and backward calls that took the brgemm route (txl_kernels::cpu_brgemm_calls, tests)
+std::atomic<int64_t> g_brgemm_calls{0};
+
+// Whether a call in dtype st takes the brgemm route (decided once per call; never in a torch
+// without cpublas::brgemm).
+bool brgemm_route(at::ScalarType st) {
+#ifdef CPUBLAS_BRGEMM_BF16BF16F32
+  if (st == at::kBFloat16 || st == at::kHalf)
+    return cpu_isa() == CpuIsa::kAvx512 && at::native::cpublas::could_pack(st);
+#endif
+  return false;
+}
+
+// Releases the AMX tile state that this thread's brgemm calls configured (as PyTorch does).
+void brgemm_done() {
+#ifdef CPUBLAS_BRGEMM_BF16BF16F32
+  at::native::cpublas::brgemm_release();
+#endif
+}
+
+// q + bias, summed in acc_t and rounded to the input dtype (as the reference rounds it)
+template <typename acc_t, typename scalar_t>
+inline scalar_t q_plus(scalar_t q, scalar_t bias) {
+  return static_cast<scalar_t>(static_cast<acc_t>(q) + static_cast<acc_t>(bias));
+}
+
+// C[M, N] (ld ldc) = A[M, K] (ld lda) @ B (VNNI, ld ldb), or += with add
+template <typename scalar_t>
+void brgemm_vnni(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc,
+                 bool add, const scalar_t* A, const scalar_t* B, float* C) {
+#ifdef CPUBLAS_BRGEMM_BF16BF16F32
+  if constexpr (kLowp<scalar_t>) {
+    at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, A, B, C, /*is_vnni=*/true);
+    return;
+  }
+#endif
+  TORCH_CHECK(false, "rel_attn_cpu: brgemm called for ", c10::CppTypeToScalarType<scalar_t>::value);
+}
+
+// The VNNI leading dimension of a packed X^T panel of n rows: n rounded up to 16, plus 16 where
+// that is a multiple of 256 (its k-pair rows would be a multiple of 1 KiB apart and crowd a few
+// L1 sets).
+inline int64_t vnni_ld(int64_t n) {
+  const int64_t ld = (n + 15) / 16 * 16;
+  return ld % 256 == 0 ? ld + 16 : ld;
+}
+
+// X^T of X's rows [0, n) [n, D] packed for brgemm: out[((d / 2) ld + j) 2 + d % 2] = X[j, d]
+// (d padded to even with zeros); a tile of rows [j0, j0 + c) is then out + 2 j0 with ld_b = ld.
+// One pass per call: each (batch, head)'s K and each head's r, read by every query block.
+template <typename scalar_t, typename Rw>
+void pack_transposed(const Rw& X, int64_t n, int64_t D, int64_t ld, scalar_t* out,
+                     scalar_t* row) {
+  using W = uint32_t;  // one pair (d, d + 1) of 16-bit values
+  static_assert(sizeof(scalar_t) == 2, "bf16 / fp16 only");
+  const int64_t Dh = D / 2;
+  W* o = reinterpret_cast<W*>(out);
+  for (int64_t j = 0; j < n; ++j) {
+    const scalar_t* x = X.raw(j, row);
+    for (int64_t e = 0; e < Dh; ++e) {
+      W w;
+      std::memcpy(&w, x + 2 * e, sizeof w);
+      o[e * ld + j] = w;
+    }
+    if (D % 2) {
+      scalar_t pair[2] = {x[D - 1], scalar_t(0)};
+      std::memcpy(o + Dh * ld + j, pair, sizeof(W));
+    }
+  }
+}
+
+// The route's two per-tile element loops, compiled for AVX-512 (the route runs only under
+// that variant) so that they vectorise:
+// o[2 d + e] = xe[d], rows x0 and x1 of a VNNI pair interleaved
+TXL_TARGET_AVX512 void interleave_pair(const uint16_t* x0, const uint16_t* x1, int64_t D,
+                                       uint16_t* o) {
+  for (int64_t d = 0; d < D; ++d) {
+    o[2 * d] = x0[d];
+    o[2 * d + 1] = x1[d];
+  }
+}
+// o[t] = bf16(s[t]), rounded to nearest even with NaN kept (a quiet NaN), as c10::BFloat16
+TXL_TARGET_AVX512 void round_to_bf16(const float* s, int64_t n, uint16_t* o) {
+  for (int64_t t = 0; t < n; ++t) {
+    uint32_t u;
+    std::memcpy(&u, s + t, sizeof u);
+    const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    o[t] = static_cast<uint16_t>(s[t] != s[t] ? 0x7FC0u : r);
+  }
+}
+
+// One thread's brgemm operands: (q + u) and (q + vb) of the current query block (and its
+// output gradient rows, in the backward), the packed V tile, and P in the input dtype.
+template <typename scalar_t>
+struct LowpGemm {
+  int64_t D, Dp;  // head dim, and rounded up to even (the K of the q GEMMs)
+  float sc;       // scale * log2(e): the scores' factor, applied to the fp32 products
+  Scratch<scalar_t> qu, qv, go, b, p, row0, row1, zero;
+  // the current (batch, head)'s packed K^T and r^T panels (pack_transposed) and their ld
+  const scalar_t* kt = nullptr;
+  const scalar_t* rt = nullptr;
+  int64_t ldk = 0, ldr = 0;
+
+  LowpGemm(int64_t BM, int64_t BN, int64_t D_, float sc_)
+      : D(D_), Dp((D_ + 1) / 2 * 2), sc(sc_), qu(BM * Dp), qv(BM * Dp), go(BM * Dp),
+        b((BN + 1) * D),
+        p(BM * (BN + 1)), row0(D_), row1(D_), zero(D_) {
+    std::fill(zero.begin(), zero.end(), scalar_t(0));
+  }
+
+  // qu, qv = q + u, q + vb of query rows [0, m) (q rows ldq apart), zero-padded to Dp
+  void load(const scalar_t* q, int64_t ldq, const scalar_t* u, const scalar_t* vb, int64_t m) {
+    for (int64_t a = 0; a < m; ++a) {
+      scalar_t* ou = qu.data() + a * Dp;
+      scalar_t* ov = qv.data() + a * Dp;
+      for (int64_t d = 0; d < D; ++d) {
+        ou[d] = q_plus<float>(q[a * ldq + d], u[d]);
+        ov[d] = q_plus<float>(q[a * ldq + d], vb[d]);
+      }
+      if (Dp > D) ou[D] = ov[D] = scalar_t(0);
+    }
+  }
+
+  // go = the rows [0, m) of dout (rows ldo apart), zero-padded to Dp
+  void load_dout(const scalar_t* dout, int64_t ldo, int64_t m) {
+    for (int64_t a = 0; a < m; ++a) {
+      std::memcpy(go.data() + a * Dp, dout + a * ldo, D * sizeof(scalar_t));
+      if (Dp > D) go[a * Dp + D] = scalar_t(0);
+    }
+  }
+
+  // C[m, n] (ld ldc) = sc * A[m, Dp] @ X[j0, j0 + n)^T, X^T packed at Xt (ld ldx); without
+  // the factor when scaled is false
+  void abt(const scalar_t* A, int64_t m, const scalar_t* Xt, int64_t ldx, int64_t j0,
+           int64_t n, float* C, int64_t ldc, bool scaled = true) {
+    brgemm_vnni<scalar_t>(m, n, Dp, Dp, ldx, ldc, false, A, Xt + 2 * j0, C);
+    if (scaled)
+      for (int64_t a = 0; a < m; ++a) scale_row(C + a * ldc, sc, n);
+  }
+
+  // acc[m, D] += P @ X[j0, j0 + n), P = S[m, n] (ld lds) rounded to the input dtype; the rows
+  // t with flags[t] (when flags) enter as zeros and are listed in bad (for add_allowed)
+  template <typename Rw>
+  void pv(const float* S, int64_t lds, int64_t m, const Rw& X, int64_t j0, int64_t n,
+          const uint8_t* flags, std::vector<int64_t>& bad, float* acc) {
+    const int64_t np = (n + 1) / 2 * 2;
+    bad.clear();
+    auto rd = [&](int64_t t, scalar_t* buf) -> const uint16_t* {
+      if (t < n && flags && flags[t]) bad.push_back(t);
+      const scalar_t* x = t >= n || (flags && flags[t]) ? zero.data() : X.raw(j0 + t, buf);
+      return reinterpret_cast<const uint16_t*>(x);
+    };
+    // rows t, t + 1 interleaved: B[t, d] at (t / 2) 2 D + 2 d + t % 2
+    uint16_t* o = reinterpret_cast<uint16_t*>(b.data());
+    for (int64_t t = 0; t < np; t += 2) {
+      const uint16_t* x0 = rd(t, row0.data());
+      const uint16_t* x1 = rd(t + 1, row1.data());
+      interleave_pair(x0, x1, D, o + t * D);
+    }
+    scalar_t* pp = p.data();
+    for (int64_t a = 0; a < m; ++a) {
+      if constexpr (std::is_same<scalar_t, at::BFloat16>::value)
+        round_to_bf16(S + a * lds, n, reinterpret_cast<uint16_t*>(pp + a * np));
+      else
+        for (int64_t t = 0; t < n; ++t) pp[a * np + t] = static_cast<scalar_t>(S[a * lds + t]);
+      if (np > n) pp[a * np + n] = scalar_t(0);
+    }
+    brgemm_vnni<scalar_t>(m, D, np, np, D, D, true, pp, b.data(), acc);
+  }
+};
+
 // T[a0:a1, c0:c1) = (q + vb)[a0:a1] @ r[P0 + c]^T over the columns whose rows exist (others 0)
+// (with lp: lp's qv rows on brgemm)
 template <typename scalar_t, typename acc_t>
 void fill_window(const Rows<scalar_t, acc_t>& Rr, int64_t R, const acc_t* qv, int64_t a0,
                  int64_t a1, int64_t D, int64_t P0, int64_t c0, int64_t c1, acc_t* T,
-                 int64_t tw, acc_t* rbuf) {
+                 int64_t tw, acc_t* rbuf, LowpGemm<scalar_t>* lp = nullptr) {
   if (a1 <= a0 || c1 <= c0) return;
   const int64_t pa = std::max<int64_t>(P0 + c0, 0), pb = std::min<int64_t>(P0 + c1, R);
   const bool any = pb > pa;
@@ -670,6 +873,13 @@ void fill_window(const Rows<scalar_t, acc_t>& Rr, int64_t R, const acc_t* qv, in
     std::fill(T + a * tw + cb, T + a * tw + c1, acc_t(0));
   }
   if (!any) return;
+  if constexpr (kLowp<scalar_t>) {
+    if (lp) {
+      lp->abt(lp->qv.data() + a0 * lp->Dp, a1 - a0, lp->rt, lp->ldr, pa, pb - pa,
+              T + a0 * tw + (pa - P0), tw);
+      return;
+    }
+  }
   if constexpr (std::is_same<acc_t, float>::value) {
     if (Rr.packed && pa == 0 && pb == R) {  // every row of the table: the packed copy
       Rr.packed->compute(a1 - a0, qv + a0 * D, D, T + a0 * tw + (pa - P0), tw);
@@ -694,18 +904,18 @@ constexpr int64_t kRowGroup = 32;
 template <typename scalar_t, typename acc_t>
 void advance_window(const Rows<scalar_t, acc_t>& Rr, int64_t R, const acc_t* qv, int64_t m,
                     int64_t D, int64_t P0, int64_t n, int64_t BN, bool first, bool last,
-                    acc_t* T, int64_t tw, acc_t* rbuf) {
+                    acc_t* T, int64_t tw, acc_t* rbuf, LowpGemm<scalar_t>* lp = nullptr) {
   if (!first) shift_window(T, m, tw, BN, false, 0);
   const int64_t c0 = first ? 0 : m - 1, c1 = m - 1 + n;
   if (!first && !last) {
-    fill_window(Rr, R, qv, 0, m, D, P0, c0, c1, T, tw, rbuf);
+    fill_window(Rr, R, qv, 0, m, D, P0, c0, c1, T, tw, rbuf, lp);
     return;
   }
   for (int64_t a0 = 0; a0 < m; a0 += kRowGroup) {
     const int64_t a1 = std::min(m, a0 + kRowGroup);
     const int64_t lo = first ? std::max(c0, m - a1) : c0;
     const int64_t hi = last ? std::min(c1, m - 1 - a0 + n) : c1;
-    fill_window(Rr, R, qv, a0, a1, D, P0, lo, hi, T, tw, rbuf);
+    fill_window(Rr, R, qv, a0, a1, D, P0, lo, hi, T, tw, rbuf, lp);
   }
 }
 
@@ -716,25 +926,34 @@ void load_q(const scalar_t* q, int64_t ldq, const scalar_t* bias, int64_t m, int
             acc_t mult, acc_t* out) {
   for (int64_t a = 0; a < m; ++a)
     for (int64_t d = 0; d < D; ++d)
-      out[a * D + d] = mult * static_cast<acc_t>(static_cast<scalar_t>(
-          static_cast<acc_t>(q[a * ldq + d]) + static_cast<acc_t>(bias[d])));
+      out[a * D + d] = mult * static_cast<acc_t>(q_plus<acc_t>(q[a * ldq + d], bias[d]));
 }
 
 // The scores tile S = scale * log2(e) * (AC + BD) with -inf at masked pairs, T advanced to
 // this tile (last: no later key tile for these query rows). qu and qv come multiplied by
 // scale * log2(e), so the GEMMs give the scaled terms in log2 units and one pass adds BD's
-// skewed rows (and takes the row maxima into rmax, when given).
+// skewed rows (and takes the row maxima into rmax, when given). With lp, both GEMMs run on
+// brgemm from lp's rows of q + u and q + vb (qu and qv unused).
 template <typename scalar_t, typename acc_t>
 void scores_tile(const Geometry& g, const Head<scalar_t, acc_t>& hd, int64_t b, int64_t h,
                  int64_t i0, int64_t m, int64_t j0, int64_t n, bool first, bool last,
                  const acc_t* qu, const acc_t* qv, acc_t* S, acc_t* T, int64_t tw, acc_t* kbuf,
-                 acc_t* rbuf, acc_t* rmax) {
+                 acc_t* rbuf, acc_t* rmax, LowpGemm<scalar_t>* lp = nullptr) {
   const int64_t D = g.D;
-  int64_t ldk;
-  const acc_t* kp = hd.K.get(j0, n, kbuf, &ldk);
-  gemm_rm<acc_t>(false, true, m, n, D, 1, qu, D, kp, ldk, 0, S, g.BN);
+  bool done = false;
+  if constexpr (kLowp<scalar_t>) {
+    if (lp) {
+      lp->abt(lp->qu.data(), m, lp->kt, lp->ldk, j0, n, S, g.BN);
+      done = true;
+    }
+  }
+  if (!done) {
+    int64_t ldk;
+    const acc_t* kp = hd.K.get(j0, n, kbuf, &ldk);
+    gemm_rm<acc_t>(false, true, m, n, D, 1, qu, D, kp, ldk, 0, S, g.BN);
+  }
   const int64_t P0 = j0 - (i0 + m - 1) + g.c;
-  advance_window(hd.Rr, g.R, qv, m, D, P0, n, g.BN, first, last, T, tw, rbuf);
+  advance_window(hd.Rr, g.R, qv, m, D, P0, n, g.BN, first, last, T, tw, rbuf, lp);
   if (!g.tile_needs_masks(i0, m, j0, n)) {
     for (int64_t a = 0; a < m; ++a) {
       acc_t* s = S + a * g.BN;
@@ -822,9 +1041,13 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
   // are 32 MB). Band tasks, chunks of query blocks, run (b, chunk, h) instead: the chunk's
   // q and out rows are read and written for every head while their pages are at hand. Each
   // task writes only its own rows: results do not depend on the lanes or the order.
-  // Band tiles without 8-bit memory: a task is a chunk of kBandChunk query blocks of one head,
-  // whose k and v rows it first copies out (head_copy), flagging the non-finite v rows.
-  const bool copy = g.band && !(mem && mem[0].has_value());
+  // bf16 / fp16 GEMMs on brgemm where the CPU supports them (decided once for the call)
+  const bool lowp = brgemm_route(q.scalar_type());
+  if (lowp) g_brgemm_calls.fetch_add(1, std::memory_order_relaxed);
+  // Band tiles without 8-bit memory (and off the brgemm route, which packs each head's k once
+  // for the call): a task is a chunk of kBandChunk query blocks of one head, whose k and v
+  // rows it first copies out (head_copy), flagging the non-finite v rows.
+  const bool copy = g.band && !(mem && mem[0].has_value()) && !lowp;
   const int64_t C = copy ? kBandChunk : 1, nch = (nqb + C - 1) / C;
   const int64_t ntask = B * H * nch, Lk = g.Lk;
   // the v rows that hold a NaN or an inf, per (batch, head), flagged in one pass before the
@@ -840,6 +1063,28 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
       }
     });
   const int64_t lanes = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntask));
+  // on the brgemm route each (batch, head)'s K^T and each head's r^T packed once for all query blocks
+  const int64_t Dp = (D + 1) / 2 * 2, ldk = vnni_ld(Lk), ldr = vnni_ld(g.R);
+  at::Tensor kt, rt;
+  if constexpr (kLowp<scalar_t>) {
+    if (lowp) {
+      kt = at::empty({B * H, Dp * ldk}, q.options());
+      rt = at::empty({H, Dp * ldr}, q.options());
+      at::parallel_for(0, B * H + H, 1, [&](int64_t begin, int64_t end) {
+        Scratch<scalar_t> row(D);
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t bh = i < B * H ? i : i - B * H;
+          const auto hd = head_rows<scalar_t, acc_t>(k, v, r, mem, bh / H, bh % H);
+          if (i < B * H)
+            pack_transposed(hd.K, Lk, D, ldk, kt.data_ptr<scalar_t>() + i * Dp * ldk,
+                            row.data());
+          else
+            pack_transposed(hd.Rr, g.R, D, ldr, rt.data_ptr<scalar_t>() + bh * Dp * ldr,
+                            row.data());
+        }
+      });
+    }
+  }
   at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
     SequentialBlas one_thread;
     Scratch<acc_t> qu(BM * D), qv(BM * D), S(BM * BN), T(BM * tw + kWindowPad), acc(BM * D),
@@ -854,6 +1099,8 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
     PackedBT rpack;
     std::vector<int64_t> bad_v;
     const acc_t sc = static_cast<acc_t>(g.scale * kLog2e);
+    std::unique_ptr<LowpGemm<scalar_t>> lp;
+    if (lowp) lp = std::make_unique<LowpGemm<scalar_t>>(BM, BN, D, static_cast<float>(sc));
     for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
       for (int64_t task = lane; task < ntask; task += lanes) {
         const int64_t b = task / (H * nch);
@@ -884,12 +1131,24 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
             }
           }
         }
+        if (lp) {
+          lp->kt = kt.data_ptr<scalar_t>() + (b * H + h) * Dp * ldk;
+          lp->rt = rt.data_ptr<scalar_t>() + h * Dp * ldr;
+          lp->ldk = ldk;
+          lp->ldr = ldr;
+        }
         for (int64_t qb = qb0; qb < qb1; ++qb) {
           const int64_t i0 = qb * BM, m = std::min(BM, Lq - i0);
           const scalar_t* qp = q.data_ptr<scalar_t>() + b * q.stride(0) + h * q.stride(2) +
                                i0 * q.stride(1);
-          load_q(qp, q.stride(1), u.data_ptr<scalar_t>() + h * u.stride(0), m, D, sc, qu.data());
-          load_q(qp, q.stride(1), vb.data_ptr<scalar_t>() + h * vb.stride(0), m, D, sc, qv.data());
+          const scalar_t* up = u.data_ptr<scalar_t>() + h * u.stride(0);
+          const scalar_t* vbp = vb.data_ptr<scalar_t>() + h * vb.stride(0);
+          if (lp) {
+            lp->load(qp, q.stride(1), up, vbp, m);
+          } else {
+            load_q(qp, q.stride(1), up, m, D, sc, qu.data());
+            load_q(qp, q.stride(1), vbp, m, D, sc, qv.data());
+          }
           std::fill(acc.begin(), acc.end(), acc_t(0));
           std::fill(mx.begin(), mx.end(), -std::numeric_limits<acc_t>::infinity());
           std::fill(l.begin(), l.end(), acc_t(0));
@@ -899,7 +1158,7 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
             const int64_t n = std::min(BN, jhi + 1 - j0);
             scores_tile(g, hd, b, h, i0, m, j0, n, j0 == jlo, j0 + BN > jhi, qu.data(), qv.data(),
                         S.data(), window_base(T, BM), tw, kbuf.data(), rbuf.data(),
-                        tmax.data());
+                        tmax.data(), lp.get());
             if (g.drop.on) g.drop.keep_scale(b * H + h, Lq, i0, m, j0, n, z.data(), BN);
             for (int64_t a = 0; a < m; ++a) {
               acc_t* s = S.data() + a * BN;
@@ -914,13 +1173,22 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
               if (alpha != acc_t(1)) scale_row(acc.data() + a * D, alpha, D);
               if (g.drop.on) mul_rows(s, z.data() + a * BN, n);
             }
-            int64_t ldv;
-            const acc_t* vp = hd.V.get(j0, n, vbuf.data(), &ldv);
             // a tile with masked pairs: its non-finite v rows reach only the rows allowed them
             const bool masked = g.tile_needs_masks(i0, m, j0, n);
-            if (masked)
-              vp = zero_flagged_rows(vp, &ldv, n, D, vflag + (j0 - vfirst), vbuf.data(), bad_v);
-            gemm_rm<acc_t>(false, false, m, D, n, 1, S.data(), BN, vp, ldv, 1, acc.data(), D);
+            const uint8_t* vfl = masked ? vflag + (j0 - vfirst) : nullptr;
+            bool done = false;
+            if constexpr (kLowp<scalar_t>) {
+              if (lp) {
+                lp->pv(S.data(), BN, m, hd.V, j0, n, vfl, bad_v, acc.data());
+                done = true;
+              }
+            }
+            if (!done) {
+              int64_t ldv;
+              const acc_t* vp = hd.V.get(j0, n, vbuf.data(), &ldv);
+              if (masked) vp = zero_flagged_rows(vp, &ldv, n, D, vfl, vbuf.data(), bad_v);
+              gemm_rm<acc_t>(false, false, m, D, n, 1, S.data(), BN, vp, ldv, 1, acc.data(), D);
+            }
             if (masked)
               add_allowed(g, b, h, i0, m, hd.V, j0, bad_v,
                           [j0](int64_t, int64_t t) { return j0 + t; }, S.data(), BN, acc.data(),
@@ -938,6 +1206,7 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
         }
       }
     }
+    if (lp) brgemm_done();
   });
 }
 
@@ -962,8 +1231,21 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
   acc_t* dup = du.data_ptr<acc_t>();
   acc_t* dvbp = dvb.data_ptr<acc_t>();
   const acc_t* lsep = lse.data_ptr<acc_t>();
+  // the brgemm route (as the forward's): the scores' two GEMMs, recomputed as the forward
+  // computed them, and dP = dO V^T (bf16 / fp16 operands that are exact, fp32 accumulation);
+  // the other GEMMs take fp32 operands (P, dS) and stay on the fp32 tiles
+  const bool lowp = brgemm_route(q.scalar_type());
+  if (lowp) g_brgemm_calls.fetch_add(1, std::memory_order_relaxed);
+  const int64_t Dp = (D + 1) / 2 * 2, ldkt = vnni_ld(Lk), ldrt = vnni_ld(R);
   at::parallel_for(0, B * H * S_, 1, [&](int64_t begin, int64_t end) {
     SequentialBlas one_thread;
+    // the task's K^T, V^T and r^T panels (pack_transposed), when on the brgemm route
+    std::unique_ptr<LowpGemm<scalar_t>> lp;
+    Scratch<scalar_t> kt(lowp ? Dp * ldkt : 0), vt(lowp ? Dp * ldkt : 0),
+        rt(lowp ? Dp * ldrt : 0);
+    if (lowp)
+      lp = std::make_unique<LowpGemm<scalar_t>>(BM, BN, D,
+                                                static_cast<float>(g.scale * kLog2e));
     // qu, qv: (q + u), (q + vb) for the gradients; qus, qvs: times scale * log2(e), for the
     // scores in log2 units
     Scratch<acc_t> qu(BM * D), qv(BM * D), qus(BM * D), qvs(BM * D), S(BM * BN), dP(BM * BN),
@@ -1003,6 +1285,17 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
       flag_nonfinite_rows(hd.K, Lk, BN, kbuf.data(), kflag.data());
       flag_nonfinite_rows(hd.V, Lk, BN, vbuf.data(), vflag.data());
       flag_nonfinite_rows(hd.Rr, R, BN, rbuf.data(), rflag.data());
+      if constexpr (kLowp<scalar_t>) {
+        if (lp) {
+          pack_transposed(hd.K, Lk, D, ldkt, kt.data(), lp->row0.data());
+          pack_transposed(hd.V, Lk, D, ldkt, vt.data(), lp->row0.data());
+          pack_transposed(hd.Rr, R, D, ldrt, rt.data(), lp->row0.data());
+          lp->kt = kt.data();
+          lp->rt = rt.data();
+          lp->ldk = ldkt;
+          lp->ldr = ldrt;
+        }
+      }
       for (int64_t qb = sp; qb < nqb; qb += S_) {
         const int64_t i0 = qb * BM, m = std::min(BM, Lq - i0);
         int64_t jlo, jhi;
@@ -1016,6 +1309,12 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
         load_q(qp, q.stride(1), vbp, m, D, acc_t(1), qv.data());
         load_q(qp, q.stride(1), up, m, D, sc, qus.data());
         load_q(qp, q.stride(1), vbp, m, D, sc, qvs.data());
+        if (lp) {
+          lp->load(qp, q.stride(1), up, vbp, m);
+          lp->load_dout(dout.data_ptr<scalar_t>() + b * dout.stride(0) + i0 * dout.stride(1) +
+                            h * dout.stride(2),
+                        dout.stride(1), m);
+        }
         for (int64_t a = 0; a < m; ++a) {
           const scalar_t* go = dout.data_ptr<scalar_t>() + b * dout.stride(0) +
                                (i0 + a) * dout.stride(1) + h * dout.stride(2);
@@ -1037,7 +1336,7 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
           const bool last = j0 + BN > jhi;
           scores_tile(g, hd, b, h, i0, m, j0, n, j0 == jlo, last, qus.data(), qvs.data(),
                       S.data(), window_base(T, BM), tw, kbuf.data(), rbuf.data(),
-                      static_cast<acc_t*>(nullptr));
+                      static_cast<acc_t*>(nullptr), lp.get());
           // P = exp(S - lse), 0 at masked pairs / rows. The difference is taken in natural
           // units, S rounded to them as the forward rounded its lse ((max + log2 sum) * ln 2):
           // a saturated row's top score then cancels its lse exactly (P = 1), where lse *
@@ -1063,8 +1362,18 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
             vp = zero_flagged_rows(vp, &ldv, n, D, vflag.data() + j0, vbuf.data(), bad_v);
           }
           const auto key = [j0](int64_t, int64_t t) { return j0 + t; };
-          // dP = dO V^T
-          gemm_rm<acc_t>(false, true, m, n, D, 1, dO.data(), D, vp, ldv, 0, dP.data(), BN);
+          // dP = dO V^T (the flagged v rows' columns recomputed below where allowed, else 0)
+          bool done = false;
+          if constexpr (kLowp<scalar_t>) {
+            if (lp) {
+              lp->abt(lp->go.data(), m, vt.data(), lp->ldk, j0, n, dP.data(), BN, false);
+              for (const int64_t t : bad_v)
+                for (int64_t a = 0; a < m; ++a) dP[a * BN + t] = acc_t(0);
+              done = true;
+            }
+          }
+          if (!done)
+            gemm_rm<acc_t>(false, true, m, n, D, 1, dO.data(), D, vp, ldv, 0, dP.data(), BN);
           for (const int64_t t : bad_v) {
             int64_t l1;
             const acc_t* x = hd.V.get(j0 + t, 1, row.data(), &l1);
@@ -1129,6 +1438,7 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
           }
       }
     }
+    if (lp) brgemm_done();
   });
 }
 
@@ -1378,6 +1688,18 @@ int64_t rel_attn_cpu_threads() {
   return chunks.load();
 }
 
+// How the forward's GEMMs run for dtype at the current ISA variant: "brgemm (AMX)" (bf16 /
+// fp16 operands, fp32 accumulation), "fp32 tiles" (bf16 / fp16 converted to fp32 for the
+// BLAS) or "native" (fp32 / fp64).
+std::string cpu_lowp_route(at::ScalarType dtype) {
+  if (dtype != at::kBFloat16 && dtype != at::kHalf) return "native";
+  return brgemm_route(dtype) ? "brgemm (AMX)" : "fp32 tiles";
+}
+
+// Forward and backward calls so far that took the brgemm route (tests read it before and
+// after a call).
+int64_t cpu_brgemm_calls() { return g_brgemm_calls.load(); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(txl_kernels, m) {
@@ -1392,6 +1714,8 @@ TORCH_LIBRARY_FRAGMENT(txl_kernels, m) {
         "Tensor? attn_mask_band, float dropout_p, Tensor? dropout_seed, "
         "int? r_first_distance=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("rel_attn_cpu_threads() -> int", &rel_attn_cpu_threads);
+  m.def("cpu_lowp_route(ScalarType dtype) -> str", &cpu_lowp_route);
+  m.def("cpu_brgemm_calls() -> int", &cpu_brgemm_calls);
 }
 
 TORCH_LIBRARY_IMPL(txl_kernels, CPU, m) {

@@ -287,6 +287,9 @@ def main(argv=None) -> int:
             aten = torch.backends.cpu.get_cpu_capability()
             _row("cpu kernel ISA variant",
                  f"{torch.ops.txl_kernels.cpu_isa()} (ATen's CPU capability: {aten})")
+            route = torch.ops.txl_kernels.cpu_lowp_route  # the forward's GEMMs (docs/cpu.md)
+            _row("cpu kernel bf16 / fp16",
+                 f"bf16: {route(torch.bfloat16)}, fp16: {route(torch.float16)}")
 
     shape = SHAPES["cuda" if device.type == "cuda" else "cpu"]
     qlen, mlen, bsz = shape["qlen"], shape["mlen"], shape["bsz"]

@@ -15,6 +15,9 @@ the extension that :mod:`txl_kernels._build` compiles registers them, and they a
                  k_mem?, k_scale?, v_mem?, v_scale?) -> Tensor                    (CPU only)
     cpu_isa() -> str, cpu_isa_supported() -> str[], cpu_isa_override(str isa) -> str
         the CPU kernels' ISA variant (docs/cpu.md, "ISA variants"); no tensors, no fakes
+    cpu_lowp_route(ScalarType dtype) -> str, cpu_brgemm_calls() -> int
+        the fused CPU forward's bf16 / fp16 GEMM route (docs/cpu.md, "bf16 / fp16 GEMMs");
+        no tensors, no fakes
 
 The fake (meta) implementations below give their outputs' shapes and dtypes without running
 them, so ``torch.compile`` traces through them and ``torch.library.opcheck`` checks them like
