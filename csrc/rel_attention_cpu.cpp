@@ -473,7 +473,7 @@ struct Rows {
 
   // row j in the input dtype: in place (segment rows) or dequantised into buf [D]
   const scalar_t* raw(int64_t j, scalar_t* buf) const {
-    if (j >= M) return base + (j - M) * ld;
+    if (j >= M) return base + (j - M - first) * ld;
     for (int64_t d = 0; d < D; ++d) buf[d] = static_cast<scalar_t>(mem_value(j, d));
     return buf;
   }
@@ -636,16 +636,16 @@ struct Head {  // the operands of one (batch, head)
   Rows<scalar_t, acc_t> K, V, Rr;
 };
 
-// flags[j] for the n rows of X (read BN rows at a time through buf): whether row j holds a
-// NaN or an inf
+// flags[j] for the n rows j0 + j of X (read BN rows at a time through buf): whether the row
+// holds a NaN or an inf
 template <typename scalar_t, typename acc_t>
 void flag_nonfinite_rows(const Rows<scalar_t, acc_t>& X, int64_t n, int64_t BN, acc_t* buf,
-                         uint8_t* flags) {
-  for (int64_t j0 = 0; j0 < n; j0 += BN) {
-    const int64_t c = std::min(BN, n - j0);
+                         uint8_t* flags, int64_t j0 = 0) {
+  for (int64_t j = 0; j < n; j += BN) {
+    const int64_t c = std::min(BN, n - j);
     int64_t ld;
-    const acc_t* p = X.get(j0, c, buf, &ld);
-    for (int64_t t = 0; t < c; ++t) flags[j0 + t] = any_nonfinite(p + t * ld, X.D);
+    const acc_t* p = X.get(j0 + j, c, buf, &ld);
+    for (int64_t t = 0; t < c; ++t) flags[j + t] = any_nonfinite(p + t * ld, X.D);
   }
 }
 
@@ -1022,6 +1022,18 @@ void head_copy(Rows<scalar_t, acc_t>& X, int64_t j0, int64_t n, scalar_t* buf) {
   X.first = j0;
 }
 
+// Band tiles over a short fp32 r (every block then reads all its rows, e.g. a window's own
+// table): r^T packed once into pk for the task's blocks (fill_window multiplies the packed copy).
+template <typename scalar_t, typename acc_t>
+void pack_short_table(const Geometry& g, Rows<scalar_t, acc_t>& Rr, PackedBT& pk) {
+  if constexpr (std::is_same<scalar_t, float>::value) {
+    if (g.band && g.R <= g.BM + g.BN && PackedBT::available()) {
+      pk.pack(Rr.base, Rr.ld, g.R, g.D, g.BM);
+      Rr.packed = &pk;
+    }
+  }
+}
+
 // ---- forward
 
 template <typename scalar_t>
@@ -1093,10 +1105,7 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
     const int64_t crows = copy ? C * BM + BN : 0;  // a chunk's key rows: at most C BM + W - 1
     Scratch<scalar_t> kc(crows * D), vc(crows * D);
     std::vector<uint8_t> cflags(crows);
-    // fp32 band tiles whose blocks read every row of r (a short table): r^T packed per task
-    const bool pack_r = copy && std::is_same<scalar_t, float>::value && PackedBT::available() &&
-                        g.R <= BM + BN;
-    PackedBT rpack;
+    PackedBT rpack;  // r^T of a short table (pack_short_table)
     std::vector<int64_t> bad_v;
     const acc_t sc = static_cast<acc_t>(g.scale * kLog2e);
     std::unique_ptr<LowpGemm<scalar_t>> lp;
@@ -1117,19 +1126,11 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
           if (cjhi >= cjlo) {
             head_copy(hd.K, cjlo, cjhi + 1 - cjlo, kc.data());
             head_copy(hd.V, cjlo, cjhi + 1 - cjlo, vc.data());
-            for (int64_t t = 0; t <= cjhi - cjlo; ++t) {
-              int64_t ld;
-              cflags[t] = any_nonfinite(hd.V.get(cjlo + t, 1, row.data(), &ld), D);
-            }
+            flag_nonfinite_rows(hd.V, cjhi + 1 - cjlo, BN, vbuf.data(), cflags.data(), cjlo);
           }
           vflag = cflags.data();
           vfirst = cjlo;
-          if constexpr (std::is_same<scalar_t, float>::value) {
-            if (pack_r) {
-              rpack.pack(hd.Rr.base, hd.Rr.ld, g.R, D, BM);
-              hd.Rr.packed = &rpack;
-            }
-          }
+          pack_short_table(g, hd.Rr, rpack);
         }
         if (lp) {
           lp->kt = kt.data_ptr<scalar_t>() + (b * H + h) * Dp * ldk;
@@ -1254,11 +1255,9 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
         z(g.drop.on ? BM * BN : 0), row(D);
     std::vector<int64_t> bad_k, bad_v, bad_r;
     std::vector<uint8_t> kflag(Lk), vflag(Lk), rflag(R);
-    // band tiles: the task's k and v rows copied to [Lk, D] (head_copy)
+    // band tiles: the task's k and v rows copied to [Lk, D] (head_copy), r^T of a short table
+    // (pack_short_table)
     Scratch<scalar_t> kc(g.band ? Lk * D : 0), vc(g.band ? Lk * D : 0);
-    // and, in fp32 where every block reads all of a short r, r^T packed per task
-    const bool pack_r = g.band && std::is_same<scalar_t, float>::value &&
-                        PackedBT::available() && g.R <= BM + BN;
     PackedBT rpack;
     // sc: the scores' factor, scale * log2(e) (log2 units); ds_scale: the softmax scale alone,
     // for dS = scale * P (dP - delta)
@@ -1272,12 +1271,7 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
       if (g.band) {
         head_copy(hd.K, 0, Lk, kc.data());
         head_copy(hd.V, 0, Lk, vc.data());
-      }
-      if constexpr (std::is_same<scalar_t, float>::value) {
-        if (pack_r) {
-          rpack.pack(hd.Rr.base, hd.Rr.ld, R, D, BM);
-          hd.Rr.packed = &rpack;
-        }
+        pack_short_table(g, hd.Rr, rpack);
       }
       acc_t* dkh = dkp + task * Lk * D;
       acc_t* dvh = dvp + task * Lk * D;
@@ -1459,10 +1453,9 @@ void check_input(const char* name, const at::Tensor& t, int64_t dim, const at::T
 // Local attention, a window of W = dhi - dlo + 1 keys narrow against Lk: each query block
 // needs only its BM + W - 1 keys. Blocks of kBandBM queries with one key tile spanning them
 // keep the tiles' unused corners small (W = 257: 80% of a 64 x 320 tile is inside the
-// window, 50% of a 256 x 256 one), and the forward runs the heads of one query block one
-// after another (the [B, T, H, D] rows of a block share their pages and cache lines across
-// heads). Measured at T = 16,384, H = 8, D = 128, window (128, 128), one thread: forward
-// 511 -> 411 ms, forward + backward 1,662 -> 1,385 ms (32- and 128-row blocks: slower).
+// window, 50% of a 256 x 256 one); 32- and 128-row blocks measured slower at window
+// (128, 128). How the forward and backward then read k, v and r: head_copy,
+// pack_short_table and forward_impl's task order.
 
 void use_band_tiles(Geometry& g) {
   if (g.dlo <= -kInf || g.dhi >= kInf) return;

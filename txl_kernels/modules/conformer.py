@@ -268,11 +268,11 @@ class RelPosAttentionBase(nn.Module):
 
     def _finish(self, out: Tensor, query_pad: Optional[Tensor]) -> Tensor:
         B, Lq = out.shape[0], out.shape[1]
-        if query_pad is not None and query_pad.device.type == "cpu" and not _tracing() \
-                and not bool(query_pad.any()):
-            query_pad = None  # no padded query row: no pass over out (a CPU check, no sync)
         if query_pad is not None:
-            if out.requires_grad or out._base is not None or _tracing():
+            tracing = _tracing()
+            if not tracing and query_pad.device.type == "cpu" and not bool(query_pad.any()):
+                pass  # no padded query row: no pass over out (a CPU check, no device sync)
+            elif out.requires_grad or out._base is not None or tracing:
                 out = out.masked_fill(query_pad[:, :, None, None], 0.0)
             else:  # the attention's own output and no graph (inference): no [B, T, H, D] copy
                 out.masked_fill_(query_pad[:, :, None, None], 0.0)

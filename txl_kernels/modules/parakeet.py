@@ -221,8 +221,8 @@ class _HFRelPosAttention(RelPosAttentionBase):
                 if rest is not None:
                     masked = masked | rest
             if window != (-1, -1):
-                masked = _outside_window(window, T, hidden_states.device) if masked is None \
-                    else masked | _outside_window(window, T, hidden_states.device)
+                outside = _outside_window(window, T, hidden_states.device)
+                masked = outside if masked is None else masked | outside
             v, ac, bd = _eager_terms(self, hidden_states, pos_emb)
             out, probs = _eager_output(self, self._eager_probs(ac, bd, masked), v)
             return self._finish(out, None), probs
