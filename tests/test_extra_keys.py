@@ -130,6 +130,34 @@ def test_extra_keys_fused_float32_form_no_score_matrix(monkeypatch, backend, win
         assert_within(name, a.cpu(), b, c)
 
 
+@pytest.mark.parametrize("leaf", [True, False])
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_extra_keys_sliced_from_k_and_v(backend, leaf):
+    """Extra keys / values that are row slices of k / v (NeMo's global tokens: ``k[:, 0:G s:s]``):
+    the gradients of k and v hold both parts (the fused path adds the slices' part into dk /
+    dv in place); a slice of a detached k adds nothing to k's gradient."""
+    ts, kpm = inputs(torch.float64, lk=LQ + 4)
+    base = [t.detach().requires_grad_() for t in ts[:6]]
+    cases = (lambda k, v: (k[:, 1:8:3], v[:, 0:6:2]),
+             lambda k, v: (k.detach()[:, 2:5], v[:, 4:7]))
+    for pick in cases:
+        q, k, v, r, u, vb = base if leaf else [t * 1 for t in base]
+        ek, ev = pick(k, v)
+        out = rel_attention(q, k, v, r, u, vb, causal=False, window_size=(3, 2),
+                            key_padding_mask=kpm, softmax_scale=0.3, backend=backend,
+                            extra_k=ek, extra_v=ev)
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(7),
+                           dtype=torch.float64)
+        grads = torch.autograd.grad((out * dout).sum(), base)
+        up = [t.detach().requires_grad_() for t in ts[:6]]
+        t_out = dense_oracle(*up, up[0], *pick(up[1], up[2]), 0.3, 3, 2, kpm)
+        t_grads = torch.autograd.grad((t_out * dout).sum(), up)
+        torch.testing.assert_close(out, t_out, rtol=1e-10, atol=1e-11)
+        for name, a, b in zip(NAMES, grads, t_grads):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-11,
+                                       msg=lambda m: f"{name}: {m}")
+
+
 def test_extra_keys_rows_without_relative_keys_attend_extra_only():
     """A query whose relative keys are all padded still has the extra keys: its output is
     their softmax-weighted values (not 0), on the fused CPU kernel as on the reference."""

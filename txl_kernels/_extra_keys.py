@@ -47,11 +47,31 @@ def _row_dot(a: Tensor, b: Tensor) -> Tensor:
     return torch.matmul(a.unsqueeze(-2), b.unsqueeze(-1))[..., 0, 0].transpose(1, 2)
 
 
+def _rows_of(t: Tensor, base: Tensor):
+    """``(start, step)`` when ``t`` is ``base[:, start::step]`` for autograd (its grad_fn a
+    slice of dim 1 of ``base``), else None: then its gradient can be added into base's in
+    place rather than through a ``base``-sized slice gradient."""
+    fn = t.grad_fn
+    if fn is None or type(fn).__name__ != "SliceBackward0" or not base.requires_grad:
+        return None
+    src = fn.next_functions[0][0] if fn.next_functions else None
+    if base.grad_fn is not None:
+        ok = src is base.grad_fn
+    else:  # a leaf: its AccumulateGrad node
+        ok = src is not None and getattr(src, "variable", None) is base
+    if not ok or fn._saved_dim != 1 or fn._saved_step < 1:
+        return None
+    start, step = fn._saved_start, fn._saved_step  # a negative start reads as a huge one
+    if start is None or t.shape[1] < 1 or start + step * (t.shape[1] - 1) >= base.shape[1]:
+        return None
+    return int(start), int(step)
+
+
 class _ExtraKeysAttn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, r, u, vb, extra_q, extra_k, extra_v, kpm, attn_mask,
                 attn_mask_band, scale, wl, wr, r_first_distance, dropout_p, dropout_seed,
-                extra_keep, ops):
+                extra_keep, ops, k_rows, v_rows):
         acc = _acc(q.dtype)
         drop = dict(dropout_p=dropout_p, dropout_seed=dropout_seed)
         out_b, lse_b = ops.fwd(q, k, v, r, u, vb, scale, wl, wr, kpm, attn_mask, attn_mask_band,
@@ -76,6 +96,7 @@ class _ExtraKeysAttn(torch.autograd.Function):
                               attn_mask_band, out, lse, dropout_seed, extra_keep)
         ctx.args = (scale, wl, wr, r_first_distance, dropout_p, ops)
         ctx.q_is_extra_q = extra_q is q  # then d(extra_q) goes into dq, in place
+        ctx.rows = (k_rows, v_rows)  # extra_k / extra_v as row slices of k / v, or None
         return out
 
     @staticmethod
@@ -110,8 +131,19 @@ class _ExtraKeysAttn(torch.autograd.Function):
             d_eq = torch.zeros(extra_q.shape, dtype=acc, device=dq.device)
             _add_weighted(d_eq, ds, ek)
             d_eq = d_eq.to(extra_q.dtype)
-        return (dq, *grads, d_eq, d_ek.transpose(1, 2).to(extra_k.dtype),
-                d_ev.transpose(1, 2).to(extra_v.dtype), *(None,) * 11)
+        d_ek, d_ev = d_ek.transpose(1, 2), d_ev.transpose(1, 2)
+        extra_grads = []
+        for i, (d_e, rows, e) in enumerate(zip((d_ek, d_ev), ctx.rows, (extra_k, extra_v))):
+            g = grads[i]  # dk, dv
+            if rows is not None and g is not None and g.dtype == acc:
+                # a slice of k / v: its gradient joins dk / dv in place (no k-sized slice
+                # gradient for autograd to allocate and add)
+                start, step = rows
+                g[:, start:start + step * (e.shape[1] - 1) + 1:step].add_(d_e)
+                extra_grads.append(None)
+            else:
+                extra_grads.append(d_e.to(e.dtype))
+        return (dq, *grads, d_eq, *extra_grads, *(None,) * 13)
 
 
 def _dropout_factor(keep, dropout_p: float, acc):
@@ -134,6 +166,8 @@ def rel_attention_extra_keys(backend: str, q, k, v, r, r_w_bias, r_r_bias, extra
     from the default generator of q's device, kept ones scaled by ``1 / (1 - dropout_p)``;
     both masks are kept for the backward."""
     ts = [last_dim_contiguous(t) for t in (q, k, v, r, r_w_bias, r_r_bias) + tuple(extra)]
+    rows = [_rows_of(e, base) if e is e2 and base is b2 else None
+            for e, base, e2, b2 in ((extra[1], k, ts[7], ts[1]), (extra[2], v, ts[8], ts[2]))]
     seed = keep = None
     if dropout_p > 0.0:
         if backend == "triton":
@@ -146,4 +180,4 @@ def rel_attention_extra_keys(backend: str, q, k, v, r, r_w_bias, r_r_bias, extra
         keep = torch.rand((B, H, Lq, extra[1].shape[1]), device=q.device) >= dropout_p
     return _ExtraKeysAttn.apply(*ts, kpm, attn_mask, attn_mask_band, softmax_scale, wl, wr,
                                 r_first_distance, float(dropout_p), seed, keep,
-                                KernelOps(backend, deterministic))
+                                KernelOps(backend, deterministic), *rows)

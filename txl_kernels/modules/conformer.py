@@ -266,7 +266,12 @@ class RelPosAttentionBase(nn.Module):
             window_size=window, key_padding_mask=kpm, softmax_scale=1.0 / self.s_d_k,
             dropout_p=drop, backend=self.backend)
 
-    def _finish(self, out: Tensor, query_pad: Optional[Tensor]) -> Tensor:
+    def _finish(self, out: Tensor, query_pad: Optional[Tensor],
+                spare: Optional[Tensor] = None) -> Tensor:
+        """``linear_out`` of the attention output ``[B, Lq, H, D]`` with the rows of padded
+        queries (``query_pad``) zeroed first. ``spare``: a ``[B, Lq, n_feat]`` tensor no
+        longer needed (a freed projection) that receives the result in inference, where a
+        fresh one would cost its page faults."""
         B, Lq = out.shape[0], out.shape[1]
         if query_pad is not None:
             tracing = _tracing()
@@ -276,7 +281,18 @@ class RelPosAttentionBase(nn.Module):
                 out = out.masked_fill(query_pad[:, :, None, None], 0.0)
             else:  # the attention's own output and no graph (inference): no [B, T, H, D] copy
                 out.masked_fill_(query_pad[:, :, None, None], 0.0)
-        return self.linear_out(out.reshape(B, Lq, self.n_feat))
+        x = out.reshape(B, Lq, self.n_feat)
+        lin = self.linear_out
+        if (spare is None or torch.is_grad_enabled() or _tracing() or spare.shape != x.shape
+                or spare.dtype != x.dtype or not spare.is_contiguous()
+                or lin.weight.dtype != x.dtype):
+            return lin(x)
+        y = spare.view(B * Lq, self.n_feat)
+        if lin.bias is None:
+            torch.mm(x.view(B * Lq, -1), lin.weight.t(), out=y)
+        else:
+            torch.addmm(lin.bias, x.view(B * Lq, -1), lin.weight.t(), out=y)
+        return spare
 
     def extra_repr(self) -> str:
         return f"n_head={self.h}, n_feat={self.n_feat}, backend={self.backend!r}"
@@ -593,15 +609,28 @@ class NeMoRelPositionMultiHeadAttentionLongformer(RelPosAttentionBase):
                 f"n_feat={self.n_feat}) for att_context_size [{left}, {right}], distances "
                 f"{left} down to {-right} (LocalAttRelPositionalEncoding); got "
                 f"{describe(pos_emb)}")
-        out, qpad = self._local_attention(query, key, value, pad_mask, pos_emb)
-        out = self._finish(out, qpad)
+        out, qpad, glob_rows, spare = self._local_attention(query, key, value, pad_mask, pos_emb)
+        out = self._finish(out, qpad, spare)
+        del spare
+        if glob_rows is not None:
+            # the global frames' rows replace theirs after linear_out (it works row by row):
+            # in place on linear_out's result, which no backward keeps, rather than on the
+            # attention output, which the kernel's and linear_out's backward both keep
+            rows, grows = glob_rows
+            grows = self.linear_out(grows.reshape(*grows.shape[:2], self.n_feat))
+            if _tracing():
+                out = out.index_copy(1, rows, grows)
+            else:
+                out.index_copy_(1, rows, grows)
         return out if cache is None else (out, new_cache)
 
     def _local_attention(self, query: Tensor, key: Tensor, value: Tensor,
                          pad_mask: Optional[Tensor], pos_emb: Tensor):
-        """The attention output ``[B, T, H, D]`` before ``linear_out`` and the query rows to
-        zero. A method of its own so that the projections are freed on return, before
-        ``linear_out`` runs (inference keeps 4, not 6, ``[B, T, n_feat]`` tensors at its peak)."""
+        """The attention output ``[B, T, H, D]`` before ``linear_out``, the query rows to
+        zero, the global frames' ``(rows, [B, G, H, D] rows)`` (or None) and the key
+        projection ``[B, T, n_feat]`` as ``_finish``'s spare. A method of its own so that the
+        other projections are freed on return, before ``linear_out`` runs (inference keeps
+        4, not 6, ``[B, T, n_feat]`` tensors at its peak)."""
         T = query.shape[1]
         left, right = self._window
         q = self._project(self.linear_q, query)
@@ -620,19 +649,19 @@ class NeMoRelPositionMultiHeadAttentionLongformer(RelPosAttentionBase):
             else:
                 gq, gk, gv = q, k, v
             extra = dict(extra_q=gq, extra_k=gk[:, glob], extra_v=v[:, glob])
-        out = self._rel_attention(q, k, v, r, pad_mask, None, (left, right),
-                                  r_first_distance=left, **extra)
-        qpad = pad_mask
+        qpad, glob_rows = pad_mask, None
         if glob.stop > 0:
-            rows = torch.arange(glob.start, glob.stop, glob.step, device=out.device)
-            grows = self._global_rows(gq[:, glob], gk, gv, pad_mask)
-            if out.requires_grad or _tracing():
-                out = out.index_copy(1, rows, grows)
-            else:
-                out.index_copy_(1, rows, grows)
+            # before the kernel: the backward (latest first) then runs the kernel's first,
+            # and these rows' k / v / q-sized gradients join its dq / dk / dv after it, rather
+            # than waiting through its peak
+            rows = torch.arange(glob.start, glob.stop, glob.step, device=q.device)
+            glob_rows = (rows, self._global_rows(gq[:, glob], gk, gv, pad_mask))
             if qpad is not None:
                 qpad = qpad.index_fill(1, rows, 0)  # global rows stay, padded or not (0: False)
-        return out, qpad
+        out = self._rel_attention(q, k, v, r, pad_mask, None, (left, right),
+                                  r_first_distance=left, **extra)
+        spare = k.view(*k.shape[:2], self.n_feat) if k.is_contiguous() else None
+        return out, qpad, glob_rows, spare
 
     def _position_table(self, p: Tensor) -> Tensor:
         """The rows of the projected table ``p`` ``[1 or B, left + right + 1, H, D]`` that NeMo
