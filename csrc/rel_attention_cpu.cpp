@@ -1012,11 +1012,26 @@ Head<scalar_t, acc_t> head_rows(const at::Tensor& k, const at::Tensor& v, const 
 // 1,024 fp32): the backward, which runs (batch, head) tasks, first copies the head's k and v
 // rows into dense [Lk, D] buffers, the forward the rows of its chunk of query blocks, and
 // X then reads from there (rows j0 .. j0 + n - 1, X.first = j0).
+// Rows of D elements ld apart (one page each in [B, T, H, D]) defeat the hardware
+// prefetcher: fetch them ahead in software (every cache line of rows [0, n)).
+template <typename scalar_t>
+void prefetch_rows(const scalar_t* x, int64_t ld, int64_t n, int64_t D) {
+  constexpr int64_t line = 64 / sizeof(scalar_t);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t d = 0; d < D; d += line) __builtin_prefetch(x + t * ld + d);
+    __builtin_prefetch(x + t * ld + D - 1);
+  }
+}
+
 template <typename scalar_t, typename acc_t>
 void head_copy(Rows<scalar_t, acc_t>& X, int64_t j0, int64_t n, scalar_t* buf) {
+  constexpr int64_t ahead = 8;  // rows fetched ahead of the copy
   const scalar_t* src = X.base + (j0 - X.first) * X.ld;
-  for (int64_t t = 0; t < n; ++t)
+  prefetch_rows(src, X.ld, std::min(n, ahead), X.D);
+  for (int64_t t = 0; t < n; ++t) {
+    if (t + ahead < n) prefetch_rows(src + (t + ahead) * X.ld, X.ld, 1, X.D);
     std::memcpy(buf + t * X.D, src + t * X.ld, static_cast<size_t>(X.D) * sizeof(scalar_t));
+  }
   X.base = buf;
   X.ld = X.D;
   X.first = j0;
@@ -1150,6 +1165,9 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
             load_q(qp, q.stride(1), up, m, D, sc, qu.data());
             load_q(qp, q.stride(1), vbp, m, D, sc, qv.data());
           }
+          // the task's next block's q rows, read while this block computes
+          if (qb + 1 < qb1)
+            prefetch_rows(qp + BM * q.stride(1), q.stride(1), std::min(BM, Lq - i0 - BM), D);
           std::fill(acc.begin(), acc.end(), acc_t(0));
           std::fill(mx.begin(), mx.end(), -std::numeric_limits<acc_t>::infinity());
           std::fill(l.begin(), l.end(), acc_t(0));
