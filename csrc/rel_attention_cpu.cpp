@@ -3,6 +3,7 @@
 //
 //   txl_kernels::rel_attn_cpu_fwd(q, k, v, r, u, vb, scale, wl, wr, kpm?, mask?, band?, p,
 //       seed?, mem_k?, mem_k_scale?, mem_v?, mem_v_scale?, r_first_distance?) -> (out, lse)
+//   txl_kernels::rel_attn_cpu_fwd_out(<the same>, *, out!) -> lse   (into out, which may be q)
 //   txl_kernels::rel_attn_cpu_bwd(dout, q, k, v, r, u, vb, out, lse, scale, wl, wr, kpm?,
 //       mask?, band?, p, seed?, r_first_distance?) -> (dq, dk, dv, dr, du, dvb)
 //
@@ -38,6 +39,7 @@
 // ATen's own choice (cpu_isa.h): at::vec compiles to its scalar fallback in an extension built
 // for the baseline ISA.
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -1585,14 +1587,18 @@ void check_main(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               "rel_attn_cpu: empty dimension in q ", q.sizes(), " / k ", k.sizes());
 }
 
-std::tuple<at::Tensor, at::Tensor> rel_attn_cpu_fwd(
+// The forward into a given out ([B, Lq, H, D], contiguous); returns lse. out may be q itself:
+// every task reads its query rows (load_q / LowpGemm::load) before it writes them, and no task
+// reads another's query rows.
+at::Tensor forward_into(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& r,
     const at::Tensor& u, const at::Tensor& vb, double scale, int64_t wl, int64_t wr,
     const c10::optional<at::Tensor>& kpm, const c10::optional<at::Tensor>& mask,
     const c10::optional<at::Tensor>& band, double dropout_p,
     const c10::optional<at::Tensor>& seed, const c10::optional<at::Tensor>& mem_k,
     const c10::optional<at::Tensor>& mem_k_scale, const c10::optional<at::Tensor>& mem_v,
-    const c10::optional<at::Tensor>& mem_v_scale, c10::optional<int64_t> r_first_distance) {
+    const c10::optional<at::Tensor>& mem_v_scale, c10::optional<int64_t> r_first_distance,
+    at::Tensor* out_given) {
   const c10::optional<at::Tensor> mem[4] = {mem_k, mem_k_scale, mem_v, mem_v_scale};
   const int n_mem = mem_k.has_value() + mem_k_scale.has_value() + mem_v.has_value() +
                     mem_v_scale.has_value();
@@ -1625,12 +1631,53 @@ std::tuple<at::Tensor, at::Tensor> rel_attn_cpu_fwd(
   // (beyond the L2 cache at these lengths) serves twice the queries (measured: ~5% faster at
   // T = 4,096, ~3% slower at T = 1,024, whose rows mostly stay in the caches)
   if (g.Lk >= 2048 && !g.band) g.BM = std::min<int64_t>(256, g.Lq);
-  at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor& out = *out_given;
   const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor lse = at::empty({g.B, g.H, g.Lq}, q.options().dtype(acc));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rel_attn_cpu_fwd",
                                   [&] { forward_impl<scalar_t>(g, q, k, v, r, u, vb, mem, out, lse); });
+  return lse;
+}
+
+std::tuple<at::Tensor, at::Tensor> rel_attn_cpu_fwd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& r,
+    const at::Tensor& u, const at::Tensor& vb, double scale, int64_t wl, int64_t wr,
+    const c10::optional<at::Tensor>& kpm, const c10::optional<at::Tensor>& mask,
+    const c10::optional<at::Tensor>& band, double dropout_p,
+    const c10::optional<at::Tensor>& seed, const c10::optional<at::Tensor>& mem_k,
+    const c10::optional<at::Tensor>& mem_k_scale, const c10::optional<at::Tensor>& mem_v,
+    const c10::optional<at::Tensor>& mem_v_scale, c10::optional<int64_t> r_first_distance) {
+  at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor lse = forward_into(q, k, v, r, u, vb, scale, wl, wr, kpm, mask, band, dropout_p,
+                                seed, mem_k, mem_k_scale, mem_v, mem_v_scale, r_first_distance,
+                                &out);
   return {out, lse};
+}
+
+// The forward written into out (inference: no autograd), which may be q itself (then the
+// attention needs no [B, Lq, H, D] buffer of its own); returns lse.
+at::Tensor rel_attn_cpu_fwd_out(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& r,
+    const at::Tensor& u, const at::Tensor& vb, double scale, int64_t wl, int64_t wr,
+    const c10::optional<at::Tensor>& kpm, const c10::optional<at::Tensor>& mask,
+    const c10::optional<at::Tensor>& band, double dropout_p,
+    const c10::optional<at::Tensor>& seed, const c10::optional<at::Tensor>& mem_k,
+    const c10::optional<at::Tensor>& mem_k_scale, const c10::optional<at::Tensor>& mem_v,
+    const c10::optional<at::Tensor>& mem_v_scale, c10::optional<int64_t> r_first_distance,
+    at::Tensor& out) {
+  TORCH_CHECK(out.device() == q.device() && out.scalar_type() == q.scalar_type() &&
+                  out.sizes() == q.sizes() && out.is_contiguous(),
+              "rel_attn_cpu: out must be a contiguous ", q.scalar_type(), " tensor of q's "
+              "shape ", q.sizes(), " on q's device, got ", out.scalar_type(), " ", out.sizes(),
+              out.is_contiguous() ? "" : " (not contiguous)", " on ", out.device());
+  // out may be q (then q is contiguous too: its rows are out's); no other input may share
+  // out's memory
+  at::assert_no_partial_overlap(out, q);
+  for (const at::Tensor* t : {&k, &v, &r, &u, &vb}) at::assert_no_overlap(out, *t);
+  for (const c10::optional<at::Tensor>* t : {&kpm, &mask, &mem_k, &mem_v})
+    if (t->has_value()) at::assert_no_overlap(out, **t);
+  return forward_into(q, k, v, r, u, vb, scale, wl, wr, kpm, mask, band, dropout_p, seed,
+                      mem_k, mem_k_scale, mem_v, mem_v_scale, r_first_distance, &out);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
@@ -1719,6 +1766,12 @@ TORCH_LIBRARY_FRAGMENT(txl_kernels, m) {
         "Tensor? key_padding_mask, Tensor? attn_mask, Tensor? attn_mask_band, "
         "float dropout_p, Tensor? dropout_seed, Tensor? mem_k, Tensor? mem_k_scale, "
         "Tensor? mem_v, Tensor? mem_v_scale, int? r_first_distance=None) -> (Tensor, Tensor)");
+  m.def("rel_attn_cpu_fwd_out(Tensor q, Tensor k, Tensor v, Tensor r, Tensor r_w_bias, "
+        "Tensor r_r_bias, float softmax_scale, int window_left, int window_right, "
+        "Tensor? key_padding_mask, Tensor? attn_mask, Tensor? attn_mask_band, "
+        "float dropout_p, Tensor? dropout_seed, Tensor? mem_k, Tensor? mem_k_scale, "
+        "Tensor? mem_v, Tensor? mem_v_scale, int? r_first_distance=None, *, "
+        "Tensor(a!) out) -> Tensor");
   m.def("rel_attn_cpu_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor r, "
         "Tensor r_w_bias, Tensor r_r_bias, Tensor out, Tensor lse, float softmax_scale, "
         "int window_left, int window_right, Tensor? key_padding_mask, Tensor? attn_mask, "
@@ -1731,6 +1784,7 @@ TORCH_LIBRARY_FRAGMENT(txl_kernels, m) {
 
 TORCH_LIBRARY_IMPL(txl_kernels, CPU, m) {
   m.impl("rel_attn_cpu_fwd", &rel_attn_cpu_fwd);
+  m.impl("rel_attn_cpu_fwd_out", &rel_attn_cpu_fwd_out);
   m.impl("rel_attn_cpu_bwd", &rel_attn_cpu_bwd);
 }
 

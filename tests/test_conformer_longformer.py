@@ -280,38 +280,41 @@ def test_training_with_dropout_and_global_tokens_stays_fused(monkeypatch, backen
 
 @pytest.mark.parametrize("g", [0, 1])
 def test_inference_frees_the_projections_before_linear_out(g):
-    """Without a graph the q / k / v projections are gone when linear_out runs (inference
-    peaks at 4, not 6, [B, T, n_feat] tensors) and linear_out writes into the key
-    projection's buffer (no fresh [B, T, n_feat] tensor to fault in); the output is
-    unchanged (padded rows zeroed, global rows written, in place)."""
+    """Without a graph the attention writes its rows over the query projection and
+    linear_out writes into the key projection's buffer (no fresh [B, T, n_feat] tensor to
+    fault in); the k and v projections are gone when linear_out runs (inference peaks at 4,
+    not 6, [B, T, n_feat] tensors); the output is unchanged (padded rows zeroed, global rows
+    written, in place)."""
     import weakref
     orig, ours = pair([4, 3], g=g, backend="cpu")
     T = 23
     x = rnd(2, T, N_FEAT, seed=3)
     pos, mask = local_pos_emb([4, 3]), pad_mask([T, 15], T)
-    refs, alive, k_buffer = [], [], []
+    refs, alive, buffers, attention = [], [], {}, []
     project, finish = ours._project, ours._finish
 
-    def tracked(linear, inp):  # the [B, T, H, D] projections of q, k and v, tracked
+    def tracked(linear, inp):  # the [B, T, H, D] projections of k and v, tracked
         out = project(linear, inp)
-        if linear in (ours.linear_q, ours.linear_k, ours.linear_v):
+        if linear in (ours.linear_k, ours.linear_v):
             refs.append(weakref.ref(out))
-        if linear is ours.linear_k:
-            k_buffer.append(out.data_ptr())
+        buffers[linear] = out.data_ptr()
         return out
 
-    def finishing(*args):
+    def finishing(out, *args):
         alive.extend(r() is not None for r in refs)
-        return finish(*args)
+        attention.append(out.data_ptr())
+        return finish(out, *args)
 
     ours._project, ours._finish = tracked, finishing
     with torch.no_grad():
         got = ours(x, x, x, mask, pos)
         want = orig(x, x, x, mask, pos)
-    assert len(alive) == 3 and not any(alive)
-    assert got.data_ptr() == k_buffer[0]
+    assert len(alive) == 2 and not any(alive)
+    assert attention[0] == buffers[ours.linear_q]
+    assert got.data_ptr() == buffers[ours.linear_k]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    with torch.enable_grad():  # with a graph: a fresh output, k's buffer left alone
+    with torch.enable_grad():  # with a graph: fresh outputs, the projections left alone
         got = ours(x, x, x, mask, pos)
-    assert got.data_ptr() != k_buffer[-1]
+    assert got.data_ptr() != buffers[ours.linear_k]
+    assert attention[-1] != buffers[ours.linear_q]
     torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-5)

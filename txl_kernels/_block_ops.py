@@ -44,7 +44,14 @@ class KernelOps:
         return torch.float32
 
     def fwd(self, q, k, v, r, u, vb, scale, wl, wr, kpm, attn_mask=None, attn_mask_band=None,
-            r_first_distance=None, dropout_p=0.0, dropout_seed=None):
+            r_first_distance=None, dropout_p=0.0, dropout_seed=None, out=None):
+        """``out``: CPU only, no autograd: the result written there (it may be q; ``rel_attn_
+        cpu_fwd_out``), returned as ``(out, lse)``."""
+        if out is not None:
+            lse = torch.ops.txl_kernels.rel_attn_cpu_fwd_out(
+                q, k, v, r, u, vb, scale, wl, wr, kpm, attn_mask, attn_mask_band, dropout_p,
+                dropout_seed, None, None, None, None, r_first_distance, out=out)
+            return out, lse
         if self.name == "triton":
             return torch.ops.txl_kernels.rel_attn_fwd(q, k, v, r, u, vb, scale, wl, wr, kpm,
                                                       attn_mask, attn_mask_band, dropout_p,

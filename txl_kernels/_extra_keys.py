@@ -67,31 +67,42 @@ def _rows_of(t: Tensor, base: Tensor):
     return int(start), int(step)
 
 
+def _merged_forward(q, k, v, r, u, vb, extra_q, extra_k, extra_v, kpm, attn_mask,
+                    attn_mask_band, scale, wl, wr, r_first_distance, dropout_p, dropout_seed,
+                    extra_keep, ops, out=None):
+    """-> (out, lse): the kernel's rows merged with the extra keys' (``out``: the kernel
+    writes there and the merge is in place, fp32 / fp64 only; no autograd)."""
+    acc = _acc(q.dtype)
+    drop = dict(dropout_p=dropout_p, dropout_seed=dropout_seed)
+    s = _extra_scores(extra_q, extra_k, scale, acc)  # first: out may be q, also extra_q
+    out_b, lse_b = ops.fwd(q, k, v, r, u, vb, scale, wl, wr, kpm, attn_mask, attn_mask_band,
+                           r_first_distance, out=out, **drop)
+    lse_b = lse_b.to(acc)  # rows with no relative key: +inf -> -inf (no mass) here
+    lse_b = lse_b.masked_fill(lse_b == float("inf"), float("-inf"))
+    # the log-sum-exp merge of the kernel's rows with the extra keys' (merge_block's
+    # arithmetic, in place on the kernel's fresh output): out = out_b exp(lse_b - lse) +
+    # sum_g exp(s_g - lse) Z_g v_g, lse = logaddexp(lse_b, logsumexp_g s_g)
+    out = out_b.to(acc)
+    lse = torch.logaddexp(lse_b, torch.logsumexp(s, dim=-1))
+    safe = finite_or_zero(lse)
+    p = torch.exp(s - safe[..., None])
+    z = _dropout_factor(extra_keep, dropout_p, acc)
+    if z is not None:  # the lse stays that of the undropped scores, as in the kernels
+        p = p * z
+    out.mul_(torch.exp(lse_b - safe).transpose(1, 2)[..., None])
+    _add_weighted(out, p, extra_v.to(acc))
+    out = out.to(q.dtype)
+    return out, lse
+
+
 class _ExtraKeysAttn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, r, u, vb, extra_q, extra_k, extra_v, kpm, attn_mask,
                 attn_mask_band, scale, wl, wr, r_first_distance, dropout_p, dropout_seed,
                 extra_keep, ops, k_rows, v_rows):
-        acc = _acc(q.dtype)
-        drop = dict(dropout_p=dropout_p, dropout_seed=dropout_seed)
-        out_b, lse_b = ops.fwd(q, k, v, r, u, vb, scale, wl, wr, kpm, attn_mask, attn_mask_band,
-                               r_first_distance, **drop)
-        lse_b = lse_b.to(acc)  # rows with no relative key: +inf -> -inf (no mass) here
-        lse_b = lse_b.masked_fill(lse_b == float("inf"), float("-inf"))
-        # the log-sum-exp merge of the kernel's rows with the extra keys' (merge_block's
-        # arithmetic, in place on the kernel's fresh output): out = out_b exp(lse_b - lse) +
-        # sum_g exp(s_g - lse) Z_g v_g, lse = logaddexp(lse_b, logsumexp_g s_g)
-        out = out_b.to(acc)
-        s = _extra_scores(extra_q, extra_k, scale, acc)
-        lse = torch.logaddexp(lse_b, torch.logsumexp(s, dim=-1))
-        safe = finite_or_zero(lse)
-        p = torch.exp(s - safe[..., None])
-        z = _dropout_factor(extra_keep, dropout_p, acc)
-        if z is not None:  # the lse stays that of the undropped scores, as in the kernels
-            p = p * z
-        out.mul_(torch.exp(lse_b - safe).transpose(1, 2)[..., None])
-        _add_weighted(out, p, extra_v.to(acc))
-        out = out.to(q.dtype)
+        out, lse = _merged_forward(q, k, v, r, u, vb, extra_q, extra_k, extra_v, kpm,
+                                   attn_mask, attn_mask_band, scale, wl, wr, r_first_distance,
+                                   dropout_p, dropout_seed, extra_keep, ops)
         ctx.save_for_backward(q, k, v, r, u, vb, extra_q, extra_k, extra_v, kpm, attn_mask,
                               attn_mask_band, out, lse, dropout_seed, extra_keep)
         ctx.args = (scale, wl, wr, r_first_distance, dropout_p, ops)
@@ -155,7 +166,7 @@ def _dropout_factor(keep, dropout_p: float, acc):
 
 def rel_attention_extra_keys(backend: str, q, k, v, r, r_w_bias, r_r_bias, extra, softmax_scale,
                              wl, wr, kpm, attn_mask, attn_mask_band, r_first_distance=None,
-                             dropout_p: float = 0.0, deterministic=False):
+                             dropout_p: float = 0.0, deterministic=False, out=None):
     """The fused kernels of ``backend`` (``"triton"`` or ``"cpu"``) with ``extra = (extra_q,
     extra_k, extra_v)`` on arguments ``rel_attention`` validated and normalised (no memory;
     ``r_first_distance`` as the ops take it).
@@ -164,7 +175,10 @@ def rel_attention_extra_keys(backend: str, q, k, v, r, r_w_bias, r_r_bias, extra
     (seed, offset) pair drawn first (as ``rel_attention`` draws it for the backend); the
     ``[B, H, Lq, G]`` extra part is dropped with ``torch.rand(...) >= dropout_p``, drawn next
     from the default generator of q's device, kept ones scaled by ``1 / (1 - dropout_p)``;
-    both masks are kept for the backward."""
+    both masks are kept for the backward.
+
+    ``out`` (CPU kernel, fp32 / fp64, no autograd; may be q): the result is written there,
+    the kernel's rows first and the merge in place."""
     ts = [last_dim_contiguous(t) for t in (q, k, v, r, r_w_bias, r_r_bias) + tuple(extra)]
     rows = [_rows_of(e, base) if e is e2 and base is b2 else None
             for e, base, e2, b2 in ((extra[1], k, ts[7], ts[1]), (extra[2], v, ts[8], ts[2]))]
@@ -178,6 +192,10 @@ def rel_attention_extra_keys(backend: str, q, k, v, r, r_w_bias, r_r_bias, extra
             seed = draw_cpu_dropout_seed()
         B, Lq, H, _ = q.shape
         keep = torch.rand((B, H, Lq, extra[1].shape[1]), device=q.device) >= dropout_p
+    if out is not None:
+        return _merged_forward(*ts, kpm, attn_mask, attn_mask_band, softmax_scale, wl, wr,
+                               r_first_distance, float(dropout_p), seed, keep,
+                               KernelOps(backend, deterministic), out=out)[0]
     return _ExtraKeysAttn.apply(*ts, kpm, attn_mask, attn_mask_band, softmax_scale, wl, wr,
                                 r_first_distance, float(dropout_p), seed, keep,
                                 KernelOps(backend, deterministic), *rows)

@@ -1,7 +1,8 @@
 """The fused CPU kernel of ``rel_attention`` (``csrc/rel_attention_cpu.cpp``, see docs/cpu.md).
 
-The C++ extension defines the ops ``txl_kernels::rel_attn_cpu_fwd`` (-> out, lse) and
-``txl_kernels::rel_attn_cpu_bwd`` (-> dq, dk, dv, dr, dr_w_bias, dr_r_bias) with
+The C++ extension defines the ops ``txl_kernels::rel_attn_cpu_fwd`` (-> out, lse),
+``txl_kernels::rel_attn_cpu_fwd_out`` (the same into a given ``out``, which may be q; -> lse)
+and ``txl_kernels::rel_attn_cpu_bwd`` (-> dq, dk, dv, dr, dr_w_bias, dr_r_bias) with
 ``TORCH_LIBRARY_FRAGMENT``; this module adds their fake implementations (output shapes, for
 ``torch.compile`` and ``opcheck``) and the forward op's autograd, once the extension is loaded
 (:func:`cpu_kernel_available`). ``rel_attention(backend="cpu")`` (and ``"auto"`` on CPU
@@ -80,6 +81,14 @@ def _fwd_fake(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window
             q.new_empty((B, H, Lq), dtype=acc))
 
 
+def _fwd_out_fake(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
+                  key_padding_mask, attn_mask, attn_mask_band, dropout_p, dropout_seed, mem_k,
+                  mem_k_scale, mem_v, mem_v_scale, r_first_distance=None, *, out):
+    B, Lq, H, _ = q.shape
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty((B, H, Lq), dtype=acc)
+
+
 def _bwd_fake(dout, q, k, v, r, r_w_bias, r_r_bias, out, lse, softmax_scale, window_left,
               window_right, key_padding_mask, attn_mask, attn_mask_band, dropout_p,
               dropout_seed, r_first_distance=None):
@@ -143,6 +152,7 @@ class _RelAttnCpuFunction(torch.autograd.Function):
 def _register() -> None:
     torch.library.register_fake("txl_kernels::rel_attn_cpu_fwd")(_fwd_fake)
     torch.library.register_fake("txl_kernels::rel_attn_cpu_bwd")(_bwd_fake)
+    torch.library.register_fake("txl_kernels::rel_attn_cpu_fwd_out")(_fwd_out_fake)
     torch.library.register_autograd("txl_kernels::rel_attn_cpu_fwd", _backward,
                                     setup_context=_setup_context)
 
@@ -159,12 +169,14 @@ def rel_attn_cpu(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
                  attn_mask_band: Optional[Tensor] = None, dropout_p: float = 0.0,
                  dropout_seed: Optional[Tensor] = None,
                  memory: Optional[QuantizedKV] = None,
-                 r_first_distance: Optional[int] = None) -> Tensor:
+                 r_first_distance: Optional[int] = None, out: Optional[Tensor] = None) -> Tensor:
     """The CPU kernel on arguments validated and normalised by ``rel_attention``
     (``cpu_kernel_available()`` must have said True). Tensors whose last dimension is not
     contiguous are copied; others are read in place through their strides. ``dropout_p > 0``
     draws ``dropout_seed`` with :func:`draw_cpu_dropout_seed` unless one is given.
-    ``r_first_distance``: the distance held by r's row 0 (None: ``Lk - 1``)."""
+    ``r_first_distance``: the distance held by r's row 0 (None: ``Lk - 1``). ``out``: a
+    contiguous tensor of q's shape and dtype that receives the result, possibly q itself
+    (``txl_kernels::rel_attn_cpu_fwd_out``; no autograd)."""
     if dropout_p > 0.0 and dropout_seed is None:
         dropout_seed = draw_cpu_dropout_seed()
     q, k, v, r, r_w_bias, r_r_bias = (last_dim_contiguous(t)
@@ -174,6 +186,9 @@ def rel_attn_cpu(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
     args = (q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
             key_padding_mask, attn_mask, attn_mask_band, float(dropout_p), dropout_seed, *mem,
             r_first_distance)
+    if out is not None:
+        torch.ops.txl_kernels.rel_attn_cpu_fwd_out(*args, out=out)
+        return out
     if torch.jit.is_tracing():
         # The op itself (with its registered autograd): torch.jit.trace records it as a
         # txl_kernels::rel_attn_cpu_fwd node, which torch.jit.save writes and a C++ process

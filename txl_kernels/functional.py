@@ -379,6 +379,7 @@ def rel_attention(
     extra_k: Optional[torch.Tensor] = None,
     extra_v: Optional[torch.Tensor] = None,
     extra_q: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Transformer-XL relative multi-head attention.
 
@@ -482,6 +483,12 @@ def rel_attention(
             fused path drops the extra part with a ``torch.rand`` mask of its own (drawn after
             the kernels' seed). Not with ``memory``.
         extra_q: ``[B, Lq, H, D]``, the queries that score the extra keys (default ``q``).
+        out: optional ``[B, Lq, H, D]`` tensor of the result's dtype on q's device that
+            receives the result, which is then returned (inference only: no gradient may be
+            recorded). It may be ``q`` itself: the CPU kernel reads each query block's rows
+            before it writes them, so a contiguous ``q`` that is no longer needed takes the
+            result in place (no new ``[B, Lq, H, D]`` buffer, none of its page faults);
+            other backends compute the result and copy it into ``out``.
 
     Rows whose keys are all masked give output 0 and zero gradients.
     Raises ValueError if an allowed pair needs a row of r outside ``[0, R)`` (the message
@@ -560,7 +567,62 @@ def rel_attention(
         check_position_rows(Lq, Lk, r.shape[0], wl, wr, r_first_distance)
     if r_first_distance is not None:
         r_first_distance = clamp_first_distance(Lq, Lk, r.shape[0], r_first_distance)
+    if out is None:
+        return _dispatch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
+                         attn_mask, attn_mask_band, dropout_p, backend, deterministic, memory,
+                         r_first_distance, extra)
+    inputs = (q, k, v, r, r_w_bias, r_r_bias) + (() if extra is None else tuple(extra))
+    _check_out(out, q, inputs)
+    res = _dispatch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
+                    attn_mask, attn_mask_band, dropout_p, backend, deterministic, memory,
+                    r_first_distance, extra, out=_in_place_out(out, q, inputs))
+    if res is not out:
+        out.copy_(res)
+    return out
 
+
+def _check_out(out, q: torch.Tensor, inputs) -> None:
+    """rel_attention's ``out``: a tensor of q's shape, dtype and device, and no graph."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"rel_attention: out must be a tensor [B, Lq, H, D] or None, got "
+                        f"{type(out).__name__}")
+    if onnx_exporting():
+        raise ValueError("rel_attention: out is not supported in an ONNX export (the graph "
+                         "returns the result); leave out=None")
+    if tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"rel_attention: out must be {q.dtype} {list(q.shape)} on {q.device} "
+                         f"(q's shape, the result's dtype, q's device), got {out.dtype} "
+                         f"{list(out.shape)} on {out.device}")
+    if torch.is_grad_enabled() and (out.requires_grad
+                                    or any(t.requires_grad for t in inputs)):
+        raise ValueError("rel_attention: out is for inference (the result is written without "
+                         "a graph): inputs or out require grad; call it under torch.no_grad() "
+                         "/ torch.inference_mode(), or leave out=None")
+
+
+def _in_place_out(out: torch.Tensor, q: torch.Tensor, inputs) -> Optional[torch.Tensor]:
+    """``out`` where the CPU kernel may write it directly: contiguous, and either q itself
+    (the same view) or sharing no memory with any input; else None (copied into)."""
+    if not out.is_contiguous():
+        return None
+    mem = out.untyped_storage().data_ptr()
+    for i, t in enumerate(inputs):
+        if t.untyped_storage().data_ptr() != mem:
+            continue
+        # only q (inputs[0]) or extra_q (inputs[6], read before the kernel runs) may be out
+        same_view = (t.data_ptr() == out.data_ptr() and t.stride() == out.stride()
+                     and t.shape == out.shape)
+        if i not in (0, 6) or not same_view:
+            return None
+    return out
+
+
+def _dispatch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask, attn_mask,
+              attn_mask_band, dropout_p, backend, deterministic, memory, r_first_distance,
+              extra, out=None):
+    """rel_attention's route on its validated, normalised arguments (``out``: where the CPU
+    kernel may write the result, see :func:`_in_place_out`; other routes ignore it)."""
+    D = q.shape[3]
     if onnx_exporting():
         # torch.onnx.export (either exporter) traces the reference's math in its ONNX form:
         # the lowering of every backend (txl_kernels/_export.py). The window is clamped to
@@ -579,7 +641,7 @@ def rel_attention(
                             and not fused_available(q.device)[0]):
         return _rel_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm,
                                   mask, attn_mask_band, float(dropout_p), memory, backend,
-                                  r_first_distance, extra)
+                                  r_first_distance, extra, out)
 
     use_fused = False
     if backend != "reference":
@@ -685,9 +747,10 @@ def _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
 
 def _rel_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
                        attn_mask_band, dropout_p, memory, backend, r_first_distance=None,
-                       extra=None):
+                       extra=None, out=None):
     """backend "cpu", or "auto" on CPU tensors without the Triton interpreter: the C++ kernel
-    (any dtype, any head dim), else (auto only) the reference with a one-time warning."""
+    (any dtype, any head dim), else (auto only) the reference with a one-time warning.
+    ``out``: the C++ kernel writes the result there (no graph; see :func:`_in_place_out`)."""
     from ._cpp_ops import warn_fallback
     from .cpu_kernel import cpu_kernel_available, rel_attn_cpu
 
@@ -717,9 +780,11 @@ def _rel_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kp
     if extra is not None:
         from ._extra_keys import rel_attention_extra_keys
 
+        merge_in_place = out is not None and q.dtype in (torch.float32, torch.float64)
         return rel_attention_extra_keys("cpu", q, k, v, r, r_w_bias, r_r_bias, extra,
                                         softmax_scale, wl, wr, kpm, mask, attn_mask_band,
-                                        r_first_distance, dropout_p)
+                                        r_first_distance, dropout_p,
+                                        out=out if merge_in_place else None)
     return rel_attn_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
                         attn_mask_band, dropout_p, memory=memory,
-                        r_first_distance=r_first_distance)
+                        r_first_distance=r_first_distance, out=out)

@@ -658,6 +658,9 @@ class NeMoRelPositionMultiHeadAttentionLongformer(RelPosAttentionBase):
             glob_rows = (rows, self._global_rows(gq[:, glob], gk, gv, pad_mask))
             if qpad is not None:
                 qpad = qpad.index_fill(1, rows, 0)  # global rows stay, padded or not (0: False)
+        if (not torch.is_grad_enabled() and not _tracing() and q.is_contiguous()
+                and r.shape[0] == 1):
+            extra["out"] = q  # inference: the attention's rows written over q's
         out = self._rel_attention(q, k, v, r, pad_mask, None, (left, right),
                                   r_first_distance=left, **extra)
         spare = k.view(*k.shape[:2], self.n_feat) if k.is_contiguous() else None
