@@ -267,17 +267,18 @@ class RelPosAttentionBase(nn.Module):
             dropout_p=drop, backend=self.backend)
 
     def _finish(self, out: Tensor, query_pad: Optional[Tensor],
-                spare: Optional[Tensor] = None) -> Tensor:
+                spare: Optional[Tensor] = None, owned: bool = False) -> Tensor:
         """``linear_out`` of the attention output ``[B, Lq, H, D]`` with the rows of padded
         queries (``query_pad``) zeroed first. ``spare``: a ``[B, Lq, n_feat]`` tensor no
         longer needed (a freed projection) that receives the result in inference, where a
-        fresh one would cost its page faults."""
+        fresh one would cost its page faults. ``owned``: out is a view of the module's own
+        buffer (the query projection the attention wrote over), zeroed in place too."""
         B, Lq = out.shape[0], out.shape[1]
         if query_pad is not None:
             tracing = _tracing()
             if not tracing and query_pad.device.type == "cpu" and not bool(query_pad.any()):
                 pass  # no padded query row: no pass over out (a CPU check, no device sync)
-            elif out.requires_grad or out._base is not None or tracing:
+            elif out.requires_grad or (out._base is not None and not owned) or tracing:
                 out = out.masked_fill(query_pad[:, :, None, None], 0.0)
             else:  # the attention's own output and no graph (inference): no [B, T, H, D] copy
                 out.masked_fill_(query_pad[:, :, None, None], 0.0)
@@ -609,8 +610,9 @@ class NeMoRelPositionMultiHeadAttentionLongformer(RelPosAttentionBase):
                 f"n_feat={self.n_feat}) for att_context_size [{left}, {right}], distances "
                 f"{left} down to {-right} (LocalAttRelPositionalEncoding); got "
                 f"{describe(pos_emb)}")
-        out, qpad, glob_rows, spare = self._local_attention(query, key, value, pad_mask, pos_emb)
-        out = self._finish(out, qpad, spare)
+        out, qpad, glob_rows, spare, owned = self._local_attention(query, key, value, pad_mask,
+                                                                   pos_emb)
+        out = self._finish(out, qpad, spare, owned)
         del spare
         if glob_rows is not None:
             # the global frames' rows replace theirs after linear_out (it works row by row):
@@ -627,10 +629,11 @@ class NeMoRelPositionMultiHeadAttentionLongformer(RelPosAttentionBase):
     def _local_attention(self, query: Tensor, key: Tensor, value: Tensor,
                          pad_mask: Optional[Tensor], pos_emb: Tensor):
         """The attention output ``[B, T, H, D]`` before ``linear_out``, the query rows to
-        zero, the global frames' ``(rows, [B, G, H, D] rows)`` (or None) and the key
-        projection ``[B, T, n_feat]`` as ``_finish``'s spare. A method of its own so that the
-        other projections are freed on return, before ``linear_out`` runs (inference keeps
-        4, not 6, ``[B, T, n_feat]`` tensors at its peak)."""
+        zero, the global frames' ``(rows, [B, G, H, D] rows)`` (or None), in inference the
+        key projection ``[B, T, n_feat]`` as ``_finish``'s spare (else None), and whether the
+        output was written over the query projection (inference). A method of its own so
+        that the other projections are freed on return, before ``linear_out`` runs
+        (inference keeps 4, not 6, ``[B, T, n_feat]`` tensors at its peak)."""
         T = query.shape[1]
         left, right = self._window
         q = self._project(self.linear_q, query)
@@ -658,13 +661,13 @@ class NeMoRelPositionMultiHeadAttentionLongformer(RelPosAttentionBase):
             glob_rows = (rows, self._global_rows(gq[:, glob], gk, gv, pad_mask))
             if qpad is not None:
                 qpad = qpad.index_fill(1, rows, 0)  # global rows stay, padded or not (0: False)
-        if (not torch.is_grad_enabled() and not _tracing() and q.is_contiguous()
-                and r.shape[0] == 1):
-            extra["out"] = q  # inference: the attention's rows written over q's
+        inference = not torch.is_grad_enabled() and not _tracing()
+        if inference and q.is_contiguous() and r.shape[0] == 1:
+            extra["out"] = q  # the attention's rows written over q's (its buffer: owned)
         out = self._rel_attention(q, k, v, r, pad_mask, None, (left, right),
                                   r_first_distance=left, **extra)
-        spare = k.view(*k.shape[:2], self.n_feat) if k.is_contiguous() else None
-        return out, qpad, glob_rows, spare
+        spare = k.view(*k.shape[:2], self.n_feat) if inference and k.is_contiguous() else None
+        return out, qpad, glob_rows, spare, "out" in extra
 
     def _position_table(self, p: Tensor) -> Tensor:
         """The rows of the projected table ``p`` ``[1 or B, left + right + 1, H, D]`` that NeMo
