@@ -29,7 +29,10 @@ resets the peak (``/proc/self/clear_refs``) and reads the peak after (``VmHWM``)
 same inputs, for the projections alone: the ``nn.Linear`` layers the forward runs
 (``linear_q/k/v`` on x, ``linear_pos`` on the position table, ``linear_out`` on a ``[1, T,
 hidden]`` tensor, ``global_q/k/v`` when separate), each layer of the stack, same direction.
-Attention = module - projections, for the time and for the extra memory.
+Attention = module - projections, for the time and for the extra memory. The drop-in's
+inference forward peaks below its projections run alone (the attention writes over the query
+projection, linear_out into the key projection's buffer): its attention extra memory is then
+negative in the tables and counts as 0 in the ratio.
 
 The parent runs the variants of each (minutes, G, threads, direction) one after the other
 (order alternating), checks that their outputs agree (sampled rows of the output, and of the
