@@ -158,6 +158,29 @@ def test_extra_keys_sliced_from_k_and_v(backend, leaf):
                                        msg=lambda m: f"{name}: {m}")
 
 
+def test_extra_keys_sliced_from_k_and_v_triton():
+    """The same on the Triton kernels (float32): k's and v's gradients hold the slices' part
+    (added into dk / dv in place), as close to the float64 truth as the reference in float32."""
+    ts, kpm = inputs(torch.float32, lk=LQ + 4)
+
+    def grads_of(backend, dtype, device):
+        base = [t.detach().to(device, dtype).requires_grad_() for t in ts[:6]]
+        q, k, v, r, u, vb = [t * 1 for t in base]
+        out = rel_attention(q, k, v, r, u, vb, causal=False, window_size=(3, 2),
+                            key_padding_mask=kpm.to(device), softmax_scale=0.3,
+                            backend=backend, extra_k=k[:, 1:8:3], extra_v=v[:, 0:6:2])
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(7),
+                           dtype=torch.float64).to(out)
+        return [out.detach().cpu()] + [g.cpu() for g in
+                                       torch.autograd.grad((out * dout).sum(), base)]
+
+    got = grads_of("triton", torch.float32, FUSED_DEVICE)
+    ref = grads_of("reference", torch.float32, "cpu")
+    truth = grads_of("reference", torch.float64, "cpu")
+    for name, a, b, c in zip(["out"] + NAMES[:6], got, ref, truth):
+        assert_within(name, a, b, c)
+
+
 def test_extra_keys_rows_without_relative_keys_attend_extra_only():
     """A query whose relative keys are all padded still has the extra keys: its output is
     their softmax-weighted values (not 0), on the fused CPU kernel as on the reference."""
