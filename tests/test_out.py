@@ -122,3 +122,22 @@ def test_opcheck_forward_out():
     kv = torch.randn(2, 9, 2, 16)  # keys of q's shape: out may not be one of them
     with pytest.raises(RuntimeError, match="single memory location|overlap"):
         torch.ops.txl_kernels.rel_attn_cpu_fwd_out(q, kv, kv, *args[3:], out=kv)
+
+
+def test_compile_fullgraph_in_inference_with_and_without_out():
+    """torch.compile(fullgraph=True) of the CPU kernel under no_grad (the op is called
+    directly there: the autograd.Function cannot be traced without a graph), with out= copied
+    into (no storage to compare while tracing)."""
+    q, k, v, r, u, vb = _inputs(1, 16, 2, 8)
+
+    def f(q, k, v, r, u, vb, out=None):
+        return rel_attention(q, k, v, r, u, vb, causal=False, backend="cpu", out=out)
+
+    with torch.no_grad():
+        want = f(q, k, v, r, u, vb)
+        compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+        torch.testing.assert_close(compiled(q, k, v, r, u, vb), want, rtol=0, atol=0)
+        buf = torch.empty_like(q)
+        got = compiled(q, k, v, r, u, vb, buf)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(buf, want, rtol=0, atol=0)

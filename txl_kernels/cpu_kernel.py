@@ -189,7 +189,11 @@ def rel_attn_cpu(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
     if out is not None:
         torch.ops.txl_kernels.rel_attn_cpu_fwd_out(*args, out=out)
         return out
-    if torch.jit.is_tracing():
+    if not torch.is_grad_enabled():
+        # no graph to record: the op itself (torch.compile cannot trace the autograd.Function
+        # under no_grad: its setup_context has no proxy there)
+        out, _ = torch.ops.txl_kernels.rel_attn_cpu_fwd(*args)
+    elif torch.jit.is_tracing():
         # The op itself (with its registered autograd): torch.jit.trace records it as a
         # txl_kernels::rel_attn_cpu_fwd node, which torch.jit.save writes and a C++ process
         # runs once the op library is loaded; the autograd.Function would be a Python op.

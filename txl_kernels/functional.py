@@ -602,8 +602,9 @@ def _check_out(out, q: torch.Tensor, inputs) -> None:
 
 def _in_place_out(out: torch.Tensor, q: torch.Tensor, inputs) -> Optional[torch.Tensor]:
     """``out`` where the CPU kernel may write it directly: contiguous, and either q itself
-    (the same view) or sharing no memory with any input; else None (copied into)."""
-    if not out.is_contiguous():
+    (the same view) or sharing no memory with any input; else None (copied into), also
+    while torch.compile / torch.export trace (no storage to compare)."""
+    if not out.is_contiguous() or torch.compiler.is_compiling() or torch.jit.is_tracing():
         return None
     mem = out.untyped_storage().data_ptr()
     for i, t in enumerate(inputs):
