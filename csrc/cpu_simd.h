@@ -48,6 +48,23 @@ inline const std::array<float, 256> kFp8Values = [] {
 #define TXL_ALWAYS_INLINE
 #endif
 
+namespace txl_kernels {
+// A software prefetch of every cache line of x[0, n): for rows the hardware prefetcher does
+// not follow (short rows streamed from memory, rows a page apart). No-op without
+// __builtin_prefetch.
+template <typename X>
+TXL_ALWAYS_INLINE inline void prefetch_span(const X* x, int64_t n) {
+#if defined(__GNUC__)
+  constexpr int64_t line = 64 / static_cast<int64_t>(sizeof(X));
+  for (int64_t d = 0; d < n; d += line) __builtin_prefetch(x + d);
+  __builtin_prefetch(x + n - 1);
+#else
+  (void)x;
+  (void)n;
+#endif
+}
+}  // namespace txl_kernels
+
 #if defined(__GNUC__)
 #define TXL_VEC8 1
 namespace txl_kernels {

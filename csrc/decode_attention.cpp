@@ -120,24 +120,11 @@ constexpr int64_t kAhead = 12;
 template <typename X>
 TXL_ALWAYS_INLINE inline void prefetch_row(const X* row, int64_t H, int64_t stride_h,
                                            int64_t D) {
-  const int64_t line = 64 / static_cast<int64_t>(sizeof(X));
   if (stride_h == D) {  // the heads packed in the row (the cache's layout): one span
-#if defined(__GNUC__)
-    for (int64_t d = 0; d < H * D; d += line) __builtin_prefetch(row + d);
-    __builtin_prefetch(row + H * D - 1);
-#endif
+    prefetch_span(row, H * D);
     return;
   }
-  for (int64_t h = 0; h < H; ++h) {
-    const X* x = row + h * stride_h;
-#if defined(__GNUC__)
-    for (int64_t d = 0; d < D; d += line) __builtin_prefetch(x + d);
-    __builtin_prefetch(x + D - 1);
-#else
-    (void)x;
-    (void)line;
-#endif
-  }
+  for (int64_t h = 0; h < H; ++h) prefetch_span(row + h * stride_h, D);
 }
 
 struct Strides {

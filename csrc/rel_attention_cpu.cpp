@@ -1009,22 +1009,18 @@ Head<scalar_t, acc_t> head_rows(const at::Tensor& k, const at::Tensor& v, const 
   return hd;
 }
 
+// Rows of D elements ld apart (one page each in [B, T, H, D]) defeat the hardware
+// prefetcher: fetch rows [0, n) ahead in software.
+template <typename scalar_t>
+void prefetch_rows(const scalar_t* x, int64_t ld, int64_t n, int64_t D) {
+  for (int64_t t = 0; t < n; ++t) prefetch_span(x + t * ld, D);
+}
+
 // Band tiles read each k / v row once per query block that sees it (W / BM + 1 times), and
 // a [B, T, H, D] tensor holds one head's row per H * D elements (a page per row at H * D =
 // 1,024 fp32): the backward, which runs (batch, head) tasks, first copies the head's k and v
 // rows into dense [Lk, D] buffers, the forward the rows of its chunk of query blocks, and
 // X then reads from there (rows j0 .. j0 + n - 1, X.first = j0).
-// Rows of D elements ld apart (one page each in [B, T, H, D]) defeat the hardware
-// prefetcher: fetch them ahead in software (every cache line of rows [0, n)).
-template <typename scalar_t>
-void prefetch_rows(const scalar_t* x, int64_t ld, int64_t n, int64_t D) {
-  constexpr int64_t line = 64 / sizeof(scalar_t);
-  for (int64_t t = 0; t < n; ++t) {
-    for (int64_t d = 0; d < D; d += line) __builtin_prefetch(x + t * ld + d);
-    __builtin_prefetch(x + t * ld + D - 1);
-  }
-}
-
 template <typename scalar_t, typename acc_t>
 void head_copy(Rows<scalar_t, acc_t>& X, int64_t j0, int64_t n, scalar_t* buf) {
   constexpr int64_t ahead = 8;  // rows fetched ahead of the copy
@@ -1587,10 +1583,10 @@ void check_main(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               "rel_attn_cpu: empty dimension in q ", q.sizes(), " / k ", k.sizes());
 }
 
-// The forward into a given out ([B, Lq, H, D], contiguous); returns lse. out may be q itself:
-// every task reads its query rows (load_q / LowpGemm::load) before it writes them, and no task
-// reads another's query rows.
-at::Tensor forward_into(
+// The forward written into out ([B, Lq, H, D], contiguous; inference: no autograd), which may
+// be q itself (then the attention needs no buffer of its own): every task reads its query rows
+// (load_q / LowpGemm::load) before it writes them, and no task reads another's. Returns lse.
+at::Tensor rel_attn_cpu_fwd_out(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& r,
     const at::Tensor& u, const at::Tensor& vb, double scale, int64_t wl, int64_t wr,
     const c10::optional<at::Tensor>& kpm, const c10::optional<at::Tensor>& mask,
@@ -1598,7 +1594,18 @@ at::Tensor forward_into(
     const c10::optional<at::Tensor>& seed, const c10::optional<at::Tensor>& mem_k,
     const c10::optional<at::Tensor>& mem_k_scale, const c10::optional<at::Tensor>& mem_v,
     const c10::optional<at::Tensor>& mem_v_scale, c10::optional<int64_t> r_first_distance,
-    at::Tensor* out_given) {
+    at::Tensor& out) {
+  TORCH_CHECK(out.device() == q.device() && out.scalar_type() == q.scalar_type() &&
+                  out.sizes() == q.sizes() && out.is_contiguous(),
+              "rel_attn_cpu: out must be a contiguous ", q.scalar_type(), " tensor of q's "
+              "shape ", q.sizes(), " on q's device, got ", out.scalar_type(), " ", out.sizes(),
+              out.is_contiguous() ? "" : " (not contiguous)", " on ", out.device());
+  // out may be q (then q is contiguous too: its rows are out's); no other input may share
+  // out's memory
+  at::assert_no_partial_overlap(out, q);
+  for (const at::Tensor* t : {&k, &v, &r, &u, &vb}) at::assert_no_overlap(out, *t);
+  for (const c10::optional<at::Tensor>* t : {&kpm, &mask, &mem_k, &mem_v})
+    if (t->has_value()) at::assert_no_overlap(out, **t);
   const c10::optional<at::Tensor> mem[4] = {mem_k, mem_k_scale, mem_v, mem_v_scale};
   const int n_mem = mem_k.has_value() + mem_k_scale.has_value() + mem_v.has_value() +
                     mem_v_scale.has_value();
@@ -1631,7 +1638,6 @@ at::Tensor forward_into(
   // (beyond the L2 cache at these lengths) serves twice the queries (measured: ~5% faster at
   // T = 4,096, ~3% slower at T = 1,024, whose rows mostly stay in the caches)
   if (g.Lk >= 2048 && !g.band) g.BM = std::min<int64_t>(256, g.Lq);
-  at::Tensor& out = *out_given;
   const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor lse = at::empty({g.B, g.H, g.Lq}, q.options().dtype(acc));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rel_attn_cpu_fwd",
@@ -1648,36 +1654,10 @@ std::tuple<at::Tensor, at::Tensor> rel_attn_cpu_fwd(
     const c10::optional<at::Tensor>& mem_k_scale, const c10::optional<at::Tensor>& mem_v,
     const c10::optional<at::Tensor>& mem_v_scale, c10::optional<int64_t> r_first_distance) {
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
-  at::Tensor lse = forward_into(q, k, v, r, u, vb, scale, wl, wr, kpm, mask, band, dropout_p,
-                                seed, mem_k, mem_k_scale, mem_v, mem_v_scale, r_first_distance,
-                                &out);
+  at::Tensor lse = rel_attn_cpu_fwd_out(q, k, v, r, u, vb, scale, wl, wr, kpm, mask, band,
+                                        dropout_p, seed, mem_k, mem_k_scale, mem_v, mem_v_scale,
+                                        r_first_distance, out);
   return {out, lse};
-}
-
-// The forward written into out (inference: no autograd), which may be q itself (then the
-// attention needs no [B, Lq, H, D] buffer of its own); returns lse.
-at::Tensor rel_attn_cpu_fwd_out(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& r,
-    const at::Tensor& u, const at::Tensor& vb, double scale, int64_t wl, int64_t wr,
-    const c10::optional<at::Tensor>& kpm, const c10::optional<at::Tensor>& mask,
-    const c10::optional<at::Tensor>& band, double dropout_p,
-    const c10::optional<at::Tensor>& seed, const c10::optional<at::Tensor>& mem_k,
-    const c10::optional<at::Tensor>& mem_k_scale, const c10::optional<at::Tensor>& mem_v,
-    const c10::optional<at::Tensor>& mem_v_scale, c10::optional<int64_t> r_first_distance,
-    at::Tensor& out) {
-  TORCH_CHECK(out.device() == q.device() && out.scalar_type() == q.scalar_type() &&
-                  out.sizes() == q.sizes() && out.is_contiguous(),
-              "rel_attn_cpu: out must be a contiguous ", q.scalar_type(), " tensor of q's "
-              "shape ", q.sizes(), " on q's device, got ", out.scalar_type(), " ", out.sizes(),
-              out.is_contiguous() ? "" : " (not contiguous)", " on ", out.device());
-  // out may be q (then q is contiguous too: its rows are out's); no other input may share
-  // out's memory
-  at::assert_no_partial_overlap(out, q);
-  for (const at::Tensor* t : {&k, &v, &r, &u, &vb}) at::assert_no_overlap(out, *t);
-  for (const c10::optional<at::Tensor>* t : {&kpm, &mask, &mem_k, &mem_v})
-    if (t->has_value()) at::assert_no_overlap(out, **t);
-  return forward_into(q, k, v, r, u, vb, scale, wl, wr, kpm, mask, band, dropout_p, seed,
-                      mem_k, mem_k_scale, mem_v, mem_v_scale, r_first_distance, &out);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>

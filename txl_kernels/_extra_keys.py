@@ -180,8 +180,6 @@ def rel_attention_extra_keys(backend: str, q, k, v, r, r_w_bias, r_r_bias, extra
     ``out`` (CPU kernel, fp32 / fp64, no autograd; may be q): the result is written there,
     the kernel's rows first and the merge in place."""
     ts = [last_dim_contiguous(t) for t in (q, k, v, r, r_w_bias, r_r_bias) + tuple(extra)]
-    rows = [_rows_of(e, base) if e is e2 and base is b2 else None
-            for e, base, e2, b2 in ((extra[1], k, ts[7], ts[1]), (extra[2], v, ts[8], ts[2]))]
     seed = keep = None
     if dropout_p > 0.0:
         if backend == "triton":
@@ -196,6 +194,8 @@ def rel_attention_extra_keys(backend: str, q, k, v, r, r_w_bias, r_r_bias, extra
         return _merged_forward(*ts, kpm, attn_mask, attn_mask_band, softmax_scale, wl, wr,
                                r_first_distance, float(dropout_p), seed, keep,
                                KernelOps(backend, deterministic), out=out)[0]
+    rows = [_rows_of(e, base) if e is e2 and base is b2 else None
+            for e, base, e2, b2 in ((extra[1], k, ts[7], ts[1]), (extra[2], v, ts[8], ts[2]))]
     return _ExtraKeysAttn.apply(*ts, kpm, attn_mask, attn_mask_band, softmax_scale, wl, wr,
                                 r_first_distance, float(dropout_p), seed, keep,
                                 KernelOps(backend, deterministic), *rows)

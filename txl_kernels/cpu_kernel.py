@@ -189,14 +189,12 @@ def rel_attn_cpu(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
     if out is not None:
         torch.ops.txl_kernels.rel_attn_cpu_fwd_out(*args, out=out)
         return out
-    if not torch.is_grad_enabled():
-        # no graph to record: the op itself (torch.compile cannot trace the autograd.Function
-        # under no_grad: its setup_context has no proxy there)
-        out, _ = torch.ops.txl_kernels.rel_attn_cpu_fwd(*args)
-    elif torch.jit.is_tracing():
-        # The op itself (with its registered autograd): torch.jit.trace records it as a
+    if not torch.is_grad_enabled() or torch.jit.is_tracing():
+        # The op itself (with its registered autograd). Without grad mode there is no graph
+        # to record (and torch.compile cannot trace the autograd.Function there: its
+        # setup_context has no proxy); torch.jit.trace records it as a
         # txl_kernels::rel_attn_cpu_fwd node, which torch.jit.save writes and a C++ process
-        # runs once the op library is loaded; the autograd.Function would be a Python op.
+        # runs once the op library is loaded, where the autograd.Function would be a Python op.
         out, _ = torch.ops.txl_kernels.rel_attn_cpu_fwd(*args)
     else:
         out, _ = _RelAttnCpuFunction.apply(*args)

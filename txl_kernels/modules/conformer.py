@@ -636,6 +636,10 @@ class NeMoRelPositionMultiHeadAttentionLongformer(RelPosAttentionBase):
         (inference keeps 4, not 6, ``[B, T, n_feat]`` tensors at its peak)."""
         T = query.shape[1]
         left, right = self._window
+        tracing = _tracing()
+        if (pad_mask is not None and not tracing and pad_mask.device.type == "cpu"
+                and not bool(pad_mask.any())):
+            pad_mask = None  # no padded frame (a CPU check): no padding masks, no rows to zero
         q = self._project(self.linear_q, query)
         k = self._project(self.linear_k, key)
         v = self._project(self.linear_v, value)
@@ -661,14 +665,10 @@ class NeMoRelPositionMultiHeadAttentionLongformer(RelPosAttentionBase):
             glob_rows = (rows, self._global_rows(gq[:, glob], gk, gv, pad_mask))
             if qpad is not None:
                 qpad = qpad.index_fill(1, rows, 0)  # global rows stay, padded or not (0: False)
-        tracing = _tracing()
         inference = not torch.is_grad_enabled() and not tracing
         if inference and q.is_contiguous() and r.shape[0] == 1:
             extra["out"] = q  # the attention's rows written over q's (its buffer: owned)
-        kpm = pad_mask
-        if kpm is not None and not tracing and kpm.device.type == "cpu" and not bool(kpm.any()):
-            kpm = None  # no padded frame (a CPU check): the kernel skips the padding masks
-        out = self._rel_attention(q, k, v, r, kpm, None, (left, right),
+        out = self._rel_attention(q, k, v, r, pad_mask, None, (left, right),
                                   r_first_distance=left, **extra)
         spare = k.view(*k.shape[:2], self.n_feat) if inference and k.is_contiguous() else None
         return out, qpad, glob_rows, spare, "out" in extra
