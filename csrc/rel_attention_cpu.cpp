@@ -165,10 +165,10 @@ struct PackedBT {
 // ---- row loops: generic, and for fp32 in vector types, compiled per ISA variant (cpu_isa.h)
 
 template <typename T>
-T add_max(T* s, const T* t, int64_t n) {  // s += t; returns max(s)
+T add_max(T* s, const T* t, int64_t n, T c) {  // s = c (s + t); returns max(s)
   T m = -std::numeric_limits<T>::infinity();
   for (int64_t x = 0; x < n; ++x) {
-    s[x] += t[x];
+    s[x] = c * (s[x] + t[x]);
     m = s[x] > m ? s[x] : m;
   }
   return m;
@@ -197,8 +197,8 @@ void scale_row(T* s, T c, int64_t n) {
   for (int64_t x = 0; x < n; ++x) s[x] *= c;
 }
 template <typename T>
-void add_row(T* s, const T* t, int64_t n) {
-  for (int64_t x = 0; x < n; ++x) s[x] += t[x];
+void add_row(T* s, const T* t, int64_t n, T c) {  // s = c (s + t)
+  for (int64_t x = 0; x < n; ++x) s[x] = c * (s[x] + t[x]);
 }
 template <typename T>
 void exp_diff(T* s, int64_t n, T c) {  // s = e^(s - c), as 2^((s - c) log2 e) (0 at -inf)
@@ -219,21 +219,21 @@ void ds_row(T* dp, const T* p, int64_t n, T sc, T delta) {
 // variant), compiled per ISA variant below and called through the variant's table.
 namespace rows {
 template <typename V>
-TXL_ALWAYS_INLINE inline float add_max(float* s, const float* t, int64_t n) {
+TXL_ALWAYS_INLINE inline float add_max(float* s, const float* t, int64_t n, float c) {
   constexpr int64_t W = sizeof(V) / sizeof(float);
   float m = -std::numeric_limits<float>::infinity();
   int64_t x = 0;
   if (n >= W) {
     V mv = V{} + m;
     for (; x + W <= n; x += W) {
-      const V v = loadu<V>(s + x) + loadu<V>(t + x);
+      const V v = (loadu<V>(s + x) + loadu<V>(t + x)) * c;
       storeu(s + x, v);
       mv = v > mv ? v : mv;
     }
     m = hmax(mv);
   }
   for (; x < n; ++x) {
-    s[x] += t[x];
+    s[x] = c * (s[x] + t[x]);
     m = s[x] > m ? s[x] : m;
   }
   return m;
@@ -277,8 +277,8 @@ TXL_ALWAYS_INLINE inline void mul_rows(float* s, const float* z, int64_t n) {
 TXL_ALWAYS_INLINE inline void scale_row(float* s, float c, int64_t n) {
   for (int64_t x = 0; x < n; ++x) s[x] *= c;
 }
-TXL_ALWAYS_INLINE inline void add_row(float* s, const float* t, int64_t n) {
-  for (int64_t x = 0; x < n; ++x) s[x] += t[x];
+TXL_ALWAYS_INLINE inline void add_row(float* s, const float* t, int64_t n, float c) {
+  for (int64_t x = 0; x < n; ++x) s[x] = c * (s[x] + t[x]);
 }
 template <typename V>
 TXL_ALWAYS_INLINE inline void exp_diff(float* s, int64_t n, float c) {
@@ -294,12 +294,12 @@ TXL_ALWAYS_INLINE inline void ds_row(float* dp, const float* p, int64_t n, float
 }
 
 struct Table {
-  float (*add_max)(float*, const float*, int64_t);
+  float (*add_max)(float*, const float*, int64_t, float);
   float (*row_max)(const float*, int64_t);
   float (*exp2_sum)(float*, int64_t, float);
   void (*mul_rows)(float*, const float*, int64_t);
   void (*scale_row)(float*, float, int64_t);
-  void (*add_row)(float*, const float*, int64_t);
+  void (*add_row)(float*, const float*, int64_t, float);
   void (*exp_diff)(float*, int64_t, float);
   void (*ds_row)(float*, const float*, int64_t, float, float);
 };
@@ -307,12 +307,14 @@ struct Table {
 // One ISA variant: the loops compiled under ATTR with vectors V, and its table.
 #define TXL_ROW_VARIANT(ISA, ATTR, V)                                                         \
   namespace ISA {                                                                             \
-  ATTR float add_max(float* s, const float* t, int64_t n) { return rows::add_max<V>(s, t, n); } \
+  ATTR float add_max(float* s, const float* t, int64_t n, float c) {                          \
+    return rows::add_max<V>(s, t, n, c);                                                      \
+  }                                                                                           \
   ATTR float row_max(const float* s, int64_t n) { return rows::row_max<V>(s, n); }            \
   ATTR float exp2_sum(float* s, int64_t n, float mx) { return rows::exp2_sum<V>(s, n, mx); }  \
   ATTR void mul_rows(float* s, const float* z, int64_t n) { rows::mul_rows(s, z, n); }        \
   ATTR void scale_row(float* s, float c, int64_t n) { rows::scale_row(s, c, n); }             \
-  ATTR void add_row(float* s, const float* t, int64_t n) { rows::add_row(s, t, n); }          \
+  ATTR void add_row(float* s, const float* t, int64_t n, float c) { rows::add_row(s, t, n, c); } \
   ATTR void exp_diff(float* s, int64_t n, float c) { rows::exp_diff<V>(s, n, c); }            \
   ATTR void ds_row(float* dp, const float* p, int64_t n, float sc, float delta) {             \
     rows::ds_row(dp, p, n, sc, delta);                                                        \
@@ -334,12 +336,16 @@ inline const Table& table() {
 }  // namespace rows
 
 // The fp32 overloads of the row loops above (the templates serve fp64).
-inline float add_max(float* s, const float* t, int64_t n) { return rows::table().add_max(s, t, n); }
+inline float add_max(float* s, const float* t, int64_t n, float c) {
+  return rows::table().add_max(s, t, n, c);
+}
 inline float row_max(const float* s, int64_t n) { return rows::table().row_max(s, n); }
 inline float exp2_sum(float* s, int64_t n, float mx) { return rows::table().exp2_sum(s, n, mx); }
 inline void mul_rows(float* s, const float* z, int64_t n) { rows::table().mul_rows(s, z, n); }
 inline void scale_row(float* s, float c, int64_t n) { rows::table().scale_row(s, c, n); }
-inline void add_row(float* s, const float* t, int64_t n) { rows::table().add_row(s, t, n); }
+inline void add_row(float* s, const float* t, int64_t n, float c) {
+  rows::table().add_row(s, t, n, c);
+}
 inline void exp_diff(float* s, int64_t n, float c) { rows::table().exp_diff(s, n, c); }
 inline void ds_row(float* dp, const float* p, int64_t n, float sc, float delta) {
   rows::table().ds_row(dp, p, n, sc, delta);
@@ -736,6 +742,9 @@ inline int64_t vnni_ld(int64_t n) {
   return ld % 256 == 0 ? ld + 16 : ld;
 }
 
+// rows pack_transposed reads at a time: its row buffer holds kPackRows * D elements
+constexpr int64_t kPackRows = 16;
+
 // X^T of X's rows [0, n) [n, D] packed for brgemm: out[((d / 2) ld + j) 2 + d % 2] = X[j, d]
 // (d padded to even with zeros); a tile of rows [j0, j0 + c) is then out + 2 j0 with ld_b = ld.
 // One pass per call: each (batch, head)'s K and each head's r, read by every query block.
@@ -746,17 +755,20 @@ void pack_transposed(const Rw& X, int64_t n, int64_t D, int64_t ld, scalar_t* ou
   static_assert(sizeof(scalar_t) == 2, "bf16 / fp16 only");
   const int64_t Dh = D / 2;
   W* o = reinterpret_cast<W*>(out);
-  for (int64_t j = 0; j < n; ++j) {
-    const scalar_t* x = X.raw(j, row);
-    for (int64_t e = 0; e < Dh; ++e) {
-      W w;
-      std::memcpy(&w, x + 2 * e, sizeof w);
-      o[e * ld + j] = w;
-    }
-    if (D % 2) {
-      scalar_t pair[2] = {x[D - 1], scalar_t(0)};
-      std::memcpy(o + Dh * ld + j, pair, sizeof(W));
-    }
+  // kPackRows rows at a time, so that each panel row is written 64 contiguous bytes at a time
+  constexpr int64_t J = kPackRows;
+  const scalar_t* xs[J];
+  for (int64_t j0 = 0; j0 < n; j0 += J) {
+    const int64_t nj = std::min(J, n - j0);
+    for (int64_t jj = 0; jj < nj; ++jj) xs[jj] = X.raw(j0 + jj, row + jj * D);
+    for (int64_t e = 0; e < Dh; ++e)
+      for (int64_t jj = 0; jj < nj; ++jj)
+        std::memcpy(o + e * ld + j0 + jj, xs[jj] + 2 * e, sizeof(W));
+    if (D % 2)
+      for (int64_t jj = 0; jj < nj; ++jj) {
+        scalar_t pair[2] = {xs[jj][D - 1], scalar_t(0)};
+        std::memcpy(o + Dh * ld + j0 + jj, pair, sizeof(W));
+      }
   }
 }
 
@@ -780,13 +792,39 @@ TXL_TARGET_AVX512 void round_to_bf16(const float* s, int64_t n, uint16_t* o) {
   }
 }
 
+// s = 2^(s - mx) (0 at -inf) and o = bf16(s), row by row while s is in L1; returns the sum
+TXL_TARGET_AVX512 float exp2_sum_bf16(float* s, int64_t n, float mx, uint16_t* o) {
+  const float sum = rows::exp2_sum<v16f>(s, n, mx);
+  round_to_bf16(s, n, o);
+  return sum;
+}
+
+// X's rows [0, n) in pv's layout: rows t, t + 1 interleaved (X[t, d] at (t / 2) 2 D + 2 d +
+// t % 2), an odd last row paired with zeros
+template <typename scalar_t, typename Rw>
+void pack_pairs(const Rw& X, int64_t n, int64_t D, scalar_t* out, scalar_t* row0,
+                scalar_t* row1, const scalar_t* zero) {
+  uint16_t* o = reinterpret_cast<uint16_t*>(out);
+  for (int64_t t = 0; t < n; t += 2) {
+    const scalar_t* x0 = X.raw(t, row0);
+    const scalar_t* x1 = t + 1 < n ? X.raw(t + 1, row1) : zero;
+    interleave_pair(reinterpret_cast<const uint16_t*>(x0), reinterpret_cast<const uint16_t*>(x1),
+                    D, o + t * D);
+  }
+}
+
 // One thread's brgemm operands: (q + u) and (q + vb) of the current query block (and its
 // output gradient rows, in the backward), the packed V tile, and P in the input dtype.
 template <typename scalar_t>
 struct LowpGemm {
   int64_t D, Dp;  // head dim, and rounded up to even (the K of the q GEMMs)
-  float sc;       // scale * log2(e): the scores' factor, applied to the fp32 products
+  float sc;       // scale * log2(e): the scores' factor (scores_tile applies it)
   Scratch<scalar_t> qu, qv, go, b, p, row0, row1, zero;
+  // the forward's V of the current (batch, head) in pv's layout (pack_pairs), vn rows
+  const scalar_t* vp = nullptr;
+  int64_t vn = 0;
+  // whether the caller has written P's rows (p_row) for the next pv
+  bool p_ready = false;
   // the current (batch, head)'s packed K^T and r^T panels (pack_transposed) and their ld
   const scalar_t* kt = nullptr;
   const scalar_t* rt = nullptr;
@@ -820,22 +858,45 @@ struct LowpGemm {
     }
   }
 
-  // C[m, n] (ld ldc) = sc * A[m, Dp] @ X[j0, j0 + n)^T, X^T packed at Xt (ld ldx); without
-  // the factor when scaled is false
+  // C[m, n] (ld ldc) = A[m, Dp] @ X[j0, j0 + n)^T, X^T packed at Xt (ld ldx)
   void abt(const scalar_t* A, int64_t m, const scalar_t* Xt, int64_t ldx, int64_t j0,
-           int64_t n, float* C, int64_t ldc, bool scaled = true) {
+           int64_t n, float* C, int64_t ldc) {
     brgemm_vnni<scalar_t>(m, n, Dp, Dp, ldx, ldc, false, A, Xt + 2 * j0, C);
-    if (scaled)
-      for (int64_t a = 0; a < m; ++a) scale_row(C + a * ldc, sc, n);
   }
 
-  // acc[m, D] += P @ X[j0, j0 + n), P = S[m, n] (ld lds) rounded to the input dtype; the rows
-  // t with flags[t] (when flags) enter as zeros and are listed in bad (for add_allowed)
+  // where row a of P goes for a tile of n columns, its column n (when n is odd) set to 0
+  uint16_t* p_row(int64_t a, int64_t n) {
+    const int64_t np = (n + 1) / 2 * 2;
+    uint16_t* o = reinterpret_cast<uint16_t*>(p.data() + a * np);
+    if (np > n) o[n] = 0;
+    return o;
+  }
+
+  // acc[m, D] += P @ X[j0, j0 + n), P = S[m, n] (ld lds) rounded to the input dtype (or as the
+  // caller wrote it, p_ready); the rows t with flags[t] (when flags) enter as zeros and are
+  // listed in bad (for add_allowed). X's rows come from vp where it holds this tile's pairs.
   template <typename Rw>
   void pv(const float* S, int64_t lds, int64_t m, const Rw& X, int64_t j0, int64_t n,
           const uint8_t* flags, std::vector<int64_t>& bad, float* acc) {
     const int64_t np = (n + 1) / 2 * 2;
     bad.clear();
+    scalar_t* pp = p.data();
+    if (!p_ready) {
+      for (int64_t a = 0; a < m; ++a) {
+        if constexpr (std::is_same<scalar_t, at::BFloat16>::value)
+          round_to_bf16(S + a * lds, n, reinterpret_cast<uint16_t*>(pp + a * np));
+        else
+          for (int64_t t = 0; t < n; ++t) pp[a * np + t] = static_cast<scalar_t>(S[a * lds + t]);
+        if (np > n) pp[a * np + n] = scalar_t(0);
+      }
+    }
+    p_ready = false;
+    // the head's packed pairs: a tile that starts on a pair, without flagged rows, whose odd
+    // last row is the head's (paired with zeros there)
+    if (vp && !flags && j0 % 2 == 0 && (n % 2 == 0 || j0 + n == vn)) {
+      brgemm_vnni<scalar_t>(m, D, np, np, D, D, true, pp, vp + j0 * D, acc);
+      return;
+    }
     auto rd = [&](int64_t t, scalar_t* buf) -> const uint16_t* {
       if (t < n && flags && flags[t]) bad.push_back(t);
       const scalar_t* x = t >= n || (flags && flags[t]) ? zero.data() : X.raw(j0 + t, buf);
@@ -847,14 +908,6 @@ struct LowpGemm {
       const uint16_t* x0 = rd(t, row0.data());
       const uint16_t* x1 = rd(t + 1, row1.data());
       interleave_pair(x0, x1, D, o + t * D);
-    }
-    scalar_t* pp = p.data();
-    for (int64_t a = 0; a < m; ++a) {
-      if constexpr (std::is_same<scalar_t, at::BFloat16>::value)
-        round_to_bf16(S + a * lds, n, reinterpret_cast<uint16_t*>(pp + a * np));
-      else
-        for (int64_t t = 0; t < n; ++t) pp[a * np + t] = static_cast<scalar_t>(S[a * lds + t]);
-      if (np > n) pp[a * np + n] = scalar_t(0);
     }
     brgemm_vnni<scalar_t>(m, D, np, np, D, D, true, pp, b.data(), acc);
   }
@@ -935,7 +988,8 @@ void load_q(const scalar_t* q, int64_t ldq, const scalar_t* bias, int64_t m, int
 // this tile (last: no later key tile for these query rows). qu and qv come multiplied by
 // scale * log2(e), so the GEMMs give the scaled terms in log2 units and one pass adds BD's
 // skewed rows (and takes the row maxima into rmax, when given). With lp, both GEMMs run on
-// brgemm from lp's rows of q + u and q + vb (qu and qv unused).
+// brgemm from lp's rows of q + u and q + vb (qu and qv unused), unscaled (q + bias is rounded
+// to the input dtype, which the factor must not touch), and that pass applies the factor.
 template <typename scalar_t, typename acc_t>
 void scores_tile(const Geometry& g, const Head<scalar_t, acc_t>& hd, int64_t b, int64_t h,
                  int64_t i0, int64_t m, int64_t j0, int64_t n, bool first, bool last,
@@ -956,18 +1010,19 @@ void scores_tile(const Geometry& g, const Head<scalar_t, acc_t>& hd, int64_t b, 
   }
   const int64_t P0 = j0 - (i0 + m - 1) + g.c;
   advance_window(hd.Rr, g.R, qv, m, D, P0, n, g.BN, first, last, T, tw, rbuf, lp);
+  const acc_t c = lp ? static_cast<acc_t>(lp->sc) : acc_t(1);  // the factor not yet applied
   if (!g.tile_needs_masks(i0, m, j0, n)) {
     for (int64_t a = 0; a < m; ++a) {
       acc_t* s = S + a * g.BN;
       const acc_t* t = T + a * tw + (m - 1 - a);
       if (rmax)
-        rmax[a] = add_max(s, t, n);
+        rmax[a] = add_max(s, t, n, c);
       else
-        add_row(s, t, n);
+        add_row(s, t, n, c);
     }
     return;
   }
-  for (int64_t a = 0; a < m; ++a) add_row(S + a * g.BN, T + a * tw + (m - 1 - a), n);
+  for (int64_t a = 0; a < m; ++a) add_row(S + a * g.BN, T + a * tw + (m - 1 - a), n, c);
   g.apply_masks(b, h, i0, m, j0, n, S, g.BN);
   if (rmax)
     for (int64_t a = 0; a < m; ++a) rmax[a] = row_max(S + a * g.BN, n);
@@ -1088,21 +1143,28 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
       }
     });
   const int64_t lanes = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntask));
-  // on the brgemm route each (batch, head)'s K^T and each head's r^T packed once for all query blocks
+  // on the brgemm route each (batch, head)'s K^T and V (in pv's pairs) and each head's r^T
+  // packed once for all query blocks
   const int64_t Dp = (D + 1) / 2 * 2, ldk = vnni_ld(Lk), ldr = vnni_ld(g.R);
-  at::Tensor kt, rt;
+  const int64_t vsz = (Lk + 1) / 2 * 2 * D;
+  at::Tensor kt, rt, vt;
   if constexpr (kLowp<scalar_t>) {
     if (lowp) {
       kt = at::empty({B * H, Dp * ldk}, q.options());
+      vt = at::empty({B * H, vsz}, q.options());
       rt = at::empty({H, Dp * ldr}, q.options());
-      at::parallel_for(0, B * H + H, 1, [&](int64_t begin, int64_t end) {
-        Scratch<scalar_t> row(D);
+      at::parallel_for(0, 2 * B * H + H, 1, [&](int64_t begin, int64_t end) {
+        Scratch<scalar_t> row(kPackRows * D), zero(D);
+        std::fill(zero.begin(), zero.end(), scalar_t(0));
         for (int64_t i = begin; i < end; ++i) {
-          const int64_t bh = i < B * H ? i : i - B * H;
+          const int64_t bh = i < 2 * B * H ? i % (B * H) : i - 2 * B * H;
           const auto hd = head_rows<scalar_t, acc_t>(k, v, r, mem, bh / H, bh % H);
           if (i < B * H)
             pack_transposed(hd.K, Lk, D, ldk, kt.data_ptr<scalar_t>() + i * Dp * ldk,
                             row.data());
+          else if (i < 2 * B * H)
+            pack_pairs(hd.V, Lk, D, vt.data_ptr<scalar_t>() + bh * vsz, row.data(),
+                       row.data() + D, zero.data());
           else
             pack_transposed(hd.Rr, g.R, D, ldr, rt.data_ptr<scalar_t>() + bh * Dp * ldr,
                             row.data());
@@ -1123,6 +1185,9 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
     const acc_t sc = static_cast<acc_t>(g.scale * kLog2e);
     std::unique_ptr<LowpGemm<scalar_t>> lp;
     if (lowp) lp = std::make_unique<LowpGemm<scalar_t>>(BM, BN, D, static_cast<float>(sc));
+    // bf16 P rounded as the exponentials are taken (no dropout factor comes between)
+    const bool p_direct =
+        lp && std::is_same<scalar_t, at::BFloat16>::value && !g.drop.on;
     for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
       for (int64_t task = lane; task < ntask; task += lanes) {
         const int64_t b = task / (H * nch);
@@ -1150,6 +1215,8 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
           lp->rt = rt.data_ptr<scalar_t>() + h * Dp * ldr;
           lp->ldk = ldk;
           lp->ldr = ldr;
+          lp->vp = vt.data_ptr<scalar_t>() + (b * H + h) * vsz;
+          lp->vn = Lk;
         }
         for (int64_t qb = qb0; qb < qb1; ++qb) {
           const int64_t i0 = qb * BM, m = std::min(BM, Lq - i0);
@@ -1182,10 +1249,18 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
               const acc_t mnew = std::max(mx[a], tmax[a]);
               if (mnew == -std::numeric_limits<acc_t>::infinity()) {
                 std::fill(s, s + n, acc_t(0));
+                if (p_direct) std::fill_n(lp->p_row(a, n), n, uint16_t(0));
                 continue;
               }
               const acc_t alpha = std::exp2(mx[a] - mnew);
-              l[a] = l[a] * alpha + exp2_sum(s, n, mnew);
+              acc_t sum;
+              if constexpr (kLowp<scalar_t>) {
+                sum = p_direct ? exp2_sum_bf16(s, n, mnew, lp->p_row(a, n))
+                               : exp2_sum(s, n, mnew);
+              } else {
+                sum = exp2_sum(s, n, mnew);
+              }
+              l[a] = l[a] * alpha + sum;
               mx[a] = mnew;
               if (alpha != acc_t(1)) scale_row(acc.data() + a * D, alpha, D);
               if (g.drop.on) mul_rows(s, z.data() + a * BN, n);
@@ -1196,6 +1271,7 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
             bool done = false;
             if constexpr (kLowp<scalar_t>) {
               if (lp) {
+                lp->p_ready = p_direct;
                 lp->pv(S.data(), BN, m, hd.V, j0, n, vfl, bad_v, acc.data());
                 done = true;
               }
@@ -1259,7 +1335,7 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
     // the task's K^T, V^T and r^T panels (pack_transposed), when on the brgemm route
     std::unique_ptr<LowpGemm<scalar_t>> lp;
     Scratch<scalar_t> kt(lowp ? Dp * ldkt : 0), vt(lowp ? Dp * ldkt : 0),
-        rt(lowp ? Dp * ldrt : 0);
+        rt(lowp ? Dp * ldrt : 0), prow(lowp ? kPackRows * D : 0);
     if (lowp)
       lp = std::make_unique<LowpGemm<scalar_t>>(BM, BN, D,
                                                 static_cast<float>(g.scale * kLog2e));
@@ -1297,9 +1373,9 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
       flag_nonfinite_rows(hd.Rr, R, BN, rbuf.data(), rflag.data());
       if constexpr (kLowp<scalar_t>) {
         if (lp) {
-          pack_transposed(hd.K, Lk, D, ldkt, kt.data(), lp->row0.data());
-          pack_transposed(hd.V, Lk, D, ldkt, vt.data(), lp->row0.data());
-          pack_transposed(hd.Rr, R, D, ldrt, rt.data(), lp->row0.data());
+          pack_transposed(hd.K, Lk, D, ldkt, kt.data(), prow.data());
+          pack_transposed(hd.V, Lk, D, ldkt, vt.data(), prow.data());
+          pack_transposed(hd.Rr, R, D, ldrt, rt.data(), prow.data());
           lp->kt = kt.data();
           lp->rt = rt.data();
           lp->ldk = ldkt;
@@ -1376,7 +1452,7 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
           bool done = false;
           if constexpr (kLowp<scalar_t>) {
             if (lp) {
-              lp->abt(lp->go.data(), m, vt.data(), lp->ldk, j0, n, dP.data(), BN, false);
+              lp->abt(lp->go.data(), m, vt.data(), lp->ldk, j0, n, dP.data(), BN);
               for (const int64_t t : bad_v)
                 for (int64_t a = 0; a < m; ++a) dP[a * BN + t] = acc_t(0);
               done = true;
@@ -1415,7 +1491,7 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
                          dkh + j0 * D, D);
           // dT[a, m - 1 - a + x] += dS[a, x]
           for (int64_t a = 0; a < m; ++a) {
-            add_row(dT.data() + a * tw + (m - 1 - a), dP.data() + a * BN, n);
+            add_row(dT.data() + a * tw + (m - 1 - a), dP.data() + a * BN, n, acc_t(1));
           }
           // flush the window columns no later tile touches: [0, BN), or all on the last tile
           const int64_t P0 = j0 - (i0 + m - 1) + g.c;
@@ -1636,8 +1712,11 @@ at::Tensor rel_attn_cpu_fwd_out(
                              seed, r_first_distance);
   // long key ranges: query blocks of 256 rows, so each block's stream of K, V and r rows
   // (beyond the L2 cache at these lengths) serves twice the queries (measured: ~5% faster at
-  // T = 4,096, ~3% slower at T = 1,024, whose rows mostly stay in the caches)
-  if (g.Lk >= 2048 && !g.band) g.BM = std::min<int64_t>(256, g.Lq);
+  // T = 4,096, ~3% slower at T = 1,024, whose rows mostly stay in the caches); not on the
+  // brgemm route, whose fp32 row passes stay in L2 only at 128 rows (measured there: 10%
+  // faster than 256 rows in bf16 at T = 4,096, 20% at T = 1,024)
+  if (g.Lk >= 2048 && !g.band && !brgemm_route(q.scalar_type()))
+    g.BM = std::min<int64_t>(256, g.Lq);
   const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor lse = at::empty({g.B, g.H, g.Lq}, q.options().dtype(acc));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rel_attn_cpu_fwd",
