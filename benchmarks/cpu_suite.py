@@ -155,26 +155,71 @@ def reset_peak_rss() -> bool:
 
 
 def run_json_child(script: str, argv: Sequence[str], timeout_s: float,
-                   env: Optional[Dict[str, str]] = None) -> Tuple[Optional[dict], str]:
+                   env: Optional[Dict[str, str]] = None,
+                   memory_reserve: Optional[int] = None) -> Tuple[Optional[dict], str]:
     """Run ``python script argv...`` in a fresh process with the repository on the path;
     return (the last JSON line it printed, "") or (None, why it gave none: killed by a signal,
-    timed out, or its exit status and last line of stderr)."""
+    timed out, out of memory, or its exit status and last line of stderr).
+
+    ``memory_reserve`` (bytes): a watchdog thread polls the machine's available memory
+    (:func:`mem_available_bytes`) and the child's RSS, and kills the child when the available
+    memory falls below the reserve, before the kernel's OOM killer picks a process of its own
+    choosing; the reason then reads "out of memory at X GiB" (the child's RSS when killed)."""
+    import threading
+
     cmd = [sys.executable, script, *argv]
     full_env = dict(os.environ, **(env or {}))
     full_env["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=full_env, cwd=ROOT)
+    killed: List[int] = []   # the child's RSS when the watchdog killed it
+    done = threading.Event()
+    if memory_reserve is not None:
+        threading.Thread(target=_watch_memory, args=(proc, memory_reserve, done, killed),
+                         daemon=True).start()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, cwd=ROOT,
-                              timeout=timeout_s)
+        out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
         return None, f"timed out after {timeout_s:.0f} s"
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    finally:
+        done.set()
+    if killed:
+        return None, (f"out of memory at {killed[0] / GiB:.1f} GiB (RSS when the watchdog "
+                      f"stopped it, {memory_reserve / GiB:.1f} GiB of the machine left)")
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
     if proc.returncode == 0 and lines:
         return json.loads(lines[-1]), ""
     if proc.returncode < 0:
         return None, f"killed by signal {-proc.returncode} (out of memory?)"
-    last = (proc.stderr.strip().splitlines() or [""])[-1][:300]
+    last = (err.strip().splitlines() or [""])[-1][:300]
     return None, f"exit {proc.returncode}: {last}"
+
+
+def _watch_memory(proc: subprocess.Popen, reserve: int, done, killed: List[int],
+                  every_s: float = 0.05) -> None:
+    """Kill ``proc`` when the machine's available memory falls below ``reserve`` bytes; its
+    RSS at that moment goes into ``killed``."""
+    while not done.wait(every_s):
+        avail = mem_available_bytes()
+        if avail is not None and avail < reserve:
+            killed.append(process_rss_bytes(proc.pid))
+            proc.kill()
+            return
+
+
+def process_rss_bytes(pid: int) -> int:
+    """A process's RSS in bytes (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------

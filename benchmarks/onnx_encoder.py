@@ -130,81 +130,106 @@ def graph_summary(path: str) -> dict:
                 bytes=os.path.getsize(path))
 
 
+def encoder(variant: str, args):
+    """(encoder, config): the encoder of ``long_audio.build_encoder(args)``, its attention
+    swapped (``swap_rel_pos_attention(backend=args.backend)``) for ``variant`` "swapped"."""
+    enc, cfg = long_audio.build_encoder(args)
+    if variant == "swapped":
+        from txl_kernels import swap_rel_pos_attention
+
+        n = swap_rel_pos_attention(enc, backend=args.backend)
+        if n != args.layers:
+            raise RuntimeError(f"swap_rel_pos_attention replaced {n} modules, expected "
+                               f"{args.layers}")
+    return enc, cfg
+
+
 def export_child(args) -> dict:
     """Export both variants into ``args.workdir``; check each in ORT against eager."""
     import numpy as np
     import torch
 
     torch.set_num_threads(max(args.threads))
-    workdir = Path(args.workdir)
-    check_mel = mel_frames(min(args.minutes))
-    rec = dict(check_mel_frames=check_mel, export_mel_frames=mel_frames(EXPORT_SECONDS / 60))
-    eager = {}
-    for variant in VARIANTS:
-        enc, cfg = long_audio.build_encoder(args)
-        if variant == "swapped":
-            from txl_kernels import swap_rel_pos_attention
-
-            n = swap_rel_pos_attention(enc, backend=args.backend)
-            if n != args.layers:
-                raise RuntimeError(f"swap_rel_pos_attention replaced {n} modules, expected "
-                                   f"{args.layers}")
-        model = last_hidden(enc)
-        names = ["input_features"] + (["attention_mask"] if args.mask else [])
-        x = torch.from_numpy(features(rec["export_mel_frames"], cfg.num_mel_bins, 1))
-        inputs = (x, torch.ones(x.shape[:2], dtype=torch.int64)) if args.mask else (x,)
-        dyn = {n: {0: "batch", 1: "mel_frames"} for n in names}
-        dyn["last_hidden_state"] = {0: "batch", 1: "frames"}
-        path = str(workdir / f"{variant}.onnx")
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            torch.onnx.export(model, inputs, path, dynamo=False, opset_version=17,
-                              input_names=names, output_names=["last_hidden_state"],
-                              dynamic_axes=dyn)
-        rec[f"{variant}_export_s"] = time.perf_counter() - t0
-        rec[f"{variant}_graph"] = graph_summary(path)
-        xc = features(check_mel, cfg.num_mel_bins, 2)
-        with torch.no_grad():
-            args_c = (torch.from_numpy(xc),)
-            if args.mask:
-                args_c += (torch.ones(xc.shape[:2], dtype=torch.int64),)
-            eager[variant] = model(*args_c).numpy()
-        got = session(path, max(args.threads)).run(None, feeds(xc, args.mask))[0]
-        rec[f"{variant}_ort_vs_eager"] = difference(eager[variant], got)
-        rec["n_mels"] = cfg.num_mel_bins
-        del model, enc
+    rec = dict(check_mel_frames=mel_frames(min(args.minutes)),
+               export_mel_frames=mel_frames(EXPORT_SECONDS / 60))
+    eager = {variant: export_variant(variant, args, rec) for variant in VARIANTS}
     rec["eager_swapped_vs_original"] = difference(eager["original"], eager["swapped"])
     rec["check_frames"] = int(np.asarray(eager["original"]).shape[1])
     return rec
+
+
+def export_variant(variant: str, args, rec: dict):
+    """Export ``variant`` to ``args.workdir``/<variant>.onnx and run it in ORT against its
+    eager module at ``rec["check_mel_frames"]``; the export time, graph summary, ORT vs eager
+    difference and ``n_mels`` go into ``rec``. Returns the eager output (numpy)."""
+    import torch
+
+    enc, cfg = encoder(variant, args)
+    model = last_hidden(enc)
+    names = ["input_features"] + (["attention_mask"] if args.mask else [])
+    x = torch.from_numpy(features(rec["export_mel_frames"], cfg.num_mel_bins, 1))
+    inputs = (x, torch.ones(x.shape[:2], dtype=torch.int64)) if args.mask else (x,)
+    dyn = {n: {0: "batch", 1: "mel_frames"} for n in names}
+    dyn["last_hidden_state"] = {0: "batch", 1: "frames"}
+    path = str(Path(args.workdir) / f"{variant}.onnx")
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        torch.onnx.export(model, inputs, path, dynamo=False, opset_version=17,
+                          input_names=names, output_names=["last_hidden_state"],
+                          dynamic_axes=dyn)
+    rec[f"{variant}_export_s"] = time.perf_counter() - t0
+    rec[f"{variant}_graph"] = graph_summary(path)
+    xc = features(rec["check_mel_frames"], cfg.num_mel_bins, 2)
+    with torch.no_grad():
+        args_c = (torch.from_numpy(xc),)
+        if args.mask:
+            args_c += (torch.ones(xc.shape[:2], dtype=torch.int64),)
+        eager = model(*args_c).numpy()
+    got = session(path, max(args.threads)).run(None, feeds(xc, args.mask))[0]
+    rec[f"{variant}_ort_vs_eager"] = difference(eager, got)
+    rec["n_mels"] = cfg.num_mel_bins
+    return eager
 
 
 # ---------------------------------------------------------------------------------------------
 # One timed point (a fresh process: onnxruntime and numpy only)
 
 
-def run_child(variant: str, minutes: float, threads: int, args) -> dict:
+def point_features(minutes: float, n_mels: int):
+    """The input of the timed run at ``minutes`` (the same in every process and runtime)."""
+    return features(mel_frames(minutes), n_mels, int(minutes * 6000) + 7)
+
+
+def timed(fn):
+    """``fn()`` once, measured -> (its result, dict of seconds, cpu_seconds, peak_bytes,
+    extra_bytes, base_bytes): the RSS before the call is the baseline; the peak RSS is reset
+    first (``/proc/self/clear_refs``) and read after."""
     import gc
 
-    import numpy as np
-
-    path = str(Path(args.workdir) / f"{variant}.onnx")
-    sess = session(path, threads)
-    sess.run(None, feeds(features(WARMUP_MEL, args.n_mels, 3), args.mask))
-    x = features(mel_frames(minutes), args.n_mels, int(minutes * 6000) + 7)
-    inp = feeds(x, args.mask)
     gc.collect()
     base_kb = cpu_suite.status_kb("VmRSS")
     if not cpu_suite.reset_peak_rss():
         raise RuntimeError("cannot reset the peak RSS (/proc/self/clear_refs): Linux only")
     t0, c0 = time.perf_counter(), time.process_time()
-    out = sess.run(None, inp)[0]
+    out = fn()
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     peak_kb = cpu_suite.status_kb("VmHWM")
+    return out, dict(seconds=seconds, cpu_seconds=cpu_seconds, peak_bytes=peak_kb * 1024,
+                     extra_bytes=max(0, peak_kb - base_kb) * 1024, base_bytes=base_kb * 1024)
+
+
+def run_child(variant: str, minutes: float, threads: int, args) -> dict:
+    import numpy as np
+
+    path = str(Path(args.workdir) / f"{variant}.onnx")
+    sess = session(path, threads)
+    sess.run(None, feeds(features(WARMUP_MEL, args.n_mels, 3), args.mask))
+    inp = feeds(point_features(minutes, args.n_mels), args.mask)
+    out, measured = timed(lambda: sess.run(None, inp)[0])
     if args.save:
         np.save(args.save, out)
     return dict(variant=variant, minutes=minutes, threads=threads, T=int(out.shape[1]),
-                status="ok", seconds=seconds, cpu_seconds=cpu_seconds, peak_bytes=peak_kb * 1024,
-                extra_bytes=max(0, peak_kb - base_kb) * 1024, base_bytes=base_kb * 1024)
+                status="ok", **measured)
 
 
 def _model_argv(args) -> list:
