@@ -9,6 +9,10 @@ of its own).
     python benchmarks/cpu_ratios.py                      # the target shapes (T up to 16,384)
     python benchmarks/cpu_ratios.py --max-t 4096 --threads 1 --clock cpu
     python benchmarks/cpu_ratios.py --threads 1 --modes fwd --processes 5
+    python benchmarks/cpu_ratios.py --dtypes bf16 --max-t 4096
+
+Each case runs in fp32 and, where the CPU has native bf16 (AVX512-BF16 or AMX), in bf16 too,
+against the baselines in the same dtype (``--dtypes`` chooses).
 
 ``--processes N`` runs the whole selection N times, each in a fresh process, one after
 another, and judges each target by the median of the N ratios: on a virtual machine the speed
@@ -90,6 +94,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-t", type=int, default=None,
                     help="leave out Conformer lengths above this")
     ap.add_argument("--modes", nargs="*", default=list(shapes.MODES), choices=shapes.MODES)
+    ap.add_argument("--dtypes", nargs="*", choices=("fp32", "bf16"),
+                    help="default: fp32, and bf16 where the CPU has native bf16 "
+                         "(benchmarks/cpu_suite.py's bf16_wanted)")
     ap.add_argument("--clock", default="wall", choices=("wall", "cpu"),
                     help="wall: time.perf_counter; cpu: the thread's CPU time (one thread only)")
     ap.add_argument("--processes", type=int, default=1,
@@ -116,7 +123,8 @@ def main(argv=None) -> int:
     if why:
         print(f"cpu_fused cannot run: {why}", file=sys.stderr)
         return 1
-    cases = [c for c in shapes.cpu_kernel_cases(args.size)
+    dtypes = args.dtypes or (["fp32", "bf16"] if cpu_suite.bf16_wanted()[0] else ["fp32"])
+    cases = [c for c in shapes.cpu_kernel_cases(args.size, dtypes)
              if (args.threads is None or c.shape.threads in args.threads)
              and c.mode in args.modes
              and not (args.max_t and c.shape.group == "cpu_conformer"
