@@ -597,15 +597,8 @@ def parse_args(argv=None):
     ap.add_argument("--n-mels", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--save", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.quick:
-        for k, v in QUICK.items():
-            setattr(args, k, v)
-    for name in ("repeats", "long_repeats", "layers", "hidden", "heads"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if min(args.threads) < 1 or min(args.minutes) <= 0:
-        ap.error(f"--threads must be >= 1 and --minutes > 0, got {args.threads} and "
-                 f"{args.minutes}")
+    onnx_encoder.finish_args(ap, args, QUICK,
+                             ("repeats", "long_repeats", "layers", "hidden", "heads"))
     return args
 
 

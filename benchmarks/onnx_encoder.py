@@ -354,16 +354,22 @@ def parse_args(argv=None):
     ap.add_argument("--n-mels", type=int, default=80, help=argparse.SUPPRESS)
     ap.add_argument("--save", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    finish_args(ap, args, QUICK, ("repeats", "layers", "hidden", "heads"))
+    return args
+
+
+def finish_args(ap: argparse.ArgumentParser, args, quick: dict, counts) -> None:
+    """``--quick``'s settings onto ``args`` (when given), then the checks: each of ``counts``
+    >= 1, threads >= 1, minutes > 0 (``ap.error`` names the argument otherwise)."""
     if args.quick:
-        for k, v in QUICK.items():
+        for k, v in quick.items():
             setattr(args, k, v)
-    for name in ("repeats", "layers", "hidden", "heads"):
+    for name in counts:
         if getattr(args, name) < 1:
-            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if min(args.threads) < 1 or min(args.minutes) <= 0:
         ap.error(f"--threads must be >= 1 and --minutes > 0, got {args.threads} and "
                  f"{args.minutes}")
-    return args
 
 
 def main(argv=None) -> int:
