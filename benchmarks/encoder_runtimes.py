@@ -9,7 +9,7 @@ out of memory.
 
     pip install -e '.[test,hf5]'       # test pulls the export extra: onnx, onnxruntime
     python benchmarks/encoder_runtimes.py                 # 30 s, 2, 5, 10, 20 min; 1, 2 threads
-                                                          # (about 27 minutes on 2 cores)
+                                                          # (about 20 minutes on 2 cores)
     python benchmarks/encoder_runtimes.py --minutes 0.5 --threads 1    # one length
     python benchmarks/encoder_runtimes.py --profile 2     # where eager's time goes at 2 min
     python benchmarks/encoder_runtimes.py --quick         # smoke run: tiny encoder, ~45 s
@@ -55,7 +55,7 @@ machine's available memory and kills a child when less than ``--memory-reserve-g
 2) is left, recorded as "out of memory at X GiB" (its RSS then; 2 blocks on a 23.5 GiB
 machine: ONNX Runtime peaks at 11.3 GiB at 10 minutes and is stopped at about 21 GiB at 20);
 a variant that ran out of memory is not started at longer lengths. Each point also has a
-timeout (``--timeout-s``). The default matrix takes about 27 minutes on 2 cores (per point:
+timeout (``--timeout-s``). The default matrix takes about 20 minutes on 2 cores (per point:
 ort's process about 1 s besides its run, eager's 7 s, compile's 18 s with an 11 s compile,
 aoti's 5 s, plus two AOTI builds of about 25 s; ONNX Runtime alone takes about 1.5 minutes at
 10 minutes, one thread, and about as long to run out of memory at 20).
