@@ -799,15 +799,16 @@ TXL_TARGET_AVX512 float exp2_sum_bf16(float* s, int64_t n, float mx, uint16_t* o
   return sum;
 }
 
-// X's rows [0, n) in pv's layout: rows t, t + 1 interleaved (X[t, d] at (t / 2) 2 D + 2 d +
-// t % 2), an odd last row paired with zeros
-template <typename scalar_t, typename Rw>
-void pack_pairs(const Rw& X, int64_t n, int64_t D, scalar_t* out, scalar_t* row0,
-                scalar_t* row1, const scalar_t* zero) {
+// n rows in P V's B layout: rows t, t + 1 interleaved (row t's element d at (t / 2) 2 D + 2 d +
+// t % 2), an odd last row paired with zeros. read(t, buf) gives row t (buf: D elements it may
+// fill, one of two so that a pair's rows can both live there).
+template <typename scalar_t, typename Read>
+void pack_pairs(int64_t n, int64_t D, scalar_t* out, scalar_t* row0, scalar_t* row1,
+                const scalar_t* zero, Read&& read) {
   uint16_t* o = reinterpret_cast<uint16_t*>(out);
   for (int64_t t = 0; t < n; t += 2) {
-    const scalar_t* x0 = X.raw(t, row0);
-    const scalar_t* x1 = t + 1 < n ? X.raw(t + 1, row1) : zero;
+    const scalar_t* x0 = read(t, row0);
+    const scalar_t* x1 = t + 1 < n ? read(t + 1, row1) : zero;
     interleave_pair(reinterpret_cast<const uint16_t*>(x0), reinterpret_cast<const uint16_t*>(x1),
                     D, o + t * D);
   }
@@ -823,8 +824,6 @@ struct LowpGemm {
   // the forward's V of the current (batch, head) in pv's layout (pack_pairs), vn rows
   const scalar_t* vp = nullptr;
   int64_t vn = 0;
-  // whether the caller has written P's rows (p_row) for the next pv
-  bool p_ready = false;
   // the current (batch, head)'s packed K^T and r^T panels (pack_transposed) and their ld
   const scalar_t* kt = nullptr;
   const scalar_t* rt = nullptr;
@@ -872,44 +871,38 @@ struct LowpGemm {
     return o;
   }
 
-  // acc[m, D] += P @ X[j0, j0 + n), P = S[m, n] (ld lds) rounded to the input dtype (or as the
-  // caller wrote it, p_ready); the rows t with flags[t] (when flags) enter as zeros and are
-  // listed in bad (for add_allowed). X's rows come from vp where it holds this tile's pairs.
+  // acc[m, D] += P @ X[j0, j0 + n), P = S[m, n] (ld lds) rounded to the input dtype (unless
+  // p_written: the caller wrote P's rows through p_row); the rows t with flags[t] (when flags)
+  // enter as zeros and are listed in bad (for add_allowed). X's rows come from vp where it
+  // holds this tile's pairs, else are packed here.
   template <typename Rw>
   void pv(const float* S, int64_t lds, int64_t m, const Rw& X, int64_t j0, int64_t n,
-          const uint8_t* flags, std::vector<int64_t>& bad, float* acc) {
+          const uint8_t* flags, std::vector<int64_t>& bad, float* acc, bool p_written) {
     const int64_t np = (n + 1) / 2 * 2;
     bad.clear();
-    scalar_t* pp = p.data();
-    if (!p_ready) {
+    if (!p_written) {
       for (int64_t a = 0; a < m; ++a) {
-        if constexpr (std::is_same<scalar_t, at::BFloat16>::value)
-          round_to_bf16(S + a * lds, n, reinterpret_cast<uint16_t*>(pp + a * np));
-        else
-          for (int64_t t = 0; t < n; ++t) pp[a * np + t] = static_cast<scalar_t>(S[a * lds + t]);
-        if (np > n) pp[a * np + n] = scalar_t(0);
+        uint16_t* o = p_row(a, n);
+        if constexpr (std::is_same<scalar_t, at::BFloat16>::value) {
+          round_to_bf16(S + a * lds, n, o);
+        } else {
+          scalar_t* pa = reinterpret_cast<scalar_t*>(o);
+          for (int64_t t = 0; t < n; ++t) pa[t] = static_cast<scalar_t>(S[a * lds + t]);
+        }
       }
     }
-    p_ready = false;
     // the head's packed pairs: a tile that starts on a pair, without flagged rows, whose odd
     // last row is the head's (paired with zeros there)
-    if (vp && !flags && j0 % 2 == 0 && (n % 2 == 0 || j0 + n == vn)) {
-      brgemm_vnni<scalar_t>(m, D, np, np, D, D, true, pp, vp + j0 * D, acc);
-      return;
-    }
-    auto rd = [&](int64_t t, scalar_t* buf) -> const uint16_t* {
-      if (t < n && flags && flags[t]) bad.push_back(t);
-      const scalar_t* x = t >= n || (flags && flags[t]) ? zero.data() : X.raw(j0 + t, buf);
-      return reinterpret_cast<const uint16_t*>(x);
-    };
-    // rows t, t + 1 interleaved: B[t, d] at (t / 2) 2 D + 2 d + t % 2
-    uint16_t* o = reinterpret_cast<uint16_t*>(b.data());
-    for (int64_t t = 0; t < np; t += 2) {
-      const uint16_t* x0 = rd(t, row0.data());
-      const uint16_t* x1 = rd(t + 1, row1.data());
-      interleave_pair(x0, x1, D, o + t * D);
-    }
-    brgemm_vnni<scalar_t>(m, D, np, np, D, D, true, pp, b.data(), acc);
+    const bool head_pairs = vp && !flags && j0 % 2 == 0 && (n % 2 == 0 || j0 + n == vn);
+    const scalar_t* B = head_pairs ? vp + j0 * D : b.data();
+    if (!head_pairs)
+      pack_pairs(n, D, b.data(), row0.data(), row1.data(), zero.data(),
+                 [&](int64_t t, scalar_t* buf) -> const scalar_t* {
+                   if (!flags || !flags[t]) return X.raw(j0 + t, buf);
+                   bad.push_back(t);
+                   return zero.data();
+                 });
+    brgemm_vnni<scalar_t>(m, D, np, np, D, D, true, p.data(), B, acc);
   }
 };
 
@@ -1163,8 +1156,8 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
             pack_transposed(hd.K, Lk, D, ldk, kt.data_ptr<scalar_t>() + i * Dp * ldk,
                             row.data());
           else if (i < 2 * B * H)
-            pack_pairs(hd.V, Lk, D, vt.data_ptr<scalar_t>() + bh * vsz, row.data(),
-                       row.data() + D, zero.data());
+            pack_pairs(Lk, D, vt.data_ptr<scalar_t>() + bh * vsz, row.data(), row.data() + D,
+                       zero.data(), [&](int64_t t, scalar_t* buf) { return hd.V.raw(t, buf); });
           else
             pack_transposed(hd.Rr, g.R, D, ldr, rt.data_ptr<scalar_t>() + bh * Dp * ldr,
                             row.data());
@@ -1271,8 +1264,7 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
             bool done = false;
             if constexpr (kLowp<scalar_t>) {
               if (lp) {
-                lp->p_ready = p_direct;
-                lp->pv(S.data(), BN, m, hd.V, j0, n, vfl, bad_v, acc.data());
+                lp->pv(S.data(), BN, m, hd.V, j0, n, vfl, bad_v, acc.data(), p_direct);
                 done = true;
               }
             }
