@@ -123,8 +123,7 @@ def main(argv=None) -> int:
     if why:
         print(f"cpu_fused cannot run: {why}", file=sys.stderr)
         return 1
-    dtypes = args.dtypes or (["fp32", "bf16"] if cpu_suite.bf16_wanted()[0] else ["fp32"])
-    cases = [c for c in shapes.cpu_kernel_cases(args.size, dtypes)
+    cases = [c for c in shapes.cpu_kernel_cases(args.size, args.dtypes or cpu_suite.cpu_dtypes())
              if (args.threads is None or c.shape.threads in args.threads)
              and c.mode in args.modes
              and not (args.max_t and c.shape.group == "cpu_conformer"

@@ -68,6 +68,11 @@ def bf16_wanted() -> Tuple[bool, str]:
     return False, why + f": bf16 not timed ({CPU_BF16_ENV}=1 times it anyway)"
 
 
+def cpu_dtypes() -> Tuple[str, ...]:
+    """The dtypes the CPU matrix times: fp32, and bf16 where :func:`bf16_wanted`."""
+    return ("fp32", "bf16") if bf16_wanted()[0] else ("fp32",)
+
+
 def meminfo() -> Dict[str, int]:
     """/proc/meminfo in bytes (empty where there is none)."""
     out: Dict[str, int] = {}

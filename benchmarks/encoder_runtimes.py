@@ -86,7 +86,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -618,13 +617,8 @@ def main(argv=None) -> int:
           flush=True)
     if args.profile is not None:
         return _profile(args)
-    own_workdir = args.workdir is None
-    args.workdir = args.workdir or tempfile.mkdtemp(prefix="encoder_runtimes_")
-    try:
+    with onnx_encoder.workdir(args, "encoder_runtimes_"):
         return _run(args)
-    finally:
-        if own_workdir:
-            shutil.rmtree(args.workdir, ignore_errors=True)
 
 
 def _profile(args) -> int:

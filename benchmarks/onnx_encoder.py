@@ -32,6 +32,7 @@ encoders take the lengths.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -383,13 +384,22 @@ def main(argv=None) -> int:
         print(json.dumps(run_child(v, float(m), int(th), args)), flush=True)
         return 0
     print("\n".join(header(args, argv)), flush=True)
-    own_workdir = args.workdir is None
-    args.workdir = args.workdir or tempfile.mkdtemp(prefix="onnx_encoder_")
-    try:
+    with workdir(args, "onnx_encoder_"):
         return _measure(args)
+
+
+@contextlib.contextmanager
+def workdir(args, prefix: str):
+    """``args.workdir`` as given, else a fresh temporary folder (``prefix``) for the block,
+    removed after it."""
+    if args.workdir is not None:
+        yield args.workdir
+        return
+    args.workdir = tempfile.mkdtemp(prefix=prefix)
+    try:
+        yield args.workdir
     finally:
-        if own_workdir:
-            shutil.rmtree(args.workdir, ignore_errors=True)
+        shutil.rmtree(args.workdir, ignore_errors=True)
 
 
 def _measure(args) -> int:

@@ -13,8 +13,7 @@ import pytest
 from benchmarks import cpu_suite, shapes
 from benchmarks._bench import run
 
-CASES = shapes.cpu_kernel_cases(
-    dtypes=("fp32", "bf16") if cpu_suite.bf16_wanted()[0] else ("fp32",))
+CASES = shapes.cpu_kernel_cases(dtypes=cpu_suite.cpu_dtypes())
 
 
 @pytest.mark.parametrize("provider", shapes.PROVIDER_ORDER["cpu_attention"])
