@@ -78,7 +78,7 @@ record.
 once under ``torch.profiler`` (CPU; ``--threads``' first value) after a warm-up, and prints the
 ops' self CPU time (top 12, share of the total), the shares by kind (linear layers, convolutions,
 ours, the rest), "ours" (the txl_kernels ops: the fused CPU kernel
-``txl_kernels::rel_attn_cpu_fwd``) and the swapped attention modules' inclusive time
+``txl_kernels::rel_attn_fwd``) and the swapped attention modules' inclusive time
 (projections + kernel + glue, from a ``record_function`` around each module's forward).
 """
 from __future__ import annotations
@@ -207,7 +207,7 @@ def torch_runtime(variant: str, threads: int, args):
     if variant == "aoti":   # the package holds its own weights: no eager model here
         import txl_kernels
 
-        txl_kernels.load_library()   # the package calls txl_kernels::rel_attn_cpu_fwd
+        txl_kernels.load_library()   # the package calls txl_kernels::rel_attn_fwd
         model, n_mels = torch._inductor.aoti_load_package(aoti_path(args, threads)), args.n_mels
     else:
         model, n_mels = swapped_model(args)

@@ -1,11 +1,14 @@
 // Fused Transformer-XL relative attention on CPUs, forward and backward, flash-attention style:
 // no Lq x Lk tensor is ever formed (docs/cpu.md).
 //
-//   txl_kernels::rel_attn_cpu_fwd(q, k, v, r, u, vb, scale, wl, wr, kpm?, mask?, band?, p,
-//       seed?, mem_k?, mem_k_scale?, mem_v?, mem_v_scale?, r_first_distance?) -> (out, lse)
-//   txl_kernels::rel_attn_cpu_fwd_out(<the same>, *, out!) -> lse   (into out, which may be q)
-//   txl_kernels::rel_attn_cpu_bwd(dout, q, k, v, r, u, vb, out, lse, scale, wl, wr, kpm?,
-//       mask?, band?, p, seed?, r_first_distance?) -> (dq, dk, dv, dr, du, dvb)
+// The CPU kernels of the attention ops (one schema per direction, txl_kernels/_op.py; their CUDA
+// kernels are the Triton ones):
+//   txl_kernels::rel_attn_fwd(q, k, v, r, r_w_bias, r_r_bias, scale, wl, wr, kpm?, mask?, band?,
+//       p, seed?, mem_k?, mem_k_scale?, mem_v?, mem_v_scale?, r_first_distance?) -> (out, lse)
+//   txl_kernels::rel_attn_fwd.out(<the same>, *, out!) -> lse   (into out, which may be q)
+//   txl_kernels::rel_attn_bwd(dout, q, k, v, r, r_w_bias, r_r_bias, out, lse, scale, wl, wr,
+//       kpm?, mask?, band?, deterministic, p, seed?, r_first_distance?)
+//       -> (dq, dk, dv, dr, dr_w_bias, dr_r_bias)   (always deterministic here)
 //
 // Forward, per (batch, head, query block [i0, i0 + m)), over the key tiles [j0, j0 + n) that
 // the window / band leaves: AC = (q + u) K^T is one GEMM; BD needs r rows p = j - i + c
@@ -40,6 +43,7 @@
 // for the baseline ISA.
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -1677,7 +1681,7 @@ at::Tensor rel_attn_cpu_fwd_out(
   const c10::optional<at::Tensor> mem[4] = {mem_k, mem_k_scale, mem_v, mem_v_scale};
   const int n_mem = mem_k.has_value() + mem_k_scale.has_value() + mem_v.has_value() +
                     mem_v_scale.has_value();
-  TORCH_CHECK(n_mem == 0 || n_mem == 4, "rel_attn_cpu: mem_k, mem_k_scale, mem_v and "
+  TORCH_CHECK_VALUE(n_mem == 0 || n_mem == 4, "rel_attn_cpu: mem_k, mem_k_scale, mem_v and "
               "mem_v_scale must be given together (an 8-bit memory) or not at all");
   int64_t M = 0;
   if (n_mem == 4) {
@@ -1737,8 +1741,8 @@ rel_attn_cpu_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& 
                  const at::Tensor& vb, const at::Tensor& out, const at::Tensor& lse,
                  double scale, int64_t wl, int64_t wr, const c10::optional<at::Tensor>& kpm,
                  const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& band,
-                 double dropout_p, const c10::optional<at::Tensor>& seed,
-                 c10::optional<int64_t> r_first_distance) {
+                 bool /*deterministic: the CPU backward always is*/, double dropout_p,
+                 const c10::optional<at::Tensor>& seed, c10::optional<int64_t> r_first_distance) {
   check_main(q, k, v, r, u, vb, 0);
   check_input("dout", dout, 4, q);
   check_input("out", out, 4, q);
@@ -1811,32 +1815,52 @@ int64_t cpu_brgemm_calls() { return g_brgemm_calls.load(); }
 
 }  // namespace
 
+// The attention ops' schemas, as txl_kernels/_op.py spells them (tests/test_op.py compares):
+// the Python package defines them on import (its CUDA kernels, fake and autograd need no C++
+// build), so they are defined here only where nothing has (a process that loads this library
+// without the package: TorchScript or AOTInductor in C++, torch.ops.load_library).
+const char* const kRelAttnSchemas[] = {
+    "rel_attn_fwd(Tensor q, Tensor k, Tensor v, Tensor r, Tensor r_w_bias, Tensor r_r_bias, "
+    "float softmax_scale, int window_left, int window_right, Tensor? key_padding_mask=None, "
+    "Tensor? attn_mask=None, Tensor? attn_mask_band=None, float dropout_p=0., "
+    "Tensor? dropout_seed=None, Tensor? mem_k=None, Tensor? mem_k_scale=None, "
+    "Tensor? mem_v=None, Tensor? mem_v_scale=None, int? r_first_distance=None) "
+    "-> (Tensor, Tensor)",
+    "rel_attn_fwd.out(Tensor q, Tensor k, Tensor v, Tensor r, Tensor r_w_bias, "
+    "Tensor r_r_bias, float softmax_scale, int window_left, int window_right, "
+    "Tensor? key_padding_mask=None, Tensor? attn_mask=None, Tensor? attn_mask_band=None, "
+    "float dropout_p=0., Tensor? dropout_seed=None, Tensor? mem_k=None, "
+    "Tensor? mem_k_scale=None, Tensor? mem_v=None, Tensor? mem_v_scale=None, "
+    "int? r_first_distance=None, *, Tensor(a!) out) -> Tensor",
+    "rel_attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor r, Tensor r_w_bias, "
+    "Tensor r_r_bias, Tensor out, Tensor lse, float softmax_scale, int window_left, "
+    "int window_right, Tensor? key_padding_mask=None, Tensor? attn_mask=None, "
+    "Tensor? attn_mask_band=None, bool deterministic=True, float dropout_p=0., "
+    "Tensor? dropout_seed=None, int? r_first_distance=None) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+};
+
+struct DefineRelAttnOps {
+  DefineRelAttnOps() {
+    if (c10::Dispatcher::singleton().findSchema({"txl_kernels::rel_attn_fwd", ""})) return;
+    lib = std::make_unique<torch::Library>(torch::Library::FRAGMENT, "txl_kernels",
+                                           std::nullopt, __FILE__, __LINE__);
+    for (const char* s : kRelAttnSchemas) lib->def(s);
+  }
+  std::unique_ptr<torch::Library> lib;
+};
+const DefineRelAttnOps define_rel_attn_ops;
+
 TORCH_LIBRARY_FRAGMENT(txl_kernels, m) {
-  m.def("rel_attn_cpu_fwd(Tensor q, Tensor k, Tensor v, Tensor r, Tensor r_w_bias, "
-        "Tensor r_r_bias, float softmax_scale, int window_left, int window_right, "
-        "Tensor? key_padding_mask, Tensor? attn_mask, Tensor? attn_mask_band, "
-        "float dropout_p, Tensor? dropout_seed, Tensor? mem_k, Tensor? mem_k_scale, "
-        "Tensor? mem_v, Tensor? mem_v_scale, int? r_first_distance=None) -> (Tensor, Tensor)");
-  m.def("rel_attn_cpu_fwd_out(Tensor q, Tensor k, Tensor v, Tensor r, Tensor r_w_bias, "
-        "Tensor r_r_bias, float softmax_scale, int window_left, int window_right, "
-        "Tensor? key_padding_mask, Tensor? attn_mask, Tensor? attn_mask_band, "
-        "float dropout_p, Tensor? dropout_seed, Tensor? mem_k, Tensor? mem_k_scale, "
-        "Tensor? mem_v, Tensor? mem_v_scale, int? r_first_distance=None, *, "
-        "Tensor(a!) out) -> Tensor");
-  m.def("rel_attn_cpu_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor r, "
-        "Tensor r_w_bias, Tensor r_r_bias, Tensor out, Tensor lse, float softmax_scale, "
-        "int window_left, int window_right, Tensor? key_padding_mask, Tensor? attn_mask, "
-        "Tensor? attn_mask_band, float dropout_p, Tensor? dropout_seed, "
-        "int? r_first_distance=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("rel_attn_cpu_threads() -> int", &rel_attn_cpu_threads);
   m.def("cpu_lowp_route(ScalarType dtype) -> str", &cpu_lowp_route);
   m.def("cpu_brgemm_calls() -> int", &cpu_brgemm_calls);
 }
 
 TORCH_LIBRARY_IMPL(txl_kernels, CPU, m) {
-  m.impl("rel_attn_cpu_fwd", &rel_attn_cpu_fwd);
-  m.impl("rel_attn_cpu_fwd_out", &rel_attn_cpu_fwd_out);
-  m.impl("rel_attn_cpu_bwd", &rel_attn_cpu_bwd);
+  m.impl("rel_attn_fwd", &rel_attn_cpu_fwd);
+  m.impl("rel_attn_fwd.out", &rel_attn_cpu_fwd_out);
+  m.impl("rel_attn_bwd", &rel_attn_cpu_bwd);
 }
 
 }  // namespace txl_kernels

@@ -1,8 +1,10 @@
 """AOTInductor: a swapped NeMo-shaped encoder compiled by
 ``torch._inductor.aoti_compile_and_package`` on the CPU, with dynamic batch and time, runs the
-fused C++ kernel (``txl_kernels::rel_attn_cpu_fwd``) from inside the package; a process that
-loads the package needs the op library loaded first (``txl_kernels.load_library()``), and
-without it loading fails at once, naming the op (no silent fallback).
+fused C++ kernel (``txl_kernels::rel_attn_fwd``) from inside the package; a process that
+loads the package needs the op defined first: ``import txl_kernels`` (which loads the CPU
+kernel on the op's first call) or the op library alone (``torch.ops.load_library`` of the path
+``txl_kernels.load_library()`` returns); without either, loading fails at once, naming the op
+(no silent fallback).
 
 One package for the module (a compile takes about 30 s), run at several lengths.
 """
@@ -45,7 +47,7 @@ def test_aoti_package_runs_the_fused_cpu_op(package):
     assert sum(op in c for c in calls) == 2, calls  # one per layer
     with zipfile.ZipFile(path) as z:  # the package's calls of ops outside aten
         extern = b"".join(z.read(n) for n in z.namelist() if n.endswith("wrapper.json"))
-    assert b'"target": "txl_kernels::rel_attn_cpu_fwd"' in extern
+    assert b'"target": "txl_kernels::rel_attn_fwd"' in extern
     runner = torch._inductor.aoti_load_package(path)
     for u in UNSEEN:
         x = nemo_encoder_inputs(*u)
@@ -61,12 +63,12 @@ def _run(code: str, *args: str) -> subprocess.CompletedProcess:
                           env=env, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.slow  # the package's compile (shared) and two fresh interpreters
+@pytest.mark.slow  # the package's compile (shared) and three fresh interpreters
 def test_aoti_package_in_a_fresh_process(package, tmp_path):
-    """Without the op library, loading the package fails at once with PyTorch's error naming
-    the op (``import txl_kernels`` alone does not load it: its ops load on first use); after
-    ``txl_kernels.load_library()`` the package loads and gives the outputs of this process's
-    package."""
+    """Without the op, loading the package fails at once with PyTorch's error naming it;
+    with ``import txl_kernels`` (the op defined, its CPU kernel loaded on first call) or with
+    only the op library loaded (no txl_kernels: the library defines the op itself) the
+    package loads and gives the outputs of this process's package."""
     enc, _, path = package
     x = nemo_encoder_inputs(3, 7)
     want = torch._inductor.aoti_load_package(path)(*x)
@@ -80,10 +82,13 @@ def test_aoti_package_in_a_fresh_process(package, tmp_path):
         torch.testing.assert_close(runner(*io["x"]), io["want"], rtol=0, atol=0)
         print("ran", "txl_kernels" in sys.modules)
     """
-    for before in ("", "import txl_kernels"):
-        res = _run(load.format(before=before), path, io)
-        assert res.returncode != 0, res.stdout
-        assert "Could not find schema for txl_kernels::rel_attn_cpu_fwd" in res.stderr, \
-            res.stderr[-2000:]
-    res = _run(load.format(before="import txl_kernels; txl_kernels.load_library()"), path, io)
+    res = _run(load.format(before=""), path, io)
+    assert res.returncode != 0, res.stdout
+    assert "Could not find schema for txl_kernels::rel_attn_fwd" in res.stderr, \
+        res.stderr[-2000:]
+    res = _run(load.format(before="import txl_kernels"), path, io)
     assert res.returncode == 0 and "ran True" in res.stdout, res.stderr[-2000:]
+    from txl_kernels import load_library
+
+    res = _run(load.format(before=f"torch.ops.load_library({load_library()!r})"), path, io)
+    assert res.returncode == 0 and "ran False" in res.stdout, res.stderr[-2000:]

@@ -80,13 +80,13 @@ def test_targets_pass_miss_and_out_of_memory():
 
 
 def test_profile_table_names_ours():
-    ops = [("aten::addmm", 4_000_000, 40), ("txl_kernels::rel_attn_cpu_fwd", 1_000_000, 2)] + [
+    ops = [("aten::addmm", 4_000_000, 40), ("txl_kernels::rel_attn_fwd", 1_000_000, 2)] + [
         (f"aten::op{i}", 100_000, 1) for i in range(20)]
     text = ER.profile_table(dict(minutes=2, threads=1, seconds=7.2, ops=ops, total_us=7_000_000,
                                  module_us=2_100_000))
     assert "| aten::addmm | 40 | 4.000 | 57.1% |" in text
     assert "| (the other 10 ops) | | 1.000 | 14.3% |" in text
-    assert "ours: 14.3% of the self CPU time (txl_kernels::rel_attn_cpu_fwd" in text
+    assert "ours: 14.3% of the self CPU time (txl_kernels::rel_attn_fwd" in text
     assert ("by kind: linear layers (addmm, mm) 57.1%, convolutions 0.0%, ours (txl_kernels "
             "ops) 14.3%, element-wise and the rest 28.6%") in text
     assert "the swapped attention modules in all (projections, kernel, glue): 30.0%" in text

@@ -1,10 +1,11 @@
 """torch.library registrations (opcheck), torch.compile(fullgraph=True) and autocast through the
-fused op. On CPU the ops run under the Triton interpreter; compile uses the aot_eager backend
-there (tracing, fake tensors and autograd without graph breaks) and inductor on CUDA."""
+fused op. On CPU tensors the op's CPU key (the C++ kernel) runs what opcheck calls and what a
+compiled graph calls, rel_attention(backend="triton") eagerly runs the Triton kernels under the
+interpreter; compile uses the aot_eager backend there (tracing, fake tensors and autograd
+without graph breaks) and inductor on CUDA."""
 import pytest
 import torch
 
-import txl_kernels.ops  # noqa: F401  (registers torch.ops.txl_kernels.*)
 from txl_kernels import FusedRelAttention, rel_attention
 
 from helpers import FUSED_DEVICE, HAS_CUDA, make_inputs, requires_cuda
@@ -113,14 +114,14 @@ def test_autocast_cpu_casts_inputs():
 def test_forward_op_does_not_take_deterministic(monkeypatch):
     """Only the backward uses ``deterministic``: the forward op's schema does not carry it,
     and the caller's choice still reaches the backward op (kept on the autograd context)."""
-    from txl_kernels.ops import rel_attn_op
+    import txl_kernels.ops.rel_attn_bwd as launcher
 
     assert "deterministic" not in str(torch.ops.txl_kernels.rel_attn_fwd.default._schema)
     assert "deterministic" in str(torch.ops.txl_kernels.rel_attn_bwd.default._schema)
     seen = []
-    real = rel_attn_op._rel_attn_bwd_op
-    monkeypatch.setattr(rel_attn_op, "_rel_attn_bwd_op",
-                        lambda *a: seen.append(a[15]) or real(*a))  # deterministic
+    real = launcher.rel_attn_bwd
+    monkeypatch.setattr(launcher, "rel_attn_bwd",
+                        lambda *a, **kw: seen.append(kw["deterministic"]) or real(*a, **kw))
     grads = []
     for det in (True, False):
         ts = make_inputs(1, 5, 9, 2, 16, device=FUSED_DEVICE, requires_grad=True, seed=4)

@@ -362,9 +362,9 @@ def test_dropout_uses_the_triton_keep_mask_and_is_reproducible(cpu_isa):
     B, Lq, Lk, H, D, p = 2, 21, 50, 2, 16, 0.3
     ts = make_inputs(B, Lq, Lk, H, D, requires_grad=True)
     seed = torch.tensor([12345, 678], dtype=torch.int64)
-    from txl_kernels.cpu_kernel import rel_attn_cpu
+    from txl_kernels._op import rel_attn_func
 
-    out = rel_attn_cpu(*ts, D ** -0.5, -1, 0, dropout_p=p, dropout_seed=seed)
+    out = rel_attn_func(*ts, D ** -0.5, -1, 0, dropout_p=p, dropout_seed=seed)
     keep = dropout_keep_mask(seed, B, H, Lq, Lk, p)
     up = [t.detach().double().requires_grad_(True) for t in ts]
     truth = rel_attention_reference(*up, D ** -0.5, -1, 0, dropout_p=p, dropout_mask=keep)
@@ -384,7 +384,7 @@ def test_dropout_uses_the_triton_keep_mask_and_is_reproducible(cpu_isa):
 
 def test_bad_input_names_the_argument():
     q, k, v, r, u, vb = make_inputs(1, 5, 7, 1, 16)
-    op = torch.ops.txl_kernels.rel_attn_cpu_fwd
+    op = torch.ops.txl_kernels.rel_attn_fwd
     rest = (0.25, -1, 0, None, None, None, 0.0, None, None, None, None, None)
     with pytest.raises(RuntimeError, match="k has dtype"):
         op(q, k.double(), v, r, u, vb, *rest)
@@ -404,12 +404,13 @@ def test_opcheck_forward_and_backward():
     kpm = torch.rand(2, 13) < 0.2
     mask = (torch.rand(1, 1, 9, 13) < 0.3).expand(2, 2, 9, 13)
     args = (q, k, v, r, u, vb, 0.25, 5, -1, kpm, mask, None, 0.0, None, None, None, None, None)
-    torch.library.opcheck(torch.ops.txl_kernels.rel_attn_cpu_fwd.default, args)
+    torch.library.opcheck(torch.ops.txl_kernels.rel_attn_fwd.default, args)
     with torch.no_grad():
-        out, lse = torch.ops.txl_kernels.rel_attn_cpu_fwd(*args)
+        out, lse = torch.ops.txl_kernels.rel_attn_fwd(*args)
     det = [t.detach() for t in (q, k, v, r, u, vb)]
-    bargs = (torch.randn_like(out), *det, out, lse, 0.25, 5, -1, kpm, mask, None, 0.0, None)
-    torch.library.opcheck(torch.ops.txl_kernels.rel_attn_cpu_bwd.default, bargs)
+    bargs = (torch.randn_like(out), *det, out, lse, 0.25, 5, -1, kpm, mask, None, True, 0.0,
+             None)
+    torch.library.opcheck(torch.ops.txl_kernels.rel_attn_bwd.default, bargs)
 
 
 def test_compile_fullgraph_forward_and_backward():

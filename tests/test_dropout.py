@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 import txl_kernels
-import txl_kernels.ops
+import txl_kernels._op
 from txl_kernels import FusedRelAttention, rel_attention
 from txl_kernels.modules.conformer import (ESPnetRelPositionMultiHeadedAttention,
                                            NeMoRelPositionMultiHeadAttention)
@@ -197,13 +197,13 @@ def test_cpu_kernel_drops_exactly_the_triton_mask(p, extension, cpu_isa):
     """The C++ kernel's mask is dropout_keep_mask's bit for bit, dithered threshold included:
     with uniform P over Lk keys and v[j] the unit vector e_j, out[i, j] is keep[i, j] times
     the scale / Lk."""
-    from txl_kernels.cpu_kernel import rel_attn_cpu
+    from txl_kernels._op import rel_attn_func
 
     B, Lq, Lk, H = 2, 40, 64, 2
     q, k, _, r, u, vb = _uniform_inputs(B, Lq, Lk, H, D=Lk)
     v = torch.eye(Lk)[None, :, None, :].expand(B, Lk, H, Lk).contiguous()
     seed = torch.tensor([12345, 678], dtype=torch.int64)
-    out = rel_attn_cpu(q, k, v, r, u, vb, 0.125, -1, -1, dropout_p=p, dropout_seed=seed)
+    out = rel_attn_func(q, k, v, r, u, vb, 0.125, -1, -1, dropout_p=p, dropout_seed=seed)
     got = out.permute(0, 2, 1, 3)  # [B, H, Lq, Lk]
     keep = dropout_keep_mask(seed, B, H, Lq, Lk, p)
     assert torch.equal(got != 0, keep)
@@ -427,13 +427,13 @@ def test_reproducible_under_manual_seed_and_consecutive_calls_differ():
 def fused_calls(monkeypatch):
     """dropout_p of every call that reached the fused op."""
     seen = []
-    real = txl_kernels.ops.rel_attn_func
+    real = txl_kernels._op.rel_attn_func
 
     def wrapper(*args, **kwargs):
         seen.append(args[13] if len(args) > 13 else kwargs.get("dropout_p", 0.0))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(txl_kernels.ops, "rel_attn_func", wrapper)
+    monkeypatch.setattr(txl_kernels._op, "rel_attn_func", wrapper)
     return seen
 
 

@@ -127,9 +127,9 @@ def _args(backend, **kw):
 
 
 def _count_fused_calls():
-    """Wrap ``txl_kernels.ops.rel_attn_func`` (``rel_attention`` imports it at every call) to
+    """Wrap ``txl_kernels._op.rel_attn_func`` (``rel_attention`` looks it up at every call) to
     count the calls that reach the fused kernels; returns the counter (a one-item list)."""
-    import txl_kernels.ops as ops
+    import txl_kernels._op as ops
 
     calls, plain = [0], ops.rel_attn_func
 
@@ -191,7 +191,7 @@ def test_checkpoint_same_losses_and_gradients(one_thread, monkeypatch, backend):
     ``checkpoint=True`` gives the plain run's losses and every parameter's gradient, and each
     layer really runs twice (forward, then recomputed in the backward)."""
     _skip_without_fused(backend)
-    import txl_kernels.ops as ops
+    import txl_kernels._op as ops
 
     monkeypatch.setattr(ops, "rel_attn_func", ops.rel_attn_func)  # restored after the test
     fused_calls = _count_fused_calls()

@@ -54,7 +54,7 @@ import txl_kernels as tk  # noqa: E402
 
 F_ = 32  # model width of the drop-in cases
 # the op an exported graph calls for each backend (the reference has none: plain aten ops)
-FUSED_OPS = {"cpu": "txl_kernels.rel_attn_cpu_fwd", "triton": "txl_kernels.rel_attn_fwd"}
+FUSED_OPS = {"cpu": "txl_kernels.rel_attn_fwd", "triton": "txl_kernels.rel_attn_fwd"}  # one op
 
 
 def _backend(request, backend):
@@ -82,7 +82,11 @@ def _first(out):
 def _export_matches_eager(model, make, dynamic_shapes, at, unseen, backend=None, tol=0.0):
     """Export ``model`` on ``make(*at)``; the program calls the backend's fused op (none for
     the reference) and equals eager on ``make(*u)`` for every ``u`` in ``unseen`` (bit for
-    bit unless ``tol``)."""
+    bit unless ``tol``). On CPU tensors the program's op runs its CPU kernel (the C++ one)
+    where eager ``"triton"`` runs the Triton kernels under the interpreter: fp32 rounding
+    apart there."""
+    if backend == "triton" and not torch.cuda.is_available():
+        tol = max(tol, 1e-5)
     ep = torch.export.export(model, make(*at), dynamic_shapes=dynamic_shapes)
     targets = _call_targets(ep)
     ours = {t for t in targets if "txl_kernels" in t}
@@ -621,7 +625,10 @@ def test_export_dropout_in_training_is_a_random_op(request):
         for fn, seed in ((ep.module(), 5), (m, 5), (m, 6)):
             torch.manual_seed(seed)
             outs.append(fn(*x))
-        torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+        # on CPU tensors the program's op runs the C++ kernel, eager "triton" the Triton
+        # kernels under the interpreter (the same keep-mask): fp32 rounding apart
+        tol = 1e-5 if backend == "triton" and not torch.cuda.is_available() else 0.0
+        torch.testing.assert_close(outs[0], outs[1], rtol=tol, atol=tol)
         assert not torch.equal(outs[1], outs[2])  # it does drop
 
 

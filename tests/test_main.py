@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import txl_kernels.__main__ as main_mod
-import txl_kernels.ops.rel_attn_op as op
+import txl_kernels.ops.rel_attn_fwd as op
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,7 +111,7 @@ def test_main_switches_the_interpreter_on_explicitly_for_cpu():
     r = _run("import torch\n"
              "from txl_kernels import __main__ as m, _utils, fused_available\n"
              "print(m._interpreter(torch.device('cpu'), True))\n"
-             "import txl_kernels.ops\n"
+             "import txl_kernels.ops.rel_attn_fwd\n"
              "print(_utils.interpreting(), fused_available(torch.device('cpu'))[0])\n")
     said, state = r.stdout.strip().splitlines()
     assert said.startswith("on: set TRITON_INTERPRET=1 here"), said
@@ -124,7 +124,7 @@ def test_interpreter_set_after_the_kernels_exist_is_detected():
     r = _run("import os, torch\n"
              "from txl_kernels import __main__ as m, _utils, fused_available\n"
              "print(m._interpreter(torch.device('cpu'), False))\n"
-             "import txl_kernels.ops\n"
+             "import txl_kernels.ops.rel_attn_fwd\n"
              "os.environ['TRITON_INTERPRET'] = '1'\n"
              "print(_utils.interpreting())\n"
              "print(fused_available(torch.device('cpu')))\n"

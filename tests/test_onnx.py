@@ -172,7 +172,7 @@ def functional_case(name, backend="cpu", d=D):
 @pytest.mark.parametrize("name", list(FUNCTIONAL))
 def test_functional_onnx_parity(name, exporter, tmp_path):
     """Regression: the CPU backend's custom op had no ONNX form ("unrecognized namespace
-    txl_kernels::rel_attn_cpu_fwd" with dynamo=False, no ONNX function with dynamo=True).
+    txl_kernels::rel_attn_fwd" with dynamo=False, no ONNX function with dynamo=True).
     The products are MatMuls (ONNX Runtime's Einsum is several times slower)."""
     proto = roundtrip(functional_case(name), exporter, tmp_path)
     ops = {n.op_type for n in proto.graph.node}
@@ -628,7 +628,7 @@ class DirectOp(nn.Module):
         self.vb = nn.Parameter(torch.randn(H, D, generator=_gen(2)))
 
     def forward(self, q, k, v, r, key_padding_mask):
-        return torch.ops.txl_kernels.rel_attn_cpu_fwd(
+        return torch.ops.txl_kernels.rel_attn_fwd(
             q, k, v, r, self.u, self.vb, D ** -0.5, self.window[0], self.window[1],
             key_padding_mask, None, None, 0.0, None, None, None, None, None)[0]
 
@@ -636,7 +636,7 @@ class DirectOp(nn.Module):
 @pytest.mark.parametrize("opset", [17, 19])
 @pytest.mark.parametrize("name", ["causal_memory", "window", "bidirectional"])
 def test_direct_op_symbolic_dynamo_false(name, opset, tmp_path):
-    """The registered symbolic of txl_kernels::rel_attn_cpu_fwd (opset 13 form: ReduceMax's
+    """The registered symbolic of txl_kernels::rel_attn_fwd (opset 13 form: ReduceMax's
     axes an attribute; opset 18 form: an input)."""
     causal, window, _ = FUNCTIONAL[name]
     _, make, names, axes = functional_case(name)

@@ -110,18 +110,18 @@ def test_opcheck_forward_out():
     q, k, v, r, u, vb = make_inputs(2, 9, 13, 2, 16, R=21, layout="bshd")
     kpm = torch.rand(2, 13) < 0.2
     args = (q, k, v, r, u, vb, 0.25, 5, -1, kpm, None, None, 0.0, None, None, None, None, None)
-    torch.library.opcheck(torch.ops.txl_kernels.rel_attn_cpu_fwd_out.default, args,
+    torch.library.opcheck(torch.ops.txl_kernels.rel_attn_fwd.out, args,
                           {"out": torch.empty_like(q)})
-    want, _ = torch.ops.txl_kernels.rel_attn_cpu_fwd(*args)
+    want, _ = torch.ops.txl_kernels.rel_attn_fwd(*args)
     qq = q.clone()
-    lse = torch.ops.txl_kernels.rel_attn_cpu_fwd_out(qq, *args[1:], out=qq)
+    lse = torch.ops.txl_kernels.rel_attn_fwd(qq, *args[1:], out=qq)
     torch.testing.assert_close(qq, want, rtol=0, atol=0)
     assert lse.shape == (2, 2, 9)
     with pytest.raises(RuntimeError, match="out must be a contiguous"):
-        torch.ops.txl_kernels.rel_attn_cpu_fwd_out(*args, out=torch.empty(2, 9, 2, 15))
+        torch.ops.txl_kernels.rel_attn_fwd(*args, out=torch.empty(2, 9, 2, 15))
     kv = torch.randn(2, 9, 2, 16)  # keys of q's shape: out may not be one of them
     with pytest.raises(RuntimeError, match="single memory location|overlap"):
-        torch.ops.txl_kernels.rel_attn_cpu_fwd_out(q, kv, kv, *args[3:], out=kv)
+        torch.ops.txl_kernels.rel_attn_fwd(q, kv, kv, *args[3:], out=kv)
 
 
 def test_compile_fullgraph_in_inference_with_and_without_out():

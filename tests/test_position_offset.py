@@ -266,25 +266,17 @@ def _op_case(device="cpu"):
     return (q, k, v, r, u, vb, D ** -0.5, 3, 2, kpm, None, None, 0.0, None)
 
 
-def test_opcheck_triton_ops_with_r_first_distance():
-    """The fused ops' schemas, fake implementations and autograd with the trailing
-    r_first_distance (forward op; its autograd runs the backward op with it)."""
-    import txl_kernels.ops  # noqa: F401  (registers torch.ops.txl_kernels.rel_attn_*)
-
+def test_opcheck_ops_with_r_first_distance(extension):
+    """The ops' schemas, fake implementations and autograd with the trailing
+    r_first_distance (forward op; its autograd runs the backward op with it), on the CPU
+    kernel."""
     args = _op_case() + (None, None, None, None, 3)
     torch.library.opcheck(torch.ops.txl_kernels.rel_attn_fwd.default, args)
-
-
-def test_opcheck_cpu_ops_with_r_first_distance(extension):
-    from txl_kernels.cpu_kernel import cpu_kernel_available
-
-    assert cpu_kernel_available()[0]  # registers the ops' fake implementations and autograd
-    args = _op_case() + (None, None, None, None, 3)
-    torch.library.opcheck(torch.ops.txl_kernels.rel_attn_cpu_fwd.default, args)
     q, k, v, r, u, vb = (t.detach() for t in args[:6])
-    out, lse = torch.ops.txl_kernels.rel_attn_cpu_fwd(*args)
-    bargs = (torch.randn_like(out), q, k, v, r, u, vb, out.detach(), lse) + args[6:14] + (3,)
-    torch.library.opcheck(torch.ops.txl_kernels.rel_attn_cpu_bwd.default, bargs)
+    out, lse = torch.ops.txl_kernels.rel_attn_fwd(*args)
+    bargs = ((torch.randn_like(out), q, k, v, r, u, vb, out.detach(), lse) + args[6:12]
+             + (True,) + args[12:14] + (3,))
+    torch.library.opcheck(torch.ops.txl_kernels.rel_attn_bwd.default, bargs)
 
 
 class _WindowAttn(torch.nn.Module):

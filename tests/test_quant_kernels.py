@@ -12,11 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import txl_kernels.ops  # noqa: F401  (registers torch.ops.txl_kernels.*)
 import txl_kernels.ops.rel_attn_decode as dec_mod
 import txl_kernels.ops.rel_attn_fwd as fwd_mod
 from txl_kernels import QuantizedKV, quant, quantize_kv, rel_attention
-from txl_kernels.ops import rel_attn_func
+from txl_kernels._op import rel_attn_func
 
 from helpers import FUSED_DEVICE, HAS_CUDA, assert_within
 
@@ -218,7 +217,7 @@ def test_forward_uses_the_scales(which):
 def test_forward_with_memory_has_no_backward():
     q, k, v, r, u, vb, mem = _inputs(1, 5, 5, 7, 1, 16, torch.float32, torch.int8)
     q.requires_grad_(True)
-    out = rel_attn_func(q, k, v, r, u, vb, 0.25, -1, 0, memory=mem)
+    out = rel_attn_func(q, k, v, r, u, vb, 0.25, -1, 0, memory=mem, interpreter=DEV == "cpu")
     with pytest.raises(RuntimeError, match="8-bit memory.*forward only"):
         out.sum().backward()
     out, _ = torch.ops.txl_kernels.rel_attn_fwd(q, k, v, r, u, vb, 0.25, -1, 0, None, None,
@@ -241,15 +240,21 @@ def test_opcheck_forward_with_memory():
                           (q, k, v, r, u, vb, 0.25, 6, 0, kpm, None, None, 0.0, None, *mem))
 
 
-def test_compile_fullgraph_with_memory():
+def test_compile_fullgraph_with_memory(request):
+    """The compiled graph holds the op, whose tensors' device picks its kernel at run time:
+    the Triton kernel on CUDA; on CPU tensors the op's CPU kernel (the C++ one), which eager
+    runs for backend="cpu" (eager backend="triton" runs the Triton kernels under the
+    interpreter instead)."""
+    if not HAS_CUDA:
+        request.getfixturevalue("extension")
     q, k, v, r, u, vb, mem = _inputs(1, 5, 5, 9, 2, 16, torch.float16, torch.float8_e4m3fn,
                                      scale_dtype=torch.float16)
 
-    def f(q, k, v, mk, ks, mv, vs):
+    def f(q, k, v, mk, ks, mv, vs, backend="triton"):
         return rel_attention(q, k, v, r, u, vb, memory=QuantizedKV(mk, ks, mv, vs),
-                             window_size=(8, 0), backend="triton")
+                             window_size=(8, 0), backend=backend)
     with torch.no_grad():
-        eager = f(q, k, v, *mem)
+        eager = f(q, k, v, *mem, backend="triton" if HAS_CUDA else "cpu")
         got = torch.compile(f, fullgraph=True,
                             backend="inductor" if HAS_CUDA else "aot_eager")(q, k, v, *mem)
     torch.testing.assert_close(got, eager, rtol=0, atol=0)

@@ -1,7 +1,7 @@
 """The first-use self-check (txl_kernels.selfcheck): a fused variant is checked once against the
 reference on a tiny problem; a wrong kernel warns once, backend="auto" falls back to the
 reference for that variant and backend="triton" raises. The wrong kernel is forced by
-replacing the launchers the fused op calls (rel_attn_op.rel_attn_fwd / rel_attn_bwd).
+replacing the launchers the fused op calls (ops.rel_attn_fwd.rel_attn_fwd / ops.rel_attn_bwd.rel_attn_bwd).
 
 The rest of the suite runs with the check off (conftest sets TXL_KERNELS_SELFCHECK=0); each
 test here turns it on and starts from no verdicts."""
@@ -10,7 +10,8 @@ import warnings
 import pytest
 import torch
 
-import txl_kernels.ops.rel_attn_op as op_mod
+import txl_kernels.ops.rel_attn_bwd as bwd_mod
+import txl_kernels.ops.rel_attn_fwd as fwd_mod
 from txl_kernels import rel_attention, selfcheck
 from txl_kernels.reference import rel_attention_reference
 
@@ -40,23 +41,23 @@ def count_checks(monkeypatch):
 
 
 def _wrong_forward(monkeypatch):
-    real = op_mod.rel_attn_fwd
+    real = fwd_mod.rel_attn_fwd
 
     def wrong(*args, **kwargs):
         out, lse = real(*args, **kwargs)
         return out + 0.5, lse
 
-    monkeypatch.setattr(op_mod, "rel_attn_fwd", wrong)
+    monkeypatch.setattr(fwd_mod, "rel_attn_fwd", wrong)
 
 
 def _wrong_backward(monkeypatch):
-    real = op_mod.rel_attn_bwd
+    real = bwd_mod.rel_attn_bwd
 
     def wrong(*args, **kwargs):
         dq, dk, dv, dr, du, dvb = real(*args, **kwargs)
         return dq, dk * 2, dv, dr, du, dvb
 
-    monkeypatch.setattr(op_mod, "rel_attn_bwd", wrong)
+    monkeypatch.setattr(bwd_mod, "rel_attn_bwd", wrong)
 
 
 def _inputs(requires_grad=False):
@@ -204,7 +205,7 @@ def test_row_shift_is_its_own_variant_and_checked_with_a_shifted_table(monkeypat
     """A call with r_first_distance runs kernels specialised for a row shift: its own
     variant, whose check runs the fused path with a shifted table (a wrong backward with the
     shift only is caught; the default table's variant passes)."""
-    real = op_mod.rel_attn_bwd
+    real = bwd_mod.rel_attn_bwd
 
     def wrong_with_shift(*args, **kwargs):
         dq, dk, dv, dr, du, dvb = real(*args, **kwargs)
@@ -212,7 +213,7 @@ def test_row_shift_is_its_own_variant_and_checked_with_a_shifted_table(monkeypat
             dr = dr * 2
         return dq, dk, dv, dr, du, dvb
 
-    monkeypatch.setattr(op_mod, "rel_attn_bwd", wrong_with_shift)
+    monkeypatch.setattr(bwd_mod, "rel_attn_bwd", wrong_with_shift)
     ts = _inputs(requires_grad=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

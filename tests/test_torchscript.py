@@ -2,6 +2,7 @@
 on every backend and of every drop-in, ``torch.jit.script`` of the drop-ins whose originals
 script (icefall's, DI-engine's), save / load in this process and in a fresh one, and the clear
 errors of what the routes cannot record."""
+import contextlib
 import functools
 import os
 import subprocess
@@ -15,6 +16,7 @@ import torch.nn as nn
 from txl_kernels import FusedRelAttention, quantize_kv, rel_attention
 from txl_kernels.distributed import context_parallel_rel_attention
 from txl_kernels._export import ExportUnsupported
+from txl_kernels._op import _TritonInterpreter
 from txl_kernels.modules import (DIEngineAttentionXL, ESPnetRelPositionMultiHeadedAttention,
                                  IcefallRelPositionMultiheadAttention,
                                  NeMoRelPositionMultiHeadAttention,
@@ -38,15 +40,28 @@ def _padding(B, T):
     return torch.arange(T)[None] >= _lengths(B, T)[:, None]
 
 
-def assert_trace_follows_lengths(module, inputs, trace_len=8, other_lens=(5, 13)):
+def graph_kernels(backend, device):
+    """Where a graph's op runs the kernels eager ``backend`` runs: on CPU tensors eager
+    "triton" (and "auto" under the interpreter) runs the Triton kernels under the interpreter,
+    a recorded op its CPU key (the C++ kernel) unless the interpreter's dispatch mode is on."""
+    if backend in ("triton", "auto") and INTERPRET and torch.device(device).type == "cpu":
+        return _TritonInterpreter()
+    return contextlib.nullcontext()
+
+
+def assert_trace_follows_lengths(module, inputs, trace_len=8, other_lens=(5, 13),
+                                 backend=None, device="cpu"):
     """Trace ``module`` on ``inputs(trace_len)``; at the other lengths the traced module's
-    outputs equal eager's bit for bit (no length, mask or position row count was baked in)."""
+    outputs equal eager's bit for bit (no length, mask or position row count was baked in),
+    the graph run on eager ``backend``'s kernels (:func:`graph_kernels`)."""
     module.eval()
     with torch.no_grad():
         traced = torch.jit.trace(module, inputs(trace_len), check_trace=False)
         for t in other_lens:
             x = inputs(t)
-            torch.testing.assert_close(traced(*x), module(*x), rtol=0, atol=0)
+            with graph_kernels(backend, device):
+                got = traced(*x)
+            torch.testing.assert_close(got, module(*x), rtol=0, atol=0)
     return traced
 
 
@@ -102,10 +117,11 @@ def test_jit_trace_rel_attention_runs_other_lengths(backend, request):
     Triton kernel under the interpreter here, or on the GPU)."""
     device = _device_for(backend, request)
     assert_trace_follows_lengths(_Attn(backend).to(device),
-                                 functools.partial(_attn_inputs, device=device))
+                                 functools.partial(_attn_inputs, device=device),
+                                 backend=backend, device=device)
 
 
-FUSED_OP = {"cpu": "txl_kernels::rel_attn_cpu_fwd", "triton": "txl_kernels::rel_attn_fwd"}
+FUSED_OP = "txl_kernels::rel_attn_fwd"  # the one op, whichever kernel runs it
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
@@ -116,18 +132,20 @@ def test_jit_trace_records_the_op_and_saves(backend, request, tmp_path):
     device = _device_for(backend, request)
     inputs = functools.partial(_attn_inputs, device=device)
     m = _Attn(backend).to(device)
-    traced = assert_trace_follows_lengths(m, inputs)
+    traced = assert_trace_follows_lengths(m, inputs, backend=backend, device=device)
     kinds = {n.kind() for n in traced.graph.nodes()}
     assert "prim::PythonOp" not in kinds
-    if backend in FUSED_OP:
-        assert FUSED_OP[backend] in kinds
+    if backend != "reference":
+        assert FUSED_OP in kinds
     path = tmp_path / "attn.pt"
     torch.jit.save(traced, str(path))
     loaded = torch.jit.load(str(path))
     with torch.no_grad():
         for t in (5, 13):
             x = inputs(t)
-            torch.testing.assert_close(loaded(*x), m(*x), rtol=0, atol=0)
+            with graph_kernels(backend, device):
+                got = loaded(*x)
+            torch.testing.assert_close(got, m(*x), rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------------------- drop-ins
@@ -414,7 +432,7 @@ def test_jit_trace_refuses_fused_dropout_naming_it(backend, request):
     torch.jit.trace(_Attn("reference", dropout_p=0.1).to(device).train(), inputs(8),
                     check_trace=False)
     m.eval()  # no dropout: traces
-    assert_trace_follows_lengths(m, inputs)
+    assert_trace_follows_lengths(m, inputs, backend=backend, device=device)
 
 
 def test_jit_trace_refuses_context_parallelism_naming_it():
@@ -515,7 +533,7 @@ def test_jit_script_icefall_matches_eager_and_original(backend, request):
     scripted = torch.jit.script(ours)
     graph = str(scripted.inlined_graph)
     assert "prim::PythonOp" not in graph
-    assert ("txl_kernels::rel_attn_cpu_fwd" in graph) == (backend != "reference")
+    assert (FUSED_OP in graph) == (backend != "reference")
     eager_same_kernel = ours if backend != "auto" else _icefall_pair("cpu")[1]
     with torch.no_grad():
         for T in (5, 13):
@@ -617,7 +635,7 @@ def test_jit_script_di_engine_matches_eager_and_original(backend, request):
     scripted = torch.jit.script(ours)
     graph = str(scripted.inlined_graph)
     assert "prim::PythonOp" not in graph
-    assert ("txl_kernels::rel_attn_cpu_fwd" in graph) == (backend == "cpu")
+    assert (FUSED_OP in graph) == (backend == "cpu")
     with torch.no_grad():
         for T, prev in ((5, 0), (6, 4), (1, 9)):
             args = _ding_inputs(T, prev)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._op import FWD_OUT, bwd_kernel, fwd_kernel
 from .reference import finite_or_zero
 
 
@@ -28,47 +29,34 @@ class KernelOps:
     vb, out, lse, scale, wl, wr, kpm) -> (dq, dk, dv, dr, du, dvb)`` (both also take an
     optional ``attn_mask``, its ``attn_mask_band``, ``r_first_distance`` (the distance held
     by ``r``'s row 0 as the ops take it) and the kernels' dropout, ``dropout_p`` with its
-    ``dropout_seed``), the registered ops of
-    the fused Triton kernels (``txl_kernels::rel_attn_fwd`` / ``rel_attn_bwd``) or of the C++
-    CPU kernel (``txl_kernels::rel_attn_cpu_fwd`` / ``rel_attn_cpu_bwd``). ``lse_dtype``: what
-    the backward takes (fp32; the CPU kernel's accumulation dtype)."""
+    ``dropout_seed``): the ops ``txl_kernels::rel_attn_fwd`` / ``rel_attn_bwd`` (``_op.py``),
+    whose device's kernel runs; ``"triton"`` on CPU tensors runs the Triton kernels under the
+    interpreter instead (``_op.fwd_kernel``). ``lse_dtype``: what the backward takes (the
+    kernels' accumulation dtype: fp64 for fp64, else fp32)."""
 
     def __init__(self, name: str, deterministic: bool = False):
         self.name, self.deterministic = name, deterministic
-        if name == "triton":
-            from .ops import rel_attn_op  # noqa: F401  (registers the ops; imports triton)
 
-    def lse_dtype(self, dtype):
-        if self.name == "cpu" and dtype == torch.float64:
-            return torch.float64
-        return torch.float32
+    @staticmethod
+    def lse_dtype(dtype):
+        return torch.float64 if dtype == torch.float64 else torch.float32
+
+    def _interpreter(self, q: Tensor) -> bool:
+        return self.name == "triton" and q.device.type == "cpu"
 
     def fwd(self, q, k, v, r, u, vb, scale, wl, wr, kpm, attn_mask=None, attn_mask_band=None,
             r_first_distance=None, dropout_p=0.0, dropout_seed=None, out=None):
-        """``out``: CPU only, no autograd: the result written there (it may be q; ``rel_attn_
-        cpu_fwd_out``), returned as ``(out, lse)``."""
+        """``out``: the CPU kernel, no autograd: the result written there (it may be q;
+        ``rel_attn_fwd.out``), returned as ``(out, lse)``."""
+        args = (q, k, v, r, u, vb, scale, wl, wr, kpm, attn_mask, attn_mask_band, dropout_p,
+                dropout_seed, None, None, None, None, r_first_distance)
         if out is not None:
-            lse = torch.ops.txl_kernels.rel_attn_cpu_fwd_out(
-                q, k, v, r, u, vb, scale, wl, wr, kpm, attn_mask, attn_mask_band, dropout_p,
-                dropout_seed, None, None, None, None, r_first_distance, out=out)
-            return out, lse
-        if self.name == "triton":
-            return torch.ops.txl_kernels.rel_attn_fwd(q, k, v, r, u, vb, scale, wl, wr, kpm,
-                                                      attn_mask, attn_mask_band, dropout_p,
-                                                      dropout_seed, None, None, None, None,
-                                                      r_first_distance)
-        return torch.ops.txl_kernels.rel_attn_cpu_fwd(q, k, v, r, u, vb, scale, wl, wr, kpm,
-                                                      attn_mask, attn_mask_band, dropout_p,
-                                                      dropout_seed, None, None, None, None,
-                                                      r_first_distance)
+            return out, FWD_OUT(*args, out=out)
+        return fwd_kernel(self._interpreter(q))(*args)
 
     def bwd(self, dout, q, k, v, r, u, vb, out, lse, scale, wl, wr, kpm, attn_mask=None,
             attn_mask_band=None, r_first_distance=None, dropout_p=0.0, dropout_seed=None):
-        if self.name == "triton":
-            return torch.ops.txl_kernels.rel_attn_bwd(dout, q, k, v, r, u, vb, out, lse, scale,
-                                                      wl, wr, kpm, attn_mask, attn_mask_band,
-                                                      self.deterministic, dropout_p,
-                                                      dropout_seed, r_first_distance)
-        return torch.ops.txl_kernels.rel_attn_cpu_bwd(dout, q, k, v, r, u, vb, out, lse, scale,
-                                                      wl, wr, kpm, attn_mask, attn_mask_band,
-                                                      dropout_p, dropout_seed, r_first_distance)
+        return bwd_kernel(self._interpreter(q))(dout, q, k, v, r, u, vb, out, lse, scale, wl,
+                                                wr, kpm, attn_mask, attn_mask_band,
+                                                self.deterministic, dropout_p, dropout_seed,
+                                                r_first_distance)

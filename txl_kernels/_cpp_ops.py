@@ -165,5 +165,5 @@ def _register_fakes() -> None:
                        ("decode_layer", _decode_layer_fake)):
         if hasattr(torch.ops.txl_kernels, name):  # a build without the op: nothing to fake
             torch.library.register_fake(f"txl_kernels::{name}", fake)
-    register_onnx_symbolics()  # rel_attn_cpu_fwd called directly, exported by dynamo=False
+    register_onnx_symbolics()  # rel_attn_fwd called directly, exported by dynamo=False
     _FAKES_REGISTERED = True

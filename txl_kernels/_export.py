@@ -5,8 +5,8 @@ The ONNX lowering is ``_onnx_lowering.onnx_rel_attention``: the reference path's
 position scores, the relative shift as Pad / Reshape / Slice (``reference.rel_shift``), the
 masks as comparisons of index ranges and Where (``reference.allowed_pairs``), Softmax, a
 MatMul with the values. While an ONNX export traces (:func:`onnx_exporting`), ``rel_attention``
-runs it whatever its ``backend``, so neither fused op (``txl_kernels::rel_attn_cpu_fwd``,
-``txl_kernels::rel_attn_fwd``) reaches the graph and the exporter writes standard ONNX
+runs it whatever its ``backend``, so the fused op (``txl_kernels::rel_attn_fwd``, whichever
+kernel runs it) does not reach the graph and the exporter writes standard ONNX
 operators. The user passes nothing: ``torch.onnx.export(model, args)`` works with
 ``dynamo=False`` (the TorchScript exporter, e.g. NeMo's export at opset 17) and ``dynamo=True``
 (torch.export, then onnxscript's torchlib). One definition of the math serves both exporters,
@@ -122,13 +122,13 @@ def check_onnx_exportable(dropout_p: float, memory) -> None:
 
 
 # -- the fused ops in a TorchScript exporter graph -----------------------------------------
-# A model that calls a fused op itself (``torch.ops.txl_kernels.rel_attn_cpu_fwd``, not
+# A model that calls the fused op itself (``torch.ops.txl_kernels.rel_attn_fwd``, not
 # through rel_attention) puts the op in the dynamo=False exporter's graph: there a symbolic
 # per op writes the same reference math with ONNX operators, registered for opset 13
 # (ReduceMax with an ``axes`` attribute) and 18 (``axes`` an input) by
 # :func:`register_onnx_symbolics`, and so for every opset from 13 on.
 
-_FUSED_OPS = ("txl_kernels::rel_attn_cpu_fwd", "txl_kernels::rel_attn_fwd")
+_FUSED_OPS = ("txl_kernels::rel_attn_fwd",)
 
 
 def _rel_attn_symbolic(opset: int):

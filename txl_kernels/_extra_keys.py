@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ._block_ops import KernelOps
-from .cpu_kernel import draw_cpu_dropout_seed, last_dim_contiguous
+from ._utils import draw_dropout_seed, last_dim_contiguous
 from .reference import finite_or_zero
 
 
@@ -182,12 +182,7 @@ def rel_attention_extra_keys(backend: str, q, k, v, r, r_w_bias, r_r_bias, extra
     ts = [last_dim_contiguous(t) for t in (q, k, v, r, r_w_bias, r_r_bias) + tuple(extra)]
     seed = keep = None
     if dropout_p > 0.0:
-        if backend == "triton":
-            from .ops.rel_attn_fwd import draw_dropout_seed
-
-            seed = draw_dropout_seed(q.device)
-        else:
-            seed = draw_cpu_dropout_seed()
+        seed = draw_dropout_seed(q.device)
         B, Lq, H, _ = q.shape
         keep = torch.rand((B, H, Lq, extra[1].shape[1]), device=q.device) >= dropout_p
     if out is not None:

@@ -207,3 +207,18 @@ def renamed_attribute(who: str, old: str, new: str) -> property:
         setattr(self, new, value)
 
     return property(fget, fset, doc=f"Deprecated: the former name of ``{new}``.")
+
+
+def draw_dropout_seed(device) -> torch.Tensor:
+    """A fresh int64 ``[2]`` (seed, offset) Philox state on ``device``, drawn with
+    ``torch.randint`` from PyTorch's default generator of that device: ``torch.manual_seed``
+    makes it reproducible, consecutive calls differ, and it is a device op (no host sync),
+    which CUDA graph capture and ``torch.compile`` record like any other random op. For one
+    seed the CPU kernel's keep-mask is the Triton kernels' (the same Philox counters)."""
+    return torch.randint(0, 2 ** 62, (2,), dtype=torch.int64, device=device)
+
+
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t``, copied only when its last dimension is not contiguous (what the kernels read in
+    place); TorchScript compiles it too (the scripted drop-ins)."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()

@@ -612,9 +612,9 @@ def context_parallel_rel_attention(
             one (``draw_dropout_seed``, so the ranks' generators advance alike) and rank 0's
             is broadcast to the group. The backward regenerates the same mask.
         backend: what computes each ring step's blocks (docs/distributed.md):
-            ``"triton"`` (the fused kernels' registered ops ``txl_kernels::rel_attn_fwd`` /
-            ``rel_attn_bwd``: CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"cpu"`` (the C++
-            CPU kernel's ``rel_attn_cpu_fwd`` / ``rel_attn_cpu_bwd``), ``"reference"`` (the
+            ``"triton"`` (the ops ``txl_kernels::rel_attn_fwd`` / ``rel_attn_bwd`` on their
+            Triton kernels: CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"cpu"`` (the same
+            ops' C++ CPU kernel), ``"reference"`` (the
             einsum block math) or ``"auto"``: Triton on CUDA where the fused kernels run
             (dtype, head dim), the CPU kernel on CPU tensors once the extension is built,
             else the einsum path; with ``dropout_p > 0`` always the einsum path (the kernels

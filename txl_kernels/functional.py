@@ -16,6 +16,7 @@ from ._utils import (FUSED_DTYPES, FUSED_MAX_HEADDIM, FUSED_MIN_HEADDIM, REF_DTY
                      assume_constant_result, check_same, describe, interpreting,
                      no_interpreter_reason)
 from .quant import QUANT_DTYPES, SCALE_DTYPES, QuantizedKV
+from . import _op
 from . import selfcheck
 from ._export import check_jit_recordable, check_onnx_exportable, export_route, onnx_exporting
 from ._onnx_lowering import onnx_rel_attention
@@ -642,7 +643,7 @@ def _dispatch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask, 
                             and not fused_available(q.device)[0]):
         return _rel_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm,
                                   mask, attn_mask_band, float(dropout_p), memory, backend,
-                                  r_first_distance, extra, out)
+                                  deterministic, r_first_distance, extra, out)
 
     use_fused = False
     if backend != "reference":
@@ -672,8 +673,6 @@ def _dispatch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask, 
                                   r_first_distance is not None)
 
     if use_fused:
-        from .ops import rel_attn_func  # imports triton lazily
-
         check_jit_recordable("rel_attention", dropout_p)
 
         if softmax_scale <= 0.0:
@@ -693,9 +692,10 @@ def _dispatch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask, 
             return rel_attention_extra_keys("triton", q, k, v, r, r_w_bias, r_r_bias, extra,
                                             softmax_scale, wl, wr, kpm, mask, attn_mask_band,
                                             r_first_distance, float(dropout_p), deterministic)
-        return rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                             attn_mask_band, deterministic, float(dropout_p), memory=memory,
-                             r_first_distance=r_first_distance)
+        return _op.rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm,
+                                 mask, attn_mask_band, deterministic, float(dropout_p),
+                                 memory=memory, r_first_distance=r_first_distance,
+                                 interpreter=q.device.type == "cpu")
     return _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
                       attn_mask_band, float(dropout_p), memory, r_first_distance, extra)
 
@@ -747,13 +747,13 @@ def _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
 
 
 def _rel_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                       attn_mask_band, dropout_p, memory, backend, r_first_distance=None,
-                       extra=None, out=None):
+                       attn_mask_band, dropout_p, memory, backend, deterministic=False,
+                       r_first_distance=None, extra=None, out=None):
     """backend "cpu", or "auto" on CPU tensors without the Triton interpreter: the C++ kernel
     (any dtype, any head dim), else (auto only) the reference with a one-time warning.
     ``out``: the C++ kernel writes the result there (no graph; see :func:`_in_place_out`)."""
     from ._cpp_ops import warn_fallback
-    from .cpu_kernel import cpu_kernel_available, rel_attn_cpu
+    from .cpu_kernel import cpu_kernel_available
 
     grads = memory is not None and torch.is_grad_enabled() and any(
         t.requires_grad for t in (q, k, v, r, r_w_bias, r_r_bias))
@@ -786,6 +786,6 @@ def _rel_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kp
                                         softmax_scale, wl, wr, kpm, mask, attn_mask_band,
                                         r_first_distance, dropout_p,
                                         out=out if merge_in_place else None)
-    return rel_attn_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                        attn_mask_band, dropout_p, memory=memory,
-                        r_first_distance=r_first_distance, out=out)
+    return _op.rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
+                             attn_mask_band, deterministic, dropout_p, memory=memory,
+                             r_first_distance=r_first_distance, out=out)

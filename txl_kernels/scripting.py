@@ -9,8 +9,9 @@ holds the reference math too, for tensors on other devices), so a graph scripted
 loads where the extension is absent.
 
 - :func:`rel_attention_cpu_op`: the fused C++ CPU kernel, ``torch.ops.txl_kernels.
-  rel_attn_cpu_fwd``, registered in C++ (``TORCH_LIBRARY``), so a C++ process that loaded the
-  op library (:func:`txl_kernels.load_library` names it) runs the graph. Forward only.
+  rel_attn_fwd``, whose CPU kernel (and, without Python, whose schema) the op library
+  registers in C++, so a C++ process that loaded it (:func:`txl_kernels.load_library` names
+  it) runs the graph. Forward only.
 - :func:`rel_attention_torch`: the reference's math (``reference.rel_attention_reference``:
   the same ops, so the same results) with a window, key padding and a dense mask, in
   TorchScript-compatible torch.
@@ -31,7 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._cpp_ops import warn_fallback
-from .cpu_kernel import cpu_kernel_available, last_dim_contiguous
+from ._utils import last_dim_contiguous
+from .cpu_kernel import cpu_kernel_available
 from ._export import ExportUnsupported
 from .reference import finite_or_zero, pair_distance, rel_shift, row_poison
 
@@ -82,7 +84,7 @@ def rel_attention_cpu_op(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: T
                            f"training mode) in the fused CPU kernel cannot be recorded by "
                            f"torch.jit.script: call eval() on the scripted module, or script "
                            f"it with backend='reference'")
-    out, lse = torch.ops.txl_kernels.rel_attn_cpu_fwd(
+    out, lse = torch.ops.txl_kernels.rel_attn_fwd(
         last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v),
         last_dim_contiguous(r), last_dim_contiguous(r_w_bias), last_dim_contiguous(r_r_bias),
         softmax_scale, window_left, window_right, key_padding_mask, attn_mask, None, 0.0, None,

@@ -233,7 +233,7 @@ def _inputs(variant: Variant, dev: torch.device):
 
 
 def _compare(variant: Variant, dev: torch.device) -> Optional[str]:
-    from .ops import rel_attn_func
+    from ._op import rel_attn_func
     from .ops._common import dropout_keep_mask
     from .reference import rel_attention_reference
 
@@ -262,7 +262,8 @@ def _compare(variant: Variant, dev: torch.device) -> Optional[str]:
 
     leaves = [t.detach().requires_grad_(variant.grad) for t in ts]
     fused = rel_attn_func(*leaves, scale, wl, wr, kpm, mask, band, variant.deterministic, p,
-                          dropout_seed=seed, memory=memory, r_first_distance=first)
+                          dropout_seed=seed, memory=memory, r_first_distance=first,
+                          interpreter=dev.type == "cpu")
     outs = {"output": fused}
     if variant.grad:
         for name, g in zip(("dq", "dk", "dv", "dr", "dr_w_bias", "dr_r_bias"),

@@ -1,4 +1,3 @@
-"""Fused Triton kernels (importing this package imports triton)."""
-from .rel_attn_op import rel_attn_func
-
-__all__ = ["rel_attn_func"]
+"""The fused Triton kernels and their launchers (importing this package imports triton): the
+CUDA dispatch key's kernels of ``txl_kernels::rel_attn_fwd`` / ``rel_attn_bwd`` (``_op.py``)
+and the decoding step."""

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .._arch import config_family
-from .._utils import interpreting
+from .._utils import draw_dropout_seed, interpreting, last_dim_contiguous  # noqa: F401
 
 # TRITON_INTERPRET is read once, as triton itself does when it decorates the kernels.
 INTERPRET = interpreting()
@@ -264,11 +264,6 @@ def excludes_pairs(window_left: int, window_right: int, key_padding_mask, attn_m
     operands of non-finite rows: only then can an exact 0 of P or dS meet one)."""
     return (window_left >= 0 or window_right >= 0 or key_padding_mask is not None
             or attn_mask is not None)
-
-
-def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    """The kernels need stride(-1) == 1 only; anything else is copied (nothing else is)."""
-    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
 def autotune_enabled() -> bool:
@@ -630,16 +625,6 @@ def dropout_apply(x, flags, sel, ASM: tl.constexpr = not INTERPRET):
 
 
 # ---- the (seed, offset) state, and the keep-mask for testing (re-exported by rel_attn_fwd)
-
-def draw_dropout_seed(device) -> torch.Tensor:
-    """A fresh int64 ``[2]`` (seed, offset) Philox state on ``device``, drawn with
-    ``torch.randint`` from PyTorch's default generator of that device (the CPU generator for
-    CPU tensors under the interpreter, the CUDA generator of the device on GPU): so
-    ``torch.manual_seed(s)`` makes it reproducible, consecutive calls differ, and it is a
-    device op (no host sync), which CUDA graph capture and torch.compile record like any other
-    random op. The kernels read it from device memory."""
-    return torch.randint(0, 2 ** 62, (2,), dtype=torch.int64, device=device)
-
 
 def dropout_keep_mask(seed: torch.Tensor, B: int, H: int, Lq: int, Lk: int,
                       dropout_p: float) -> torch.Tensor:
