@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -396,13 +397,56 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 }  // namespace txl_kernels
 
-TORCH_LIBRARY_FRAGMENT(txl_kernels, m) {
-  m.set_python_module("txl_kernels._cpp_ops");
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor r, Tensor u, Tensor vb, "
-        "float scale, int lo, Tensor? k_mem=None, Tensor? k_scale=None, Tensor? v_mem=None, "
-        "Tensor? v_scale=None) -> Tensor");
+namespace txl_kernels {
+
+// The CPU kernel of txl_kernels::rel_attn_decode (txl_kernels/_op.py; its CUDA kernel is the
+// Triton split-K decode): q [B, 1, H, D], k / v [B, Lc, H, D] and an optional 8-bit memory
+// mem_k / mem_v [B, M, H, D], mem_k_scale / mem_v_scale [B, M, H] (any strides, last dimension
+// contiguous: the K/V cache's seq-first rows as transposed views), r row
+// r_first_distance - (Lk - 1 - j) serving key j (default: row j), causal, keys before
+// Lk - 1 - window_left dropped. Returns [B, 1, H, D].
+at::Tensor rel_attn_decode_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& r, const at::Tensor& u, const at::Tensor& vb,
+                               double scale, int64_t window_left,
+                               const std::optional<at::Tensor>& mem_k,
+                               const std::optional<at::Tensor>& mem_k_scale,
+                               const std::optional<at::Tensor>& mem_v,
+                               const std::optional<at::Tensor>& mem_v_scale,
+                               std::optional<int64_t> r_first_distance) {
+  TORCH_CHECK_VALUE(q.dim() == 4 && q.size(1) == 1, "rel_attn_decode: q must be [B, 1, H, D] "
+                    "(one query row), got ", q.sizes());
+  TORCH_CHECK_VALUE(k.dim() == 4 && v.dim() == 4, "rel_attn_decode: k and v must be "
+                    "[B, Lc, H, D], got ", k.sizes(), " and ", v.sizes());
+  const int64_t M = mem_k.has_value() ? mem_k->size(1) : 0;
+  const int64_t Lk = M + k.size(1);
+  TORCH_CHECK_VALUE(Lk >= 1, "rel_attn_decode: no key (Lc = 0 and no memory)");
+  const int64_t lo = window_left < 0 ? 0 : std::max<int64_t>(0, Lk - 1 - window_left);
+  const int64_t shift = r_first_distance.has_value() ? *r_first_distance - (Lk - 1) : 0;
+  TORCH_CHECK_VALUE(lo + shift >= 0 && Lk - 1 + shift < r.size(0), "rel_attn_decode: r has ",
+                    r.size(0), " rows and r_first_distance=",
+                    r_first_distance.has_value() ? std::to_string(*r_first_distance) : "None",
+                    ", but the allowed keys (Lk=", Lk, ", window_left=", window_left,
+                    ") need rows ", lo + shift, "..", Lk - 1 + shift);
+  // the kernel reads row j for key j in [lo, Lk): r's rows from shift on (rows before lo that
+  // do not exist are zeros it never reads)
+  at::Tensor rows = r;
+  if (shift > 0 || r.size(0) != Lk) {
+    rows = shift >= 0 ? r.narrow(0, shift, Lk)
+                      : at::cat({r.new_zeros({-shift, r.size(1), r.size(2)}),
+                                 r.narrow(0, 0, Lk + shift)});
+  }
+  auto seq_first = [](const std::optional<at::Tensor>& t) -> std::optional<at::Tensor> {
+    if (!t.has_value()) return std::nullopt;
+    return t->transpose(0, 1);
+  };
+  return decode_attention(q.select(1, 0), k.transpose(0, 1), v.transpose(0, 1), rows, u, vb,
+                          scale, lo, seq_first(mem_k), seq_first(mem_k_scale), seq_first(mem_v),
+                          seq_first(mem_v_scale))
+      .unsqueeze(1);
 }
 
+}  // namespace txl_kernels
+
 TORCH_LIBRARY_IMPL(txl_kernels, CPU, m) {
-  m.impl("decode_attention", &txl_kernels::decode_attention);
+  m.impl("rel_attn_decode", &txl_kernels::rel_attn_decode_cpu);
 }

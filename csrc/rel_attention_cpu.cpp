@@ -9,6 +9,7 @@
 //   txl_kernels::rel_attn_bwd(dout, q, k, v, r, r_w_bias, r_r_bias, out, lse, scale, wl, wr,
 //       kpm?, mask?, band?, deterministic, p, seed?, r_first_distance?)
 //       -> (dq, dk, dv, dr, dr_w_bias, dr_r_bias)   (always deterministic here)
+//   txl_kernels::rel_attn_decode: its CPU kernel is in decode_attention.cpp
 //
 // Forward, per (batch, head, query block [i0, i0 + m)), over the key tiles [j0, j0 + n) that
 // the window / band leaves: AC = (q + u) K^T is one GEMM; BD needs r rows p = j - i + c
@@ -1838,6 +1839,10 @@ const char* const kRelAttnSchemas[] = {
     "Tensor? attn_mask_band=None, bool deterministic=True, float dropout_p=0., "
     "Tensor? dropout_seed=None, int? r_first_distance=None) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "rel_attn_decode(Tensor q, Tensor k, Tensor v, Tensor r, Tensor r_w_bias, "
+    "Tensor r_r_bias, float softmax_scale, int window_left=-1, Tensor? mem_k=None, "
+    "Tensor? mem_k_scale=None, Tensor? mem_v=None, Tensor? mem_v_scale=None, "
+    "int? r_first_distance=None) -> Tensor",
 };
 
 struct DefineRelAttnOps {

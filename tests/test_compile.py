@@ -211,19 +211,19 @@ def test_autocast_same_dtype_on_both_backends(dtype):
 # implementations are in txl_kernels/_cpp_ops.py.
 
 def _decode_case(B=2, H=2, D=8, lc=5, m=0, qdtype=torch.int8, seed=0):
-    """decode_attention's arguments: q [B, H, D], seq-first k / v [Lc, B, H, D] (strided views
-    of the cache's [Lc, B, H * D] rows), r [M + Lc, H, D], u / vb [H, D], an optional 8-bit
-    memory of M rows."""
+    """rel_attn_decode's arguments: q [B, 1, H, D], k / v [B, Lc, H, D] (strided views of the
+    cache's seq-first [Lc, B, H * D] rows), r [M + Lc, H, D], u / vb [H, D], window_left 2 (of
+    the keys the window keeps), an optional 8-bit memory of M rows [B, M, ...]."""
     from txl_kernels import quantize_kv
 
     g = torch.Generator().manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     kv = rnd(lc, B, 2 * H * D)
     k, v = kv[..., :H * D].view(lc, B, H, D), kv[..., H * D:].view(lc, B, H, D)
-    args = [rnd(B, H, D), k, v, rnd(m + lc, H, D), rnd(H, D), rnd(H, D), D ** -0.5, 1]
+    args = [rnd(B, 1, H, D), k.transpose(0, 1), v.transpose(0, 1), rnd(m + lc, H, D),
+            rnd(H, D), rnd(H, D), D ** -0.5, 2]
     if m:
-        mem = quantize_kv(rnd(B, m, H, D), rnd(B, m, H, D), qdtype, torch.float16)
-        args += [t.transpose(0, 1) for t in mem]  # seq-first [M, B, ...] views
+        args += list(quantize_kv(rnd(B, m, H, D), rnd(B, m, H, D), qdtype, torch.float16))
     return tuple(args)
 
 
@@ -261,9 +261,9 @@ def _cpp_op_cases():
         "kv_cache_quantize_append_fp8": ("kv_cache_quantize_append", (
             srcs[:1], [torch.zeros(4, 2, 16, dtype=torch.float8_e4m3fn)],
             [torch.zeros(4, 2, 2, dtype=torch.float16)], 1, 2)),
-        "decode_attention": ("decode_attention", _decode_case()),
-        "decode_attention_8bit_memory": ("decode_attention", _decode_case(m=4)),
-        "decode_attention_fp64": ("decode_attention",
+        "rel_attn_decode": ("rel_attn_decode", _decode_case()),
+        "rel_attn_decode_8bit_memory": ("rel_attn_decode", _decode_case(m=4)),
+        "rel_attn_decode_fp64": ("rel_attn_decode",
                                   tuple(a.double() if isinstance(a, torch.Tensor) else a
                                         for a in _decode_case(D=5))),
         "decode_layer": ("decode_layer", _decode_layer_case()),
@@ -292,7 +292,7 @@ def test_cpp_ops_are_registered_with_their_schemas(extension):
     """The five ops are in the txl_kernels namespace, with a CPU kernel and a Meta (fake)
     kernel each; the buffers the cache ops and the decode layer write are marked mutable."""
     for name in ("update_mems", "kv_cache_compact", "kv_cache_quantize_append",
-                 "decode_attention", "decode_layer"):
+                 "rel_attn_decode", "decode_layer"):
         op = getattr(torch.ops.txl_kernels, name).default
         for key in ("CPU", "Meta"):
             assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key), (name, key)
@@ -300,7 +300,7 @@ def test_cpp_ops_are_registered_with_their_schemas(extension):
     assert "Tensor(a!)[] bufs" in schema("kv_cache_compact")
     assert "Tensor(a!)[] data_bufs" in schema("kv_cache_quantize_append")
     assert "Tensor(a!) keys" in schema("decode_layer")
-    assert "!" not in schema("update_mems") and "!" not in schema("decode_attention")
+    assert "!" not in schema("update_mems") and "!" not in schema("rel_attn_decode")
 
 
 @pytest.mark.parametrize("cache_dtype", [None, torch.int8])

@@ -140,7 +140,12 @@ def _decode_inputs(Lc, M=0, seed=9, dtype=torch.float64):
 def test_decode_attention_never_reads_slots_before_its_window(value, dtype, cpu_isa):
     (q, k, v, r, u, vb), mem = _decode_inputs(7, M=4, dtype=dtype)
     lo = 6  # keys 0..5 excluded: memory rows 0..3 and cache rows 0..1
-    attend = torch.ops.txl_kernels.decode_attention
+
+    def attend(q, k, v, r, u, vb, scale, lo, *mem):  # in the cache's seq-first layout
+        lk = r.shape[0]
+        return torch.ops.txl_kernels.rel_attn_decode(
+            q[:, None], k.transpose(0, 1), v.transpose(0, 1), r, u, vb, scale, lk - 1 - lo,
+            *(t.transpose(0, 1) for t in mem))[:, 0]
     want = attend(q, k, v, r, u, vb, 0.3, lo, *mem)
     kb, vb_, rb = k.clone(), v.clone(), r.clone()
     kb[:2], vb_[:2], rb[:lo] = value, value, value

@@ -800,31 +800,31 @@ def test_decode_extension_rejects_bad_input():
     from txl_kernels import _build
     ext = _build.load_extension()
     assert ext is not None, _build.extension_status()["reason"]
-    attend = torch.ops.txl_kernels.decode_attention
-    q, k, r, u = torch.randn(1, 2, 8), torch.randn(5, 1, 2, 8), torch.randn(5, 2, 8), \
+    attend = torch.ops.txl_kernels.rel_attn_decode
+    q, k, r, u = torch.randn(1, 1, 2, 8), torch.randn(1, 5, 2, 8), torch.randn(5, 2, 8), \
         torch.randn(2, 8)
-    attend(q, k, k, r, u, u, 0.3, 0)  # fine
-    with pytest.raises(RuntimeError, match="r must be"):
-        attend(q, k, k, r[:4], u, u, 0.3, 0)
+    attend(q, k, k, r, u, u, 0.3)  # fine
+    with pytest.raises(ValueError, match="q must be \\[B, 1, H, D\\]"):
+        attend(q.expand(1, 2, 2, 8), k, k, r, u, u, 0.3)
+    with pytest.raises(ValueError, match="r has 4 rows"):
+        attend(q, k, k, r[:4], u, u, 0.3)
     with pytest.raises(RuntimeError, match="float32 or float64"):
-        attend(q.half(), k.half(), k.half(), r.half(), u.half(), u.half(), 0.3, 0)
+        attend(q.half(), k.half(), k.half(), r.half(), u.half(), u.half(), 0.3)
     with pytest.raises(RuntimeError, match="every tensor"):
-        attend(q, k.double(), k, r, u, u, 0.3, 0)
+        attend(q, k.double(), k, r, u, u, 0.3)
     with pytest.raises(RuntimeError, match="last dimension"):
-        attend(q, k, k.transpose(2, 3).contiguous().transpose(2, 3), r, u, u, 0.3, 0)
-    with pytest.raises(RuntimeError, match="lo must be"):
-        attend(q, k, k, r, u, u, 0.3, 5)
-    km, ks = torch.zeros(4, 1, 2, 8, dtype=torch.int8), torch.ones(4, 1, 2)
+        attend(q, k, k.transpose(2, 3).contiguous().transpose(2, 3), r, u, u, 0.3)
+    km, ks = torch.zeros(1, 4, 2, 8, dtype=torch.int8), torch.ones(1, 4, 2)
     r9 = torch.randn(9, 2, 8)
-    attend(q, k, k, r9, u, u, 0.3, 0, km, ks, km, ks)  # fine: 4 + 5 keys
+    attend(q, k, k, r9, u, u, 0.3, -1, km, ks, km, ks)  # fine: 4 + 5 keys
     with pytest.raises(RuntimeError, match="all of k_mem"):
-        attend(q, k, k, r9, u, u, 0.3, 0, km, ks)
+        attend(q, k, k, r9, u, u, 0.3, -1, km, ks)
     with pytest.raises(RuntimeError, match="int8 or float8_e4m3fn"):
-        attend(q, k, k, r9, u, u, 0.3, 0, km.float(), ks, km.float(), ks)
+        attend(q, k, k, r9, u, u, 0.3, -1, km.float(), ks, km.float(), ks)
     with pytest.raises(RuntimeError, match="v_scale must be"):
-        attend(q, k, k, r9, u, u, 0.3, 0, km, ks, km, ks[:3])
-    with pytest.raises(RuntimeError, match="r must be"):
-        attend(q, k, k, r, u, u, 0.3, 0, km, ks, km, ks)
+        attend(q, k, k, r9, u, u, 0.3, -1, km, ks, km, ks[:, :3])
+    with pytest.raises(ValueError, match="r has 5 rows"):
+        attend(q, k, k, r, u, u, 0.3, -1, km, ks, km, ks)
 
 
 @pytest.mark.parametrize("cfg,dtype,cache_dtype,untie_r", [

@@ -19,7 +19,7 @@ from txl_kernels.reference import rel_attention_reference
 from helpers import make_inputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OPS = ("rel_attn_fwd", "rel_attn_fwd.out", "rel_attn_bwd")
+OPS = ("rel_attn_fwd", "rel_attn_fwd.out", "rel_attn_bwd", "rel_attn_decode")
 
 
 def _run(code: str, **env) -> subprocess.CompletedProcess:
@@ -65,7 +65,7 @@ def test_the_library_alone_defines_the_same_schemas(extension):
         print("\\n".join(alone))
     """)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.split("\n")[:3] == [_schema(n) for n in OPS]
+    assert res.stdout.split("\n")[:len(OPS)] == [_schema(n) for n in OPS]
 
 
 def test_without_the_extension_the_cpu_key_runs_the_reference():
@@ -148,3 +148,32 @@ def test_interpreter_mode_runs_the_triton_kernels_on_cpu_tensors(extension, monk
     cpp, _ = _op.fwd_kernel(False)(*args)
     assert seen == [1]
     torch.testing.assert_close(tri, cpp, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window_left", [-1, 3])
+@pytest.mark.parametrize("first", [None, "more", "fewer"])
+def test_decode_op_equals_the_reference(extension, no_extension, window_left, first):
+    """rel_attn_decode's CPU kernel (the C++ one) and its reference fallback give the
+    reference's last row, with an 8-bit memory, a left window and r's row 0 at another
+    distance (the table has rows above the first key's, or lacks the window's dropped ones)."""
+    from txl_kernels import quantize_kv
+
+    g = torch.Generator().manual_seed(6)
+    rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    B, lc, M, H, D = 2, 5, 3, 2, 8
+    lk = M + lc
+    dist = {None: None, "more": lk + 1, "fewer": 3}[first]
+    if first == "fewer" and window_left < 0:
+        pytest.skip("without a window every key's row must exist")
+    rows = lk if dist is None else dist + 1
+    q, k, v, r, u, vb = rnd(B, 1, H, D), rnd(B, lc, H, D), rnd(B, lc, H, D), rnd(rows, H, D), \
+        rnd(H, D), rnd(H, D)
+    mem = quantize_kv(rnd(B, M, H, D), rnd(B, M, H, D), torch.int8, torch.float32)
+    args = (q, k, v, r, u, vb, 0.3, window_left, *mem, dist)
+    mk, mv = mem.dequantize(torch.float64)
+    want = rel_attention_reference(q, torch.cat([mk, k], 1), torch.cat([mv, v], 1), r, u, vb,
+                                   0.3, window_left, 0, r_first_distance=dist)
+    torch.testing.assert_close(_op.DECODE(*args), want, rtol=1e-12, atol=1e-12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        torch.testing.assert_close(_op._fallback_decode(*args), want, rtol=0, atol=0)

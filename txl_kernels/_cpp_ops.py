@@ -9,8 +9,6 @@ the extension that :mod:`txl_kernels._build` compiles registers them, and they a
     kv_cache_compact(Tensor(a!)[] bufs, int src, int n) -> ()
     kv_cache_quantize_append(Tensor[] srcs, Tensor(a!)[] data_bufs, Tensor(b!)[] scale_bufs,
                              int dst_row, int n_head) -> ()
-    decode_attention(q, k, v, r, u, vb, float scale, int lo, k_mem?, k_scale?, v_mem?,
-                     v_scale?) -> Tensor                                          (CPU only)
     decode_layer(x, weights..., Tensor(a!) keys, Tensor(b!) values, r, u, vb, scale, lo,
                  k_mem?, k_scale?, v_mem?, v_scale?) -> Tensor                    (CPU only)
     cpu_isa() -> str, cpu_isa_supported() -> str[], cpu_isa_override(str isa) -> str
@@ -142,14 +140,6 @@ def _kv_cache_quantize_append_fake(srcs: Sequence[torch.Tensor],
     return None
 
 
-def _decode_attention_fake(q, k, v, r, u, vb, scale: float, lo: int,
-                           k_mem: Optional[torch.Tensor] = None,
-                           k_scale: Optional[torch.Tensor] = None,
-                           v_mem: Optional[torch.Tensor] = None,
-                           v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return q.new_empty(q.shape)  # [B, H, D], contiguous
-
-
 def _decode_layer_fake(x, qkv_w, o_w, ln1_w, ln1_b, eps1, ff1_w, ff1_b, ff2_w, ff2_b, ln2_w,
                        ln2_b, eps2, pre_lnorm, keys, values, r, u, vb, scale, lo, k_mem=None,
                        k_scale=None, v_mem=None, v_scale=None) -> torch.Tensor:
@@ -161,7 +151,6 @@ def _register_fakes() -> None:
     for name, fake in (("update_mems", _update_mems_fake),
                        ("kv_cache_compact", _kv_cache_compact_fake),
                        ("kv_cache_quantize_append", _kv_cache_quantize_append_fake),
-                       ("decode_attention", _decode_attention_fake),
                        ("decode_layer", _decode_layer_fake)):
         if hasattr(torch.ops.txl_kernels, name):  # a build without the op: nothing to fake
             torch.library.register_fake(f"txl_kernels::{name}", fake)

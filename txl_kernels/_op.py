@@ -1,26 +1,31 @@
-"""The attention operator: one schema per direction, a kernel per dispatch key, one autograd.
+"""The attention operators: one schema per direction, a kernel per dispatch key, one autograd.
 
 ``txl_kernels::rel_attn_fwd`` (-> out, lse), its ``.out`` overload (the result written into a
-given tensor, which may be q; -> lse) and ``txl_kernels::rel_attn_bwd`` (-> dq, dk, dv, dr,
-dr_w_bias, dr_r_bias), defined here on import (and by the C++ extension where a process loads
-it without this package), with a kernel per dispatch key, as PyTorch's own ops:
+given tensor, which may be q; -> lse), ``txl_kernels::rel_attn_bwd`` (-> dq, dk, dv, dr,
+dr_w_bias, dr_r_bias) and the decoding step ``txl_kernels::rel_attn_decode`` (one query row
+against cached keys, inference), defined here on import (and by the C++ extension where a
+process loads it without this package), each with a kernel per dispatch key, as PyTorch's own
+ops:
 
-- ``CPU``: the C++ kernel (``csrc/rel_attention_cpu.cpp``), registered by the extension when it
-  loads (it is built on first use);
-- ``CUDA``: the Triton kernels (``ops/rel_attn_fwd.py``, ``ops/rel_attn_bwd.py``);
+- ``CPU``: the C++ kernels (``csrc/rel_attention_cpu.cpp``, ``csrc/decode_attention.cpp``),
+  registered by the extension when it loads (it is built on first use);
+- ``CUDA``: the Triton kernels (``ops/rel_attn_fwd.py``, ``ops/rel_attn_bwd.py``,
+  ``ops/rel_attn_decode.py``);
 - ``CompositeExplicitAutograd``: what runs where neither is registered yet: on CPU tensors it
   loads the extension and runs its kernel, or, where the extension cannot be built, the
   reference (``reference.py``) after the extension's one-time warning; on other devices the
   reference;
 - ``Meta``: the fake implementations (output shapes, for ``torch.compile``, ``torch.export`` and
   ``opcheck``);
-- ``Autograd``: one registration, whose backward is ``rel_attn_bwd`` (deterministic).
+- ``Autograd``: one registration (the forward's), whose backward is ``rel_attn_bwd``
+  (deterministic).
 
 :func:`rel_attn_func` is the call ``rel_attention`` makes on validated, normalised arguments
 (Liger-Kernel's chain: ``_rel_attn_fwd_kernel`` -> ``rel_attn_fwd()`` launcher -> this op ->
 :func:`rel_attn_func` -> ``txl_kernels.rel_attention()`` -> ``FusedRelAttention``). Its
 ``interpreter=True`` runs the Triton kernels on CPU tensors under ``TRITON_INTERPRET=1`` (the
-kernels' tests) by calling the CUDA key's functions directly, through the same autograd.
+kernels' tests): the op with a dispatch mode that sends it to the CUDA key's functions
+(:func:`fwd_kernel`), through the same autograd.
 
 8-bit memory (``txl_kernels.quant.QuantizedKV``): the forward takes its four tensors as
 optional arguments (``mem_k``, ``mem_k_scale``, ``mem_v``, ``mem_v_scale``), so compile and
@@ -38,8 +43,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._utils import draw_dropout_seed, last_dim_contiguous, no_second_derivative
 from .quant import QuantizedKV
 
-__all__ = ["rel_attn_func", "fwd_kernel",
-           "bwd_kernel", "FWD", "FWD_OUT", "BWD"]
+__all__ = ["rel_attn_func", "fwd_kernel", "bwd_kernel", "decode_kernel", "FWD", "FWD_OUT", "BWD",
+           "DECODE"]
 
 _ARGS = ("Tensor q, Tensor k, Tensor v, Tensor r, Tensor r_w_bias, Tensor r_r_bias, "
          "float softmax_scale, int window_left, int window_right, "
@@ -58,6 +63,10 @@ SCHEMAS = {
                      "bool deterministic=True, float dropout_p=0., Tensor? dropout_seed=None, "
                      "int? r_first_distance=None) "
                      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"),
+    "rel_attn_decode": ("(Tensor q, Tensor k, Tensor v, Tensor r, Tensor r_w_bias, "
+                        "Tensor r_r_bias, float softmax_scale, int window_left=-1, "
+                        "Tensor? mem_k=None, Tensor? mem_k_scale=None, Tensor? mem_v=None, "
+                        "Tensor? mem_v_scale=None, int? r_first_distance=None) -> Tensor"),
 }
 _N_FWD_ARGS = 19
 
@@ -80,6 +89,7 @@ for _name, _schema in SCHEMAS.items():
 FWD = torch.ops.txl_kernels.rel_attn_fwd.default
 FWD_OUT = torch.ops.txl_kernels.rel_attn_fwd.out
 BWD = torch.ops.txl_kernels.rel_attn_bwd.default
+DECODE = torch.ops.txl_kernels.rel_attn_decode.default
 
 
 # ------------------------------------------------------------------------- helpers
@@ -145,6 +155,18 @@ def _triton_fwd_out(*args, out):
 
 
 _LIB.impl("rel_attn_fwd.out", _triton_fwd_out, "CUDA")
+
+
+def _triton_decode(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left=-1, mem_k=None,
+                   mem_k_scale=None, mem_v=None, mem_v_scale=None, r_first_distance=None):
+    from .ops.rel_attn_decode import rel_attn_decode  # imports triton
+
+    return rel_attn_decode(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left,
+                           memory=_memory(mem_k, mem_k_scale, mem_v, mem_v_scale),
+                           r_first_distance=r_first_distance)
+
+
+_LIB.impl("rel_attn_decode", _triton_decode, "CUDA")
 
 
 # ------------------------------------- CompositeExplicitAutograd: load the C++ kernel, or the reference
@@ -225,6 +247,21 @@ def _fallback_bwd(dout, q, k, v, r, r_w_bias, r_r_bias, out, lse, softmax_scale,
     return tuple(g.contiguous() for g in grads)
 
 
+def _fallback_decode(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left=-1,
+                     mem_k=None, mem_k_scale=None, mem_v=None, mem_v_scale=None,
+                     r_first_distance=None):
+    args = (q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, mem_k, mem_k_scale,
+            mem_v, mem_v_scale, r_first_distance)
+    if _cpu_kernel_ready("rel_attn_decode", q):
+        return DECODE(*args)
+    # the reference's causal attention of the one row (row j of r serves key j by default)
+    out, _ = _reference_fwd(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, 0,
+                            mem_k=mem_k, mem_k_scale=mem_k_scale, mem_v=mem_v,
+                            mem_v_scale=mem_v_scale, r_first_distance=r_first_distance)
+    return out
+
+
+_LIB.impl("rel_attn_decode", _fallback_decode, "CompositeExplicitAutograd")
 _LIB.impl("rel_attn_fwd", _fallback_fwd, "CompositeExplicitAutograd")
 _LIB.impl("rel_attn_fwd.out", _fallback_fwd_out, "CompositeExplicitAutograd")
 _LIB.impl("rel_attn_bwd", _fallback_bwd, "CompositeExplicitAutograd")
@@ -259,6 +296,12 @@ def _bwd_fake(dout, q, k, v, r, r_w_bias, r_r_bias, out, lse, softmax_scale, win
                  for t in (q, k, v, r, r_w_bias, r_r_bias))
 
 
+@torch.library.register_fake("txl_kernels::rel_attn_decode", lib=_LIB)
+def _decode_fake(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left=-1, mem_k=None,
+                 mem_k_scale=None, mem_v=None, mem_v_scale=None, r_first_distance=None):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
 # ------------------------------------------------------------------- Autograd: one definition
 
 class _TritonInterpreter(TorchDispatchMode):
@@ -267,7 +310,8 @@ class _TritonInterpreter(TorchDispatchMode):
     kernel. A dispatch mode acts at the Python key, below autograd and torch.func's
     transforms, so the kernels get plain tensors as the CUDA key's would."""
 
-    KERNELS = {FWD: "_triton_fwd", FWD_OUT: "_triton_fwd_out", BWD: "_triton_bwd"}
+    KERNELS = {FWD: "_triton_fwd", FWD_OUT: "_triton_fwd_out", BWD: "_triton_bwd",
+               DECODE: "_triton_decode"}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = self.KERNELS.get(func)
@@ -307,6 +351,14 @@ def bwd_kernel(interpreter: bool = False):
     if interpreter and not torch.compiler.is_dynamo_compiling():
         return _interpreted(BWD)
     return BWD
+
+
+def decode_kernel(interpreter: bool = False):
+    """The decoding step (``txl_kernels::rel_attn_decode``, inference) beside
+    :func:`fwd_kernel`."""
+    if interpreter and not torch.compiler.is_dynamo_compiling():
+        return _interpreted(DECODE)
+    return DECODE
 
 
 def _save(ctx, inputs, out, lse, deterministic: bool, interpreter: bool) -> None:

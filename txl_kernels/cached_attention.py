@@ -22,6 +22,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from ._cpp_ops import use_extension
+from ._op import DECODE, decode_kernel
 from ._utils import FUSED_DTYPES
 from .functional import fused_available, rel_attention
 from .quant import QuantizedKV
@@ -87,10 +88,9 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch
     route = cached_attention_route(q.shape[1], q.dtype, q.device, backend=backend,
                                    dropout_p=dropout_p)
     rest = (r, r_w_bias, r_r_bias, softmax_scale)
-    if route == "triton_decode":
-        from .ops.rel_attn_decode import rel_attn_decode  # imports triton
-
-        return rel_attn_decode(q, k, v, *rest, window_size[0], memory=memory)
+    if route == "triton_decode":  # the op's Triton kernel (under the interpreter on CPU)
+        mem = () if memory is None else tuple(memory)
+        return decode_kernel(q.device.type == "cpu")(q, k, v, *rest, window_size[0], *mem)
     if route == "cpu_decode":
         return decode_attention_cpu(q, k, v, *rest, window_size[0], work, extension_backend,
                                     memory=memory, full_kv=full_kv)
@@ -110,7 +110,7 @@ def _full_kv(full_kv: Optional[Callable]):
 
 
 def use_cpu_decode_op(op: str, x: torch.Tensor, extension_backend: str) -> bool:
-    """Whether the CPU decode step runs the C++ extension's ``op`` ("decode_attention", or
+    """Whether the CPU decode step runs the C++ extension's ``op`` ("rel_attn_decode", or
     "decode_layer", a whole layer) for ``x``: CPU fp32 / fp64 tensors, ``extension_backend``
     not "torch" and the op available (``use_extension``: "auto" warns once where it is not,
     "extension" raises)."""
@@ -119,8 +119,8 @@ def use_cpu_decode_op(op: str, x: torch.Tensor, extension_backend: str) -> bool:
 
 
 def decode_extension_args(memory: Optional[QuantizedKV], n_rows: int, window_left: int):
-    """(lo, 8-bit memory arguments) of the C++ decode ops for ``n_rows`` cached rows after an
-    optional 8-bit ``memory``: the first key the left window keeps (0 without a window) and
+    """(lo, 8-bit memory arguments) of the C++ ``decode_layer`` op for ``n_rows`` cached rows
+    after an optional 8-bit ``memory``: the first key the left window keeps (0 without a window) and
     the memory's four tensors seq-first ``[M, B, ...]`` (none without one)."""
     lk = (0 if memory is None else memory.mlen) + n_rows
     lo = 0 if window_left < 0 else max(0, lk - 1 - window_left)
@@ -130,8 +130,8 @@ def decode_extension_args(memory: Optional[QuantizedKV], n_rows: int, window_lef
 def decode_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale: float,
                          window_left: int = -1, work=None, extension_backend: str = "auto",
                          memory: Optional[QuantizedKV] = None, full_kv=None):
-    """:func:`decode_attention_torch`'s contract, for CPUs: the C++ extension's
-    ``decode_attention`` (one pass over the cached rows per product, no key-sized temporary;
+    """:func:`decode_attention_torch`'s contract, for CPUs: the C++ kernel of
+    ``txl_kernels::rel_attn_decode`` (one pass over the cached rows per product, no key-sized temporary;
     fp32 / fp64 CPU tensors) where :func:`use_cpu_decode_op` allows it, else
     :func:`decode_attention_torch` with ``work(0, n)`` as its scratch.
 
@@ -140,12 +140,9 @@ def decode_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale: float,
     dequantises them in registers; the torch fallback takes the full keys / values
     ``[B, M + Lk, H, D]`` from ``full_kv()`` (the cache dequantises into its work buffers)."""
     lk = (0 if memory is None else memory.mlen) + k.shape[1]
-    if lk > 0 and use_cpu_decode_op("decode_attention", q, extension_backend):
-        lo, mem = decode_extension_args(memory, k.shape[1], window_left)
-        out = torch.ops.txl_kernels.decode_attention(
-            q[:, 0], k.transpose(0, 1), v.transpose(0, 1), r, r_w_bias, r_r_bias,
-            float(softmax_scale), lo, *mem)
-        return out[:, None]
+    if lk > 0 and use_cpu_decode_op("rel_attn_decode", q, extension_backend):
+        mem = () if memory is None else tuple(memory)
+        return DECODE(q, k, v, r, r_w_bias, r_r_bias, float(softmax_scale), window_left, *mem)
     if memory is not None:
         k, v = _full_kv(full_kv)
     scratch = None if work is None else work(0, k.numel())
