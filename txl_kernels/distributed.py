@@ -36,10 +36,10 @@ from torch import Tensor
 from ._export import refuse_context_parallel
 from ._block_ops import KernelOps, merge_block
 from ._utils import (FUSED_DTYPES, FUSED_MAX_HEADDIM, FUSED_MIN_HEADDIM, check_same,
-                     interpreting, no_interpreter_reason)
+                     draw_dropout_seed, interpreting, no_interpreter_reason)
 from .functional import (BACKENDS, check_deterministic, check_dropout_p, check_padding_mask,
                          check_position_rows, check_softmax_scale, check_tensor, check_window,
-                         clamp_window, fused_available)
+                         clamp_window, fused_available, scale_sign)
 from .reference import finite_or_zero, in_window, rel_shift, row_poison
 
 __all__ = ["context_parallel_rel_attention", "shard_sequence", "unshard_sequence",
@@ -688,7 +688,6 @@ def context_parallel_rel_attention(
     seed = None
     if dropout_p > 0.0:
         if dropout_seed is None:
-            from .ops._common import draw_dropout_seed
             seed = draw_dropout_seed(q.device)
             dist.broadcast(seed, src=dist.get_global_rank(ring.group, 0), group=ring.group)
         else:
@@ -700,10 +699,7 @@ def context_parallel_rel_attention(
         q, k, v, r, r_w_bias, r_r_bias = (t if t.stride(-1) == 1 else t.contiguous()
                                           for t in (q, k, v, r, r_w_bias, r_r_bias))
     if chosen == "triton" and scale <= 0.0:
-        # The fused forward needs scale > 0; the scores are linear in (q, r_w_bias,
-        # r_r_bias), so the sign goes into those three (as rel_attention does).
-        sign = -1.0 if scale < 0.0 else 0.0
+        sign, scale = scale_sign(scale)
         q, r_w_bias, r_r_bias = (t * sign for t in (q, r_w_bias, r_r_bias))
-        scale = -scale if scale < 0.0 else 1.0
     return _ContextParallelRelAttn.apply(q, k, v, r, r_w_bias, r_r_bias, kpm, scale, wl, wr,
                                          prob, ring, drop, ops)

@@ -676,15 +676,10 @@ def _dispatch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask, 
         check_jit_recordable("rel_attention", dropout_p)
 
         if softmax_scale <= 0.0:
-            # The fused forward's online softmax scales the running maximum of the raw scores,
-            # which needs scale > 0. The scores are linear in (q, r_w_bias, r_r_bias), so
-            # scale * S(q, u, vb) = |scale| * S(-q, -u, -vb), and 0 * S = 1 * S(0, 0, 0); the
-            # sign goes into those three inputs (autograd carries it to their gradients).
-            sign = -1.0 if softmax_scale < 0.0 else 0.0
+            sign, softmax_scale = scale_sign(softmax_scale)
             if extra is not None:  # its scores are linear in extra_q
                 extra = (extra[0] * sign,) + extra[1:]
             q, r_w_bias, r_r_bias = (t * sign for t in (q, r_w_bias, r_r_bias))
-            softmax_scale = -softmax_scale if softmax_scale < 0.0 else 1.0
 
         if extra is not None:
             from ._extra_keys import rel_attention_extra_keys
@@ -698,6 +693,19 @@ def _dispatch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask, 
                                  interpreter=q.device.type == "cpu")
     return _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
                       attn_mask_band, float(dropout_p), memory, r_first_distance, extra)
+
+
+def scale_sign(softmax_scale: float) -> Tuple[float, float]:
+    """``(sign, scale)`` for the Triton forward, whose online softmax scales the running
+    maximum of the raw scores and so needs scale > 0: the scores are linear in (q, r_w_bias,
+    r_r_bias), so ``softmax_scale * S(q, u, vb) = scale * S(sign q, sign u, sign vb)`` with
+    ``scale = |softmax_scale|`` (and ``0 * S = 1 * S(0, 0, 0)``); the caller multiplies those
+    three inputs by ``sign`` (autograd carries it to their gradients)."""
+    if softmax_scale > 0.0:
+        return 1.0, softmax_scale
+    if softmax_scale < 0.0:
+        return -1.0, -softmax_scale
+    return 0.0, 1.0
 
 
 def _check_extra_keys(q, extra_q, extra_k, extra_v, memory, amp):
