@@ -516,6 +516,39 @@ def rel_attention(
         q, k, v, r, r_w_bias, r_r_bias = (t.to(amp) if t.dtype in FUSED_DTYPES else t
                                           for t in (q, k, v, r, r_w_bias, r_r_bias))
     extra = _check_extra_keys(q, extra_q, extra_k, extra_v, memory, amp)
+    Lq, D = q.shape[1], q.shape[3]
+    Lk = _validate_shapes(q, k, v, r, r_w_bias, r_r_bias, memory)
+    softmax_scale = check_softmax_scale(softmax_scale, D)
+    check_dropout_p(dropout_p)
+    check_deterministic(deterministic)
+    if backend not in BACKENDS:
+        raise ValueError(f"rel_attention: backend must be one of {BACKENDS}, got {backend!r}")
+    r_first_distance = check_r_first_distance(r_first_distance)
+
+    wl, wr, kpm, mask = _normalize_masks(q, Lk, causal, window_size, key_padding_mask, attn_mask)
+    if attn_mask_band is not None:
+        _validate_band(attn_mask_band, attn_mask, mask, q, Lk)
+    else:
+        check_position_rows(Lq, Lk, r.shape[0], wl, wr, r_first_distance)
+    if r_first_distance is not None:
+        r_first_distance = clamp_first_distance(Lq, Lk, r.shape[0], r_first_distance)
+    if out is None:
+        return _dispatch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
+                         attn_mask, attn_mask_band, dropout_p, backend, deterministic, memory,
+                         r_first_distance, extra)
+    inputs = (q, k, v, r, r_w_bias, r_r_bias) + (() if extra is None else tuple(extra))
+    _check_out(out, q, inputs)
+    res = _dispatch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
+                    attn_mask, attn_mask_band, dropout_p, backend, deterministic, memory,
+                    r_first_distance, extra, out=_in_place_out(out, q, inputs))
+    if res is not out:
+        out.copy_(res)
+    return out
+
+
+def _validate_shapes(q, k, v, r, r_w_bias, r_r_bias, memory) -> int:
+    """rel_attention's tensors checked against q's ``[B, Lq, H, D]`` (one dtype and device,
+    no empty dimension, ``Lk >= Lq``); returns ``Lk`` (memory rows included)."""
     B, Lq, H, D = q.shape
     mlen = 0 if memory is None else _check_memory(memory, q)
     Lk = mlen + k.shape[1]
@@ -541,45 +574,27 @@ def rel_attention(
         if tuple(t.shape) != (H, D):
             raise ValueError(f"rel_attention: {name} must be [H, D] = [{H}, {D}], "
                              f"got {list(t.shape)}")
-    softmax_scale = check_softmax_scale(softmax_scale, D)
-    check_dropout_p(dropout_p)
-    check_deterministic(deterministic)
-    if backend not in BACKENDS:
-        raise ValueError(f"rel_attention: backend must be one of {BACKENDS}, got {backend!r}")
-    r_first_distance = check_r_first_distance(r_first_distance)
+    return Lk
 
-    wl, wr, kpm, mask = _normalize_masks(q, Lk, causal, window_size, key_padding_mask, attn_mask)
-    if attn_mask_band is not None:
-        if mask is None:
-            raise ValueError("rel_attention: attn_mask_band needs attn_mask")
-        if not isinstance(attn_mask_band, torch.Tensor) or attn_mask_band.dtype != torch.int32 \
-                or tuple(attn_mask_band.shape) != (3,):
-            raise TypeError(f"rel_attention: attn_mask_band must be the int32 [3] tensor of "
-                            f"mask_to_band(attn_mask), got {attn_mask_band!r:.80}")
-        check_same("rel_attention", "attn_mask_band", attn_mask_band, "q", q, dtype=False)
-        # mask_to_band reads the mask's last two dims as [Lq, Lk]: a mask broadcast over the
-        # queries or keys would give the band of other distances (a different result).
-        if attn_mask.dim() < 2 or tuple(attn_mask.shape[-2:]) != (Lq, Lk):
-            raise ValueError(f"rel_attention: attn_mask_band needs an attn_mask whose last two "
-                             f"dims are [Lq, Lk] = {[Lq, Lk]} (mask_to_band reads them as "
-                             f"query and key positions), got attn_mask "
-                             f"{list(attn_mask.shape)}; pass that mask without attn_mask_band")
-    else:
-        check_position_rows(Lq, Lk, r.shape[0], wl, wr, r_first_distance)
-    if r_first_distance is not None:
-        r_first_distance = clamp_first_distance(Lq, Lk, r.shape[0], r_first_distance)
-    if out is None:
-        return _dispatch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                         attn_mask, attn_mask_band, dropout_p, backend, deterministic, memory,
-                         r_first_distance, extra)
-    inputs = (q, k, v, r, r_w_bias, r_r_bias) + (() if extra is None else tuple(extra))
-    _check_out(out, q, inputs)
-    res = _dispatch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                    attn_mask, attn_mask_band, dropout_p, backend, deterministic, memory,
-                    r_first_distance, extra, out=_in_place_out(out, q, inputs))
-    if res is not out:
-        out.copy_(res)
-    return out
+
+def _validate_band(attn_mask_band, attn_mask, mask, q, Lk: int) -> None:
+    """rel_attention's ``attn_mask_band``: the int32 ``[3]`` of ``mask_to_band(attn_mask)`` on
+    q's device, with an ``attn_mask`` whose last two dims are ``[Lq, Lk]``."""
+    Lq = q.shape[1]
+    if mask is None:
+        raise ValueError("rel_attention: attn_mask_band needs attn_mask")
+    if not isinstance(attn_mask_band, torch.Tensor) or attn_mask_band.dtype != torch.int32 \
+            or tuple(attn_mask_band.shape) != (3,):
+        raise TypeError(f"rel_attention: attn_mask_band must be the int32 [3] tensor of "
+                        f"mask_to_band(attn_mask), got {attn_mask_band!r:.80}")
+    check_same("rel_attention", "attn_mask_band", attn_mask_band, "q", q, dtype=False)
+    # mask_to_band reads the mask's last two dims as [Lq, Lk]: a mask broadcast over the
+    # queries or keys would give the band of other distances (a different result).
+    if attn_mask.dim() < 2 or tuple(attn_mask.shape[-2:]) != (Lq, Lk):
+        raise ValueError(f"rel_attention: attn_mask_band needs an attn_mask whose last two "
+                         f"dims are [Lq, Lk] = {[Lq, Lk]} (mask_to_band reads them as "
+                         f"query and key positions), got attn_mask "
+                         f"{list(attn_mask.shape)}; pass that mask without attn_mask_band")
 
 
 def _check_out(out, q: torch.Tensor, inputs) -> None:
