@@ -266,6 +266,24 @@ def excludes_pairs(window_left: int, window_right: int, key_padding_mask, attn_m
             or attn_mask is not None)
 
 
+def mask_operands(key_padding_mask, attn_mask, placeholder: torch.Tensor, full_shape):
+    """The kernels' mask arguments: the key padding mask ``[B, Lk]`` and the dense mask
+    (expanded to ``full_shape`` ``[B, H, Lq, Lk]``, any strides) as uint8 views with their
+    strides; ``placeholder`` and zero strides stand in for an absent one (unread: HAS_KPM /
+    HAS_MASK off). Returns (kpm, kpm_strides, am, am_strides)."""
+    if key_padding_mask is not None:
+        kpm = key_padding_mask.view(torch.uint8)
+        kpm_strides = (kpm.stride(0), kpm.stride(1))
+    else:
+        kpm, kpm_strides = placeholder, (0, 0)
+    if attn_mask is not None:
+        am = attn_mask.expand(*full_shape).view(torch.uint8)
+        am_strides = tuple(am.stride())
+    else:
+        am, am_strides = placeholder, (0, 0, 0, 0)
+    return kpm, kpm_strides, am, am_strides
+
+
 def autotune_enabled() -> bool:
     """GPU block sizes are autotuned unless TXL_KERNELS_AUTOTUNE=0 (read at each call) or
     the calling thread is inside ``default_configs()``."""

@@ -37,8 +37,9 @@ from ..reference import finite_or_zero
 from ._common import (INTERPRET, LOG2E, apply_mask_band, autotune_enabled, bias_operands,
                       descriptors_ok, dot_precision, dropout_keep, dropout_keep_scale,
                       dropout_threshold, ensure_scratch_allocator, excludes_pairs, interior_tiles,
-                      last_dim_contiguous, length_bucket, load_dropout_seed, operand_workspace,
-                      pair_mask, rotate_rows, round_bf16, store_bias_operands, tile_run, to_operand)
+                      last_dim_contiguous, length_bucket, load_dropout_seed, mask_operands,
+                      operand_workspace, pair_mask, rotate_rows, round_bf16, store_bias_operands,
+                      tile_run, to_operand)
 
 __all__ = ["rel_attn_bwd"]
 
@@ -1124,6 +1125,93 @@ def _launch(tuned, raw, grid, args, meta, config):
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
+def _check_bwd_args(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, key_padding_mask,
+                    attn_mask, dropout_p, dropout_seed) -> None:
+    """rel_attn_bwd's invariants (rel_attention validated the user's arguments)."""
+    B, Lq, H, D = q.shape
+    Lk, R_rows, dev = k.shape[1], r.shape[0], q.device
+    assert q.dtype in _TL_DTYPES and 16 <= D <= 256 and Lk >= Lq, f"rel_attn_bwd: q {describe(q)}"
+    for name, t, shape, dtype in (
+            ("do", do, (B, Lq, H, D), q.dtype), ("k", k, (B, Lk, H, D), q.dtype),
+            ("v", v, (B, Lk, H, D), q.dtype), ("r", r, (R_rows, H, D), q.dtype),
+            ("r_w_bias", r_w_bias, (H, D), q.dtype), ("r_r_bias", r_r_bias, (H, D), q.dtype),
+            ("out", out, (B, Lq, H, D), q.dtype), ("lse", lse, (B, H, Lq), torch.float32),
+            ("key_padding_mask", key_padding_mask, (B, Lk), torch.bool),
+            ("attn_mask", attn_mask, (B, H, Lq, Lk), torch.bool)):
+        assert t is None and name in ("key_padding_mask", "attn_mask") or (
+            tuple(t.shape) == shape and t.dtype == dtype and t.device == dev), \
+            f"rel_attn_bwd: {name} must be {list(shape)} {dtype} on {dev}, got {describe(t)}"
+    assert R_rows >= 1, f"rel_attn_bwd: r {describe(r)}"
+    assert dropout_p <= 0.0 or (dropout_seed is not None and dropout_seed.dtype == torch.int64
+                                and dropout_seed.numel() == 2 and dropout_seed.device == dev), \
+        f"rel_attn_bwd: dropout_seed must be int64 [2] on {dev}, got {describe(dropout_seed)}"
+
+
+def _bwd_configs(dtype, precision: str, block_d: int, Lq: int, Lk: int, family: str):
+    """The (dk/dv, dq, dr) kernels' launch configs: the interpreter's, the defaults (autotune
+    off), or None each (autotuned)."""
+    if INTERPRET:
+        return (INTERPRET_CONFIG,) * 3
+    if autotune_enabled():
+        return (None,) * 3
+    wide = dtype == torch.float32
+    exact = wide and precision == "ieee"
+    return tuple(_default_config(block_d, exact, wide, extra, Lq, Lk, family)
+                 for extra in (False, False, True))
+
+
+def _bwd_preprocess(do, q, r_w_bias, r_r_bias, out, q_only: bool, upcast: bool, block_d: int):
+    """delta = rowsum(dO * O) and the operands q + u and q + vb, rounded once (``q_only``: the
+    dk/dv kernel forms them from q tiles: no workspaces, q stands in). Returns (delta, a_op,
+    qv_op, the operands' (batch, head) strides)."""
+    B, Lq, H, D = q.shape
+    delta = torch.empty((B, H, Lq), device=q.device, dtype=torch.float32)
+    if q_only:
+        a_op = qv_op = q
+        w_strides = (0, q.stride(1))
+    else:
+        a_op, qv_op = (operand_workspace(B, H, Lq, D, q.dtype, upcast, q.device)
+                       for _ in range(2))
+        w_strides = a_op.stride()[:2]
+    pre_block = 16 if INTERPRET else 64
+    _rel_attn_bwd_preprocess_kernel[(B * H, triton.cdiv(Lq, pre_block))](
+        out, do, q, r_w_bias, r_r_bias, delta, a_op, qv_op,
+        out.stride(0), out.stride(1), out.stride(2),
+        do.stride(0), do.stride(1), do.stride(2),
+        q.stride(0), q.stride(1), q.stride(2),
+        r_w_bias.stride(0), r_r_bias.stride(0),
+        delta.stride(0), delta.stride(1), delta.stride(2),
+        *w_strides, H, Lq, D, UPCAST=upcast, BLOCK_M=pre_block, BLOCK_D=block_d,
+        OPERANDS=not q_only)
+    return delta, a_op, qv_op, w_strides
+
+
+def _atomic_buffers(q, Lk: int, R_rows: int, fused_dq: bool, ordered: bool,
+                    deterministic: bool):
+    """The fp32 accumulators the kernels add into with atomics: dr (fused dq, or not
+    deterministic; ``ordered``: one per batch, a fixed order per batch * head, summed by the
+    caller), dq (fused dq) and the dk/dv kernel's ATOMIC tuple (0 without fused dq). Returns
+    (dr_acc, dq_acc, atomics); None for a buffer not used."""
+    B, Lq, H, D = q.shape
+    dev = q.device
+    dr_acc = dq_acc = None
+    if fused_dq or not deterministic:
+        dr_acc = torch.zeros((B if ordered else 1, R_rows, H, D), device=dev,
+                             dtype=torch.float32)
+    if not fused_dq:
+        return dr_acc, dq_acc, 0  # ATOMIC off: the tuple is unused
+    dq_acc = torch.zeros((B, Lq, H, D), device=dev, dtype=torch.float32)
+    # ordered: each key tile's progress, per batch * head (sized for the smallest BLOCK);
+    # else unused (dq_acc stands in: no allocation on the default path)
+    sem_row = triton.cdiv(Lk, _MIN_BLOCK)
+    sems = (torch.zeros(B * H * sem_row, device=dev, dtype=torch.int32) if ordered
+            else dq_acc)
+    atomics = (dq_acc, _bmh(dq_acc), dr_acc,
+               (dr_acc.stride(0) if ordered else 0, dr_acc.stride(1), dr_acc.stride(2)),
+               sems, sem_row)
+    return dr_acc, dq_acc, atomics
+
+
 def rel_attn_bwd(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.Tensor,
     r_w_bias: torch.Tensor, r_r_bias: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -1150,22 +1238,12 @@ def rel_attn_bwd(
     (None: ``Lk - 1``), as in ``rel_attn_fwd``; dr has r's R rows. The arguments are
     validated by ``rel_attention``; here they are only asserted.
     """
+    _check_bwd_args(do, q, k, v, r, r_w_bias, r_r_bias, out, lse, key_padding_mask,
+                    attn_mask, dropout_p, dropout_seed)
     B, Lq, H, D = q.shape
     Lk = k.shape[1]
     R_rows = r.shape[0]
     dev = q.device
-    assert q.dtype in _TL_DTYPES and 16 <= D <= 256 and Lk >= Lq, f"rel_attn_bwd: q {describe(q)}"
-    for name, t, shape, dtype in (
-            ("do", do, (B, Lq, H, D), q.dtype), ("k", k, (B, Lk, H, D), q.dtype),
-            ("v", v, (B, Lk, H, D), q.dtype), ("r", r, (R_rows, H, D), q.dtype),
-            ("r_w_bias", r_w_bias, (H, D), q.dtype), ("r_r_bias", r_r_bias, (H, D), q.dtype),
-            ("out", out, (B, Lq, H, D), q.dtype), ("lse", lse, (B, H, Lq), torch.float32),
-            ("key_padding_mask", key_padding_mask, (B, Lk), torch.bool),
-            ("attn_mask", attn_mask, (B, H, Lq, Lk), torch.bool)):
-        assert t is None and name in ("key_padding_mask", "attn_mask") or (
-            tuple(t.shape) == shape and t.dtype == dtype and t.device == dev), \
-            f"rel_attn_bwd: {name} must be {list(shape)} {dtype} on {dev}, got {describe(t)}"
-    assert R_rows >= 1, f"rel_attn_bwd: r {describe(r)}"
     family = config_family(dev)[0]
     block_d = max(16, triton.next_power_of_2(D))
     r_shift = Lq - 1 if r_first_distance is None else int(r_first_distance) - Lk + Lq
@@ -1176,9 +1254,6 @@ def rel_attn_bwd(
     q_only = fused_dq and _q_only(family, block_d)
     deterministic = deterministic or not fits
     dropout = dropout_p > 0.0
-    assert not dropout or (dropout_seed is not None and dropout_seed.dtype == torch.int64
-                           and dropout_seed.numel() == 2 and dropout_seed.device == dev), \
-        f"rel_attn_bwd: dropout_seed must be int64 [2] on {dev}, got {describe(dropout_seed)}"
     # Non-finite entries of r, and of k / v where a mask can exclude a pair, as 0: excluded
     # pairs take part with exact zeros of P and dS in dP = dO V^T, dS K and dS r (and every
     # 2 BLOCK window of r holds a row none of its tile's pairs use, on mask-free tiles too);
@@ -1200,50 +1275,13 @@ def rel_attn_bwd(
     # The interpreter's bf16 dot is wrong (triton#11584): bf16 operands are rounded to bf16
     # (round to nearest) but kept in fp32 for tl.dot.
     upcast = q.dtype == torch.bfloat16 and INTERPRET
-    if upcast:
-        dot_dtype = tl.float32
-    else:
-        dot_dtype = _TL_DTYPES[q.dtype]
+    dot_dtype = tl.float32 if upcast else _TL_DTYPES[q.dtype]
     precision = dot_precision(q.dtype)
-    if INTERPRET:
-        configs = (INTERPRET_CONFIG,) * 3
-    elif not autotune_enabled():
-        wide = q.dtype == torch.float32
-        exact = wide and precision == "ieee"
-        configs = tuple(_default_config(block_d, exact, wide, extra, Lq, Lk, family)
-                        for extra in (False, False, True))
-    else:
-        configs = (None,) * 3
-
-    if key_padding_mask is not None:
-        kpm = key_padding_mask.view(torch.uint8)
-        kpm_strides = (kpm.stride(0), kpm.stride(1))
-    else:
-        kpm, kpm_strides = q, (0, 0)
-    if attn_mask is not None:
-        am = attn_mask.view(torch.uint8)
-        am_strides = tuple(am.stride())
-    else:
-        am, am_strides = q, (0, 0, 0, 0)
-
-    # delta = rowsum(dO * O); the operands q + u and q + vb, rounded once
-    delta = torch.empty((B, H, Lq), device=dev, dtype=torch.float32)
-    if q_only:  # the dk/dv kernel forms them from q tiles: no workspaces (q stands in)
-        a_op = qv_op = q
-        w_strides = (0, q.stride(1))
-    else:
-        a_op, qv_op = (operand_workspace(B, H, Lq, D, q.dtype, upcast, dev) for _ in range(2))
-        w_strides = a_op.stride()[:2]
-    pre_block = 16 if INTERPRET else 64
-    _rel_attn_bwd_preprocess_kernel[(B * H, triton.cdiv(Lq, pre_block))](
-        out, do, q, r_w_bias, r_r_bias, delta, a_op, qv_op,
-        out.stride(0), out.stride(1), out.stride(2),
-        do.stride(0), do.stride(1), do.stride(2),
-        q.stride(0), q.stride(1), q.stride(2),
-        r_w_bias.stride(0), r_r_bias.stride(0),
-        delta.stride(0), delta.stride(1), delta.stride(2),
-        *w_strides, H, Lq, D, UPCAST=upcast, BLOCK_M=pre_block, BLOCK_D=block_d,
-        OPERANDS=not q_only)
+    configs = _bwd_configs(q.dtype, precision, block_d, Lq, Lk, family)
+    kpm, kpm_strides, am, am_strides = mask_operands(key_padding_mask, attn_mask, q,
+                                                     (B, H, Lq, Lk))
+    delta, a_op, qv_op, w_strides = _bwd_preprocess(do, q, r_w_bias, r_r_bias, out, q_only,
+                                                    upcast, block_d)
 
     # The main kernels' shared arguments (see "Kernels" above for the tuples' layouts).
     inputs = (a_op, qv_op, k, v, r, do, lse, delta)
@@ -1271,21 +1309,7 @@ def rel_attn_bwd(
     # from the fp32 dq)
     du_part = torch.zeros((B, triton.cdiv(Lk, _MIN_BLOCK), H, D), device=dev,
                           dtype=torch.float32)
-    if fused_dq or not deterministic:
-        # ordered: one dr buffer per batch (a fixed order per batch * head), summed below
-        dr_acc = torch.zeros((B if ordered else 1, R_rows, H, D), device=dev,
-                             dtype=torch.float32)
-    atomics = 0  # unused without ATOMIC
-    if fused_dq:
-        dq_acc = torch.zeros((B, Lq, H, D), device=dev, dtype=torch.float32)
-        # ordered: each key tile's progress, per batch * head (sized for the smallest BLOCK);
-        # else unused (dq_acc stands in: no allocation on the default path)
-        sem_row = triton.cdiv(Lk, _MIN_BLOCK)
-        sems = (torch.zeros(B * H * sem_row, device=dev, dtype=torch.int32) if ordered
-                else dq_acc)
-        atomics = (dq_acc, _bmh(dq_acc), dr_acc,
-                   (dr_acc.stride(0) if ordered else 0, dr_acc.stride(1), dr_acc.stride(2)),
-                   sems, sem_row)
+    dr_acc, dq_acc, atomics = _atomic_buffers(q, Lk, R_rows, fused_dq, ordered, deterministic)
 
     # dk, dv (+ du partials; ATOMIC: + dq and dr by fp32 atomics): one program per key tile
     dk = torch.empty((B, Lk, H, D), device=dev, dtype=q.dtype)

@@ -45,8 +45,9 @@ from ._common import (INTERPRET, LOG2E, apply_mask_band, autotune_enabled, descr
                       dropout_keep_mask, dropout_keep_scale, dropout_rate, dropout_threshold,
                       ensure_scratch_allocator, excludes_pairs, interior_tiles, key_range,
                       last_dim_contiguous, length_bucket, load_bias_operands, load_dequant,
-                      load_dropout_seed, memory_bases, memory_launch_args, operand_workspace,
-                      pair_mask, rotate_rows, round_bf16, store_bias_operands, tile_run, to_operand)
+                      load_dropout_seed, mask_operands, memory_bases, memory_launch_args,
+                      operand_workspace, pair_mask, rotate_rows, round_bf16, store_bias_operands,
+                      tile_run, to_operand)
 
 __all__ = ["rel_attn_fwd", "choose_num_splits", "autotune_enabled", "draw_dropout_seed",
            "dropout_keep_mask", "dropout_rate", "dropout_keep_scale"]
@@ -829,15 +830,9 @@ def rel_attn_fwd(
     out = torch.empty((B, Lq, H, D), dtype=dtype, device=q.device)
     lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
 
-    has_kpm = key_padding_mask is not None
-    kpm = key_padding_mask.view(torch.uint8) if has_kpm else q
-    kpm_strides = tuple(kpm.stride()) if has_kpm else (0, 0)
-    has_mask = attn_mask is not None
-    if has_mask:
-        am = attn_mask.expand(B, H, Lq, Lk).view(torch.uint8)
-        am_strides = tuple(am.stride())
-    else:
-        am, am_strides = q, (0, 0, 0, 0)
+    has_kpm, has_mask = key_padding_mask is not None, attn_mask is not None
+    kpm, kpm_strides, am, am_strides = mask_operands(key_padding_mask, attn_mask, q,
+                                                     (B, H, Lq, Lk))
 
     dot_prec = dot_precision(dtype)
     exact_fp32 = dtype == torch.float32 and dot_prec == "ieee"
