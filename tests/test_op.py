@@ -177,3 +177,32 @@ def test_decode_op_equals_the_reference(extension, no_extension, window_left, fi
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         torch.testing.assert_close(_op._fallback_decode(*args), want, rtol=0, atol=0)
+
+
+def test_meta_key_gives_the_shapes():
+    """The fakes serve the Meta key: every op on meta tensors returns its outputs' shapes and
+    dtypes (fp64 inputs: an fp64 log-sum-exp, the CPU kernel's accumulation dtype)."""
+    for dtype, lse_dtype in ((torch.float16, torch.float32), (torch.float64, torch.float64)):
+        q, k, v, r, u, vb = (t.to("meta", dtype) for t in make_inputs(2, 5, 9, 2, 16, R=13))
+        out, lse = _op.FWD(q, k, v, r, u, vb, 0.25, -1, -1)
+        assert out.shape == q.shape and out.dtype == dtype and out.is_meta
+        assert lse.shape == (2, 2, 5) and lse.dtype == lse_dtype
+        assert _op.FWD_OUT(q, k, v, r, u, vb, 0.25, -1, -1, out=torch.empty_like(q)).shape \
+            == (2, 2, 5)
+        grads = _op.BWD(out, q, k, v, r, u, vb, out, lse, 0.25, -1, -1)
+        assert [g.shape for g in grads] == [t.shape for t in (q, k, v, r, u, vb)]
+        dec = _op.DECODE(q[:, :1], k, v, r[:9], u, vb, 0.25)
+        assert dec.shape == (2, 1, 2, 16) and dec.dtype == dtype
+
+
+def test_decode_op_compiles_fullgraph(extension):
+    """torch.compile(fullgraph=True) records the decode op (its CPU kernel at run time): the
+    same result as eager, on lengths the graph was not traced with (dynamic)."""
+    def step(q, k, v, r, u, vb):
+        return _op.DECODE(q, k, v, r, u, vb, 0.25, 4) * 2
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True, backend="aot_eager")
+    for lc in (6, 9):
+        q, k, v, r, u, vb = make_inputs(2, 1, lc, 2, 16, seed=lc)
+        torch.testing.assert_close(compiled(q, k, v, r, u, vb), step(q, k, v, r, u, vb),
+                                   rtol=0, atol=0)
