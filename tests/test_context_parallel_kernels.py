@@ -195,12 +195,12 @@ def test_kernel_boxes_cover_each_allowed_pair_once_with_kernel_windows():
 
 
 def test_explicit_kernel_backend_with_dropout_raises():
-    from txl_kernels.distributed import _choose_backend
+    from txl_kernels.distributed import _ring_backend
 
     q = torch.randn(1, 4, 2, 16)
     for backend in ("cpu", "triton"):
         with pytest.raises(ValueError, match="dropout_p > 0 runs the ring on the einsum"):
-            _choose_backend(backend, q, 0.1, "context_parallel_rel_attention")
-    assert _choose_backend("auto", q, 0.1, "x") == "reference"
+            _ring_backend(backend, q, 0.1, "context_parallel_rel_attention")
+    assert _ring_backend("auto", q, 0.1, "x") == "reference"
     with pytest.raises(ValueError, match="backend must be one of"):
-        _choose_backend("cuda", q, 0.0, "x")
+        _ring_backend("cuda", q, 0.0, "x")

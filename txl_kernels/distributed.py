@@ -35,11 +35,10 @@ from torch import Tensor
 
 from ._export import refuse_context_parallel
 from ._block_ops import KernelOps, merge_block
-from ._utils import (FUSED_DTYPES, FUSED_MAX_HEADDIM, FUSED_MIN_HEADDIM, check_same,
-                     draw_dropout_seed, interpreting, no_interpreter_reason)
+from ._utils import check_same, draw_dropout_seed, interpreting, no_interpreter_reason
 from .functional import (BACKENDS, check_deterministic, check_dropout_p, check_padding_mask,
                          check_position_rows, check_softmax_scale, check_tensor, check_window,
-                         clamp_window, fused_available, scale_sign)
+                         choose_backend, clamp_window, scale_sign)
 from .reference import finite_or_zero, in_window, rel_shift, row_poison
 
 __all__ = ["context_parallel_rel_attention", "shard_sequence", "unshard_sequence",
@@ -241,49 +240,20 @@ def _kernel_r(r: Tensor, ga: int, n_i: int, gb: int, n_j: int, lq: int):
     return rows, lo, top
 
 
-def _choose_backend(backend: str, q: Tensor, dropout_p: float, name: str) -> str:
-    """``"reference"`` (the einsum block math), ``"triton"`` or ``"cpu"``, as
-    ``rel_attention`` would choose for ``backend``, except that ``"auto"`` takes the C++
-    kernel for CPU tensors even under the Triton interpreter (a testing tool: ask for
-    ``"triton"`` to use it) and the einsum path with dropout (the kernels draw their keep-mask
-    in their own block's coordinates, not the global ones)."""
+def _ring_backend(backend: str, q: Tensor, dropout_p: float, name: str) -> str:
+    """``rel_attention``'s backend policy (:func:`functional.choose_backend`), except that
+    the ring runs dropout on the einsum block math (the kernels draw their keep-mask in their
+    own block's coordinates, not the global ones)."""
     if backend not in BACKENDS:
         raise ValueError(f"{name}: backend must be one of {BACKENDS}, got {backend!r}")
-    D = q.shape[-1]
-    fused_shape = q.dtype in FUSED_DTYPES and FUSED_MIN_HEADDIM <= D <= FUSED_MAX_HEADDIM
     if backend in ("triton", "cpu") and dropout_p > 0.0:
         raise ValueError(f"{name}: dropout_p > 0 runs the ring on the einsum block math (the "
                          f"one-process keep-mask is a function of global positions, the "
                          f"kernels draw theirs in their block's); use backend='auto' or "
                          f"'reference', got backend={backend!r}")
-    if backend == "triton":
-        ok, why = fused_available(q.device)
-        if not ok:
-            raise RuntimeError(f"{name}: backend='triton' cannot run here: {why}")
-        if not fused_shape:
-            raise ValueError(f"{name}: backend='triton' supports dtypes float16, bfloat16, "
-                             f"float32 and head dims {FUSED_MIN_HEADDIM}..{FUSED_MAX_HEADDIM};"
-                             f" got dtype {q.dtype}, D={D}")
-        return "triton"
-    if backend == "cpu":
-        from .cpu_kernel import cpu_kernel_available
-
-        if q.device.type != "cpu":
-            raise ValueError(f"{name}: backend='cpu' needs CPU tensors, got q on {q.device}")
-        ok, why = cpu_kernel_available()
-        if not ok:
-            raise RuntimeError(f"{name}: backend='cpu' cannot run here: {why}")
-        return "cpu"
-    if backend == "reference" or dropout_p > 0.0:
+    if dropout_p > 0.0:
         return "reference"
-    if q.device.type == "cuda" and fused_shape and fused_available(q.device)[0]:
-        return "triton"
-    if q.device.type == "cpu":
-        from .cpu_kernel import cpu_kernel_available
-
-        if cpu_kernel_available()[0]:
-            return "cpu"
-    return "reference"
+    return choose_backend(backend, q, name)
 
 
 class _Ring:
@@ -557,7 +527,7 @@ def _check_args(name, q, k, v, r, r_w_bias, r_r_bias, memory_len, layout, causal
             or tuple(dropout_seed.shape) != (2,) or dropout_seed.device != q.device):
         raise ValueError(f"{name}: dropout_seed must be an int64 [2] tensor on "
                          f"{q.device}, got {dropout_seed!r}")
-    chosen = _choose_backend(backend, q, dropout_p, name)
+    chosen = _ring_backend(backend, q, dropout_p, name)
     return wl, wr, scale, dropout_p, kpm, chosen
 
 
@@ -615,9 +585,10 @@ def context_parallel_rel_attention(
             ``"triton"`` (the ops ``txl_kernels::rel_attn_fwd`` / ``rel_attn_bwd`` on their
             Triton kernels: CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"cpu"`` (the same
             ops' C++ CPU kernel), ``"reference"`` (the
-            einsum block math) or ``"auto"``: Triton on CUDA where the fused kernels run
-            (dtype, head dim), the CPU kernel on CPU tensors once the extension is built,
-            else the einsum path; with ``dropout_p > 0`` always the einsum path (the kernels
+            einsum block math) or ``"auto"``: ``rel_attention``'s policy
+            (``functional.choose_backend``: Triton where the fused kernels run for the dtype
+            and head dim, the CPU kernel on CPU tensors once the extension is built, else the
+            einsum path); with ``dropout_p > 0`` always the einsum path (the kernels
             draw their keep-mask in their own block's coordinates; an explicit ``"triton"`` /
             ``"cpu"`` then raises).
         deterministic: the Triton backward's dr reduction, as in ``rel_attention``.

@@ -639,7 +639,6 @@ def _dispatch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask, 
               extra, out=None):
     """rel_attention's route on its validated, normalised arguments (``out``: where the CPU
     kernel may write the result, see :func:`_in_place_out`; other routes ignore it)."""
-    D = q.shape[3]
     if onnx_exporting():
         # torch.onnx.export (either exporter) traces the reference's math in its ONNX form:
         # the lowering of every backend (txl_kernels/_export.py). The window is clamped to
@@ -654,60 +653,42 @@ def _dispatch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask, 
         return onnx_rel_attention(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm,
                                   attn_mask, None, r_first_distance)
 
-    if backend == "cpu" or (backend == "auto" and q.device.type == "cpu"
-                            and not fused_available(q.device)[0]):
-        return _rel_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm,
-                                  mask, attn_mask_band, float(dropout_p), memory, backend,
-                                  deterministic, r_first_distance, extra, out)
+    grads = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q, k, v, r, r_w_bias, r_r_bias))
+    if memory is not None and grads and backend == "auto":
+        chosen = "reference"  # the kernels read an 8-bit memory forward only
+    else:
+        chosen = choose_backend(backend, q)
+    if memory is not None and grads and chosen != "reference":
+        raise ValueError(f"rel_attention: backend={backend!r} with an 8-bit memory is forward "
+                         f"only (inference); inputs require grad: use backend='reference' "
+                         f"or torch.no_grad()")
+    if chosen == "triton" and selfcheck.enabled() and not _self_checked(
+            (q, k, v, r, r_w_bias, r_r_bias), wl, wr, kpm, mask, attn_mask_band, dropout_p,
+            memory, deterministic, backend, r_first_distance is not None):
+        chosen = "reference"
+    if chosen == "reference":
+        return _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
+                          attn_mask_band, float(dropout_p), memory, r_first_distance, extra)
+    check_jit_recordable("rel_attention", dropout_p)
+    if chosen == "triton" and softmax_scale <= 0.0:
+        sign, softmax_scale = scale_sign(softmax_scale)
+        if extra is not None:  # its scores are linear in extra_q
+            extra = (extra[0] * sign,) + extra[1:]
+        q, r_w_bias, r_r_bias = (t * sign for t in (q, r_w_bias, r_r_bias))
+    out = out if chosen == "cpu" else None  # only the CPU kernel writes into out
+    if extra is not None:
+        from ._extra_keys import rel_attention_extra_keys
 
-    use_fused = False
-    if backend != "reference":
-        ok, why = fused_available(q.device)
-        shape_ok = (q.dtype in FUSED_DTYPES
-                    and FUSED_MIN_HEADDIM <= D <= FUSED_MAX_HEADDIM)
-        if backend == "triton":
-            if not ok:
-                raise RuntimeError(f"rel_attention: backend='triton' cannot run here: {why}")
-            if not shape_ok:
-                raise ValueError(
-                    f"rel_attention: backend='triton' supports dtypes float16, bfloat16, "
-                    f"float32 and head dims {FUSED_MIN_HEADDIM}..{FUSED_MAX_HEADDIM}; got "
-                    f"dtype {q.dtype}, D={D}")
-        use_fused = ok and shape_ok
-    if memory is not None:
-        grads = torch.is_grad_enabled() and any(
-            t.requires_grad for t in (q, k, v, r, r_w_bias, r_r_bias))
-        if grads and backend == "triton":
-            raise ValueError("rel_attention: backend='triton' with an 8-bit memory is forward "
-                             "only (inference); inputs require grad: use backend='reference' "
-                             "or torch.no_grad()")
-        use_fused = use_fused and not grads
-    if use_fused and selfcheck.enabled():
-        use_fused = _self_checked((q, k, v, r, r_w_bias, r_r_bias), wl, wr, kpm, mask,
-                                  attn_mask_band, dropout_p, memory, deterministic, backend,
-                                  r_first_distance is not None)
-
-    if use_fused:
-        check_jit_recordable("rel_attention", dropout_p)
-
-        if softmax_scale <= 0.0:
-            sign, softmax_scale = scale_sign(softmax_scale)
-            if extra is not None:  # its scores are linear in extra_q
-                extra = (extra[0] * sign,) + extra[1:]
-            q, r_w_bias, r_r_bias = (t * sign for t in (q, r_w_bias, r_r_bias))
-
-        if extra is not None:
-            from ._extra_keys import rel_attention_extra_keys
-
-            return rel_attention_extra_keys("triton", q, k, v, r, r_w_bias, r_r_bias, extra,
-                                            softmax_scale, wl, wr, kpm, mask, attn_mask_band,
-                                            r_first_distance, float(dropout_p), deterministic)
-        return _op.rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm,
-                                 mask, attn_mask_band, deterministic, float(dropout_p),
-                                 memory=memory, r_first_distance=r_first_distance,
-                                 interpreter=q.device.type == "cpu")
-    return _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                      attn_mask_band, float(dropout_p), memory, r_first_distance, extra)
+        merge_in_place = out is not None and q.dtype in (torch.float32, torch.float64)
+        return rel_attention_extra_keys(chosen, q, k, v, r, r_w_bias, r_r_bias, extra,
+                                        softmax_scale, wl, wr, kpm, mask, attn_mask_band,
+                                        r_first_distance, float(dropout_p), deterministic,
+                                        out=out if merge_in_place else None)
+    return _op.rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
+                             attn_mask_band, deterministic, float(dropout_p), memory=memory,
+                             r_first_distance=r_first_distance, out=out,
+                             interpreter=chosen == "triton" and q.device.type == "cpu")
 
 
 def scale_sign(softmax_scale: float) -> Tuple[float, float]:
@@ -721,6 +702,46 @@ def scale_sign(softmax_scale: float) -> Tuple[float, float]:
     if softmax_scale < 0.0:
         return -1.0, -softmax_scale
     return 0.0, 1.0
+
+
+def choose_backend(backend: str, q: torch.Tensor, who: str = "rel_attention") -> str:
+    """The kernel a call with ``backend`` runs for q's device, dtype and head dim: one policy
+    for ``rel_attention`` and the context-parallel ring. ``"triton"``: the fused Triton
+    kernels where they run (CUDA sm_80 and newer, CPU tensors under ``TRITON_INTERPRET=1``;
+    float16 / bfloat16 / float32, head dims 16..256), else raises; ``"cpu"``: the C++ CPU
+    kernel on CPU tensors (any dtype and head dim), else raises; ``"reference"``. ``"auto"``:
+    ``"triton"`` where the fused kernels run on the device (the reference for a dtype or head
+    dim they do not take), else ``"cpu"`` on CPU tensors once the extension loads (the
+    reference after its one-time warning where it cannot be built), else the reference."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{who}: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "reference":
+        return "reference"
+    if backend == "cpu" or (backend == "auto" and q.device.type == "cpu"
+                            and not fused_available(q.device)[0]):
+        from ._cpp_ops import warn_fallback
+        from .cpu_kernel import cpu_kernel_available
+
+        if backend == "cpu" and q.device.type != "cpu":
+            raise ValueError(f"{who}: backend='cpu' needs CPU tensors, got q on {q.device}")
+        ok, why = cpu_kernel_available()
+        if ok:
+            return "cpu"
+        if backend == "cpu":
+            raise RuntimeError(f"{who}: backend='cpu' cannot run here: {why}")
+        warn_fallback("cpu", why)
+        return "reference"
+    ok, why = fused_available(q.device)
+    D = q.shape[-1]
+    shape_ok = q.dtype in FUSED_DTYPES and FUSED_MIN_HEADDIM <= D <= FUSED_MAX_HEADDIM
+    if backend == "triton":
+        if not ok:
+            raise RuntimeError(f"{who}: backend='triton' cannot run here: {why}")
+        if not shape_ok:
+            raise ValueError(
+                f"{who}: backend='triton' supports dtypes float16, bfloat16, float32 and head "
+                f"dims {FUSED_MIN_HEADDIM}..{FUSED_MAX_HEADDIM}; got dtype {q.dtype}, D={D}")
+    return "triton" if ok and shape_ok else "reference"
 
 
 def _check_extra_keys(q, extra_q, extra_k, extra_v, memory, amp):
@@ -767,48 +788,3 @@ def _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
     return rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr,
                                    kpm, mask, dropout_p, attn_mask_band=attn_mask_band,
                                    r_first_distance=r_first_distance, extra=extra)
-
-
-def _rel_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                       attn_mask_band, dropout_p, memory, backend, deterministic=False,
-                       r_first_distance=None, extra=None, out=None):
-    """backend "cpu", or "auto" on CPU tensors without the Triton interpreter: the C++ kernel
-    (any dtype, any head dim), else (auto only) the reference with a one-time warning.
-    ``out``: the C++ kernel writes the result there (no graph; see :func:`_in_place_out`)."""
-    from ._cpp_ops import warn_fallback
-    from .cpu_kernel import cpu_kernel_available
-
-    grads = memory is not None and torch.is_grad_enabled() and any(
-        t.requires_grad for t in (q, k, v, r, r_w_bias, r_r_bias))
-    if backend == "cpu":
-        if q.device.type != "cpu":
-            raise ValueError(f"rel_attention: backend='cpu' needs CPU tensors, got q on "
-                             f"{q.device}")
-        if grads:
-            raise ValueError("rel_attention: backend='cpu' with an 8-bit memory is forward "
-                             "only (inference); inputs require grad: use backend='reference' "
-                             "or torch.no_grad()")
-        ok, why = cpu_kernel_available()
-        if not ok:
-            raise RuntimeError(f"rel_attention: backend='cpu' cannot run here: {why}")
-    elif grads:
-        ok = False
-    else:
-        ok, why = cpu_kernel_available()
-        if not ok:
-            warn_fallback("cpu", why)
-    if not ok:
-        return _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                          attn_mask_band, dropout_p, memory, r_first_distance, extra)
-    check_jit_recordable("rel_attention", dropout_p)
-    if extra is not None:
-        from ._extra_keys import rel_attention_extra_keys
-
-        merge_in_place = out is not None and q.dtype in (torch.float32, torch.float64)
-        return rel_attention_extra_keys("cpu", q, k, v, r, r_w_bias, r_r_bias, extra,
-                                        softmax_scale, wl, wr, kpm, mask, attn_mask_band,
-                                        r_first_distance, dropout_p,
-                                        out=out if merge_in_place else None)
-    return _op.rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
-                             attn_mask_band, deterministic, dropout_p, memory=memory,
-                             r_first_distance=r_first_distance, out=out)
