@@ -756,6 +756,60 @@ def masked_value_operands(v: torch.Tensor, memory: Optional[QuantizedKV],
     return v, key_bias, key_count
 
 
+def _check_fwd_args(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, memory) -> None:
+    """rel_attn_fwd's invariants (rel_attention validated the user's arguments with clear
+    errors); a scale the online softmax cannot take raises."""
+    B, Lq, H, D = q.shape
+    mem_m = 0 if memory is None else memory.k.shape[1]
+    Lk, dtype = mem_m + k.shape[1], q.dtype
+    assert dtype in (torch.float16, torch.bfloat16, torch.float32), f"q: {describe(q)}"
+    assert all(t.dtype == dtype for t in (k, v, r, r_w_bias, r_r_bias)), \
+        f"dtypes differ: q {describe(q)}, k {describe(k)}, r {describe(r)}"
+    Lc = Lk - mem_m
+    assert tuple(k.shape) == (B, Lc, H, D) and tuple(v.shape) == (B, Lc, H, D) and Lk >= Lq, \
+        f"q {describe(q)}, k {describe(k)}, v {describe(v)}, memory length {mem_m}"
+    assert tuple(r.shape[1:]) == (H, D) and tuple(r_w_bias.shape) == (H, D) \
+        and tuple(r_r_bias.shape) == (H, D), \
+        f"r {describe(r)}, r_w_bias {describe(r_w_bias)}, r_r_bias {describe(r_r_bias)}"
+    assert 16 <= D <= 256, f"head dim {D}"
+    if not 0.0 < float(softmax_scale) < float("inf"):
+        # the online softmax scales the running maximum of the raw scores: only right for a
+        # positive scale (rel_attention folds the sign of other scales into q and the biases)
+        raise ValueError(f"rel_attn_fwd: softmax_scale must be finite and > 0, "
+                         f"got {softmax_scale!r}")
+
+
+def _fwd_launch(q, Lk: int, block_d: int, dot_prec: str, use_desc: bool, quant: bool,
+                has_mask: bool, window_left: int, window_right: int, operand_tiles, config,
+                num_splits):
+    """(operand_tiles, config, num_splits) of a forward launch: the caller's, else the
+    architecture's choice (the config None where the autotuner picks it)."""
+    B, Lq, H, _ = q.shape
+    dtype = q.dtype
+    family = config_family(q.device)[0]
+    if operand_tiles is None:
+        operand_tiles = _operand_tiles(family, block_d, dtype, use_desc, has_mask, quant)
+    elif operand_tiles and not use_desc:
+        raise ValueError("rel_attn_fwd: operand_tiles=True needs TMA descriptors (sm_90 or "
+                         "newer, 16-byte aligned tensors); this launch loads through pointers")
+    exact_fp32 = dtype == torch.float32 and dot_prec == "ieee"
+    default = _default_config(block_d, exact_fp32, dtype == torch.float32, family, has_mask,
+                              operand_tiles)
+    if config is None and INTERPRET:
+        config = INTERPRET_CONFIG
+    elif config is None and not autotune_enabled():
+        config = default
+    # the BLOCK_M this call launches with (autotuned split launches keep the default's)
+    block_m = (config or default)["BLOCK_M"]
+    if num_splits is None:
+        if q.device.type == "cuda" and not INTERPRET:
+            num_splits = choose_num_splits(B, H, Lq, Lk, window_left, window_right,
+                                           _sm_count(q.device.index or 0), block_m)
+        else:
+            num_splits = 1
+    return operand_tiles, config, max(1, int(num_splits))
+
+
 def rel_attn_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.Tensor,
     r_w_bias: torch.Tensor, r_r_bias: torch.Tensor, softmax_scale: float,
@@ -803,28 +857,13 @@ def rel_attn_fwd(
     reads row ``j - i + c``, ``c = r_first_distance - Lk + Lq`` (``Lq - 1`` for None), a
     runtime int (``rel_attention`` clamps it so that c stays within int32).
     """
+    _check_fwd_args(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, memory)
     B, Lq, H, D = q.shape
     mem_m = 0 if memory is None else memory.k.shape[1]
     quant = mem_m > 0
     Lk = mem_m + k.shape[1]
     R_rows = r.shape[0]
     dtype = q.dtype
-    # Invariants only: rel_attention (functional.py) validates user input with clear errors.
-    assert dtype in (torch.float16, torch.bfloat16, torch.float32), f"q: {describe(q)}"
-    assert all(t.dtype == dtype for t in (k, v, r, r_w_bias, r_r_bias)), \
-        f"dtypes differ: q {describe(q)}, k {describe(k)}, r {describe(r)}"
-    Lc = Lk - mem_m
-    assert tuple(k.shape) == (B, Lc, H, D) and tuple(v.shape) == (B, Lc, H, D) and Lk >= Lq, \
-        f"q {describe(q)}, k {describe(k)}, v {describe(v)}, memory length {mem_m}"
-    assert tuple(r.shape[1:]) == (H, D) and tuple(r_w_bias.shape) == (H, D) \
-        and tuple(r_r_bias.shape) == (H, D), \
-        f"r {describe(r)}, r_w_bias {describe(r_w_bias)}, r_r_bias {describe(r_r_bias)}"
-    assert 16 <= D <= 256, f"head dim {D}"
-    if not 0.0 < float(softmax_scale) < float("inf"):
-        # the online softmax scales the running maximum of the raw scores: only right for a
-        # positive scale (rel_attention folds the sign of other scales into q and the biases)
-        raise ValueError(f"rel_attn_fwd: softmax_scale must be finite and > 0, "
-                         f"got {softmax_scale!r}")
     q, k, v, r, u, vb = (last_dim_contiguous(t) for t in (q, k, v, r, r_w_bias, r_r_bias))
 
     out = torch.empty((B, Lq, H, D), dtype=dtype, device=q.device)
@@ -835,31 +874,12 @@ def rel_attn_fwd(
                                                      (B, H, Lq, Lk))
 
     dot_prec = dot_precision(dtype)
-    exact_fp32 = dtype == torch.float32 and dot_prec == "ieee"
     block_d = max(16, triton.next_power_of_2(D))
-    family = config_family(q.device)[0]
     use_desc = descriptors_ok(r) if quant else descriptors_ok(k, v, r)
-    if operand_tiles is None:
-        operand_tiles = _operand_tiles(family, block_d, dtype, use_desc, attn_mask is not None,
-                                       quant)
-    elif operand_tiles and not use_desc:
-        raise ValueError("rel_attn_fwd: operand_tiles=True needs TMA descriptors (sm_90 or "
-                         "newer, 16-byte aligned tensors); this launch loads through pointers")
-    default = _default_config(block_d, exact_fp32, dtype == torch.float32, family,
-                              attn_mask is not None, operand_tiles)
-    if config is None and INTERPRET:
-        config = INTERPRET_CONFIG
-    elif config is None and not autotune_enabled():
-        config = default
-    # the BLOCK_M this call launches with (autotuned split launches keep the default's)
-    block_m = (config or default)["BLOCK_M"]
-    if num_splits is None:
-        if q.device.type == "cuda" and not INTERPRET:
-            num_splits = choose_num_splits(B, H, Lq, Lk, window_left, window_right,
-                                           _sm_count(q.device.index or 0), block_m)
-        else:
-            num_splits = 1
-    num_splits = max(1, int(num_splits))
+    operand_tiles, config, num_splits = _fwd_launch(q, Lk, block_d, dot_prec, use_desc, quant,
+                                                    attn_mask is not None, window_left,
+                                                    window_right, operand_tiles, config,
+                                                    num_splits)
     split = num_splits > 1
     if split:
         o_part = torch.empty((B * H, num_splits, Lq, D), dtype=torch.float32, device=q.device)
