@@ -265,8 +265,8 @@ def greedy_loop_mems(model, prompt, n_new, seg):
                                                  ("proj_prelnorm", "extension"),
                                                  ("adaptive2", "torch")])
 def test_generate_greedy_equals_mems_loop(cfg, extension_backend):
-    """Greedy generation on the cache (CPU decoding steps by the C++ extension's
-    decode_attention, or by the torch fallback) equals the mems path's token-by-token loop."""
+    """Greedy generation on the cache (CPU decoding steps by rel_attn_decode's C++ kernel or
+    decode_layer, or by the torch fallback) equals the mems path's token-by-token loop."""
     model = make_model(cfg, tgt_len=4, mem_len=6, extension_backend=extension_backend)
     prompt = tokens(11, 3, seed=7).t().contiguous()  # [bsz=3, len=11]
     got = model.generate(prompt, 9)

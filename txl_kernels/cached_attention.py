@@ -6,9 +6,10 @@ The cache hands a segment's queries ``[B, Lq, H, D]`` and its keys / values as s
 left window. Besides :func:`txl_kernels.functional.rel_attention` (the fused Triton kernel or
 the reference) the routes are:
 
-- the split-K Triton decode kernel (``txl_kernels.ops.rel_attn_decode``) for one query row;
-- :func:`decode_attention_cpu`: one query row on CPUs, the C++ extension's
-  ``decode_attention`` op, else :func:`decode_attention_torch`;
+- the op ``txl_kernels::rel_attn_decode`` on its Triton kernel (the split-K
+  ``txl_kernels.ops.rel_attn_decode``) for one query row;
+- :func:`decode_attention_cpu`: one query row on CPUs, the same op on its C++ kernel, else
+  :func:`decode_attention_torch`;
 - :func:`segment_attention_torch`: a segment of query rows in torch (CPUs, fp32 / fp64).
 
 With an 8-bit memory (``memory``, a :class:`~txl_kernels.quant.QuantizedKV` of the cache's
