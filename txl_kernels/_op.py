@@ -203,9 +203,8 @@ def _reference_fwd(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, w
 
     _no_reference_dropout("rel_attn_fwd", dropout_p)
     memory = _memory(mem_k, mem_k_scale, mem_v, mem_v_scale)
-    if memory is not None and memory.k.shape[1] > 0:
-        mk, mv = memory.dequantize(q.dtype)
-        k, v = torch.cat([mk, k], dim=1), torch.cat([mv, v], dim=1)
+    if memory is not None:
+        k, v = memory.in_front_of(k, v)
     out, lse = rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale,
                                        window_left, window_right, key_padding_mask, attn_mask,
                                        return_lse=True, attn_mask_band=attn_mask_band,

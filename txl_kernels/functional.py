@@ -653,13 +653,13 @@ def _dispatch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask, 
         return onnx_rel_attention(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm,
                                   attn_mask, None, r_first_distance)
 
-    grads = torch.is_grad_enabled() and any(
+    memory_grads = memory is not None and torch.is_grad_enabled() and any(
         t.requires_grad for t in (q, k, v, r, r_w_bias, r_r_bias))
-    if memory is not None and grads and backend == "auto":
+    if memory_grads and backend == "auto":
         chosen = "reference"  # the kernels read an 8-bit memory forward only
     else:
         chosen = choose_backend(backend, q)
-    if memory is not None and grads and chosen != "reference":
+    if memory_grads and chosen != "reference":
         raise ValueError(f"rel_attention: backend={backend!r} with an 8-bit memory is forward "
                          f"only (inference); inputs require grad: use backend='reference' "
                          f"or torch.no_grad()")
@@ -781,10 +781,8 @@ def _check_extra_keys(q, extra_q, extra_k, extra_v, memory, amp):
 
 def _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
                attn_mask_band, dropout_p, memory, r_first_distance=None, extra=None):
-    if memory is not None and memory.k.shape[1] > 0:
-        # The oracle: dequantise explicitly, then attend over [memory; current segment].
-        mk, mv = memory.dequantize(q.dtype)
-        k, v = torch.cat([mk, k], dim=1), torch.cat([mv, v], dim=1)
+    if memory is not None:  # the oracle: attend over [memory, dequantised; current segment]
+        k, v = memory.in_front_of(k, v)
     return rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr,
                                    kpm, mask, dropout_p, attn_mask_band=attn_mask_band,
                                    r_first_distance=r_first_distance, extra=extra)

@@ -126,6 +126,16 @@ class QuantizedKV(NamedTuple):
         return (dequantize_per_token(self.k, self.k_scale, dtype),
                 dequantize_per_token(self.v, self.v_scale, dtype))
 
+    def in_front_of(self, k: torch.Tensor,
+                    v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values ``[B, M + Lc, H, D]`` the memory stands for: its rows
+        dequantised to k's dtype, then ``k`` / ``v`` ``[B, Lc, H, D]`` (``k`` / ``v`` as given
+        for an empty memory; a full-precision copy otherwise: the reference's form)."""
+        if self.mlen == 0:
+            return k, v
+        mk, mv = self.dequantize(k.dtype)
+        return torch.cat([mk, k], dim=1), torch.cat([mv, v], dim=1)
+
 
 def quantize_kv(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype = torch.int8,
                 scale_dtype: torch.dtype = torch.float32) -> QuantizedKV:

@@ -242,10 +242,7 @@ def _compare(variant: Variant, dev: torch.device) -> Optional[str]:
     B, lq, H, D = q.shape
     scale = D ** -0.5
     p = _DROPOUT_P if variant.dropout else 0.0
-    keys = [ts[1], ts[2]]
-    if memory is not None:
-        mk, mv = memory.dequantize(q.dtype)
-        keys = [torch.cat([mk, ts[1]], dim=1), torch.cat([mv, ts[2]], dim=1)]
+    keys = [ts[1], ts[2]] if memory is None else list(memory.in_front_of(ts[1], ts[2]))
     lk = keys[0].shape[1]
     keep = None
     if variant.dropout:
