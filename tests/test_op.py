@@ -132,7 +132,7 @@ def test_fallback_refuses_the_kernels_dropout_naming_it(no_extension):
 
 
 def test_interpreter_mode_runs_the_triton_kernels_on_cpu_tensors(extension, monkeypatch):
-    """``fwd_kernel(True)`` sends the op to the Triton kernels (the CUDA key's functions)
+    """``op_kernel(FWD, True)`` sends the op to the Triton kernels (the CUDA key's functions)
     through the dispatcher; plain ``FWD`` on CPU tensors runs the C++ kernel."""
     pytest.importorskip("triton")
     from txl_kernels.functional import fused_available
@@ -143,9 +143,9 @@ def test_interpreter_mode_runs_the_triton_kernels_on_cpu_tensors(extension, monk
     real = _op._triton_fwd
     monkeypatch.setattr(_op, "_triton_fwd", lambda *a, **kw: seen.append(1) or real(*a, **kw))
     args = tuple(make_inputs(1, 5, 5, 2, 16, seed=5)) + (0.25, -1, 0)
-    tri, _ = _op.fwd_kernel(True)(*args)
+    tri, _ = _op.op_kernel(_op.FWD, True)(*args)
     assert seen == [1]
-    cpp, _ = _op.fwd_kernel(False)(*args)
+    cpp, _ = _op.op_kernel(_op.FWD, False)(*args)
     assert seen == [1]
     torch.testing.assert_close(tri, cpp, rtol=1e-5, atol=1e-5)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._op import FWD_OUT, bwd_kernel, fwd_kernel
+from ._op import BWD, FWD, FWD_OUT, op_kernel
 from .reference import finite_or_zero
 
 
@@ -31,7 +31,7 @@ class KernelOps:
     by ``r``'s row 0 as the ops take it) and the kernels' dropout, ``dropout_p`` with its
     ``dropout_seed``): the ops ``txl_kernels::rel_attn_fwd`` / ``rel_attn_bwd`` (``_op.py``),
     whose device's kernel runs; ``"triton"`` on CPU tensors runs the Triton kernels under the
-    interpreter instead (``_op.fwd_kernel``). ``lse_dtype``: what the backward takes (the
+    interpreter instead (``_op.op_kernel``). ``lse_dtype``: what the backward takes (the
     kernels' accumulation dtype: fp64 for fp64, else fp32)."""
 
     def __init__(self, name: str, deterministic: bool = False):
@@ -52,11 +52,11 @@ class KernelOps:
                 dropout_seed, None, None, None, None, r_first_distance)
         if out is not None:
             return out, FWD_OUT(*args, out=out)
-        return fwd_kernel(self._interpreter(q))(*args)
+        return op_kernel(FWD, self._interpreter(q))(*args)
 
     def bwd(self, dout, q, k, v, r, u, vb, out, lse, scale, wl, wr, kpm, attn_mask=None,
             attn_mask_band=None, r_first_distance=None, dropout_p=0.0, dropout_seed=None):
-        return bwd_kernel(self._interpreter(q))(dout, q, k, v, r, u, vb, out, lse, scale, wl,
-                                                wr, kpm, attn_mask, attn_mask_band,
-                                                self.deterministic, dropout_p, dropout_seed,
-                                                r_first_distance)
+        return op_kernel(BWD, self._interpreter(q))(dout, q, k, v, r, u, vb, out, lse, scale,
+                                                    wl, wr, kpm, attn_mask, attn_mask_band,
+                                                    self.deterministic, dropout_p,
+                                                    dropout_seed, r_first_distance)

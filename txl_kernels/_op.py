@@ -25,7 +25,7 @@ ops:
 :func:`rel_attn_func` -> ``txl_kernels.rel_attention()`` -> ``FusedRelAttention``). Its
 ``interpreter=True`` runs the Triton kernels on CPU tensors under ``TRITON_INTERPRET=1`` (the
 kernels' tests): the op with a dispatch mode that sends it to the CUDA key's functions
-(:func:`fwd_kernel`), through the same autograd.
+(:func:`op_kernel`), through the same autograd.
 
 8-bit memory (``txl_kernels.quant.QuantizedKV``): the forward takes its four tensors as
 optional arguments (``mem_k``, ``mem_k_scale``, ``mem_v``, ``mem_v_scale``), so compile and
@@ -43,8 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._utils import draw_dropout_seed, last_dim_contiguous, no_second_derivative
 from .quant import QuantizedKV
 
-__all__ = ["rel_attn_func", "fwd_kernel", "bwd_kernel", "decode_kernel", "FWD", "FWD_OUT", "BWD",
-           "DECODE"]
+__all__ = ["rel_attn_func", "op_kernel", "FWD", "FWD_OUT", "BWD", "DECODE"]
 
 _ARGS = ("Tensor q, Tensor k, Tensor v, Tensor r, Tensor r_w_bias, Tensor r_r_bias, "
          "float softmax_scale, int window_left, int window_right, "
@@ -169,7 +168,7 @@ def _triton_decode(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left=-1
 _LIB.impl("rel_attn_decode", _triton_decode, "CUDA")
 
 
-# ------------------------------------- CompositeExplicitAutograd: load the C++ kernel, or the reference
+# ---------------------- CompositeExplicitAutograd: load the C++ kernel, or the reference
 
 def _cpu_kernel_ready(name: str, q: Tensor) -> bool:
     """On CPU tensors: load the extension (built on first use) and say whether its CPU kernel
@@ -335,29 +334,15 @@ def _interpreted(op):
     return run
 
 
-def fwd_kernel(interpreter: bool = False):
-    """The forward that :func:`rel_attn_func` and the block ops call: the op, whose tensors'
-    device picks the kernel, or with ``interpreter`` the op with the Triton kernels on CPU
-    tensors (``TRITON_INTERPRET=1``; :class:`_TritonInterpreter`). Inside a ``torch.compile``
-    trace always the plain op (opaque to dynamo; at run time its CPU key runs)."""
+def op_kernel(op, interpreter: bool = False):
+    """What to call for ``op`` (``FWD``, ``FWD_OUT``, ``BWD`` or ``DECODE``): the op, whose
+    tensors' device picks the kernel, or with ``interpreter`` the op with the Triton kernels
+    on CPU tensors (``TRITON_INTERPRET=1``; :class:`_TritonInterpreter`). Inside a
+    ``torch.compile`` trace always the plain op (opaque to dynamo; at run time its CPU key
+    runs)."""
     if interpreter and not torch.compiler.is_dynamo_compiling():
-        return _interpreted(FWD)
-    return FWD
-
-
-def bwd_kernel(interpreter: bool = False):
-    """The backward beside :func:`fwd_kernel`."""
-    if interpreter and not torch.compiler.is_dynamo_compiling():
-        return _interpreted(BWD)
-    return BWD
-
-
-def decode_kernel(interpreter: bool = False):
-    """The decoding step (``txl_kernels::rel_attn_decode``, inference) beside
-    :func:`fwd_kernel`."""
-    if interpreter and not torch.compiler.is_dynamo_compiling():
-        return _interpreted(DECODE)
-    return DECODE
+        return _interpreted(op)
+    return op
 
 
 def _save(ctx, inputs, out, lse, deterministic: bool, interpreter: bool) -> None:
@@ -384,7 +369,7 @@ def _grads(ctx, dout):
     softmax_scale, window_left, window_right, deterministic, dropout_p, r_first_distance = \
         ctx.args
     with torch.no_grad():  # the backward has no derivative: no_second_derivative says so
-        grads = bwd_kernel(ctx.interpreter)(
+        grads = op_kernel(BWD, ctx.interpreter)(
             last_dim_contiguous(dout), q, k, v, r, r_w_bias, r_r_bias, out, lse, softmax_scale,
             window_left, window_right, key_padding_mask, attn_mask, attn_mask_band,
             deterministic, dropout_p, dropout_seed, r_first_distance)
@@ -415,7 +400,7 @@ torch.library.register_autograd("txl_kernels::rel_attn_fwd", _backward,
 class _RelAttnFunction(torch.autograd.Function):
     """:func:`rel_attn_func`'s autograd, the op's own (``_save`` / ``_grads``) with two more
     arguments: ``deterministic`` (only the backward uses it: kept on the context, as
-    flash-attention does) and ``interpreter`` (:func:`fwd_kernel`). A separate
+    flash-attention does) and ``interpreter`` (:func:`op_kernel`). A separate
     ``setup_context`` and a generated vmap rule make torch.func's grad / vjp / vmap work (vmap
     runs the op once per element of the mapped dim: PyTorch's loop for ops without a batching
     rule)."""
@@ -426,10 +411,11 @@ class _RelAttnFunction(torch.autograd.Function):
     def forward(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
                 key_padding_mask, attn_mask, attn_mask_band, dropout_p, dropout_seed, mem_k,
                 mem_k_scale, mem_v, mem_v_scale, r_first_distance, deterministic, interpreter):
-        return fwd_kernel(interpreter)(q, k, v, r, r_w_bias, r_r_bias, softmax_scale,
-                                       window_left, window_right, key_padding_mask, attn_mask,
-                                       attn_mask_band, dropout_p, dropout_seed, mem_k,
-                                       mem_k_scale, mem_v, mem_v_scale, r_first_distance)
+        return op_kernel(FWD, interpreter)(q, k, v, r, r_w_bias, r_r_bias, softmax_scale,
+                                           window_left, window_right, key_padding_mask,
+                                           attn_mask, attn_mask_band, dropout_p, dropout_seed,
+                                           mem_k, mem_k_scale, mem_v, mem_v_scale,
+                                           r_first_distance)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -450,7 +436,7 @@ class _RelAttnFunctionEager(_RelAttnFunction):
 
     @staticmethod
     def forward(*inputs):
-        return fwd_kernel(inputs[-1])(*inputs[:_N_FWD_ARGS])
+        return op_kernel(FWD, inputs[-1])(*inputs[:_N_FWD_ARGS])
 
 
 def rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
@@ -486,7 +472,7 @@ def rel_attn_func(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, wi
             key_padding_mask, attn_mask, attn_mask_band, float(dropout_p), dropout_seed, *mem,
             r_first_distance)
     if out is not None:
-        (_interpreted(FWD_OUT) if interpreter else FWD_OUT)(*args, out=out)
+        op_kernel(FWD_OUT, interpreter)(*args, out=out)
         return out
     if torch.jit.is_tracing() or (not torch.is_grad_enabled() and not interpreter):
         # The op itself (with its registered autograd). Without grad mode there is no graph

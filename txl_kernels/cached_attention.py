@@ -23,7 +23,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from ._cpp_ops import use_extension
-from ._op import DECODE, decode_kernel
+from ._op import DECODE, op_kernel
 from ._utils import FUSED_DTYPES
 from .functional import fused_available, rel_attention
 from .quant import QuantizedKV
@@ -91,7 +91,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch
     rest = (r, r_w_bias, r_r_bias, softmax_scale)
     if route == "triton_decode":  # the op's Triton kernel (under the interpreter on CPU)
         mem = () if memory is None else tuple(memory)
-        return decode_kernel(q.device.type == "cpu")(q, k, v, *rest, window_size[0], *mem)
+        return op_kernel(DECODE, q.device.type == "cpu")(q, k, v, *rest, window_size[0], *mem)
     if route == "cpu_decode":
         return decode_attention_cpu(q, k, v, *rest, window_size[0], work, extension_backend,
                                     memory=memory, full_kv=full_kv)
@@ -132,8 +132,8 @@ def decode_attention_cpu(q, k, v, r, r_w_bias, r_r_bias, softmax_scale: float,
                          window_left: int = -1, work=None, extension_backend: str = "auto",
                          memory: Optional[QuantizedKV] = None, full_kv=None):
     """:func:`decode_attention_torch`'s contract, for CPUs: the C++ kernel of
-    ``txl_kernels::rel_attn_decode`` (one pass over the cached rows per product, no key-sized temporary;
-    fp32 / fp64 CPU tensors) where :func:`use_cpu_decode_op` allows it, else
+    ``txl_kernels::rel_attn_decode`` (one pass over the cached rows per product, no key-sized
+    temporary; fp32 / fp64 CPU tensors) where :func:`use_cpu_decode_op` allows it, else
     :func:`decode_attention_torch` with ``work(0, n)`` as its scratch.
 
     ``memory``: an 8-bit memory (``QuantizedKV``, ``[B, M, H, D]``) in front of ``k`` / ``v``

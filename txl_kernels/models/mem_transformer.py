@@ -242,8 +242,8 @@ class MemTransformerLM(nn.Module):
     ``extension_backend`` ("auto", "extension", "torch": whether the C++ extension's ops or
     their pure-torch fallbacks run the segment-memory update (``update_mems``), the K/V
     cache's compaction and 8-bit append, and the CPU decoding step (``decode_layer`` /
-    ``rel_attn_decode``'s CPU kernel); "auto" uses the extension where it is built and warns once where
-    it is not, "extension" raises there; the attention itself follows ``attn_backend``;
+    ``rel_attn_decode``'s CPU kernel); "auto" uses the extension where it is built and warns
+    once where it is not, "extension" raises there; the attention itself follows ``attn_backend``;
     its former name ``memory_backend`` still works, as a keyword and an attribute, with a
     DeprecationWarning),
     ``checkpoint``
