@@ -3,9 +3,16 @@
 TRITON_INTERPRET must be set before triton is imported; torch itself does not import triton.
 """
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# the repository root, so that tests import the benchmark scripts (``from benchmarks import``)
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
 HAS_CUDA = torch.cuda.is_available()
 # The fused kernels' first-use self-check (txl_kernels.selfcheck) is off for the suite: the tests

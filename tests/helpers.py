@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Triton interpreter.
 FUSED_DEVICE = "cuda" if HAS_CUDA and not INTERPRET else "cpu"
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 # bf16 tl.dot is wrong in the Triton interpreter (triton-lang/triton#11584); the kernels upcast
 # bf16 operands when interpreting, so bf16 is covered there too, but the GPU run is what counts.
 FUSED_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -95,3 +98,22 @@ def gloo_rank(rank: int, world: int, port: int):
         dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)
+
+
+def require_onnx_parakeet() -> None:
+    """Skip, saying which extra is missing, unless ONNX Runtime (the export extra) and HF's
+    Parakeet encoder (transformers >= 5, the hf5 extra) import: the encoder benchmarks' runs."""
+    pytest.importorskip("onnxruntime", reason="the export extra (pip install -e '.[export]')")
+    pytest.importorskip("transformers.models.parakeet",
+                        reason="the Parakeet encoder needs transformers >= 5 (the hf5 extra)")
+
+
+def run_python(code: str, *args: str, timeout: float = 300,
+               **env) -> subprocess.CompletedProcess:
+    """``code`` (dedented) with ``args`` in a fresh interpreter: this checkout's txl_kernels,
+    the same extension cache, ``env`` added to the environment, ``timeout`` seconds;
+    txl_kernels is not imported unless the code does it."""
+    full = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                **env)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=ROOT,
+                          env=full, capture_output=True, text=True, timeout=timeout)

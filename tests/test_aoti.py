@@ -8,19 +8,16 @@ kernel on the op's first call) or the op library alone (``torch.ops.load_library
 
 One package for the module (a compile takes about 30 s), run at several lengths.
 """
-import os
-import subprocess
 import sys
-import textwrap
 import zipfile
 
 import pytest
 import torch
 from torch.export import Dim
 
+from helpers import run_python
 from test_export import FUSED_OPS, nemo_encoder_inputs, swapped_nemo_encoder
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNSEEN = [(3, 7), (1, 20), (2, 33), (4, 5)]  # (batch, time) pairs not used at export
 
 
@@ -55,14 +52,6 @@ def test_aoti_package_runs_the_fused_cpu_op(package):
                                    msg=lambda m: f"at (B, T) = {u}: {m}")
 
 
-def _run(code: str, *args: str) -> subprocess.CompletedProcess:
-    """``code`` in a fresh interpreter (this checkout's txl_kernels, the same extension
-    cache), where txl_kernels is not imported unless the code does it."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
-
-
 @pytest.mark.slow  # the package's compile (shared) and three fresh interpreters
 def test_aoti_package_in_a_fresh_process(package, tmp_path):
     """Without the op, loading the package fails at once with PyTorch's error naming it;
@@ -82,13 +71,13 @@ def test_aoti_package_in_a_fresh_process(package, tmp_path):
         torch.testing.assert_close(runner(*io["x"]), io["want"], rtol=0, atol=0)
         print("ran", "txl_kernels" in sys.modules)
     """
-    res = _run(load.format(before=""), path, io)
+    res = run_python(load.format(before=""), path, io)
     assert res.returncode != 0, res.stdout
     assert "Could not find schema for txl_kernels::rel_attn_fwd" in res.stderr, \
         res.stderr[-2000:]
-    res = _run(load.format(before="import txl_kernels"), path, io)
+    res = run_python(load.format(before="import txl_kernels"), path, io)
     assert res.returncode == 0 and "ran True" in res.stdout, res.stderr[-2000:]
     from txl_kernels import load_library
 
-    res = _run(load.format(before=f"torch.ops.load_library({load_library()!r})"), path, io)
+    res = run_python(load.format(before=f"torch.ops.load_library({load_library()!r})"), path, io)
     assert res.returncode == 0 and "ran False" in res.stdout, res.stderr[-2000:]

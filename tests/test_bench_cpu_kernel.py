@@ -2,20 +2,14 @@
 holds the issue's shapes, dense baselines that cannot fit are skipped up front (and the
 estimate behind that is an upper bound), the target ratios are computed right, and the memory
 and long-audio scripts run end to end at tiny sizes. No timing is asserted anywhere."""
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-_ROOT = str(Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+from test_bench_providers import BASELINE_FACTOR, CONFIGS, _check_against_reference
 
-from test_bench_providers import BASELINE_FACTOR, CONFIGS, _check_against_reference  # noqa: E402
-
-from benchmarks import cpu_memory, cpu_suite, long_audio, runner, shapes  # noqa: E402
-from benchmarks import providers as P  # noqa: E402
+from benchmarks import cpu_memory, cpu_suite, long_audio, runner, shapes
+from benchmarks import providers as P
 
 GiB = 2 ** 30
 

@@ -3,25 +3,19 @@ torch.compile and AOTInductor, end to end on a tiny encoder (``--quick``: output
 tables and targets printed), the targets' verdicts and the profile table on synthetic records,
 and the memory watchdog of ``cpu_suite.run_json_child``. No timing is asserted."""
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-_ROOT = str(Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+from helpers import require_onnx_parakeet
 
-from benchmarks import cpu_suite, encoder_runtimes  # noqa: E402
+from benchmarks import cpu_suite, encoder_runtimes
 
 ER = encoder_runtimes
 
 
 @pytest.mark.slow  # four runtimes, an ONNX export and two Inductor compiles: ~45-90 s
 def test_quick_run_all_runtimes_agree_and_report(tmp_path, capsys):
-    pytest.importorskip("onnxruntime", reason="the export extra (pip install -e '.[export]')")
-    pytest.importorskip("transformers.models.parakeet",
-                        reason="the Parakeet encoder needs transformers >= 5 (the hf5 extra)")
+    require_onnx_parakeet()
     out = tmp_path / "records.json"
     assert ER.main(["--quick", "--json", str(out)]) == 0
     text = capsys.readouterr().out

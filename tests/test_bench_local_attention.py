@@ -2,16 +2,10 @@
 drop-in, end to end at tiny sizes (fresh processes, both directions, G 0 and 1, agreement
 checked, the tables and the targets block), and the report's arithmetic. No timing is
 asserted."""
-import sys
-from pathlib import Path
 
 import pytest
 
-_ROOT = str(Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from benchmarks import local_attention as LA  # noqa: E402
+from benchmarks import local_attention as LA
 
 MiB = 2 ** 20
 

@@ -2,22 +2,16 @@
 Runtime, end to end on a tiny encoder (``--quick``), and its table's verdict on synthetic
 records. No timing is asserted."""
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-_ROOT = str(Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+from helpers import require_onnx_parakeet
 
-from benchmarks import onnx_encoder  # noqa: E402
+from benchmarks import onnx_encoder
 
 
 def test_quick_run_exports_checks_and_reports(tmp_path, capsys):
-    pytest.importorskip("onnxruntime", reason="the export extra (pip install -e '.[export]')")
-    pytest.importorskip("transformers.models.parakeet",
-                        reason="the Parakeet encoder needs transformers >= 5 (the hf5 extra)")
+    require_onnx_parakeet()
     out = tmp_path / "records.json"
     assert onnx_encoder.main(["--quick", "--json", str(out)]) == 0
     text = capsys.readouterr().out

@@ -7,9 +7,7 @@ flex runs forward only on CPU (FlexAttention has no CPU backward); its gradients
 provider, are checked on CUDA only.
 """
 import json
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,12 +15,8 @@ import torch
 from helpers import HAS_CUDA, assert_within, make_inputs, oracle, requires_cuda
 from txl_kernels.reference import allowed_pairs, rel_attention_reference, rel_shift
 
-_ROOT = str(Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from benchmarks import providers as P  # noqa: E402
-from benchmarks import report, results, runner, shapes  # noqa: E402
+from benchmarks import providers as P
+from benchmarks import report, results, runner, shapes
 
 # (B, Lq, mem, H, D, causal, key lengths or None): Transformer-XL with memory (R = Lk), a
 # Conformer-like padded full attention (R = Lk + Lq - 1), odd sizes, a single query.

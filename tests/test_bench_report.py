@@ -2,8 +2,6 @@
 dtype's CPU shapes at three lengths, and a figure that draws only what was measured (time curves; no memory
 row where no peak memory was measured) with its title clear of the first row."""
 import json
-import sys
-from pathlib import Path
 
 import matplotlib
 import pytest
@@ -12,11 +10,7 @@ matplotlib.use("Agg")
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import report, results  # noqa: E402
+from benchmarks import report, results
 
 
 def _rec(provider, seqlen, series, t=0.01, peak=None, status="ok"):

@@ -2,10 +2,6 @@
 key (CPU: the C++ kernel; CUDA: the Triton kernels; Meta: the fakes; CompositeExplicitAutograd:
 the extension's loader and the reference where it cannot be built), one autograd registration;
 the schemas the C++ library defines where it is loaded without the package are the same."""
-import os
-import subprocess
-import sys
-import textwrap
 import warnings
 
 import pytest
@@ -16,17 +12,9 @@ import txl_kernels.cpu_kernel as ck
 from txl_kernels import _op
 from txl_kernels.reference import rel_attention_reference
 
-from helpers import make_inputs
+from helpers import make_inputs, run_python
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPS = ("rel_attn_fwd", "rel_attn_fwd.out", "rel_attn_bwd", "rel_attn_decode")
-
-
-def _run(code: str, **env) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               **env)
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
 
 
 def _schema(name: str) -> str:
@@ -52,7 +40,7 @@ def test_the_library_alone_defines_the_same_schemas(extension):
     keeps them."""
     from txl_kernels import load_library
 
-    res = _run(f"""
+    res = run_python(f"""
         import torch
         torch.ops.load_library({load_library()!r})
         names = {OPS!r}
@@ -63,7 +51,7 @@ def test_the_library_alone_defines_the_same_schemas(extension):
         import txl_kernels._op
         assert [schema(n) for n in names] == alone
         print("\\n".join(alone))
-    """)
+    """, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.split("\n")[:len(OPS)] == [_schema(n) for n in OPS]
 
@@ -71,7 +59,7 @@ def test_the_library_alone_defines_the_same_schemas(extension):
 def test_without_the_extension_the_cpu_key_runs_the_reference():
     """Where the extension cannot be built, the op on CPU tensors warns once (the extension's
     fallback warning, naming why) and gives the reference's output, lse and gradients."""
-    res = _run("""
+    res = run_python("""
         import warnings, torch, txl_kernels
         from txl_kernels.reference import rel_attention_reference
         g = torch.Generator().manual_seed(0)
@@ -90,7 +78,7 @@ def test_without_the_extension_the_cpu_key_runs_the_reference():
         for a, b in zip(grads, torch.autograd.grad(want.square().sum(), (q, k, v, r, u, vb))):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
         print("reference", txl_kernels.cpu_kernel.cpu_kernel_available()[0])
-    """, CXX="/nonexistent/g++-42")
+    """, timeout=600, CXX="/nonexistent/g++-42")
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip() == "reference False"
 
