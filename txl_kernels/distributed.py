@@ -39,7 +39,7 @@ from ._utils import check_same, draw_dropout_seed, interpreting, no_interpreter_
 from .functional import (BACKENDS, check_deterministic, check_dropout_p, check_padding_mask,
                          check_position_rows, check_softmax_scale, check_tensor, check_window,
                          choose_backend, clamp_window, scale_sign)
-from .reference import finite_or_zero, in_window, rel_shift, row_poison
+from .reference import finite_or_zero, in_window, relative_scores, weighted_values
 
 __all__ = ["context_parallel_rel_attention", "shard_sequence", "unshard_sequence",
            "layout_chunks", "LAYOUTS"]
@@ -150,13 +150,8 @@ def _block_scores(qc, kc, vc, r_rows, pad, u, vb, scale, a0, b0, prob: _Problem,
     As in the reference, the products take the finite part of k / r and a pair whose k, v
     (``vc``) or r row is not finite scores NaN (hidden by the mask where it is excluded)."""
     A, Bk = qc.shape[1], kc.shape[1]
-    acc = torch.float64 if qc.dtype == torch.float64 else torch.float32
     r_win = torch.nn.functional.pad(r_rows, (0, 0, 0, 0) + pad)
-    ac = torch.einsum("bihd,bjhd->bhij", (qc + u).to(acc), finite_or_zero(kc).to(acc))
-    ac = ac + (row_poison(kc, acc) + row_poison(vc, acc)).transpose(1, 2)[:, :, None]
-    bdt = torch.einsum("bihd,phd->bhip", (qc + vb).to(acc), finite_or_zero(r_win).to(acc))
-    bdt = bdt + row_poison(r_win, acc).t()[None, :, None]
-    s = (ac + rel_shift(bdt, Bk)) * scale
+    s = relative_scores(qc, kc, vc, r_win, u, vb, scale)
     i = torch.arange(A, device=qc.device)[:, None] + (a0 + prob.mem)
     j = torch.arange(Bk, device=qc.device)[None, :] + b0
     allowed = in_window(i - j, wl, wr)[None, None] & ~kpm_c[:, None, None, :]
@@ -354,8 +349,7 @@ def _ring_forward(q, k, v, kpm, r, u, vb, scale, wl, wr, prob: _Problem, ring: _
             z = drop.factor(a0, A, b0, Bk, p.dtype)
             if z is not None:  # the lse stays that of the undropped scores
                 p = p * z
-            blk = torch.einsum("bhij,bjhd->bihd", p,
-                               finite_or_zero(vb_[:, koff:koff + Bk]).to(acc))
+            blk = weighted_values(p, vb_[:, koff:koff + Bk])
             merge_block(out, lse, qoff, A, blk, blk_lse)
         ring.log("compute_end", step)
         if pending is not None:
@@ -449,7 +443,7 @@ def _block_grads(qc, kc, vc, r, u, vb, scale, a0, b0, prob, wl, wr, kpm_c, lse_c
                           wr, kpm_c)
         p = torch.exp(s - lse_c[..., None])
         pz = p if z is None else p * z
-        o = torch.einsum("bhij,bjhd->bihd", pz, finite_or_zero(v_).to(p.dtype))
+        o = weighted_values(pz, v_)
         loss = (dout_c * o).sum() - (delta_c * p.sum(-1)).sum()
         grads = torch.autograd.grad(loss, leaves, allow_unused=True)
     gq, gk, gv, gr, gu, gvb = (torch.zeros_like(t) if g is None else g

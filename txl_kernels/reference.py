@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 __all__ = ["rel_shift", "rel_shift_pad_reshape", "rel_attention_reference", "allowed_pairs",
            "pair_distance", "in_window", "in_band", "autocast_dtype", "finite_or_zero",
-           "row_poison"]
+           "row_poison", "relative_scores", "weighted_values"]
 
 
 def rel_shift_pad_reshape(x: torch.Tensor) -> torch.Tensor:
@@ -81,10 +81,11 @@ def row_poison(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     row, it makes an allowed pair with a non-finite operand poison its query row (as the
     product with the raw operand would), while ``finite_or_zero`` keeps the row out of every
     pair the mask excludes (whose score the mask then replaces by -inf)."""
-    # max |x| over the row is inf or NaN exactly when the row is not finite (the reduction
-    # propagates NaN, and never overflows on finite values), and * 0 maps it to NaN, a finite
-    # row to 0: a reduction with no temporary of x's size, outside autograd (a constant)
-    return (torch.linalg.vector_norm(x.detach(), ord=float("inf"), dim=-1) * 0).to(dtype)
+    # x * 0 is 0 where x is finite and NaN where it is not, so its row sum is 0 or NaN and
+    # never overflows (a sum of x itself could, on large finite values); outside autograd (a
+    # constant). Two vectorised passes: several times faster on CPUs than an inf-norm
+    # reduction, which ATen does not vectorise.
+    return (x.detach() * 0).sum(-1).to(dtype)
 
 
 def pair_distance(lq: int, lk: int, device: torch.device) -> torch.Tensor:
@@ -145,6 +146,39 @@ def allowed_pairs(
             masked = torch.where(on != 0, ~in_band(d, bl, br), attn_mask)
         allowed = allowed & ~masked
     return allowed
+
+
+def relative_scores(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
+                    r_r_bias: Tensor, softmax_scale: float,
+                    r_first_distance: Optional[int] = None) -> Tensor:
+    """The scaled scores ``(AC + BD) * softmax_scale`` ``[B, H, Lq, Lk]``, unmasked, of q
+    ``[B, Lq, H, D]`` against k ``[B, Lk, H, D]`` and the position table r ``[R, H, D]``
+    (row ``p`` holds distance ``r_first_distance - p``; None: ``Lk - 1 - p``), in the
+    accumulation dtype (fp32; fp64 for fp64 inputs). ``q + bias`` is rounded to the input
+    dtype, as in the original and the fused kernels; the products are accumulated and held
+    in fp32, so a ``|q . k|`` past the input dtype's range (65504 in fp16) stays finite.
+
+    Non-finite rows of k, v (the pair's value row, read here only for that) and r are zeroed
+    in the products (``finite_or_zero``) and add NaN to the scores of the pairs that use them
+    (``row_poison``): a mask that excludes the pair hides it, an allowed pair poisons its
+    query row. The one definition of the two products: the reference, the TorchScript form
+    (``scripting.py``) and the context-parallel ring's block math all call it."""
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    rw_head_q = (q + r_w_bias).to(acc_dtype)  # [B, Lq, H, D]
+    rr_head_q = (q + r_r_bias).to(acc_dtype)
+    # in place: no second score tensor (+ 0 on finite rows)
+    ac = torch.einsum("bihd,bjhd->bhij", rw_head_q, finite_or_zero(k).to(acc_dtype))
+    ac += (row_poison(k, acc_dtype) + row_poison(v, acc_dtype)).transpose(1, 2)[:, :, None]
+    bdt = torch.einsum("bihd,phd->bhip", rr_head_q, finite_or_zero(r).to(acc_dtype))
+    bdt += row_poison(r, acc_dtype).t()[None, :, None]  # [B, H, Lq, R]
+    return (ac + rel_shift(bdt, k.shape[1], r_first_distance)) * softmax_scale
+
+
+def weighted_values(prob: Tensor, v: Tensor) -> Tensor:
+    """``P @ V``: ``[B, Lq, H, D]`` from probabilities ``[B, H, Lq, Lk]`` and v
+    ``[B, Lk, H, D]`` (its non-finite entries as 0, in prob's dtype), so a key whose
+    probability is 0 contributes exactly 0."""
+    return torch.einsum("bhij,bjhd->bihd", prob, finite_or_zero(v).to(prob.dtype))
 
 
 def rel_attention_reference(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
@@ -212,21 +246,7 @@ def _rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wind
                              extra=None):
     lq, lk = q.shape[1], k.shape[1]
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-
-    # (q + bias) is rounded to the input dtype, as in the original and the fused kernel; the
-    # products are then accumulated and held in acc_dtype, so a |q . k| past the input dtype's
-    # range (65504 in fp16) stays finite.
-    rw_head_q = (q + r_w_bias).to(acc_dtype)  # [B, Lq, H, D]
-    rr_head_q = (q + r_r_bias).to(acc_dtype)
-    # Non-finite k / v / r rows: zeroed in the products, NaN added to the scores of the pairs
-    # that use them (a no-op, + 0, on finite inputs; in place: no second score tensor)
-    ac = torch.einsum("bihd,bjhd->bhij", rw_head_q, finite_or_zero(k).to(acc_dtype))
-    ac += (row_poison(k, acc_dtype) + row_poison(v, acc_dtype)).transpose(1, 2)[:, :, None]
-    bdt = torch.einsum("bihd,phd->bhip", rr_head_q, finite_or_zero(r).to(acc_dtype))
-    bdt += row_poison(r, acc_dtype).t()[None, :, None]  # [B, H, Lq, R]
-    bd = rel_shift(bdt, lk, r_first_distance)
-    scores = (ac + bd) * softmax_scale
-
+    scores = relative_scores(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, r_first_distance)
     allowed = allowed_pairs(lq, lk, window_left, window_right, key_padding_mask, attn_mask,
                             q.device, attn_mask_band)
     scores = scores.masked_fill(~allowed, float("-inf"))
@@ -247,7 +267,7 @@ def _rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wind
         prob = prob * dropout_mask / (1.0 - dropout_p)
     elif dropout_p > 0.0:
         prob = F.dropout(prob, p=dropout_p, training=True)
-    out = torch.einsum("bhij,bjhd->bihd", prob.to(v.dtype), finite_or_zero(v)).to(q.dtype)
+    out = weighted_values(prob.to(v.dtype), v).to(q.dtype)
     if not return_lse:
         return out
     lse = torch.logsumexp(scores.detach(), dim=-1)

@@ -35,7 +35,7 @@ from ._cpp_ops import warn_fallback
 from ._utils import last_dim_contiguous
 from .cpu_kernel import cpu_kernel_available
 from ._export import ExportUnsupported
-from .reference import finite_or_zero, pair_distance, rel_shift, row_poison
+from .reference import pair_distance, relative_scores, weighted_values
 
 __all__ = ["script_uses_cpu_op", "mark_cpu_op", "rel_attention_cpu_op", "rel_attention_torch"]
 
@@ -96,18 +96,12 @@ def rel_attention_torch(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Te
                         r_r_bias: Tensor, softmax_scale: float, window_left: int,
                         window_right: int, key_padding_mask: Optional[Tensor],
                         attn_mask: Optional[Tensor], dropout_p: float) -> Tensor:
-    """The reference's math (``reference._rel_attention_reference``, step by step): scores
+    """The reference's math in a form TorchScript compiles (its products are the reference's
+    own ``relative_scores`` / ``weighted_values``; the masks with int window sides): scores
     accumulated in fp32 (fp64 for fp64), what the masks exclude never reaching
     the result, rows with no allowed key giving 0, dropout with ``F.dropout``."""
     lq, lk = q.shape[1], k.shape[1]
-    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    rw_head_q = (q + r_w_bias).to(acc_dtype)
-    rr_head_q = (q + r_r_bias).to(acc_dtype)
-    ac = torch.einsum("bihd,bjhd->bhij", rw_head_q, finite_or_zero(k).to(acc_dtype))
-    ac += (row_poison(k, acc_dtype) + row_poison(v, acc_dtype)).transpose(1, 2)[:, :, None]
-    bdt = torch.einsum("bihd,phd->bhip", rr_head_q, finite_or_zero(r).to(acc_dtype))
-    bdt += row_poison(r, acc_dtype).t()[None, :, None]
-    scores = (ac + rel_shift(bdt, lk)) * softmax_scale
+    scores = relative_scores(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, None)
 
     allowed = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
     if window_left >= 0 or window_right >= 0:  # reference.in_window, with int sides
@@ -127,4 +121,4 @@ def rel_attention_torch(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Te
     prob = torch.softmax(scores, dim=-1) * row_has_key
     if dropout_p > 0.0:
         prob = F.dropout(prob, p=dropout_p, training=True)
-    return torch.einsum("bhij,bjhd->bihd", prob.to(v.dtype), finite_or_zero(v)).to(q.dtype)
+    return weighted_values(prob.to(v.dtype), v).to(q.dtype)
