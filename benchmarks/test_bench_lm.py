@@ -93,13 +93,13 @@ HF_MISSING = ("HF TransfoXL needs transformers 4.x (the 'hf4' extra: pip install
 
 def build(config: dict, mem_len: int, tgt_len: int, with_hf: bool, device=None):
     """(ours, hf or None) with the same random weights, eval mode, fp32. On CPU ours uses
-    attn_backend "reference": the torch paths that "auto" takes there, also when the Triton
+    attn_backend "cpu": the C++ kernels that "auto" takes there, also when the Triton
     interpreter is on (as in ``python -m txl_kernels``), which is a test tool, not a path to
     time."""
     device = torch.device(device) if device is not None else _device()
     torch.manual_seed(0)
     classes = hf_classes() if with_hf else None
-    c = dict(config, attn_backend="reference" if device.type == "cpu" else "auto")
+    c = dict(config, attn_backend="cpu" if device.type == "cpu" else "auto")
     if classes is None:
         ours = MemTransformerLM(c.pop("n_token"), c.pop("n_layer"), c.pop("n_head"),
                                 c.pop("d_model"), c.pop("d_head"), c.pop("d_inner"), 0.0, 0.0,

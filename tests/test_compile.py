@@ -317,7 +317,7 @@ def test_compile_fullgraph_lm_cpu_decode_step(extension, cache_dtype):
 
     torch.manual_seed(0)
     model = MemTransformerLM(40, 2, 2, 16, 8, 32, 0.0, 0.0, tgt_len=4, mem_len=6,
-                             attn_backend="reference").eval()
+                             attn_backend="cpu").eval()
     prompt = torch.randint(0, 40, (4, 2))
     cache = model.new_cache(2, ext_len=0, dtype=cache_dtype)
     model._forward_cached(prompt, cache)

@@ -282,20 +282,21 @@ def test_context_parallel_einsum_blocks(world_of_one, value):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"d{name}: {m}")
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
 @pytest.mark.parametrize("value", VALUES, ids=VALUE_IDS)
-def test_segment_attention_torch_future_keys(value):
-    """The cached model's torch segment path (causal over [cache; segment]): a non-finite v
-    of the last key reaches only the last row; with a left window, keys before every row's
-    window (v non-finite) reach nothing."""
-    from txl_kernels.cached_attention import segment_attention_torch
+def test_cached_attention_future_keys(value, backend):
+    """The cached model's segment route on CPUs (causal over [cache; segment], the C++ kernel
+    or the reference): a non-finite v of the last key reaches only the last row; with a left
+    window, keys before every row's window (v non-finite) reach nothing."""
+    from txl_kernels.cached_attention import cached_attention
 
     q, k, v, r, u, vb = make_inputs(1, 4, 9, 2, 4, R=9, dtype=torch.float64)
     for window_left, j, rows_hit in ((-1, 8, [3]), (3, 0, [])):
         v0, v1 = v.clone(), v.clone()
         v0[0, j] = 0.0
         v1[0, j] = value
-        out0 = segment_attention_torch(q, k, v0, r, u, vb, 0.5, window_left)
-        out = segment_attention_torch(q, k, v1, r, u, vb, 0.5, window_left)
+        out0, out = (cached_attention(q, k, vv, r, u, vb, 0.5, (window_left, 0), backend=backend)
+                     for vv in (v0, v1))
         rest = [i for i in range(4) if i not in rows_hit]
         torch.testing.assert_close(out[:, rest], out0[:, rest], rtol=0, atol=0)
         assert torch.isfinite(out[:, rest]).all()

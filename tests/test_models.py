@@ -698,16 +698,14 @@ def test_from_hf_rejects_other_models():
 
 # ----------------------------------------------------------------------------- decode kernel
 
-@pytest.mark.parametrize("impl", ["triton", "torch", "torch_scratch"])
 @pytest.mark.parametrize("lk,d,wl,splits,dtype", [
     (1, 16, -1, 0, torch.float32), (37, 41, -1, 3, torch.float32), (130, 16, 20, 2, torch.float32),
     (70, 32, 0, 0, torch.float32), (45, 16, -1, 2, torch.float16),
     (33, 24, 7, 2, torch.bfloat16)])
-def test_decode_matches_reference(lk, d, wl, splits, dtype, impl):
-    """The split-K decode kernel (Triton interpreter on CPU here) and the torch decode path
-    against the einsum reference at Lq = 1, seq-first strided keys and values as the cache
+def test_decode_matches_reference(lk, d, wl, splits, dtype):
+    """The split-K decode kernel (Triton interpreter on CPU here) against the einsum
+    reference at Lq = 1, seq-first strided keys and values as the cache
     passes them."""
-    from txl_kernels.cached_attention import decode_attention_torch
     from txl_kernels.ops.rel_attn_decode import rel_attn_decode
     from txl_kernels.reference import rel_attention_reference
 
@@ -719,14 +717,7 @@ def test_decode_matches_reference(lk, d, wl, splits, dtype, impl):
     v = rnd(lk + 5, B, H, d)[:lk].transpose(0, 1)
     r, u, vb = rnd(lk, H, d), rnd(H, d), rnd(H, d)
     scale = d ** -0.5
-    if impl == "triton":
-        got = rel_attn_decode(q, k, v, r, u, vb, scale, wl, num_splits=splits)
-    elif impl == "torch":
-        got = decode_attention_torch(q, k, v, r, u, vb, scale, wl)
-    else:  # with a work buffer larger than needed, holding NaNs (the cache lends one)
-        scratch = torch.full(((lk + 9) * B * H * d,), float("nan"), dtype=dtype,
-                             device=FUSED_DEVICE)
-        got = decode_attention_torch(q, k, v, r, u, vb, scale, wl, scratch)
+    got = rel_attn_decode(q, k, v, r, u, vb, scale, wl, num_splits=splits)
     want = rel_attention_reference(*(t.double() for t in (q, k, v, r, u, vb)), scale, wl, 0)
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
@@ -736,11 +727,9 @@ def test_decode_matches_reference(lk, d, wl, splits, dtype, impl):
     (1, 16, -1, 2, torch.float32), (37, 41, -1, 2, torch.float32), (130, 16, 20, 3, torch.float32),
     (70, 32, 0, 1, torch.float32), (45, 41, 7, 2, torch.float64), (19, 8, -1, 1, torch.float64)])
 def test_decode_extension_matches_reference(lk, d, wl, B, dtype, cpu_isa):
-    """The C++ extension's CPU decode step (``decode_attention_cpu`` with extension_backend
-    "extension": raises rather than fall back) against the einsum reference at Lq = 1, with
-    the cache's seq-first strided keys / values and a strided position table; and equal to the
-    torch decode path to rounding."""
-    from txl_kernels.cached_attention import decode_attention_cpu, decode_attention_torch
+    """The C++ CPU kernel of the decode op ``txl_kernels::rel_attn_decode`` against the
+    einsum reference at Lq = 1, with the cache's seq-first strided keys / values and a
+    strided position table."""
     from txl_kernels.reference import rel_attention_reference
 
     g = torch.Generator().manual_seed(lk + d)
@@ -752,12 +741,18 @@ def test_decode_extension_matches_reference(lk, d, wl, B, dtype, cpu_isa):
     r = rnd(lk + 4, H, d)[4:]
     u, vb = rnd(H, d), rnd(H, d)
     scale = d ** -0.5
-    got = decode_attention_cpu(q, k, v, r, u, vb, scale, wl, extension_backend="extension")
+    assert _has_cpu_kernel("rel_attn_decode")
+    got = torch.ops.txl_kernels.rel_attn_decode(q, k, v, r, u, vb, scale, wl)
     assert got.shape == (B, 1, H, d) and got.dtype == dtype
     want = rel_attention_reference(*(t.double() for t in (q, k, v, r, u, vb)), scale, wl, 0)
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
-    torch.testing.assert_close(got, decode_attention_torch(q, k, v, r, u, vb, scale, wl))
+
+
+def _has_cpu_kernel(op: str) -> bool:
+    """Whether the C++ extension registered ``txl_kernels::op``'s CPU kernel (so a call runs
+    it, not the reference fallback)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"txl_kernels::{op}", "CPU")
 
 
 @pytest.mark.parametrize("qdtype,sdtype,dtype,m,lc,wl", [
@@ -768,9 +763,7 @@ def test_decode_extension_matches_reference(lk, d, wl, B, dtype, cpu_isa):
 def test_decode_extension_8bit_memory(qdtype, sdtype, dtype, m, lc, wl, cpu_isa):
     """The C++ decode step with an 8-bit memory (read in 8 bits, dequantised in registers)
     against the dequantise-then-attend oracle (``QuantizedKV.dequantize`` + the einsum
-    reference): only the arithmetic order may differ; and equal to the torch fallback that
-    gets the dequantised keys / values."""
-    from txl_kernels.cached_attention import decode_attention_cpu
+    reference): only the arithmetic order may differ."""
     from txl_kernels.quant import quantize_kv
     from txl_kernels.reference import rel_attention_reference
 
@@ -784,14 +777,11 @@ def test_decode_extension_8bit_memory(qdtype, sdtype, dtype, m, lc, wl, cpu_isa)
     r, u, vb = rnd(m + lc, H, d), rnd(H, d), rnd(H, d)
     mk, mv = mem.dequantize(dtype)
     full = (torch.cat([mk, k], 1), torch.cat([mv, v], 1))
-    got = decode_attention_cpu(q, k, v, r, u, vb, 0.2, wl, extension_backend="extension",
-                               memory=mem)
+    assert _has_cpu_kernel("rel_attn_decode")
+    got = torch.ops.txl_kernels.rel_attn_decode(q, k, v, r, u, vb, 0.2, wl, *mem)
     want = rel_attention_reference(*(t.double() for t in (q, *full, r, u, vb)), 0.2, wl, 0)
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
-    fallback = decode_attention_cpu(q, k, v, r, u, vb, 0.2, wl, extension_backend="torch",
-                                    memory=mem, full_kv=lambda: full)
-    torch.testing.assert_close(got, fallback)
 
 
 def test_decode_extension_rejects_bad_input():
@@ -839,7 +829,7 @@ def test_decode_layer_equals_op_by_op(cfg, dtype, cache_dtype, untie_r, monkeypa
     from txl_kernels.models import mem_transformer as mt
 
     model = make_model(cfg, tgt_len=4, mem_len=6, extension_backend="extension",
-                       untie_r=untie_r).to(dtype)
+                       untie_r=untie_r, attn_backend="cpu").to(dtype)
     data = tokens(21, 3, seed=5)
     real = mt.RelPartialLearnableDecoderLayer._decode_layer_cpu
     routes = []
@@ -870,7 +860,8 @@ def test_decode_layer_equals_op_by_op(cfg, dtype, cache_dtype, untie_r, monkeypa
 def test_decode_layer_skipped_for_hooked_or_replaced_modules():
     """A forward hook on a sub-module, or a sub-module of another type, sends the decoding
     step op by op (the C++ layer would skip them), with the same tokens."""
-    model = make_model("adaptive2", tgt_len=4, mem_len=6, extension_backend="extension")
+    model = make_model("adaptive2", tgt_len=4, mem_len=6, extension_backend="extension",
+                       attn_backend="cpu")
     prompt = tokens(6, 2, seed=3).t().contiguous()
     want = model.generate(prompt, 5)
     seen = []
@@ -928,37 +919,6 @@ def test_decode_layer_rejects_bad_input():
         call(keys=kv.transpose(1, 2).contiguous().transpose(1, 2))
     with pytest.raises(RuntimeError, match="r must be"):
         call(r=r[1:])
-
-
-@pytest.mark.parametrize("lq,lk,d,wl,dtype", [
-    (1, 1, 16, -1, torch.float32), (5, 37, 41, -1, torch.float32), (37, 37, 41, 3, torch.float64),
-    (16, 80, 8, 40, torch.float32)])
-@pytest.mark.parametrize("with_work", [False, True])
-def test_segment_attention_torch_matches_reference(lq, lk, d, wl, dtype, with_work):
-    """The cached model's torch segment path (CPUs: strided relative shift, one baddbmm, the
-    softmax into a reused buffer) against the einsum reference, causal bottom-right with and
-    without a left window, seq-first strided keys and values as the cache passes them; the
-    reused buffers start out holding NaNs."""
-    from txl_kernels.cached_attention import segment_attention_torch
-    from txl_kernels.reference import rel_attention_reference
-
-    g = torch.Generator().manual_seed(lq * 100 + lk)
-    B, H = 2, 3
-    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)
-    q = rnd(lq + 2, B, H, d)[:lq].transpose(0, 1)
-    k = rnd(lk + 5, B, H, d)[:lk].transpose(0, 1)
-    v = rnd(lk + 5, B, H, d)[:lk].transpose(0, 1)
-    r, u, vb = rnd(lk, H, d), rnd(H, d), rnd(H, d)
-    bufs = {}
-
-    def work(slot, numel):
-        if slot not in bufs:
-            bufs[slot] = torch.full((numel + 7,), float("nan"), dtype=dtype)
-        return bufs[slot][:numel]
-
-    got = segment_attention_torch(q, k, v, r, u, vb, d ** -0.5, wl, work if with_work else None)
-    want = rel_attention_reference(*(t.double() for t in (q, k, v, r, u, vb)), d ** -0.5, wl, 0)
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("cfg", ["adaptive2", "proj_prelnorm", "plain"])

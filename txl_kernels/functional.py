@@ -705,8 +705,16 @@ def scale_sign(softmax_scale: float) -> Tuple[float, float]:
 
 
 def choose_backend(backend: str, q: torch.Tensor, who: str = "rel_attention") -> str:
-    """The kernel a call with ``backend`` runs for q's device, dtype and head dim: one policy
-    for ``rel_attention`` and the context-parallel ring. ``"triton"``: the fused Triton
+    """The kernel a call with ``backend`` runs for q's device, dtype and head dim
+    (:func:`choose_backend_for` on them)."""
+    return choose_backend_for(backend, q.device, q.dtype, q.shape[-1], who)
+
+
+def choose_backend_for(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int,
+                       who: str = "rel_attention") -> str:
+    """The kernel a call with ``backend`` runs for queries on ``device`` of ``dtype`` and
+    ``head_dim``: one policy for ``rel_attention``, the context-parallel ring and the K/V
+    cache's routes (``cached_attention_route``). ``"triton"``: the fused Triton
     kernels where they run (CUDA sm_80 and newer, CPU tensors under ``TRITON_INTERPRET=1``;
     float16 / bfloat16 / float32, head dims 16..256), else raises; ``"cpu"``: the C++ CPU
     kernel on CPU tensors (any dtype and head dim), else raises; ``"reference"``. ``"auto"``:
@@ -717,13 +725,13 @@ def choose_backend(backend: str, q: torch.Tensor, who: str = "rel_attention") ->
         raise ValueError(f"{who}: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
         return "reference"
-    if backend == "cpu" or (backend == "auto" and q.device.type == "cpu"
-                            and not fused_available(q.device)[0]):
+    if backend == "cpu" or (backend == "auto" and device.type == "cpu"
+                            and not fused_available(device)[0]):
         from ._cpp_ops import warn_fallback
         from .cpu_kernel import cpu_kernel_available
 
-        if backend == "cpu" and q.device.type != "cpu":
-            raise ValueError(f"{who}: backend='cpu' needs CPU tensors, got q on {q.device}")
+        if backend == "cpu" and device.type != "cpu":
+            raise ValueError(f"{who}: backend='cpu' needs CPU tensors, got q on {device}")
         ok, why = cpu_kernel_available()
         if ok:
             return "cpu"
@@ -731,16 +739,16 @@ def choose_backend(backend: str, q: torch.Tensor, who: str = "rel_attention") ->
             raise RuntimeError(f"{who}: backend='cpu' cannot run here: {why}")
         warn_fallback("cpu", why)
         return "reference"
-    ok, why = fused_available(q.device)
-    D = q.shape[-1]
-    shape_ok = q.dtype in FUSED_DTYPES and FUSED_MIN_HEADDIM <= D <= FUSED_MAX_HEADDIM
+    ok, why = fused_available(device)
+    D = head_dim
+    shape_ok = dtype in FUSED_DTYPES and FUSED_MIN_HEADDIM <= D <= FUSED_MAX_HEADDIM
     if backend == "triton":
         if not ok:
             raise RuntimeError(f"{who}: backend='triton' cannot run here: {why}")
         if not shape_ok:
             raise ValueError(
                 f"{who}: backend='triton' supports dtypes float16, bfloat16, float32 and head "
-                f"dims {FUSED_MIN_HEADDIM}..{FUSED_MAX_HEADDIM}; got dtype {q.dtype}, D={D}")
+                f"dims {FUSED_MIN_HEADDIM}..{FUSED_MAX_HEADDIM}; got dtype {dtype}, D={D}")
     return "triton" if ok and shape_ok else "reference"
 
 

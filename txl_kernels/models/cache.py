@@ -22,12 +22,11 @@ model's) while it is attended; after the last layer they are quantised into the 
 every layer's keys and values in ONE :func:`txl_kernels.memory.kv_cache_quantize_append`
 call (one launch on CUDA), and never again. The attention reads the memory as
 :class:`txl_kernels.quant.QuantizedKV` views of the buffers (``[bsz, mlen, H, D]``, no copy);
-the torch paths (CPUs) dequantise it into the reusable ``work`` buffers. Compaction moves the
-scales with the data (the same single launch).
+the fused kernels dequantise its rows in registers, the reference route as a whole. Compaction
+moves the scales with the data (the same single launch).
 """
 from __future__ import annotations
 
-import functools
 import os
 import weakref
 from typing import List, Optional
@@ -37,7 +36,7 @@ import torch
 from .._cpp_ops import check_extension_backend
 from .._utils import renamed_attribute, renamed_keywords
 from ..memory import kv_cache_compact, kv_cache_quantize_append
-from ..quant import QUANT_DTYPES, SCALE_DTYPES, QuantizedKV, dequantize_per_token
+from ..quant import QUANT_DTYPES, SCALE_DTYPES, QuantizedKV
 
 __all__ = ["TransfoXLCache"]
 
@@ -62,13 +61,6 @@ def _available_bytes(device: torch.device) -> Optional[int]:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):
         return None
-
-
-@functools.lru_cache(maxsize=None)
-def _fp8_values(device: torch.device) -> torch.Tensor:
-    """The fp32 value of each of the 256 float8_e4m3fn bit patterns."""
-    bits = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    return bits.view(torch.float8_e4m3fn).float().to(device)
 
 
 class TransfoXLCache:
@@ -152,7 +144,6 @@ class TransfoXLCache:
             raise
         self._pos_tables: dict = {}  # per layer: the projected position table
         self._pending: List[torch.Tensor] = []  # 8-bit: this segment's keys, values per layer
-        self._work = {}
         self.start = 0
         self.mlen = 0
 
@@ -244,34 +235,6 @@ class TransfoXLCache:
                                                           self.v_scale[layer])]
         return k, v, QuantizedKV(data[0], scales[0], data[1], scales[1])
 
-    def _dequantized(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """8-bit cache, torch paths: ``(keys, values)`` ``[mlen + qlen, bsz, width]`` in the
-        compute dtype, the dequantised memory of ``layer`` (``quant.dequantize_per_token``'s
-        values) followed by ``k`` / ``v``, in the reused work buffers (slots 3 and 4)."""
-        lo, mlen, qlen = self.start, self.mlen, k.shape[0]
-        out = []
-        for slot, cur, data, scale in ((3, k, self.k[layer], self.k_scale[layer]),
-                                       (4, v, self.v[layer], self.v_scale[layer])):
-            buf = self.work(slot, (mlen + qlen) * self.bsz * self.width)
-            buf = buf.view(mlen + qlen, self.bsz, self.width)
-            mem = buf[:mlen].view(mlen, self.bsz, self.n_head, self.width // self.n_head)
-            data = data[lo:lo + mlen].view(mem.shape)
-            scale = scale[lo:lo + mlen]
-            if self.compute_dtype == torch.float32:  # in place: data.float() * scale.float()
-                if data.dtype == torch.float8_e4m3fn:  # a table of the 256 values: exact,
-                    # and ~4x faster on CPUs than the element-wise fp8 conversion
-                    torch.index_select(_fp8_values(data.device), 0,
-                                       data.reshape(-1).view(torch.uint8).int(),
-                                       out=mem.view(-1))
-                else:
-                    mem.copy_(data)
-                mem.mul_(scale[..., None])
-            else:  # the product in fp32, then rounded to the compute dtype
-                mem.copy_(dequantize_per_token(data, scale, self.compute_dtype))
-            buf[mlen:].copy_(cur)
-            out.append(buf)
-        return out[0], out[1]
-
     def _append(self, qlen: int) -> None:
         """8-bit cache, after the last layer: quantise the rows of the segment that the
         window keeps (every layer's keys and values in one call) right after the memory."""
@@ -288,18 +251,6 @@ class TransfoXLCache:
     @staticmethod
     def _interleaved(a: List[torch.Tensor], b: List[torch.Tensor]) -> List[torch.Tensor]:
         return [t for pair in zip(a, b) for t in pair]
-
-    def work(self, slot: int, numel: int) -> torch.Tensor:
-        """A flat buffer of ``numel`` elements (cache dtype and device) for the torch
-        attention paths' large temporaries (scores, products with every key row), kept and
-        reused by every layer and step: on CPUs a fresh allocation of megabytes per layer
-        costs its page faults every time. Compute dtype. Not part of the memory (not in
-        ``nbytes``)."""
-        buf = self._work.get(slot)
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=self.compute_dtype, device=self.device)
-            self._work[slot] = buf
-        return buf[:numel]
 
     def _advance(self, qlen: int) -> None:
         end = self.mlen + max(0, qlen - self.ext_len)

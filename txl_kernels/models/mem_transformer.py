@@ -35,7 +35,7 @@ from .._export import ExportUnsupported, export_route, refuse_context_parallel
 from .._utils import (as_len, check_same, check_values, describe, renamed_attribute,
                       renamed_keywords)
 from ..cached_attention import (cached_attention, cached_attention_route,
-                                decode_extension_args, use_cpu_decode_op)
+                                decode_extension_args, use_decode_layer_op)
 from ..memory import update_mems
 from ..modules.transformer_xl import FusedRelAttention
 from .adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
@@ -102,10 +102,9 @@ class RelPartialLearnableDecoderLayer(nn.Module):
         ``r_head_k`` the projected position table ``[mlen + qlen, H, D]``. Same result as
         ``forward`` with the memory's hidden states as ``mems`` (with an 8-bit cache: with
         the memory's keys / values dequantised). The attention is
-        :func:`txl_kernels.cached_attention.cached_attention` (its route: fused Triton
-        kernels, the C++ decode op or torch); where that route is the CPU decode step, the
-        whole layer may run as one C++ call (:meth:`_decode_layer_cpu`). The torch routes'
-        large temporaries live in the cache's reused ``work`` buffers."""
+        :func:`txl_kernels.cached_attention.cached_attention` (its route: the decode op's
+        Triton or C++ kernel, or ``rel_attention``); where that route is the CPU decode step,
+        the whole layer may run as one C++ call (:meth:`_decode_layer_cpu`)."""
         fused = self._decode_layer_cpu(w, r_head_k, r_w_bias, r_r_bias, cache, layer,
                                        window_size)
         if fused is not None:
@@ -116,7 +115,7 @@ class RelPartialLearnableDecoderLayer(nn.Module):
         w_heads = att.qkv_net(att.layer_norm(w) if att.pre_lnorm else w)
         q, k, v = torch.chunk(w_heads, 3, dim=-1)
         # full precision: keys / values = memory + segment rows; 8-bit: the segment's rows,
-        # the memory in `memory` (QuantizedKV views of the cache)
+        # the memory in `memory` (QuantizedKV views of the cache, read in 8 bits)
         keys, values, memory = cache._store(layer, k, v)
         r_w_bias = (att.r_w_bias if r_w_bias is None else r_w_bias).to(q.dtype)
         r_r_bias = (att.r_r_bias if r_r_bias is None else r_r_bias).to(q.dtype)
@@ -125,14 +124,10 @@ class RelPartialLearnableDecoderLayer(nn.Module):
             n = kk.shape[0]
             return kk.view(n, bsz, H, D).transpose(0, 1), vv.view(n, bsz, H, D).transpose(0, 1)
 
-        def full_kv():  # every key / value row in the compute dtype, for the torch routes
-            return kv4(*cache._dequantized(layer, k, v))
-
         attn_vec = cached_attention(
             q.view(qlen, bsz, H, D).transpose(0, 1), *kv4(keys, values), r_head_k, r_w_bias,
-            r_r_bias, att.scale, window_size, memory=memory, full_kv=full_kv,
-            backend=att.backend, dropout_p=att.dropatt_p if self.training else 0.0,
-            extension_backend=cache.extension_backend, work=cache.work)
+            r_r_bias, att.scale, window_size, memory=memory, backend=att.backend,
+            dropout_p=att.dropatt_p if self.training else 0.0)
         attn_out = att.drop(att.o_net(attn_vec.transpose(0, 1).reshape(qlen, bsz, H * D)))
         out = w + attn_out if att.pre_lnorm else att.layer_norm(w + attn_out)
         return self.pos_ff(out)
@@ -144,14 +139,14 @@ class RelPartialLearnableDecoderLayer(nn.Module):
         layer, so the same result bit for bit, around the C++ decode attention): at qlen 1
         the dozen Python-dispatched ops of a layer cost about as much as its attention. Only
         where the attention's route is the CPU decode step and the op runs
-        (:func:`~txl_kernels.cached_attention.use_cpu_decode_op`: CPU fp32 / fp64,
+        (:func:`~txl_kernels.cached_attention.use_decode_layer_op`: CPU fp32 / fp64,
         ``extension_backend`` not "torch", the extension built) and the layer is built as
         this module builds it (:func:`_plain_layer`); None otherwise, and the layer runs op
         by op."""
         att, ff = self.dec_attn, self.pos_ff
-        if (self.training or cached_attention_route(w.shape[0], w.dtype, w.device,
+        if (self.training or cached_attention_route(w.shape[0], w.dtype, w.device, att.d_head,
                                                     backend=att.backend) != "cpu_decode"
-                or not use_cpu_decode_op("decode_layer", w, cache.extension_backend)
+                or not use_decode_layer_op(w, cache.extension_backend)
                 or not _plain_layer(self)):
             return None
         keys, values, memory = cache._slots(layer, 1)
@@ -238,12 +233,13 @@ class MemTransformerLM(nn.Module):
     sample_softmax (only <= 0: no sampled softmax).
     Keyword-only extras: ``untie_r`` (per-layer ``r_w_bias`` / ``r_r_bias``, HF's layout;
     default False: one pair on the model, the original's), ``layer_norm_epsilon``,
-    ``attn_backend`` (``rel_attention`` backend: "auto", "triton", "reference"),
+    ``attn_backend`` (``rel_attention`` backend: "auto", "triton", "cpu", "reference"),
     ``extension_backend`` ("auto", "extension", "torch": whether the C++ extension's ops or
     their pure-torch fallbacks run the segment-memory update (``update_mems``), the K/V
-    cache's compaction and 8-bit append, and the CPU decoding step (``decode_layer`` /
-    ``rel_attn_decode``'s CPU kernel); "auto" uses the extension where it is built and warns
-    once where it is not, "extension" raises there; the attention itself follows ``attn_backend``;
+    cache's compaction and 8-bit append, and the CPU decoding step's whole layer
+    (``decode_layer``); "auto" uses the extension where it is built and warns once where it
+    is not, "extension" raises there; the attention itself follows ``attn_backend``
+    (``cached_attention_route``);
     its former name ``memory_backend`` still works, as a keyword and an attribute, with a
     DeprecationWarning),
     ``checkpoint``
