@@ -76,7 +76,7 @@ def ring_case(case, rank, world, schedule, **kw):
     kpml = None if kpm is None else _shard_keys(kpm, M, rank, world, layout)
     rr, uu, vv = (t.clone().requires_grad_() for t in (r, u, vb))
     out = context_parallel_rel_attention(
-        ql, kl, vl, rr, uu, vv, memory_len=kl.shape[1] - ql.shape[1], layout=layout,
+        ql, kl, vl, rr, uu, vv, mlen=kl.shape[1] - ql.shape[1], layout=layout,
         causal=causal, window_size=window, key_padding_mask=kpml, schedule=schedule, **kw)
     fwd_schedule = list(schedule)
     out.backward(shard_sequence(dout, 1, rank, world, layout))
@@ -215,6 +215,18 @@ def test_requires_an_initialised_process_group():
                                        torch.zeros(2, 8))
 
 
+def test_memory_len_is_a_deprecated_alias_of_mlen():
+    """The ring's former keyword ``memory_len`` reaches ``mlen`` (here: its check, before any
+    communication) with a DeprecationWarning; both at once raise TypeError."""
+    q = torch.randn(1, 4, 2, 8)
+    r, b = torch.randn(4, 2, 8), torch.zeros(2, 8)
+    with pytest.warns(DeprecationWarning, match="memory_len= is deprecated.*mlen="), \
+            pytest.raises(ValueError, match="mlen must be an int >= 0, got -1"):
+        context_parallel_rel_attention(q, q, q, r, b, b, memory_len=-1)
+    with pytest.raises(TypeError, match="got both mlen= and memory_len="):
+        context_parallel_rel_attention(q, q, q, r, b, b, memory_len=0, mlen=0)
+
+
 # (keyword, value): arguments rel_attention rejects with a ValueError / TypeError naming them
 BAD_ARGS = [("softmax_scale", float("nan")), ("softmax_scale", float("inf")),
             ("softmax_scale", -float("inf")), ("softmax_scale", "0.1"),
@@ -244,7 +256,7 @@ def test_ring_rejects_what_rel_attention_rejects_before_communicating(kw, value)
     with pytest.raises(want.type) as got:
         context_parallel_rel_attention(q, q, q, r, b, b, backend="reference", **{kw: value})
     # the one difference: the ring's keys are this rank's memory shard and segment shard
-    want_msg = str(want.value)[len(prefix):].replace("[B, Lk]", "[B, memory_len + Lq_rank]")
+    want_msg = str(want.value)[len(prefix):].replace("[B, Lk]", "[B, mlen + Lq_rank]")
     assert str(got.value) == "context_parallel_rel_attention: " + want_msg
 
 
@@ -274,13 +286,13 @@ def _bad_call_worker(rank, world, port, path):
                 kw, value = "softmax_scale", (value if rank == 0 else None)
             try:
                 context_parallel_rel_attention(
-                    ql, kl, vl, r, u, vb, memory_len=kl.shape[1] - ql.shape[1], layout=layout,
+                    ql, kl, vl, r, u, vb, mlen=kl.shape[1] - ql.shape[1], layout=layout,
                     backend="reference", **{kw: value})
                 errors.append(None)
             except Exception as exc:  # noqa: BLE001 - the test compares them
                 errors.append((type(exc).__name__, str(exc)))
         out = context_parallel_rel_attention(ql, kl, vl, r, u, vb,
-                                             memory_len=kl.shape[1] - ql.shape[1],
+                                             mlen=kl.shape[1] - ql.shape[1],
                                              layout=layout, backend="reference")
         torch.save(dict(errors=errors, out=out), f"{path}.{rank}")
 

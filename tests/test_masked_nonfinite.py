@@ -269,7 +269,7 @@ def test_context_parallel_einsum_blocks(world_of_one, value):
     def run(x):
         leaves = [t.detach().clone().requires_grad_() for t in _poison((q, k, v, r, u, vb),
                                                                        entries, x)]
-        out = context_parallel_rel_attention(*leaves, memory_len=3, causal=True,
+        out = context_parallel_rel_attention(*leaves, mlen=3, causal=True,
                                              key_padding_mask=kpm, backend="reference")
         out.backward(torch.ones_like(out))
         return out.detach(), [t.grad for t in leaves]

@@ -24,9 +24,9 @@ def merge_block(out: Tensor, lse: Tensor, i0: int, n: int, blk: Tensor, blk_lse:
 
 
 class KernelOps:
-    """One backend's block ops: ``fwd(q, k, v, r, u, vb, scale, wl, wr, kpm) -> (out, lse)``
-    (``lse`` natural log, +inf for rows with no allowed key) and ``bwd(dout, q, k, v, r, u,
-    vb, out, lse, scale, wl, wr, kpm) -> (dq, dk, dv, dr, du, dvb)`` (both also take an
+    """One backend's block ops: ``fwd(q, k, v, r, u, vb, softmax_scale, wl, wr, kpm) -> (out,
+    lse)`` (``lse`` natural log, +inf for rows with no allowed key) and ``bwd(dout, q, k, v, r, u,
+    vb, out, lse, softmax_scale, wl, wr, kpm) -> (dq, dk, dv, dr, du, dvb)`` (both also take an
     optional ``attn_mask``, its ``attn_mask_band``, ``r_first_distance`` (the distance held
     by ``r``'s row 0 as the ops take it) and the kernels' dropout, ``dropout_p`` with its
     ``dropout_seed``): the ops ``txl_kernels::rel_attn_fwd`` / ``rel_attn_bwd`` (``_op.py``),
@@ -44,19 +44,20 @@ class KernelOps:
     def _interpreter(self, q: Tensor) -> bool:
         return self.name == "triton" and q.device.type == "cpu"
 
-    def fwd(self, q, k, v, r, u, vb, scale, wl, wr, kpm, attn_mask=None, attn_mask_band=None,
-            r_first_distance=None, dropout_p=0.0, dropout_seed=None, out=None):
+    def fwd(self, q, k, v, r, u, vb, softmax_scale, wl, wr, kpm, attn_mask=None,
+            attn_mask_band=None, r_first_distance=None, dropout_p=0.0, dropout_seed=None,
+            out=None):
         """``out``: the CPU kernel, no autograd: the result written there (it may be q;
         ``rel_attn_fwd.out``), returned as ``(out, lse)``."""
-        args = (q, k, v, r, u, vb, scale, wl, wr, kpm, attn_mask, attn_mask_band, dropout_p,
-                dropout_seed, None, None, None, None, r_first_distance)
+        args = (q, k, v, r, u, vb, softmax_scale, wl, wr, kpm, attn_mask, attn_mask_band,
+                dropout_p, dropout_seed, None, None, None, None, r_first_distance)
         if out is not None:
             return out, FWD_OUT(*args, out=out)
         return op_kernel(FWD, self._interpreter(q))(*args)
 
-    def bwd(self, dout, q, k, v, r, u, vb, out, lse, scale, wl, wr, kpm, attn_mask=None,
+    def bwd(self, dout, q, k, v, r, u, vb, out, lse, softmax_scale, wl, wr, kpm, attn_mask=None,
             attn_mask_band=None, r_first_distance=None, dropout_p=0.0, dropout_seed=None):
-        return op_kernel(BWD, self._interpreter(q))(dout, q, k, v, r, u, vb, out, lse, scale,
-                                                    wl, wr, kpm, attn_mask, attn_mask_band,
-                                                    self.deterministic, dropout_p,
-                                                    dropout_seed, r_first_distance)
+        return op_kernel(BWD, self._interpreter(q))(dout, q, k, v, r, u, vb, out, lse,
+                                                    softmax_scale, wl, wr, kpm, attn_mask,
+                                                    attn_mask_band, self.deterministic,
+                                                    dropout_p, dropout_seed, r_first_distance)

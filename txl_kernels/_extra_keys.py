@@ -23,11 +23,11 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _extra_scores(extra_q: Tensor, extra_k: Tensor, scale: float, acc) -> Tensor:
-    """``scale * extra_q_i . extra_k_g``, ``[B, H, Lq, G]`` in ``acc`` (a batched GEMM on
+def _extra_scores(extra_q: Tensor, extra_k: Tensor, softmax_scale: float, acc) -> Tensor:
+    """``softmax_scale * extra_q_i . extra_k_g``, ``[B, H, Lq, G]`` in ``acc`` (a batched GEMM on
     strided views: no copy of extra_q)."""
     return torch.matmul(extra_q.to(acc).transpose(1, 2),
-                        extra_k.to(acc).permute(0, 2, 3, 1)) * scale
+                        extra_k.to(acc).permute(0, 2, 3, 1)) * softmax_scale
 
 
 def _add_weighted(out: Tensor, w: Tensor, x: Tensor) -> None:
@@ -68,15 +68,15 @@ def _rows_of(t: Tensor, base: Tensor):
 
 
 def _merged_forward(q, k, v, r, u, vb, extra_q, extra_k, extra_v, kpm, attn_mask,
-                    attn_mask_band, scale, wl, wr, r_first_distance, dropout_p, dropout_seed,
-                    extra_keep, ops, out=None):
+                    attn_mask_band, softmax_scale, wl, wr, r_first_distance, dropout_p,
+                    dropout_seed, extra_keep, ops, out=None):
     """-> (out, lse): the kernel's rows merged with the extra keys' (``out``: the kernel
     writes there and the merge is in place, fp32 / fp64 only; no autograd)."""
     acc = _acc(q.dtype)
     drop = dict(dropout_p=dropout_p, dropout_seed=dropout_seed)
-    s = _extra_scores(extra_q, extra_k, scale, acc)  # first: out may be q, also extra_q
-    out_b, lse_b = ops.fwd(q, k, v, r, u, vb, scale, wl, wr, kpm, attn_mask, attn_mask_band,
-                           r_first_distance, out=out, **drop)
+    s = _extra_scores(extra_q, extra_k, softmax_scale, acc)  # first: out may be q, also extra_q
+    out_b, lse_b = ops.fwd(q, k, v, r, u, vb, softmax_scale, wl, wr, kpm, attn_mask,
+                           attn_mask_band, r_first_distance, out=out, **drop)
     lse_b = lse_b.to(acc)  # rows with no relative key: +inf -> -inf (no mass) here
     lse_b = lse_b.masked_fill(lse_b == float("inf"), float("-inf"))
     # the log-sum-exp merge of the kernel's rows with the extra keys' (merge_block's
@@ -98,14 +98,14 @@ def _merged_forward(q, k, v, r, u, vb, extra_q, extra_k, extra_v, kpm, attn_mask
 class _ExtraKeysAttn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, r, u, vb, extra_q, extra_k, extra_v, kpm, attn_mask,
-                attn_mask_band, scale, wl, wr, r_first_distance, dropout_p, dropout_seed,
+                attn_mask_band, softmax_scale, wl, wr, r_first_distance, dropout_p, dropout_seed,
                 extra_keep, ops, k_rows, v_rows):
         out, lse = _merged_forward(q, k, v, r, u, vb, extra_q, extra_k, extra_v, kpm,
-                                   attn_mask, attn_mask_band, scale, wl, wr, r_first_distance,
-                                   dropout_p, dropout_seed, extra_keep, ops)
+                                   attn_mask, attn_mask_band, softmax_scale, wl, wr,
+                                   r_first_distance, dropout_p, dropout_seed, extra_keep, ops)
         ctx.save_for_backward(q, k, v, r, u, vb, extra_q, extra_k, extra_v, kpm, attn_mask,
                               attn_mask_band, out, lse, dropout_seed, extra_keep)
-        ctx.args = (scale, wl, wr, r_first_distance, dropout_p, ops)
+        ctx.args = (softmax_scale, wl, wr, r_first_distance, dropout_p, ops)
         ctx.q_is_extra_q = extra_q is q  # then d(extra_q) goes into dq, in place
         ctx.rows = (k_rows, v_rows)  # extra_k / extra_v as row slices of k / v, or None
         return out
@@ -114,25 +114,25 @@ class _ExtraKeysAttn(torch.autograd.Function):
     def backward(ctx, dout):
         (q, k, v, r, u, vb, extra_q, extra_k, extra_v, kpm, attn_mask, attn_mask_band, out,
          lse, dropout_seed, extra_keep) = ctx.saved_tensors
-        scale, wl, wr, r_first_distance, dropout_p, ops = ctx.args
+        softmax_scale, wl, wr, r_first_distance, dropout_p, ops = ctx.args
         acc = _acc(q.dtype)
         dout = last_dim_contiguous(dout)
         # the kernel's backward from the merged out and lse (+inf: a row with no key at all)
         lse_k = lse.masked_fill(~torch.isfinite(lse), float("inf")).to(ops.lse_dtype(q.dtype))
-        dq, *grads = ops.bwd(dout, q, k, v, r, u, vb, out, lse_k, scale, wl, wr, kpm,
+        dq, *grads = ops.bwd(dout, q, k, v, r, u, vb, out, lse_k, softmax_scale, wl, wr, kpm,
                              attn_mask, attn_mask_band, r_first_distance, dropout_p=dropout_p,
                              dropout_seed=dropout_seed)
         # the extra part: dS = P * (Z * dO . v_g - rowsum(dO * O)), P the joint softmax's
         # columns, Z the dropout factor (1 without dropout); O is the dropped output, so
         # rowsum(dO * O) is the joint rowsum of P * Z * dP, as in the kernels' backward
         dout_a = dout.to(acc)
-        p = torch.exp(_extra_scores(extra_q, extra_k, scale, acc) - lse[..., None])
+        p = torch.exp(_extra_scores(extra_q, extra_k, softmax_scale, acc) - lse[..., None])
         z = _dropout_factor(extra_keep, dropout_p, acc)
         pz = p if z is None else p * z
         ev, ek = extra_v.to(acc), extra_k.to(acc)
         dp = torch.matmul(dout_a.transpose(1, 2), ev.permute(0, 2, 3, 1))  # [B, H, Lq, G]
         delta = _row_dot(dout_a, out.to(acc))  # [B, H, Lq]
-        ds = (pz * dp - p * delta[..., None]) * scale
+        ds = (pz * dp - p * delta[..., None]) * softmax_scale
         d_ek = torch.matmul(ds.transpose(-1, -2), extra_q.to(acc).transpose(1, 2))
         d_ev = torch.matmul(pz.transpose(-1, -2), dout_a.transpose(1, 2))
         if ctx.q_is_extra_q and dq.dtype == acc:

@@ -35,7 +35,8 @@ from torch import Tensor
 
 from ._export import refuse_context_parallel
 from ._block_ops import KernelOps, merge_block
-from ._utils import check_same, draw_dropout_seed, interpreting, no_interpreter_reason
+from ._utils import (check_same, draw_dropout_seed, interpreting, no_interpreter_reason,
+                     renamed_keywords)
 from .functional import (BACKENDS, check_deterministic, check_dropout_p, check_padding_mask,
                          check_position_rows, check_softmax_scale, check_tensor, check_window,
                          choose_backend, clamp_window, scale_sign)
@@ -143,7 +144,7 @@ def _window(a0: int, A: int, b0: int, Bk: int, prob: _Problem, R: int):
     return lo, hi, top, W - top - (hi - lo)
 
 
-def _block_scores(qc, kc, vc, r_rows, pad, u, vb, scale, a0, b0, prob: _Problem, wl, wr,
+def _block_scores(qc, kc, vc, r_rows, pad, u, vb, softmax_scale, a0, b0, prob: _Problem, wl, wr,
                   kpm_c):
     """Scaled scores ``[B, H, A, Bk]`` of one chunk pair (masked pairs at -inf), in the
     accumulation dtype, from the rows of ``r`` its window reads (zero rows padded around).
@@ -151,7 +152,7 @@ def _block_scores(qc, kc, vc, r_rows, pad, u, vb, scale, a0, b0, prob: _Problem,
     (``vc``) or r row is not finite scores NaN (hidden by the mask where it is excluded)."""
     A, Bk = qc.shape[1], kc.shape[1]
     r_win = torch.nn.functional.pad(r_rows, (0, 0, 0, 0) + pad)
-    s = relative_scores(qc, kc, vc, r_win, u, vb, scale)
+    s = relative_scores(qc, kc, vc, r_win, u, vb, softmax_scale)
     i = torch.arange(A, device=qc.device)[:, None] + (a0 + prob.mem)
     j = torch.arange(Bk, device=qc.device)[None, :] + b0
     allowed = in_window(i - j, wl, wr)[None, None] & ~kpm_c[:, None, None, :]
@@ -310,7 +311,7 @@ def _boxes(a0: int, A: int, b0: int, Bk: int, prob: "_Problem", wl: int, wr: int
                                                                              prob.mem, wl, wr)
 
 
-def _ring_forward(q, k, v, kpm, r, u, vb, scale, wl, wr, prob: _Problem, ring: _Ring,
+def _ring_forward(q, k, v, kpm, r, u, vb, softmax_scale, wl, wr, prob: _Problem, ring: _Ring,
                   drop: _Dropout, ops: Optional[KernelOps]):
     B, Lq, H, D = q.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -334,7 +335,7 @@ def _ring_forward(q, k, v, kpm, r, u, vb, scale, wl, wr, prob: _Problem, ring: _
                     ks = slice(koff + j_lo, koff + j_hi)
                     rk = _kernel_r(r, ga, n_i, gb, n_j, prob.lq)[0]
                     o, blk_lse = ops.fwd(qc[:, i_lo:i_hi], kb[:, ks], vb_[:, ks], rk, u, vb,
-                                         scale, kwl, kwr,
+                                         softmax_scale, kwl, kwr,
                                          kpmb[:, ks] if prob.has_kpm else None)
                     blk_lse = blk_lse.to(acc)  # rows with no key: +inf -> -inf here
                     blk_lse = blk_lse.masked_fill(blk_lse == float("inf"), float("-inf"))
@@ -342,7 +343,7 @@ def _ring_forward(q, k, v, kpm, r, u, vb, scale, wl, wr, prob: _Problem, ring: _
                 continue
             lo, hi, top, bottom = _window(a0, A, b0, Bk, prob, r.shape[0])
             s = _block_scores(qc, kb[:, koff:koff + Bk], vb_[:, koff:koff + Bk], r[lo:hi],
-                              (top, bottom), u, vb, scale, a0, b0, prob, wl, wr,
+                              (top, bottom), u, vb, softmax_scale, a0, b0, prob, wl, wr,
                               kpmb[:, koff:koff + Bk])
             blk_lse = torch.logsumexp(s, dim=-1)
             p = torch.exp(s - finite_or_zero(blk_lse)[..., None])
@@ -357,7 +358,7 @@ def _ring_forward(q, k, v, kpm, r, u, vb, scale, wl, wr, prob: _Problem, ring: _
     return out.to(q.dtype), lse
 
 
-def _ring_backward(dout, q, k, v, kpm, r, u, vb, out, lse, scale, wl, wr, prob: _Problem,
+def _ring_backward(dout, q, k, v, kpm, r, u, vb, out, lse, softmax_scale, wl, wr, prob: _Problem,
                    ring: _Ring, drop: _Dropout, ops: Optional[KernelOps]):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     if ops is not None:
@@ -395,7 +396,7 @@ def _ring_backward(dout, q, k, v, kpm, r, u, vb, out, lse, scale, wl, wr, prob: 
                     rk, r_lo, top = _kernel_r(r, ga, n_i, gb, n_j, prob.lq)
                     gq, gk, gv, gr, gu, gvb = ops.bwd(
                         dout[:, qs], q[:, qs], kb[:, ks], vblk[:, ks], rk, u, vb,
-                        out[:, qs], lse_k[:, :, qs], scale, kwl, kwr,
+                        out[:, qs], lse_k[:, :, qs], softmax_scale, kwl, kwr,
                         kpmb[:, ks] if prob.has_kpm else None)
                     dq[:, qs] += gq
                     dkb[:, ks] += gk
@@ -406,7 +407,7 @@ def _ring_backward(dout, q, k, v, kpm, r, u, vb, out, lse, scale, wl, wr, prob: 
                 continue
             gq, gk, gv, gr, lo, hi, gu, gvb = _block_grads(
                 q[:, qoff:qoff + A], kb[:, koff:koff + Bk], vblk[:, koff:koff + Bk], r, u,
-                vb, scale, a0, b0, prob, wl, wr, kpmb[:, koff:koff + Bk],
+                vb, softmax_scale, a0, b0, prob, wl, wr, kpmb[:, koff:koff + Bk],
                 lse_safe[:, :, qoff:qoff + A], delta[:, :, qoff:qoff + A],
                 dout_a[:, qoff:qoff + A], drop.factor(a0, A, b0, Bk, acc))
             dq[:, qoff:qoff + A] += gq
@@ -426,7 +427,7 @@ def _ring_backward(dout, q, k, v, kpm, r, u, vb, out, lse, scale, wl, wr, prob: 
             dvb.to(vb.dtype))
 
 
-def _block_grads(qc, kc, vc, r, u, vb, scale, a0, b0, prob, wl, wr, kpm_c, lse_c, delta_c,
+def _block_grads(qc, kc, vc, r, u, vb, softmax_scale, a0, b0, prob, wl, wr, kpm_c, lse_c, delta_c,
                  dout_c, z=None):
     """Gradients of one chunk pair's share of the output, given the final row log-sum-exp:
     ``dS = P * (Z * dO V^T - rowsum(dO * O))``, as autograd of the surrogate
@@ -439,7 +440,7 @@ def _block_grads(qc, kc, vc, r, u, vb, scale, a0, b0, prob, wl, wr, kpm_c, lse_c
     with torch.enable_grad():
         leaves = [t.detach().to(acc).requires_grad_() for t in (qc, kc, vc, r[lo:hi], u, vb)]
         q_, k_, v_, rw_, u_, vb_ = leaves
-        s = _block_scores(q_, k_, v_, rw_, (top, bottom), u_, vb_, scale, a0, b0, prob, wl,
+        s = _block_scores(q_, k_, v_, rw_, (top, bottom), u_, vb_, softmax_scale, a0, b0, prob, wl,
                           wr, kpm_c)
         p = torch.exp(s - lse_c[..., None])
         pz = p if z is None else p * z
@@ -453,10 +454,11 @@ def _block_grads(qc, kc, vc, r, u, vb, scale, a0, b0, prob, wl, wr, kpm_c, lse_c
 
 class _ContextParallelRelAttn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, r, u, vb, kpm, scale, wl, wr, prob, ring, drop, ops):
-        out, lse = _ring_forward(q, k, v, kpm, r, u, vb, scale, wl, wr, prob, ring, drop, ops)
+    def forward(ctx, q, k, v, r, u, vb, kpm, softmax_scale, wl, wr, prob, ring, drop, ops):
+        out, lse = _ring_forward(q, k, v, kpm, r, u, vb, softmax_scale, wl, wr, prob, ring, drop,
+                                 ops)
         ctx.save_for_backward(q, k, v, kpm, r, u, vb, out, lse)
-        ctx.args = (scale, wl, wr, prob, ring, drop, ops)
+        ctx.args = (softmax_scale, wl, wr, prob, ring, drop, ops)
         return out
 
     @staticmethod
@@ -466,14 +468,14 @@ class _ContextParallelRelAttn(torch.autograd.Function):
         return grads + (None,) * 8
 
 
-def _check_args(name, q, k, v, r, r_w_bias, r_r_bias, memory_len, layout, causal,
+def _check_args(name, q, k, v, r, r_w_bias, r_r_bias, mlen, layout, causal,
                 window_size, key_padding_mask, softmax_scale, dropout_p, dropout_seed, backend,
                 deterministic, r_first_distance=None):
     """Every check of :func:`context_parallel_rel_attention` that needs no communication:
-    ``rel_attention``'s own (functional.py) for the tensors, scale, window, padding mask,
+    ``rel_attention``'s own (functional.py) for the tensors, softmax_scale, window, padding mask,
     dropout and flags, with this function's name, and the ring's shapes. Returns (window_left,
-    window_right (causal folded in, not clamped to the global shapes), scale, dropout_p, kpm,
-    the backend that computes the blocks)."""
+    window_right (causal folded in, not clamped to the global shapes), softmax_scale,
+    dropout_p, kpm, the backend that computes the blocks)."""
     _check_layout(layout)
     if r_first_distance is not None:
         raise NotImplementedError(f"{name}: r_first_distance is not supported by the ring (its "
@@ -481,8 +483,8 @@ def _check_args(name, q, k, v, r, r_w_bias, r_r_bias, memory_len, layout, causal
                                   f"r_first_distance=None with that table, or use "
                                   f"rel_attention")
     for nm, t, nd, lay in (("q", q, 4, "[B, Lq_rank, H, D]"),
-                           ("k", k, 4, "[B, memory_len + Lq_rank, H, D]"),
-                           ("v", v, 4, "[B, memory_len + Lq_rank, H, D]"),
+                           ("k", k, 4, "[B, mlen + Lq_rank, H, D]"),
+                           ("v", v, 4, "[B, mlen + Lq_rank, H, D]"),
                            ("r", r, 3, "[R, H, D]"), ("r_w_bias", r_w_bias, 2, "[H, D]"),
                            ("r_r_bias", r_r_bias, 2, "[H, D]")):
         check_tensor(nm, t, nd, lay, name)
@@ -491,12 +493,12 @@ def _check_args(name, q, k, v, r, r_w_bias, r_r_bias, memory_len, layout, causal
         check_same(name, nm, t, "q", q)
     check_deterministic(deterministic, name)
     B, Lq, H, D = q.shape
-    if isinstance(memory_len, bool) or not isinstance(memory_len, int) or memory_len < 0:
-        raise ValueError(f"{name}: memory_len must be an int >= 0, got {memory_len!r}")
-    want = (B, memory_len + Lq, H, D)
+    if isinstance(mlen, bool) or not isinstance(mlen, int) or mlen < 0:
+        raise ValueError(f"{name}: mlen must be an int >= 0, got {mlen!r}")
+    want = (B, mlen + Lq, H, D)
     for nm, t in (("k", k), ("v", v)):
         if tuple(t.shape) != want:
-            raise ValueError(f"{name}: {nm} must be [B, memory_len + Lq_rank, H, D] = "
+            raise ValueError(f"{name}: {nm} must be [B, mlen + Lq_rank, H, D] = "
                              f"{list(want)}, got {list(t.shape)}")
     if tuple(r.shape[1:]) != (H, D) or r.shape[0] < 1:
         raise ValueError(f"{name}: r must be [R, H, D] = [R, {H}, {D}] with R >= 1, "
@@ -506,12 +508,12 @@ def _check_args(name, q, k, v, r, r_w_bias, r_r_bias, memory_len, layout, causal
             raise ValueError(f"{name}: {nm} must be [H, D] = [{H}, {D}], got {list(t.shape)}")
     if key_padding_mask is not None:
         check_padding_mask(key_padding_mask, q, want[1], name,
-                                "[B, memory_len + Lq_rank]")
+                                "[B, mlen + Lq_rank]")
         kpm = key_padding_mask
     else:
         kpm = torch.zeros(want[:2], dtype=torch.bool, device=q.device)
     wl, wr = check_window(causal, window_size, name)
-    scale = check_softmax_scale(softmax_scale, D, name)
+    softmax_scale = check_softmax_scale(softmax_scale, D, name)
     dropout_p = check_dropout_p(dropout_p, name)
     if dropout_p > 0.0 and q.device.type == "cpu" and not interpreting():
         raise RuntimeError(f"{name}: dropout_p > 0 on CPU makes the keep-mask with the Triton "
@@ -522,9 +524,10 @@ def _check_args(name, q, k, v, r, r_w_bias, r_r_bias, memory_len, layout, causal
         raise ValueError(f"{name}: dropout_seed must be an int64 [2] tensor on "
                          f"{q.device}, got {dropout_seed!r}")
     chosen = _ring_backend(backend, q, dropout_p, name)
-    return wl, wr, scale, dropout_p, kpm, chosen
+    return wl, wr, softmax_scale, dropout_p, kpm, chosen
 
 
+@renamed_keywords("context_parallel_rel_attention", memory_len="mlen")
 def context_parallel_rel_attention(
     q: Tensor,
     k: Tensor,
@@ -534,7 +537,7 @@ def context_parallel_rel_attention(
     r_r_bias: Tensor,
     *,
     group=None,
-    memory_len: int = 0,
+    mlen: int = 0,
     layout: str = "contiguous",
     causal: bool = True,
     window_size: Tuple[int, int] = (-1, -1),
@@ -555,19 +558,21 @@ def context_parallel_rel_attention(
     Arguments:
         q: ``[B, Lq_rank, H, D]``: this rank's queries (its chunks of the current segment in
             ``layout``, see :func:`shard_sequence`).
-        k, v: ``[B, memory_len + Lq_rank, H, D]``: this rank's memory shard (its chunks of the
+        k, v: ``[B, mlen + Lq_rank, H, D]``: this rank's memory shard (its chunks of the
             global memory in ``layout``), then the keys / values of its queries.
         r: ``[R, H, D]``, the whole projected position table (every rank the same); row ``p``
             serves global query ``i`` and global key ``j`` at ``p = j - i + Lq - 1``, ``Lq``
             the global segment length, keys memory first, as in ``rel_attention``.
         r_w_bias, r_r_bias: ``[H, D]``.
         group: the process group (default: the world).
-        memory_len: the rows of ``k`` / ``v`` that are this rank's memory shard.
+        mlen: the rows of ``k`` / ``v`` that are this rank's memory shard (``mlen`` as
+            everywhere in the package; its former name ``memory_len`` still works, with a
+            DeprecationWarning).
         layout: ``"contiguous"`` (rank order; lengths may differ between ranks) or
             ``"zigzag"`` (rank ``i`` holds chunks ``i`` and ``2P - 1 - i`` of ``2P``: causal
             work balanced); the segment and the memory are both sharded in it.
         causal, window_size, softmax_scale: as in ``rel_attention``, on global positions.
-        key_padding_mask: ``[B, memory_len + Lq_rank]`` bool, True = padded, this rank's keys.
+        key_padding_mask: ``[B, mlen + Lq_rank]`` bool, True = padded, this rank's keys.
         dropout_p: attention dropout probability, with the keep-mask one process would use:
             that of the fused kernels (``ops.rel_attn_fwd.dropout_keep_mask``), a function of
             global (b, h, i, j) and ``dropout_seed``; each chunk pair regenerates its block of
@@ -612,8 +617,8 @@ def context_parallel_rel_attention(
     # exchange posted: the next call on the group starts clean.
     err = None
     try:
-        wl, wr, scale, dropout_p, kpm, chosen = _check_args(
-            name, q, k, v, r, r_w_bias, r_r_bias, memory_len, layout, causal, window_size,
+        wl, wr, softmax_scale, dropout_p, kpm, chosen = _check_args(
+            name, q, k, v, r, r_w_bias, r_r_bias, mlen, layout, causal, window_size,
             key_padding_mask, softmax_scale, dropout_p, dropout_seed, backend, deterministic,
             r_first_distance)
     except (TypeError, ValueError, RuntimeError) as exc:  # NotImplementedError included
@@ -625,7 +630,7 @@ def context_parallel_rel_attention(
                            "(call dist.init_process_group first)")
     ring = _Ring(group, schedule)
     ok = err is None
-    lens = torch.tensor([int(ok), q.shape[1] if ok else 0, memory_len if ok else 0],
+    lens = torch.tensor([int(ok), q.shape[1] if ok else 0, mlen if ok else 0],
                         dtype=torch.int64)
     gathered = [torch.empty_like(lens) for _ in range(ring.world)]
     dist.all_gather(gathered, lens, group=group)
@@ -663,8 +668,8 @@ def context_parallel_rel_attention(
         # the kernels read tensors whose last dimension is contiguous
         q, k, v, r, r_w_bias, r_r_bias = (t if t.stride(-1) == 1 else t.contiguous()
                                           for t in (q, k, v, r, r_w_bias, r_r_bias))
-    if chosen == "triton" and scale <= 0.0:
-        sign, scale = scale_sign(scale)
+    if chosen == "triton" and softmax_scale <= 0.0:
+        sign, softmax_scale = scale_sign(softmax_scale)
         q, r_w_bias, r_r_bias = (t * sign for t in (q, r_w_bias, r_r_bias))
-    return _ContextParallelRelAttn.apply(q, k, v, r, r_w_bias, r_r_bias, kpm, scale, wl, wr,
-                                         prob, ring, drop, ops)
+    return _ContextParallelRelAttn.apply(q, k, v, r, r_w_bias, r_r_bias, kpm, softmax_scale, wl,
+                                         wr, prob, ring, drop, ops)

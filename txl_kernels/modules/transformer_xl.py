@@ -197,7 +197,7 @@ class FusedRelAttention(nn.Module):
         wl = self.mem_len - 1 if self.same_length else -1
         return context_parallel_rel_attention(
             q, k, v, r_head_k, r_w_bias.to(q.dtype), r_r_bias.to(q.dtype), group=self.cp_group,
-            memory_len=mlen, layout="contiguous", causal=True, window_size=(wl, 0),
+            mlen=mlen, layout="contiguous", causal=True, window_size=(wl, 0),
             softmax_scale=self.scale, dropout_p=self.dropatt_p if self.training else 0.0,
             backend=self.backend)
 
