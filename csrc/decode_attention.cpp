@@ -146,7 +146,7 @@ struct Job {
   acc_t<T>* scores;
   Strides ks, vs, kqs, vqs, kss, vss;
   int64_t rs_n, rs_h, H, D, n, lo, Lk, M;
-  acc_t<T> scale;
+  acc_t<T> softmax_scale;
 };
 
 // The two streaming loops, over a range of (batch, key) rows. Plain loops that the compiler
@@ -168,14 +168,14 @@ TXL_ALWAYS_INLINE inline void scores_rows(const Job<T, Q, S>& J, int64_t i0, int
       const S* srow = J.KS + j * J.kss.n + b * J.kss.b;
       if (j + kAhead < J.M) prefetch_row(krow + kAhead * J.kqs.n, J.H, J.kqs.h, J.D);
       for (int64_t h = 0; h < J.H; ++h)
-        out[h * J.n] = J.scale * dot2<T, A>(krow + h * J.kqs.h,
+        out[h * J.n] = J.softmax_scale * dot2<T, A>(krow + h * J.kqs.h,
                                              static_cast<float>(srow[h * J.kss.h]),
                                              qu + h * J.D, rrow + h * J.rs_h, qv + h * J.D, J.D);
     } else {
       const T* krow = J.K + (j - J.M) * J.ks.n + b * J.ks.b;
       if (j + kAhead < J.Lk) prefetch_row(krow + kAhead * J.ks.n, J.H, J.ks.h, J.D);
       for (int64_t h = 0; h < J.H; ++h)
-        out[h * J.n] = J.scale * dot2<T, A>(krow + h * J.ks.h, 1.0f, qu + h * J.D,
+        out[h * J.n] = J.softmax_scale * dot2<T, A>(krow + h * J.ks.h, 1.0f, qu + h * J.D,
                                              rrow + h * J.rs_h, qv + h * J.D, J.D);
     }
   }
@@ -247,8 +247,8 @@ inline void weighted_any(const Job<double, Q, S>& J, int64_t b, double* acc) {
 
 template <typename T, typename Q, typename S>
 void decode_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                const at::Tensor& r, const at::Tensor& u, const at::Tensor& vb, double scale,
-                int64_t lo, const at::Tensor* mem, at::Tensor& out) {
+                const at::Tensor& r, const at::Tensor& u, const at::Tensor& vb,
+                double softmax_scale, int64_t lo, const at::Tensor* mem, at::Tensor& out) {
   using A = acc_t<T>;
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t M = mem ? mem[0].size(0) : 0, Lk = M + k.size(0);
@@ -295,7 +295,7 @@ void decode_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   J.lo = lo;
   J.Lk = Lk;
   J.M = M;
-  J.scale = static_cast<A>(scale);
+  J.softmax_scale = static_cast<A>(softmax_scale);
   // pass 1: scores [B, H, n] in A
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, H * D));
   at::parallel_for(0, B * n, grain, [&](int64_t i0, int64_t i1) { scores_any(J, i0, i1); });
@@ -319,7 +319,8 @@ void decode_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& r, const at::Tensor& u, const at::Tensor& vb,
-                            double scale, int64_t lo, const std::optional<at::Tensor>& k_mem,
+                            double softmax_scale, int64_t lo,
+                            const std::optional<at::Tensor>& k_mem,
                             const std::optional<at::Tensor>& k_scale,
                             const std::optional<at::Tensor>& v_mem,
                             const std::optional<at::Tensor>& v_scale) {
@@ -383,13 +384,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   if (B * H * D == 0) return out;
   AT_DISPATCH_FLOATING_TYPES(dtype, "txl_decode_attention_cpu", [&] {
     if (M == 0) {
-      decode_cpu<scalar_t, int8_t, float>(q, k, v, r, u, vb, scale, lo, nullptr, out);
+      decode_cpu<scalar_t, int8_t, float>(q, k, v, r, u, vb, softmax_scale, lo, nullptr, out);
       return;
     }
     dispatch_quant(static_cast<int>(mem[0].scalar_type()), static_cast<int>(mem[1].scalar_type()),
                    [&](auto q0, auto s0) {
-                     decode_cpu<scalar_t, decltype(q0), decltype(s0)>(q, k, v, r, u, vb, scale,
-                                                                       lo, mem, out);
+                     decode_cpu<scalar_t, decltype(q0), decltype(s0)>(q, k, v, r, u, vb,
+                                                                       softmax_scale, lo, mem,
+                                                                       out);
                    });
   });
   return out;
@@ -407,7 +409,7 @@ namespace txl_kernels {
 // Lk - 1 - window_left dropped. Returns [B, 1, H, D].
 at::Tensor rel_attn_decode_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& r, const at::Tensor& u, const at::Tensor& vb,
-                               double scale, int64_t window_left,
+                               double softmax_scale, int64_t window_left,
                                const std::optional<at::Tensor>& mem_k,
                                const std::optional<at::Tensor>& mem_k_scale,
                                const std::optional<at::Tensor>& mem_v,
@@ -440,8 +442,8 @@ at::Tensor rel_attn_decode_cpu(const at::Tensor& q, const at::Tensor& k, const a
     return t->transpose(0, 1);
   };
   return decode_attention(q.select(1, 0), k.transpose(0, 1), v.transpose(0, 1), rows, u, vb,
-                          scale, lo, seq_first(mem_k), seq_first(mem_k_scale), seq_first(mem_v),
-                          seq_first(mem_v_scale))
+                          softmax_scale, lo, seq_first(mem_k), seq_first(mem_k_scale),
+                          seq_first(mem_v), seq_first(mem_v_scale))
       .unsqueeze(1);
 }
 

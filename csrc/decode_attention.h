@@ -2,7 +2,7 @@
 // key (the LM's decoding step on CPUs; on GPUs the Triton split-K decode kernel does this).
 //
 // For batch b, head h, with qu = q + u and qv = q + vb rounded to the input dtype:
-//     s_j = scale * (qu . k[j] + qv . r[j])       for keys j in [lo, Lk)
+//     s_j = softmax_scale * (qu . k[j] + qv . r[j])       for keys j in [lo, Lk)
 //     out = sum_j softmax(s)_j v[j]
 // Key j uses position row j (at qlen 1 the relative shift vanishes) and no mask applies (a
 // left window only moves lo). Accumulation in fp32 (fp64 for double inputs). With an 8-bit
@@ -23,7 +23,7 @@ namespace txl_kernels {
 // (contiguous, q's dtype).
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& r, const at::Tensor& u, const at::Tensor& vb,
-                            double scale, int64_t lo,
+                            double softmax_scale, int64_t lo,
                             const std::optional<at::Tensor>& k_mem = std::nullopt,
                             const std::optional<at::Tensor>& k_scale = std::nullopt,
                             const std::optional<at::Tensor>& v_mem = std::nullopt,

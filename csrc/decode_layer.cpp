@@ -37,7 +37,7 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& qkv_w, const at::
                         const at::Tensor& ln2_w, const at::Tensor& ln2_b, double eps2,
                         bool pre_lnorm, const at::Tensor& keys, const at::Tensor& values,
                         const at::Tensor& r, const at::Tensor& u, const at::Tensor& vb,
-                        double scale, int64_t lo, const std::optional<at::Tensor>& k_mem,
+                        double softmax_scale, int64_t lo, const std::optional<at::Tensor>& k_mem,
                         const std::optional<at::Tensor>& k_scale,
                         const std::optional<at::Tensor>& v_mem,
                         const std::optional<at::Tensor>& v_scale) {
@@ -77,7 +77,7 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& qkv_w, const at::
   values.select(0, Lc - 1).copy_(heads.narrow(1, 2 * W, W));
   const at::Tensor q = heads.narrow(1, 0, W).view({B, H, D});
   const at::Tensor k4 = keys.unflatten(2, {H, D}), v4 = values.unflatten(2, {H, D});
-  const at::Tensor attn = decode_attention(q, k4, v4, r, u, vb, scale, lo, k_mem, k_scale,
+  const at::Tensor attn = decode_attention(q, k4, v4, r, u, vb, softmax_scale, lo, k_mem, k_scale,
                                            v_mem, v_scale);
   const at::Tensor attn_out = at::linear(attn.view({B, W}), o_w);
   const at::Tensor out =
@@ -97,7 +97,7 @@ TORCH_LIBRARY_FRAGMENT(txl_kernels, m) {
   m.def("decode_layer(Tensor x, Tensor qkv_w, Tensor o_w, Tensor ln1_w, Tensor ln1_b, "
         "float eps1, Tensor ff1_w, Tensor ff1_b, Tensor ff2_w, Tensor ff2_b, Tensor ln2_w, "
         "Tensor ln2_b, float eps2, bool pre_lnorm, Tensor(a!) keys, Tensor(b!) values, "
-        "Tensor r, Tensor u, Tensor vb, float scale, int lo, Tensor? k_mem=None, "
+        "Tensor r, Tensor u, Tensor vb, float softmax_scale, int lo, Tensor? k_mem=None, "
         "Tensor? k_scale=None, Tensor? v_mem=None, Tensor? v_scale=None) -> Tensor");
 }
 

@@ -18,8 +18,8 @@ namespace txl_kernels {
 // the model. keys / values [Lc, B, H * D] (Lc >= 1, last dimension contiguous): the K/V cache's
 // rows for this layer; their LAST row receives this token's key / value, the attention reads
 // all Lc rows (after the optional 8-bit memory, as in decode_attention). r [M + Lc, H, D],
-// u / vb [H, D], scale, lo as in decode_attention. All tensors float32 or float64 (one dtype)
-// on the CPU, except the 8-bit memory. Returns the layer's output [B, d_model].
+// u / vb [H, D], softmax_scale, lo as in decode_attention. All tensors float32 or float64 (one
+// dtype) on the CPU, except the 8-bit memory. Returns the layer's output [B, d_model].
 at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& qkv_w, const at::Tensor& o_w,
                         const at::Tensor& ln1_w, const at::Tensor& ln1_b, double eps1,
                         const at::Tensor& ff1_w, const at::Tensor& ff1_b,
@@ -27,7 +27,7 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& qkv_w, const at::
                         const at::Tensor& ln2_w, const at::Tensor& ln2_b, double eps2,
                         bool pre_lnorm, const at::Tensor& keys, const at::Tensor& values,
                         const at::Tensor& r, const at::Tensor& u, const at::Tensor& vb,
-                        double scale, int64_t lo,
+                        double softmax_scale, int64_t lo,
                         const std::optional<at::Tensor>& k_mem = std::nullopt,
                         const std::optional<at::Tensor>& k_scale = std::nullopt,
                         const std::optional<at::Tensor>& v_mem = std::nullopt,

@@ -3,11 +3,12 @@
 //
 // The CPU kernels of the attention ops (one schema per direction, txl_kernels/_op.py; their CUDA
 // kernels are the Triton ones):
-//   txl_kernels::rel_attn_fwd(q, k, v, r, r_w_bias, r_r_bias, scale, wl, wr, kpm?, mask?, band?,
-//       p, seed?, mem_k?, mem_k_scale?, mem_v?, mem_v_scale?, r_first_distance?) -> (out, lse)
+//   txl_kernels::rel_attn_fwd(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm?, mask?,
+//       band?, p, seed?, mem_k?, mem_k_scale?, mem_v?, mem_v_scale?, r_first_distance?)
+//       -> (out, lse)
 //   txl_kernels::rel_attn_fwd.out(<the same>, *, out!) -> lse   (into out, which may be q)
-//   txl_kernels::rel_attn_bwd(dout, q, k, v, r, r_w_bias, r_r_bias, out, lse, scale, wl, wr,
-//       kpm?, mask?, band?, deterministic, p, seed?, r_first_distance?)
+//   txl_kernels::rel_attn_bwd(dout, q, k, v, r, r_w_bias, r_r_bias, out, lse, softmax_scale, wl,
+//       wr, kpm?, mask?, band?, deterministic, p, seed?, r_first_distance?)
 //       -> (dq, dk, dv, dr, dr_w_bias, dr_r_bias)   (always deterministic here)
 //   txl_kernels::rel_attn_decode: its CPU kernel is in decode_attention.cpp
 //
@@ -96,7 +97,7 @@ struct SequentialBlas {
 };
 
 constexpr int64_t kInf = std::numeric_limits<int64_t>::max() / 4;
-// The softmax runs in log2 units: the scores come scaled by scale * log2(e) and go through
+// The softmax runs in log2 units: the scores come scaled by softmax_scale * log2(e) and go through
 // 2^x (cheaper than e^x: no Cody-Waite reduction); the lse goes back to natural log.
 constexpr double kLog2e = 1.4426950408889634;
 constexpr double kLn2 = 0.6931471805599453;
@@ -380,7 +381,7 @@ struct Dropout {
   uint64_t seed = 0, offset = 0;
   uint32_t t_hi = 0;    // theta >> 16: the 7-bit threshold T
   uint32_t f_wide = 0;  // theta & 0xFFFF (F) with bit 4 k + m at bit 8 k + m, as s below
-  double scale = 1.0;   // 1 / (1 - theta / 2^23)
+  double keep_factor = 1.0;  // 1 / (1 - theta / 2^23)
 
   // theta = dropout_threshold(p) (ops/_common.py): round(p 2^23), within [1, 2^23 - 1]
   void set(double p) {
@@ -390,10 +391,10 @@ struct Dropout {
     t_hi = theta >> 16;
     const uint32_t f = theta & 0xFFFFu;
     f_wide = (f & 0xFu) | ((f & 0xF0u) << 4) | ((f & 0xF00u) << 8) | ((f & 0xF000u) << 12);
-    scale = res / (res - theta);
+    keep_factor = res / (res - theta);
   }
 
-  // z[a * ldz + b] = keep(bh, i0 + a, j0 + b) ? scale : 0, the Triton kernels' mask
+  // z[a * ldz + b] = keep(bh, i0 + a, j0 + b) ? keep_factor : 0, the Triton kernels' mask
   // (ops/_common.py, dropout_keep). Query rows i = 16 x + 8 t + y form the row pair
   // pair = (bh * ceil(Lq / 16) + x) * 8 + y; key j = 32 h + 16 u + 8 g + 2 q + e takes byte
   // 2 g + e of word 2 t + u of the Philox call with counter
@@ -426,7 +427,7 @@ struct Dropout {
                 const int64_t j = h * 32 + 16 * u + 8 * g + 2 * q + e;
                 if (j >= j0 && j < j0 + n) {
                   const uint32_t low7 = (w >> (8 * (2 * g + e))) & 0x7Fu;
-                  zr[j - j0] = low7 >= threshold ? T(scale) : T(0);
+                  zr[j - j0] = low7 >= threshold ? T(keep_factor) : T(0);
                 }
               }
             }
@@ -561,7 +562,7 @@ struct Geometry {
   int64_t B, Lq, Lk, H, D, R, mlen;
   int64_t c;  // row constant: the pair (i, j) reads r's row j - i + c
   int64_t dlo, dhi;  // allowed distances d = i + mlen - j: dlo <= d <= dhi (window / band)
-  double scale;
+  double softmax_scale;
   const bool* kpm = nullptr;  // [B, Lk]
   int64_t kpm_s0 = 0, kpm_s1 = 0;
   const bool* mask = nullptr;  // [B, H, Lq, Lk] (expanded view)
@@ -824,7 +825,7 @@ void pack_pairs(int64_t n, int64_t D, scalar_t* out, scalar_t* row0, scalar_t* r
 template <typename scalar_t>
 struct LowpGemm {
   int64_t D, Dp;  // head dim, and rounded up to even (the K of the q GEMMs)
-  float sc;       // scale * log2(e): the scores' factor (scores_tile applies it)
+  float sc;       // softmax_scale * log2(e): the scores' factor (scores_tile applies it)
   Scratch<scalar_t> qu, qv, go, b, p, row0, row1, zero;
   // the forward's V of the current (batch, head) in pv's layout (pack_pairs), vn rows
   const scalar_t* vp = nullptr;
@@ -982,9 +983,9 @@ void load_q(const scalar_t* q, int64_t ldq, const scalar_t* bias, int64_t m, int
       out[a * D + d] = mult * static_cast<acc_t>(q_plus<acc_t>(q[a * ldq + d], bias[d]));
 }
 
-// The scores tile S = scale * log2(e) * (AC + BD) with -inf at masked pairs, T advanced to
+// The scores tile S = softmax_scale * log2(e) * (AC + BD) with -inf at masked pairs, T advanced to
 // this tile (last: no later key tile for these query rows). qu and qv come multiplied by
-// scale * log2(e), so the GEMMs give the scaled terms in log2 units and one pass adds BD's
+// softmax_scale * log2(e), so the GEMMs give the scaled terms in log2 units and one pass adds BD's
 // skewed rows (and takes the row maxima into rmax, when given). With lp, both GEMMs run on
 // brgemm from lp's rows of q + u and q + vb (qu and qv unused), unscaled (q + bias is rounded
 // to the input dtype, which the factor must not touch), and that pass applies the factor.
@@ -1180,7 +1181,7 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
     std::vector<uint8_t> cflags(crows);
     PackedBT rpack;  // r^T of a short table (pack_short_table)
     std::vector<int64_t> bad_v;
-    const acc_t sc = static_cast<acc_t>(g.scale * kLog2e);
+    const acc_t sc = static_cast<acc_t>(g.softmax_scale * kLog2e);
     std::unique_ptr<LowpGemm<scalar_t>> lp;
     if (lowp) lp = std::make_unique<LowpGemm<scalar_t>>(BM, BN, D, static_cast<float>(sc));
     // bf16 P rounded as the exponentials are taken (no dropout factor comes between)
@@ -1335,8 +1336,8 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
         rt(lowp ? Dp * ldrt : 0), prow(lowp ? kPackRows * D : 0);
     if (lowp)
       lp = std::make_unique<LowpGemm<scalar_t>>(BM, BN, D,
-                                                static_cast<float>(g.scale * kLog2e));
-    // qu, qv: (q + u), (q + vb) for the gradients; qus, qvs: times scale * log2(e), for the
+                                                static_cast<float>(g.softmax_scale * kLog2e));
+    // qu, qv: (q + u), (q + vb) for the gradients; qus, qvs: times softmax_scale * log2(e), for the
     // scores in log2 units
     Scratch<acc_t> qu(BM * D), qv(BM * D), qus(BM * D), qvs(BM * D), S(BM * BN), dP(BM * BN),
         T(BM * tw + kWindowPad), dT(BM * tw), dqu(BM * D), dqv(BM * D), dO(BM * D),
@@ -1348,10 +1349,10 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
     // (pack_short_table)
     Scratch<scalar_t> kc(g.band ? Lk * D : 0), vc(g.band ? Lk * D : 0);
     PackedBT rpack;
-    // sc: the scores' factor, scale * log2(e) (log2 units); ds_scale: the softmax scale alone,
-    // for dS = scale * P (dP - delta)
-    const acc_t sc = static_cast<acc_t>(g.scale * kLog2e);
-    const acc_t ds_scale = static_cast<acc_t>(g.scale);
+    // sc: the scores' factor, softmax_scale * log2(e) (log2 units); ds_scale: softmax_scale
+    // alone, for dS = softmax_scale * P (dP - delta)
+    const acc_t sc = static_cast<acc_t>(g.softmax_scale * kLog2e);
+    const acc_t ds_scale = static_cast<acc_t>(g.softmax_scale);
     for (int64_t task = begin; task < end; ++task) {
       // split sp of (b, h) takes the query blocks qb = sp (mod splits): balanced under causal
       // masks, and a fixed assignment for a given thread count
@@ -1471,7 +1472,7 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
             g.drop.keep_scale(bh, Lq, i0, m, j0, n, z.data(), BN);
             for (int64_t a = 0; a < m; ++a) mul_rows(dP.data() + a * BN, z.data() + a * BN, n);
           }
-          // dS = scale * P (dP - delta), into dP; the dropped P (for dV) into S
+          // dS = softmax_scale * P (dP - delta), into dP; the dropped P (for dV) into S
           for (int64_t a = 0; a < m; ++a) {
             acc_t* s = S.data() + a * BN;
             acc_t* dp = dP.data() + a * BN;
@@ -1555,7 +1556,7 @@ void use_band_tiles(Geometry& g) {
   g.BN = (g.BM + W - 1 + 15) / 16 * 16;
 }
 
-Geometry make_geometry(const at::Tensor& q, int64_t Lk, const at::Tensor& r, double scale,
+Geometry make_geometry(const at::Tensor& q, int64_t Lk, const at::Tensor& r, double softmax_scale,
                        int64_t wl, int64_t wr, const c10::optional<at::Tensor>& kpm,
                        const c10::optional<at::Tensor>& mask,
                        const c10::optional<at::Tensor>& band, double dropout_p,
@@ -1572,7 +1573,7 @@ Geometry make_geometry(const at::Tensor& q, int64_t Lk, const at::Tensor& r, dou
   // int64 throughout: any r_first_distance the op is given stays exact here
   g.c = r_first_distance.has_value() ? *r_first_distance - Lk + g.Lq : g.Lq - 1;
   TORCH_CHECK(g.mlen >= 0, "rel_attn_cpu: need Lk >= Lq, got Lq=", g.Lq, " and Lk=", Lk);
-  g.scale = scale;
+  g.softmax_scale = softmax_scale;
   g.dhi = wl < 0 ? kInf : wl;
   g.dlo = wr < 0 ? -kInf : -wr;
   bool dense = mask.has_value();
@@ -1661,7 +1662,7 @@ void check_main(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 // (load_q / LowpGemm::load) before it writes them, and no task reads another's. Returns lse.
 at::Tensor rel_attn_cpu_fwd_out(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& r,
-    const at::Tensor& u, const at::Tensor& vb, double scale, int64_t wl, int64_t wr,
+    const at::Tensor& u, const at::Tensor& vb, double softmax_scale, int64_t wl, int64_t wr,
     const c10::optional<at::Tensor>& kpm, const c10::optional<at::Tensor>& mask,
     const c10::optional<at::Tensor>& band, double dropout_p,
     const c10::optional<at::Tensor>& seed, const c10::optional<at::Tensor>& mem_k,
@@ -1705,7 +1706,7 @@ at::Tensor rel_attn_cpu_fwd_out(
     }
   }
   check_main(q, k, v, r, u, vb, M);
-  Geometry g = make_geometry(q, M + k.size(1), r, scale, wl, wr, kpm, mask, band, dropout_p,
+  Geometry g = make_geometry(q, M + k.size(1), r, softmax_scale, wl, wr, kpm, mask, band, dropout_p,
                              seed, r_first_distance);
   // long key ranges: query blocks of 256 rows, so each block's stream of K, V and r rows
   // (beyond the L2 cache at these lengths) serves twice the queries (measured: ~5% faster at
@@ -1723,14 +1724,14 @@ at::Tensor rel_attn_cpu_fwd_out(
 
 std::tuple<at::Tensor, at::Tensor> rel_attn_cpu_fwd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& r,
-    const at::Tensor& u, const at::Tensor& vb, double scale, int64_t wl, int64_t wr,
+    const at::Tensor& u, const at::Tensor& vb, double softmax_scale, int64_t wl, int64_t wr,
     const c10::optional<at::Tensor>& kpm, const c10::optional<at::Tensor>& mask,
     const c10::optional<at::Tensor>& band, double dropout_p,
     const c10::optional<at::Tensor>& seed, const c10::optional<at::Tensor>& mem_k,
     const c10::optional<at::Tensor>& mem_k_scale, const c10::optional<at::Tensor>& mem_v,
     const c10::optional<at::Tensor>& mem_v_scale, c10::optional<int64_t> r_first_distance) {
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
-  at::Tensor lse = rel_attn_cpu_fwd_out(q, k, v, r, u, vb, scale, wl, wr, kpm, mask, band,
+  at::Tensor lse = rel_attn_cpu_fwd_out(q, k, v, r, u, vb, softmax_scale, wl, wr, kpm, mask, band,
                                         dropout_p, seed, mem_k, mem_k_scale, mem_v, mem_v_scale,
                                         r_first_distance, out);
   return {out, lse};
@@ -1740,7 +1741,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 rel_attn_cpu_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                  const at::Tensor& v, const at::Tensor& r, const at::Tensor& u,
                  const at::Tensor& vb, const at::Tensor& out, const at::Tensor& lse,
-                 double scale, int64_t wl, int64_t wr, const c10::optional<at::Tensor>& kpm,
+                 double softmax_scale, int64_t wl, int64_t wr, const c10::optional<at::Tensor>& kpm,
                  const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& band,
                  bool /*deterministic: the CPU backward always is*/, double dropout_p,
                  const c10::optional<at::Tensor>& seed, c10::optional<int64_t> r_first_distance) {
@@ -1750,8 +1751,8 @@ rel_attn_cpu_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& 
   TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(),
               "rel_attn_cpu: dout and out must have q's shape ", q.sizes(), ", got ",
               dout.sizes(), " and ", out.sizes());
-  Geometry g = make_geometry(q, k.size(1), r, scale, wl, wr, kpm, mask, band, dropout_p, seed,
-                             r_first_distance);
+  Geometry g = make_geometry(q, k.size(1), r, softmax_scale, wl, wr, kpm, mask, band, dropout_p,
+                             seed, r_first_distance);
   // enough tasks for every thread: split each (b, h) pair's query blocks when there are fewer
   // pairs than threads (each split then holds its own [Lk, D] / [R, D] accumulators)
   const int64_t pairs = g.B * g.H, nqb = (g.Lq + g.BM - 1) / g.BM;

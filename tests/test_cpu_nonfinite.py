@@ -173,7 +173,7 @@ def test_decode_layer_never_reads_slots_before_its_window(value):
         return torch.ops.txl_kernels.decode_layer(
             x=x, qkv_w=qkv, o_w=o, ln1_w=ln_w, ln1_b=ln_b, eps1=1e-5, ff1_w=f1, ff1_b=b1,
             ff2_w=f2, ff2_b=b2, ln2_w=ln_w, ln2_b=ln_b, eps2=1e-5, pre_lnorm=False,
-            keys=keys, values=values, r=r, u=u, vb=u, scale=0.5, lo=lo)
+            keys=keys, values=values, r=r, u=u, vb=u, softmax_scale=0.5, lo=lo)
 
     want = call(kv.clone(), kv.clone(), r)
     kb, vb_, rb = kv.clone(), kv.clone(), r.clone()

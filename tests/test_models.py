@@ -900,7 +900,7 @@ def test_decode_layer_rejects_bad_input():
     def call(**kw):
         a = dict(x=x, qkv_w=qkv, o_w=o, ln1_w=ln_w, ln1_b=ln_b, eps1=1e-5, ff1_w=f1, ff1_b=b1,
                  ff2_w=f2, ff2_b=b2, ln2_w=ln_w, ln2_b=ln_b, eps2=1e-5, pre_lnorm=False,
-                 keys=kv.clone(), values=kv.clone(), r=r, u=u, vb=u, scale=0.5, lo=0)
+                 keys=kv.clone(), values=kv.clone(), r=r, u=u, vb=u, softmax_scale=0.5, lo=0)
         a.update(kw)
         return torch.ops.txl_kernels.decode_layer(**a)
 

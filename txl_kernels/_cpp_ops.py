@@ -9,7 +9,7 @@ the extension that :mod:`txl_kernels._build` compiles registers them, and they a
     kv_cache_compact(Tensor(a!)[] bufs, int src, int n) -> ()
     kv_cache_quantize_append(Tensor[] srcs, Tensor(a!)[] data_bufs, Tensor(b!)[] scale_bufs,
                              int dst_row, int n_head) -> ()
-    decode_layer(x, weights..., Tensor(a!) keys, Tensor(b!) values, r, u, vb, scale, lo,
+    decode_layer(x, weights..., Tensor(a!) keys, Tensor(b!) values, r, u, vb, softmax_scale, lo,
                  k_mem?, k_scale?, v_mem?, v_scale?) -> Tensor                    (CPU only)
     cpu_isa() -> str, cpu_isa_supported() -> str[], cpu_isa_override(str isa) -> str
         the CPU kernels' ISA variant (docs/cpu.md, "ISA variants"); no tensors, no fakes
@@ -141,8 +141,8 @@ def _kv_cache_quantize_append_fake(srcs: Sequence[torch.Tensor],
 
 
 def _decode_layer_fake(x, qkv_w, o_w, ln1_w, ln1_b, eps1, ff1_w, ff1_b, ff2_w, ff2_b, ln2_w,
-                       ln2_b, eps2, pre_lnorm, keys, values, r, u, vb, scale, lo, k_mem=None,
-                       k_scale=None, v_mem=None, v_scale=None) -> torch.Tensor:
+                       ln2_b, eps2, pre_lnorm, keys, values, r, u, vb, softmax_scale, lo,
+                       k_mem=None, k_scale=None, v_mem=None, v_scale=None) -> torch.Tensor:
     return x.new_empty(x.shape)  # [B, d_model], contiguous
 
 
