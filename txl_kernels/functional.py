@@ -692,11 +692,11 @@ def _dispatch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask, 
 
 
 def scale_sign(softmax_scale: float) -> Tuple[float, float]:
-    """``(sign, scale)`` for the Triton forward, whose online softmax scales the running
-    maximum of the raw scores and so needs scale > 0: the scores are linear in (q, r_w_bias,
-    r_r_bias), so ``softmax_scale * S(q, u, vb) = scale * S(sign q, sign u, sign vb)`` with
-    ``scale = |softmax_scale|`` (and ``0 * S = 1 * S(0, 0, 0)``); the caller multiplies those
-    three inputs by ``sign`` (autograd carries it to their gradients)."""
+    """``(sign, |softmax_scale|)`` for the Triton forward, whose online softmax scales the
+    running maximum of the raw scores and so needs a softmax scale > 0: the scores are linear
+    in (q, r_w_bias, r_r_bias), so ``softmax_scale * S(q, u, vb) = |softmax_scale| * S(sign q,
+    sign u, sign vb)`` (and ``0 * S = 1 * S(0, 0, 0)``); the caller multiplies those three
+    inputs by ``sign`` (autograd carries it to their gradients)."""
     if softmax_scale > 0.0:
         return 1.0, softmax_scale
     if softmax_scale < 0.0:

@@ -240,7 +240,7 @@ def _compare(variant: Variant, dev: torch.device) -> Optional[str]:
     ts, memory, wl, wr, kpm, mask, band, seed, dout, first = _inputs(variant, dev)
     q = ts[0]
     B, lq, H, D = q.shape
-    scale = D ** -0.5
+    softmax_scale = D ** -0.5
     p = _DROPOUT_P if variant.dropout else 0.0
     keys = [ts[1], ts[2]] if memory is None else list(memory.in_front_of(ts[1], ts[2]))
     lk = keys[0].shape[1]
@@ -253,13 +253,13 @@ def _compare(variant: Variant, dev: torch.device) -> Optional[str]:
                     f"(expected about {1 - p:.3f})")
 
     def reference(xs, ks):
-        return rel_attention_reference(xs[0], ks[0], ks[1], xs[3], xs[4], xs[5], scale, wl, wr,
-                                       kpm, mask, p, attn_mask_band=band, dropout_mask=keep,
-                                       r_first_distance=first)
+        return rel_attention_reference(xs[0], ks[0], ks[1], xs[3], xs[4], xs[5], softmax_scale,
+                                       wl, wr, kpm, mask, p, attn_mask_band=band,
+                                       dropout_mask=keep, r_first_distance=first)
 
     leaves = [t.detach().requires_grad_(variant.grad) for t in ts]
-    fused = rel_attn_func(*leaves, scale, wl, wr, kpm, mask, band, variant.deterministic, p,
-                          dropout_seed=seed, memory=memory, r_first_distance=first,
+    fused = rel_attn_func(*leaves, softmax_scale, wl, wr, kpm, mask, band,
+                          variant.deterministic, p, dropout_seed=seed, memory=memory, r_first_distance=first,
                           interpreter=dev.type == "cpu")
     outs = {"output": fused}
     if variant.grad:
