@@ -195,12 +195,21 @@ def test_kernel_boxes_cover_each_allowed_pair_once_with_kernel_windows():
 
 
 def test_explicit_kernel_backend_with_dropout_raises():
-    from txl_kernels.distributed import _ring_backend
+    """The ring's plan (``plan_call(kernel_dropout=False)``): dropout runs on the einsum
+    block math, an explicit kernel backend with dropout raises, a bad backend raises."""
+    from txl_kernels.functional import plan_call
 
     q = torch.randn(1, 4, 2, 16)
+    ts = (q, q, q, q[0], q[0, 0], q[0, 0])
+
+    def plan(backend, p):
+        return plan_call(backend, ts, -1, -1, None, None, None, p, None, False, None,
+                         "context_parallel_rel_attention", kernel_dropout=False,
+                         self_check=False).kernel
     for backend in ("cpu", "triton"):
         with pytest.raises(ValueError, match="dropout_p > 0 runs the ring on the einsum"):
-            _ring_backend(backend, q, 0.1, "context_parallel_rel_attention")
-    assert _ring_backend("auto", q, 0.1, "x") == "reference"
-    with pytest.raises(ValueError, match="backend must be one of"):
-        _ring_backend("cuda", q, 0.0, "x")
+            plan(backend, 0.1)
+    assert plan("auto", 0.1) == "reference"
+    for p in (0.0, 0.1):
+        with pytest.raises(ValueError, match="backend must be one of"):
+            plan("cuda", p)

@@ -37,9 +37,9 @@ from ._export import refuse_context_parallel
 from ._block_ops import KernelOps, merge_block
 from ._utils import (check_same, draw_dropout_seed, interpreting, no_interpreter_reason,
                      renamed_keywords)
-from .functional import (BACKENDS, check_deterministic, check_dropout_p, check_padding_mask,
+from .functional import (check_deterministic, check_dropout_p, check_padding_mask,
                          check_position_rows, check_softmax_scale, check_tensor, check_window,
-                         choose_backend, clamp_window, scale_sign)
+                         clamp_window, plan_call, scale_sign)
 from .reference import finite_or_zero, in_window, relative_scores, weighted_values
 
 __all__ = ["context_parallel_rel_attention", "shard_sequence", "unshard_sequence",
@@ -234,22 +234,6 @@ def _kernel_r(r: Tensor, ga: int, n_i: int, gb: int, n_j: int, lq: int):
     if top:
         rows = torch.cat([rows.new_zeros((top,) + tuple(r.shape[1:])), rows])
     return rows, lo, top
-
-
-def _ring_backend(backend: str, q: Tensor, dropout_p: float, name: str) -> str:
-    """``rel_attention``'s backend policy (:func:`functional.choose_backend`), except that
-    the ring runs dropout on the einsum block math (the kernels draw their keep-mask in their
-    own block's coordinates, not the global ones)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"{name}: backend must be one of {BACKENDS}, got {backend!r}")
-    if backend in ("triton", "cpu") and dropout_p > 0.0:
-        raise ValueError(f"{name}: dropout_p > 0 runs the ring on the einsum block math (the "
-                         f"one-process keep-mask is a function of global positions, the "
-                         f"kernels draw theirs in their block's); use backend='auto' or "
-                         f"'reference', got backend={backend!r}")
-    if dropout_p > 0.0:
-        return "reference"
-    return choose_backend(backend, q, name)
 
 
 class _Ring:
@@ -523,7 +507,11 @@ def _check_args(name, q, k, v, r, r_w_bias, r_r_bias, mlen, layout, causal,
             or tuple(dropout_seed.shape) != (2,) or dropout_seed.device != q.device):
         raise ValueError(f"{name}: dropout_seed must be an int64 [2] tensor on "
                          f"{q.device}, got {dropout_seed!r}")
-    chosen = _ring_backend(backend, q, dropout_p, name)
+    # rel_attention's plan, with dropout on the einsum block math (kernel_dropout=False) and
+    # no self-check: the blocks run kernel calls of their own windows, not this call's variant
+    chosen = plan_call(backend, (q, k, v, r, r_w_bias, r_r_bias), wl, wr, key_padding_mask,
+                       None, None, dropout_p, None, deterministic, None, name,
+                       kernel_dropout=False, self_check=False).kernel
     return wl, wr, softmax_scale, dropout_p, kpm, chosen
 
 

@@ -7,7 +7,7 @@ fused CPU op (``txl_kernels.cpu_kernel``).
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -285,25 +285,70 @@ def mask_to_band(attn_mask: torch.Tensor) -> torch.Tensor:
     return torch.stack([is_band.to(torch.int32), left.to(torch.int32), right.to(torch.int32)])
 
 
-def _self_checked(ts, wl, wr, kpm, mask, band, dropout_p, memory, deterministic,
-                  backend, row_shift: bool = False) -> bool:
-    """The first-use self-check's verdict on this call's fused variant (``selfcheck``): True
-    to take the fused path; False (backend "auto") to take the reference path after a failed
-    check; raises for backend "triton" after a failed check. ``ts``: q, k, v, r and the
-    biases."""
-    q = ts[0]
-    grads = torch.is_grad_enabled() and any(t.requires_grad for t in ts)
-    key = (str(q.device), str(q.dtype).removeprefix("torch."), int(q.shape[-1]),
-           "", wl >= 0, wr >= 0,
-           kpm is not None, mask is not None,
-           band is not None, dropout_p > 0.0,
-           "" if memory is None else str(memory.k.dtype).removeprefix("torch."),
-           grads, bool(deterministic) and grads, row_shift)
+def _self_checked(variant: "selfcheck.Variant", backend: str) -> bool:
+    """The first-use self-check's verdict on ``variant`` (``selfcheck``): True to take the
+    fused path; False (backend "auto") to take the reference path after a failed check;
+    raises for backend "triton" after a failed check."""
+    key = tuple(variant)  # a plain tuple: what torch.compile passes to a constant function
     if selfcheck.fused_ok(key):
         return True
     if backend == "triton":
         raise RuntimeError(selfcheck.failure(key))
     return False
+
+
+class Plan(NamedTuple):
+    """A call's decisions, made once (:func:`plan_call`) from its validated, normalised
+    arguments: ``kernel``, what runs ("triton", "cpu" or "reference"), and ``variant``, the
+    ``selfcheck.Variant`` of the call (what selects the Triton kernels' compiled code; the
+    self-check's key, as the launchers' constexpr flags are derived from it), made where the
+    kernel is Triton (None otherwise: nothing is compiled per variant)."""
+    kernel: str
+    variant: Optional["selfcheck.Variant"]
+
+
+def plan_call(backend: str, tensors: Sequence[torch.Tensor], window_left: int,
+              window_right: int, key_padding_mask, attn_mask, attn_mask_band,
+              dropout_p: float, memory, deterministic: bool, r_first_distance: Optional[int],
+              who: str = "rel_attention", *, kernel_dropout: bool = True,
+              self_check: bool = True) -> Plan:
+    """The plan of a call on ``tensors`` (q, k, v, r and the biases) with ``backend`` and
+    these normalised arguments, for ``rel_attention``, the context-parallel ring and the
+    K/V cache's route: the kernel is :func:`choose_backend`'s policy, except that an 8-bit
+    memory with gradients recorded takes the reference ("auto"; another backend raises: the
+    kernels read the memory forward only), and that dropout takes the reference where the
+    caller's kernels cannot draw its keep-mask (``kernel_dropout=False``, the ring: its
+    mask is a function of global positions); a Triton kernel whose variant failed its
+    first-use self-check (``self_check``) takes the reference ("auto") or raises."""
+    q = tensors[0]
+    memory_grads = memory is not None and torch.is_grad_enabled() and any(
+        t.requires_grad for t in tensors)
+    if not kernel_dropout and dropout_p > 0.0:
+        if backend in ("triton", "cpu"):
+            raise ValueError(f"{who}: dropout_p > 0 runs the ring on the einsum block math (the "
+                             f"one-process keep-mask is a function of global positions, the "
+                             f"kernels draw theirs in their block's); use backend='auto' or "
+                             f"'reference', got backend={backend!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"{who}: backend must be one of {BACKENDS}, got {backend!r}")
+        return Plan("reference", None)
+    if memory_grads and backend == "auto":
+        kernel = "reference"  # the kernels read an 8-bit memory forward only
+    else:
+        kernel = choose_backend(backend, q, who)
+    if memory_grads and kernel != "reference":
+        raise ValueError(f"{who}: backend={backend!r} with an 8-bit memory is forward "
+                         f"only (inference); inputs require grad: use backend='reference' "
+                         f"or torch.no_grad()")
+    if kernel != "triton":
+        return Plan(kernel, None)
+    grads = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    variant = selfcheck.variant_of(q, window_left, window_right, key_padding_mask, attn_mask,
+                                   attn_mask_band, dropout_p, memory, grads, deterministic,
+                                   r_first_distance)
+    if self_check and selfcheck.enabled() and not _self_checked(variant, backend):
+        return Plan("reference", variant)
+    return Plan(kernel, variant)
 
 
 def check_r_first_distance(r_first_distance, who: str = "rel_attention") -> Optional[int]:
@@ -653,20 +698,8 @@ def _dispatch(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask, 
         return onnx_rel_attention(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm,
                                   attn_mask, None, r_first_distance)
 
-    memory_grads = memory is not None and torch.is_grad_enabled() and any(
-        t.requires_grad for t in (q, k, v, r, r_w_bias, r_r_bias))
-    if memory_grads and backend == "auto":
-        chosen = "reference"  # the kernels read an 8-bit memory forward only
-    else:
-        chosen = choose_backend(backend, q)
-    if memory_grads and chosen != "reference":
-        raise ValueError(f"rel_attention: backend={backend!r} with an 8-bit memory is forward "
-                         f"only (inference); inputs require grad: use backend='reference' "
-                         f"or torch.no_grad()")
-    if chosen == "triton" and selfcheck.enabled() and not _self_checked(
-            (q, k, v, r, r_w_bias, r_r_bias), wl, wr, kpm, mask, attn_mask_band, dropout_p,
-            memory, deterministic, backend, r_first_distance is not None):
-        chosen = "reference"
+    chosen = plan_call(backend, (q, k, v, r, r_w_bias, r_r_bias), wl, wr, kpm, mask,
+                       attn_mask_band, dropout_p, memory, deterministic, r_first_distance).kernel
     if chosen == "reference":
         return _reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wl, wr, kpm, mask,
                           attn_mask_band, float(dropout_p), memory, r_first_distance, extra)

@@ -26,18 +26,18 @@ need anyway) to have it checked.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import threading
 import warnings
-from typing import Dict, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 
 from ._utils import assume_constant_result
 
-__all__ = ["ENV", "enabled", "Variant", "fused_ok", "failure", "verdicts", "clear"]
+__all__ = ["ENV", "enabled", "Variant", "variant_of", "fused_ok", "failure", "verdicts",
+           "clear"]
 
 ENV = "TXL_KERNELS_SELFCHECK"
 
@@ -48,9 +48,9 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """What selects the fused kernels a call compiles and runs."""
+class Variant(NamedTuple):
+    """What selects the fused kernels a call compiles and runs (a tuple: hashable, and a
+    constant that torch.compile folds)."""
     device: str            # "cuda:0"; "cpu" under the Triton interpreter
     dtype: str             # "float16", "bfloat16", "float32"
     head_dim: int
@@ -89,6 +89,21 @@ class Variant:
         return ", ".join(parts)
 
 
+def variant_of(q: torch.Tensor, window_left: int, window_right: int,
+               key_padding_mask: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
+               attn_mask_band: Optional[torch.Tensor], dropout_p: float, memory,
+               grad: bool, deterministic: bool, r_first_distance: Optional[int]) -> Variant:
+    """The variant of a call with these (validated, normalised) arguments: the one definition
+    of what selects the fused kernels' compiled code, read by the self-check (its key) and by
+    the launchers (their constexpr flags). ``products`` is left "" (filled in where the check
+    runs); ``deterministic`` counts only with ``grad``."""
+    return Variant(str(q.device), str(q.dtype).removeprefix("torch."), int(q.shape[-1]), "",
+                   window_left >= 0, window_right >= 0, key_padding_mask is not None,
+                   attn_mask is not None, attn_mask_band is not None, dropout_p > 0.0,
+                   "" if memory is None else str(memory.k.dtype).removeprefix("torch."),
+                   grad, bool(deterministic) and grad, r_first_distance is not None)
+
+
 _LOCK = threading.RLock()
 _VERDICTS: Dict[Variant, Optional[str]] = {}   # None: passed; str: what went wrong
 _UNVERIFIED: Dict[Variant, bool] = {}           # first met inside a CUDA graph capture
@@ -114,7 +129,7 @@ def _variant(key: Tuple) -> Variant:
     variant = Variant(*key)
     if variant.dtype == "float32" and not variant.products:
         from .ops._common import dot_precision
-        variant = dataclasses.replace(variant, products=dot_precision(torch.float32))
+        variant = variant._replace(products=dot_precision(torch.float32))
     return variant
 
 
