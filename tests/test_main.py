@@ -50,7 +50,7 @@ def test_main_job_fails_when_the_lm_paths_disagree(monkeypatch, capsys):
         return [out[0] + 1e-3] + out[1:] if cache is not None else out
 
     monkeypatch.setattr(MemTransformerLM, "forward", drifting)
-    assert main_mod._lm_report(torch.device("cpu")) is False
+    assert main_mod._lm_report(torch.device("cpu"), "cpu") is False
     assert "DISAGREE" in capsys.readouterr().out
 
 
@@ -62,7 +62,7 @@ def test_main_job_fails_when_a_backend_disagrees(monkeypatch, capsys):
         return out + 0.1, lse
 
     monkeypatch.setattr(op, "rel_attn_fwd", wrong)
-    monkeypatch.setattr(main_mod, "_lm_report", lambda device: True)  # not under test here
+    monkeypatch.setattr(main_mod, "_lm_report", lambda device, attn_backend: True)  # not under test here
     assert main_mod.main(["--no-build"]) == 1
     assert "FAILED: triton: does not agree with the reference" in capsys.readouterr().out
 

@@ -21,6 +21,7 @@ import os
 import re
 import sys
 import time
+from typing import List
 
 import torch
 
@@ -149,11 +150,12 @@ def _lm_greedy_on_mems(model, prompt: torch.Tensor, new: int, seg: int) -> torch
     return torch.cat(seq, 1)
 
 
-def _lm_report(device: torch.device) -> bool:
+def _lm_report(device: torch.device, attn_backend: str) -> bool:
     """A small Transformer-XL LM (``txl_kernels.models.MemTransformerLM``, :data:`LM_SIZE`,
-    random weights, fp32) evaluated segment by segment with the K/V cache and on the mems path
-    (losses must agree), and greedy generation with the cache against a greedy loop on the mems
-    path (tokens must agree); prints each one's time. Returns False on a disagreement."""
+    random weights, fp32, ``attn_backend``) evaluated segment by segment with the K/V cache
+    and on the mems path (losses must agree), and greedy generation with the cache against a
+    greedy loop on the mems path (tokens must agree); prints each one's time. Returns False
+    on a disagreement."""
     from txl_kernels.models import MemTransformerLM
 
     ev, gen = LM_EVAL, LM_GEN
@@ -162,7 +164,7 @@ def _lm_report(device: torch.device) -> bool:
           f"random weights, {device}")
 
     def model(tgt_len, mem_len):
-        c = dict(LM_SIZE, attn_backend="reference" if device.type == "cpu" else "auto")
+        c = dict(LM_SIZE, attn_backend=attn_backend)
         torch.manual_seed(0)
         return MemTransformerLM(c.pop("n_token"), c.pop("n_layer"), c.pop("n_head"),
                                 c.pop("d_model"), c.pop("d_head"), c.pop("d_inner"), 0.0, 0.0,
@@ -229,19 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        device = _device(args.device)
-    except ValueError as exc:
-        print(f"python -m txl_kernels: error: {exc}", file=sys.stderr)
-        return 2
-    dtype = getattr(torch, args.dtype) if args.dtype else (
-        torch.float16 if device.type == "cuda" else torch.float32)
-    failures = []
-
+def _environment(device: torch.device, interpret: bool) -> None:
+    """The environment rows: versions, device, interpreter, CUDA toolkit."""
     print(f"txl_kernels {txl_kernels.__version__}: environment")
-    interp = _interpreter(device, not args.no_interpret)
+    interp = _interpreter(device, interpret)
     try:
         import triton
         triton_v = triton.__version__
@@ -254,13 +247,12 @@ def main(argv=None) -> int:
     _row("Triton interpreter", interp)
     _row("CUDA toolkit", _build.cuda_home() or "not found")
 
-    print("\nbackends")
-    _row("reference", "usable (einsum path, any device)")
-    fused_ok, why = fused_available(device)
-    _row(f"triton on {device.type}", ("usable: " if fused_ok else "not usable: ") + why)
 
+def _extension_report(device: torch.device, no_build: bool, failures: list) -> bool:
+    """Builds (or loads) the C++ extension, checks ``update_mems`` against its formula and, on
+    CPUs, reports the attention kernel; True where that kernel is built."""
     print("\nsegment-memory extension (update_mems)")
-    if args.no_build:
+    if no_build:
         _row("build", "skipped (--no-build)")
     else:
         print("  building/loading the C++ extension (the first build takes a minute or more)...",
@@ -271,38 +263,29 @@ def main(argv=None) -> int:
                            else f"not available: {_build.extension_status()['reason']}"))
     hids = [torch.randn(5, 3, 8, device=device) for _ in range(2)]
     mems = [torch.randn(7, 3, 8, device=device) for _ in range(2)]
-    new = update_mems(hids, mems, mem_len=6, ext_len=1,
-                      backend="torch" if args.no_build else "auto")
+    new = update_mems(hids, mems, mem_len=6, ext_len=1, backend="torch" if no_build else "auto")
     want = [torch.cat([m, h])[max(0, 7 + 4 - 6):7 + 4] for m, h in zip(mems, hids)]
     same = all(torch.equal(a, b) for a, b in zip(new, want))
     _row("update_mems == formula", "yes" if same else "NO")
     if not same:
         failures.append("update_mems")
-    cpu_ok = False
-    if device.type == "cpu":  # the fused C++ kernel of rel_attention (docs/cpu.md)
-        from .cpu_kernel import cpu_kernel_available
-        cpu_ok, why = (False, "--no-build") if args.no_build else cpu_kernel_available()
-        _row("cpu attention kernel", ("built: " if cpu_ok else "not built: ") + why)
-        if cpu_ok:  # its row loops' ISA variant follows ATen's choice (docs/cpu.md)
-            aten = torch.backends.cpu.get_cpu_capability()
-            _row("cpu kernel ISA variant",
-                 f"{torch.ops.txl_kernels.cpu_isa()} (ATen's CPU capability: {aten})")
-            route = torch.ops.txl_kernels.cpu_lowp_route  # the forward's GEMMs (docs/cpu.md)
-            _row("cpu kernel bf16 / fp16",
-                 f"bf16: {route(torch.bfloat16)}, fp16: {route(torch.float16)}")
+    if device.type != "cpu":
+        return False
+    from .cpu_kernel import cpu_kernel_available  # the fused C++ kernel (docs/cpu.md)
+    cpu_ok, why = (False, "--no-build") if no_build else cpu_kernel_available()
+    _row("cpu attention kernel", ("built: " if cpu_ok else "not built: ") + why)
+    if cpu_ok:  # its row loops' ISA variant follows ATen's choice (docs/cpu.md)
+        aten = torch.backends.cpu.get_cpu_capability()
+        _row("cpu kernel ISA variant",
+             f"{torch.ops.txl_kernels.cpu_isa()} (ATen's CPU capability: {aten})")
+        route = torch.ops.txl_kernels.cpu_lowp_route  # the forward's GEMMs (docs/cpu.md)
+        _row("cpu kernel bf16 / fp16",
+             f"bf16: {route(torch.bfloat16)}, fp16: {route(torch.float16)}")
+    return cpu_ok
 
-    shape = SHAPES["cuda" if device.type == "cuda" else "cpu"]
-    qlen, mlen, bsz = shape["qlen"], shape["mlen"], shape["bsz"]
-    print(f"\nTransformer-XL layer: n_head {BASE['n_head']}, d_head {BASE['d_head']}, d_model "
-          f"{BASE['d_model']}, qlen {qlen}, mem {mlen}, bsz {bsz}, {dtype}, {device}, "
-          f"forward + backward")
-    torch.manual_seed(0)
-    layers = {}
-    backends = ["reference"] + (["triton"] if fused_ok else []) + (["cpu"] if cpu_ok else [])
-    for name in backends:
-        layers[name] = FusedRelAttention(**BASE, dropout=0.0, untie_r=True, backend=name).to(
-            device=device, dtype=dtype)
-        layers[name].load_state_dict(layers["reference"].state_dict())
+
+def _layer_inputs(device: torch.device, dtype: torch.dtype, qlen: int, mlen: int, bsz: int):
+    """(w, r, mem, mask) of the Transformer-XL layer check (sinusoid position table)."""
     g = torch.Generator().manual_seed(1)
     klen = qlen + mlen
     w = torch.randn(qlen, bsz, BASE["d_model"], generator=g).to(device, dtype)
@@ -312,13 +295,32 @@ def main(argv=None) -> int:
     r = torch.cat([torch.outer(pos, inv_freq).sin(), torch.outer(pos, inv_freq).cos()], -1)
     r = r[:, None, :].to(device, dtype)
     mask = torch.triu(torch.ones(qlen, klen, dtype=torch.uint8, device=device), 1 + mlen)[..., None]
+    return w, r, mem, mask
 
+
+def _layer_report(device: torch.device, dtype: torch.dtype, backends: List[str],
+                  failures: list) -> None:
+    """One Transformer-XL layer, forward + backward, on every usable backend against the
+    reference's output and gradients (and their time and memory)."""
+    shape = SHAPES["cuda" if device.type == "cuda" else "cpu"]
+    qlen, mlen, bsz = shape["qlen"], shape["mlen"], shape["bsz"]
+    print(f"\nTransformer-XL layer: n_head {BASE['n_head']}, d_head {BASE['d_head']}, d_model "
+          f"{BASE['d_model']}, qlen {qlen}, mem {mlen}, bsz {bsz}, {dtype}, {device}, "
+          f"forward + backward")
+    torch.manual_seed(0)
+    layers = {}
+    for name in backends:
+        layers[name] = FusedRelAttention(**BASE, dropout=0.0, untie_r=True, backend=name).to(
+            device=device, dtype=dtype)
+        layers[name].load_state_dict(layers["reference"].state_dict())
+    inputs = _layer_inputs(device, dtype, qlen, mlen, bsz)
     ref_out = ref_grads = None
-    print(f"  {'backend':<12} {'max |diff| out':>15} {'max |diff| grads':>17} {'time':>10}   memory")
+    print(f"  {'backend':<12} {'max |diff| out':>15} {'max |diff| grads':>17} {'time':>10}"
+          f"   memory")
     for name in backends:
         if device.type == "cuda":  # warm-up: compiles and autotunes (nothing to compile on CPU)
-            _run_layer(layers[name], (w, r, mem, mask), device)
-        out, grads, elapsed, memstr = _run_layer(layers[name], (w, r, mem, mask), device)
+            _run_layer(layers[name], inputs, device)
+        out, grads, elapsed, memstr = _run_layer(layers[name], inputs, device)
         if name == "reference":
             ref_out, ref_grads = out, grads
             d_out = d_grad = 0.0
@@ -326,15 +328,37 @@ def main(argv=None) -> int:
             d_out = (out.float() - ref_out.float()).abs().max().item()
             d_grad = max(((a.float() - b.float()).abs().max() / max(1.0, b.float().abs().max()))
                          .item() for a, b in zip(grads, ref_grads))
-            scale = max(1.0, ref_out.float().abs().max().item())
-            if not (d_out / scale <= TOLERANCE[dtype] and d_grad <= TOLERANCE[dtype]):
+            size = max(1.0, ref_out.float().abs().max().item())
+            if not (d_out / size <= TOLERANCE[dtype] and d_grad <= TOLERANCE[dtype]):
                 failures.append(name)
         print(f"  {name:<12} {d_out:>15.3e} {d_grad:>17.3e} {elapsed * 1e3:>8.1f} ms   {memstr}")
 
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        device = _device(args.device)
+    except ValueError as exc:
+        print(f"python -m txl_kernels: error: {exc}", file=sys.stderr)
+        return 2
+    dtype = getattr(torch, args.dtype) if args.dtype else (
+        torch.float16 if device.type == "cuda" else torch.float32)
+    failures: List[str] = []
+    _environment(device, not args.no_interpret)
+    print("\nbackends")
+    _row("reference", "usable (einsum path, any device)")
+    fused_ok, why = fused_available(device)
+    _row(f"triton on {device.type}", ("usable: " if fused_ok else "not usable: ") + why)
+    cpu_ok = _extension_report(device, args.no_build, failures)
+    backends = ["reference"] + (["triton"] if fused_ok else []) + (["cpu"] if cpu_ok else [])
+    _layer_report(device, dtype, backends, failures)
     if fused_ok and device.type == "cpu":
         print("  (the triton row ran under the Triton interpreter: a correctness check, not a "
               "speed measurement)")
-    if not _lm_report(device):
+    # on CPUs the C++ kernels where built (the Triton interpreter is a test tool, not a path
+    # to time), else the reference
+    lm_backend = "auto" if device.type != "cpu" else ("cpu" if cpu_ok else "reference")
+    if not _lm_report(device, lm_backend):
         failures.append("MemTransformerLM (K/V cache against the mems path)")
     if failures:
         print(f"\nFAILED: {', '.join(failures)}: does not agree with the reference")
