@@ -16,18 +16,11 @@ from torch import Tensor
 
 from ._block_ops import KernelOps
 from ._utils import draw_dropout_seed, last_dim_contiguous
-from .reference import finite_or_zero
+from .reference import extra_scores, finite_or_zero
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _extra_scores(extra_q: Tensor, extra_k: Tensor, softmax_scale: float, acc) -> Tensor:
-    """``softmax_scale * extra_q_i . extra_k_g``, ``[B, H, Lq, G]`` in ``acc`` (a batched GEMM on
-    strided views: no copy of extra_q)."""
-    return torch.matmul(extra_q.to(acc).transpose(1, 2),
-                        extra_k.to(acc).permute(0, 2, 3, 1)) * softmax_scale
 
 
 def _add_weighted(out: Tensor, w: Tensor, x: Tensor) -> None:
@@ -74,7 +67,7 @@ def _merged_forward(q, k, v, r, u, vb, extra_q, extra_k, extra_v, kpm, attn_mask
     writes there and the merge is in place, fp32 / fp64 only; no autograd)."""
     acc = _acc(q.dtype)
     drop = dict(dropout_p=dropout_p, dropout_seed=dropout_seed)
-    s = _extra_scores(extra_q, extra_k, softmax_scale, acc)  # first: out may be q, also extra_q
+    s = extra_scores(extra_q, extra_k, softmax_scale, acc)  # first: out may be q, also extra_q
     out_b, lse_b = ops.fwd(q, k, v, r, u, vb, softmax_scale, wl, wr, kpm, attn_mask,
                            attn_mask_band, r_first_distance, out=out, **drop)
     lse_b = lse_b.to(acc)  # rows with no relative key: +inf -> -inf (no mass) here
@@ -126,7 +119,7 @@ class _ExtraKeysAttn(torch.autograd.Function):
         # columns, Z the dropout factor (1 without dropout); O is the dropped output, so
         # rowsum(dO * O) is the joint rowsum of P * Z * dP, as in the kernels' backward
         dout_a = dout.to(acc)
-        p = torch.exp(_extra_scores(extra_q, extra_k, softmax_scale, acc) - lse[..., None])
+        p = torch.exp(extra_scores(extra_q, extra_k, softmax_scale, acc) - lse[..., None])
         z = _dropout_factor(extra_keep, dropout_p, acc)
         pz = p if z is None else p * z
         ev, ek = extra_v.to(acc), extra_k.to(acc)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 __all__ = ["rel_shift", "rel_shift_pad_reshape", "rel_attention_reference", "allowed_pairs",
            "pair_distance", "in_window", "in_band", "autocast_dtype", "finite_or_zero",
-           "row_poison", "relative_scores", "weighted_values"]
+           "row_poison", "relative_scores", "weighted_values", "extra_scores"]
 
 
 def rel_shift_pad_reshape(x: torch.Tensor) -> torch.Tensor:
@@ -181,6 +181,16 @@ def weighted_values(prob: Tensor, v: Tensor) -> Tensor:
     return torch.einsum("bhij,bjhd->bihd", prob, finite_or_zero(v).to(prob.dtype))
 
 
+def extra_scores(extra_q: Tensor, extra_k: Tensor, softmax_scale: float,
+                 acc_dtype: torch.dtype) -> Tensor:
+    """The extra keys' scores ``softmax_scale * extra_q_i . extra_k_g``, ``[B, H, Lq, G]`` in
+    ``acc_dtype``, from extra_q ``[B, Lq, H, D]`` and extra_k ``[B, G, H, D]`` (a batched GEMM
+    on strided views: no copy of extra_q); the reference and the kernels' extra-keys merge
+    (``_extra_keys.py``) both score them here."""
+    return torch.matmul(extra_q.to(acc_dtype).transpose(1, 2),
+                        extra_k.to(acc_dtype).permute(0, 2, 3, 1)) * softmax_scale
+
+
 def rel_attention_reference(q: Tensor, k: Tensor, v: Tensor, r: Tensor, r_w_bias: Tensor,
                             r_r_bias: Tensor, softmax_scale: float, window_left: int,
                             window_right: int, key_padding_mask: Optional[Tensor] = None,
@@ -254,9 +264,8 @@ def _rel_attention_reference(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, wind
     if extra is not None:
         # The extra keys: more columns of the same softmax (every row then has a key).
         extra_q, extra_k, extra_v = extra
-        extra_scores = torch.einsum("bihd,bghd->bhig", extra_q.to(acc_dtype),
-                                    extra_k.to(acc_dtype)) * softmax_scale
-        scores = torch.cat([scores, extra_scores], dim=-1)
+        scores = torch.cat([scores, extra_scores(extra_q, extra_k, softmax_scale, acc_dtype)],
+                           dim=-1)
         row_has_key = torch.ones_like(row_has_key)
         v = torch.cat([v, extra_v], dim=1)
     # Rows without any allowed key: softmax over zeros, then multiplied by 0, so the output
