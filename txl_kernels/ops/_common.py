@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import threading
 from contextlib import contextmanager, nullcontext
+from typing import NamedTuple
 
 import torch
 import triton
@@ -39,6 +40,130 @@ def round_bf16(x):
 
 
 _INTERP = tl.constexpr(INTERPRET)
+
+
+# ---- the kernels' tuple arguments, read by field name
+#
+# Triton takes NamedTuples as kernel arguments (flattened in field order, like plain tuples)
+# and its jit code reads their fields by name and builds them by name. The strides of a
+# tensor travel as one of the stride tuples below; what several kernels share (masks,
+# dropout, the 8-bit memory, the allowed-pair pattern) is built here, by one builder each.
+
+class RowStrides(NamedTuple):
+    """The (batch, row, head) strides of a ``[B, L, H, D]`` (or ``[B, L, H]``) tensor."""
+    batch: int
+    row: int
+    head: int
+
+
+def row_strides(t: torch.Tensor) -> RowStrides:
+    return RowStrides(t.stride(0), t.stride(1), t.stride(2))
+
+
+class HeadStrides(NamedTuple):
+    """The (row, head) strides of an ``[R, H, D]`` tensor (r, dr)."""
+    row: int
+    head: int
+
+
+def head_strides(t: torch.Tensor) -> HeadStrides:
+    return HeadStrides(t.stride(0), t.stride(1))
+
+
+class BiasStrides(NamedTuple):
+    """The head strides of the two ``[H, D]`` biases u (r_w_bias) and vb (r_r_bias)."""
+    u: int
+    vb: int
+
+
+def bias_strides(u: torch.Tensor, vb: torch.Tensor) -> BiasStrides:
+    return BiasStrides(u.stride(0), vb.stride(0))
+
+
+class WorkStrides(NamedTuple):
+    """The (batch * head, row) strides of an ``operand_workspace``."""
+    bh: int
+    row: int
+
+
+class KpmStrides(NamedTuple):
+    """The (batch, key) strides of the key padding mask ``[B, Lk]``."""
+    batch: int
+    key: int
+
+
+class MaskStrides(NamedTuple):
+    """The (batch, head, row, key) strides of the dense mask ``[B, H, Lq, Lk]``."""
+    batch: int
+    head: int
+    row: int
+    key: int
+
+
+class MaskArgs(NamedTuple):
+    """The backward kernels' ``masks`` argument (``mask_args``; the forward's adds two
+    fields): the window (-1 = unbounded side, or as the launcher widened it), the key padding
+    mask and the dense mask (uint8 views) with their strides, and the device-side band
+    (``apply_mask_band``)."""
+    window_left: int
+    window_right: int
+    kpm: torch.Tensor
+    kpm_strides: KpmStrides
+    mask: torch.Tensor
+    mask_strides: MaskStrides
+    band: torch.Tensor
+
+
+class Pattern(NamedTuple):
+    """What ``pair_mask`` masks with, set up once per program by the kernels'
+    ``_program_setup``: the batch and head, the lengths, the window (narrowed by a band),
+    ``band_on`` (the band replaces the dense mask) and ``MaskArgs``' masks."""
+    b: object
+    h: object
+    Lq: object
+    Lk: object
+    window_left: object
+    window_right: object
+    band_on: object
+    kpm: object
+    kpm_strides: KpmStrides
+    mask: object
+    mask_strides: MaskStrides
+
+
+class DropoutArgs(NamedTuple):
+    """The kernels' ``dropout`` argument (``dropout_args``): the (seed, offset) tensor, the
+    keep-mask's threshold (``dropout_threshold``) and the kept values' scale
+    (``dropout_keep_scale``)."""
+    seed: torch.Tensor
+    threshold: int
+    keep_scale: float
+
+
+class MemoryArgs(NamedTuple):
+    """The forward and decode kernels' ``memory`` argument (``memory_launch_args``): the 8-bit
+    keys / values and their per-row scales with their (batch, row, head) strides, and the
+    memory's rows ``mem_m``."""
+    kq: torch.Tensor
+    ks: torch.Tensor
+    vq: torch.Tensor
+    vs: torch.Tensor
+    kq_strides: RowStrides
+    ks_strides: RowStrides
+    vq_strides: RowStrides
+    vs_strides: RowStrides
+    mem_m: int
+
+
+class QuantRows(NamedTuple):
+    """One side (keys or values) of the 8-bit memory of one (batch, head) (``memory_bases``):
+    the data's base pointer, the int32 offsets of a ``[BN, BD]`` tile's rows, the scales' base
+    pointer and the data's and the scales' row strides."""
+    data: object
+    offsets: object
+    scale: object
+    data_stride: object
+    scale_stride: object
 
 
 # ---- the tensor-core operands (q + u) and (q + vb)
@@ -158,10 +283,10 @@ def pair_mask(offs_i, j0, BLOCK_N: tl.constexpr, pattern, HAS_WL: tl.constexpr,
     inside ``key_range`` (the window, key < Lk, row < Lq), not padded (HAS_KPM), not masked by
     the dense mask (HAS_MASK; read inside [0, Lq) x [0, Lk), and not at all when a mask band
     replaces it, HAS_BAND). The key range is compared as column offsets against per-row
-    bounds relative to j0 (immediates per column, no index tensor). ``pattern``: ``(b, h, Lq,
-    Lk, window_left, window_right, band_on, KPM, (kpm_b, kpm_n) strides, MASK, (b, h, m, n)
-    strides)``, set up once per program by the kernels' ``_program_setup``."""
-    b, h, Lq, Lk, window_left, window_right, band_on, KPM, stride_kpm, MASK, stride_m = pattern
+    bounds relative to j0 (immediates per column, no index tensor). ``pattern``: a ``Pattern``,
+    set up once per program by the kernels' ``_program_setup``."""
+    Lq, Lk = pattern.Lq, pattern.Lk
+    window_left, window_right = pattern.window_left, pattern.window_right
     cols = tl.arange(0, BLOCK_N)
     # key_range relative to j0 (its clamp of j_min at 0 left out: no column is below -j0)
     c0 = offs_i + (Lk - Lq - j0)  # the column at distance 0
@@ -173,17 +298,18 @@ def pair_mask(offs_i, j0, BLOCK_N: tl.constexpr, pattern, HAS_WL: tl.constexpr,
         ok = ok & (cols[None, :] >= (c0 - window_left)[:, None])
     offs_j = j0 + cols
     if HAS_KPM:
-        kp = tl.load(KPM + b * stride_kpm[0] + offs_j.to(tl.int64) * stride_kpm[1],
-                     mask=offs_j < Lk, other=1)
+        kp = tl.load(pattern.kpm + pattern.b * pattern.kpm_strides.batch
+                     + offs_j.to(tl.int64) * pattern.kpm_strides.key, mask=offs_j < Lk, other=1)
         ok = ok & (kp == 0)[None, :]
     if HAS_MASK:
         # (rows < Lq and keys < Lk as two broadcast vectors: fewer registers than ``ok``)
         am_msk = (offs_i < Lq)[:, None] & (offs_j < Lk)[None, :]
         if HAS_BAND:  # the mask is its band (applied as the window): nothing to load
-            am_msk = am_msk & (band_on == 0)
-        am = tl.load(MASK + b * stride_m[0] + h * stride_m[1]
-                     + offs_i.to(tl.int64)[:, None] * stride_m[2]
-                     + offs_j.to(tl.int64)[None, :] * stride_m[3], mask=am_msk, other=0)
+            am_msk = am_msk & (pattern.band_on == 0)
+        stride_m = pattern.mask_strides
+        am = tl.load(pattern.mask + pattern.b * stride_m.batch + pattern.h * stride_m.head
+                     + offs_i.to(tl.int64)[:, None] * stride_m.row
+                     + offs_j.to(tl.int64)[None, :] * stride_m.key, mask=am_msk, other=0)
         ok = ok & (am == 0)
     return ok
 
@@ -218,37 +344,41 @@ def load_dequant(ptrs, s_ptrs, row_ok, msk, OUT_TY: tl.constexpr, UPCAST: tl.con
 
 
 @triton.jit
+def _quant_rows(X, S, stride_x, stride_s, b, h, offs_n0, offs_d):
+    """``QuantRows`` of data X / scales S (strides: ``RowStrides``) for batch b, head h."""
+    return QuantRows(X + b * stride_x.batch + h * stride_x.head,
+                     offs_n0[:, None] * stride_x.row + offs_d[None, :],
+                     S + b * stride_s.batch + h * stride_s.head, stride_x.row, stride_s.row)
+
+
+@triton.jit
 def memory_bases(memory, b, h, offs_n0, offs_d):
-    """The 8-bit memory of batch b, head h, from the kernels' ``memory`` tuple
-    (``memory_launch_args``): ``(keys, values, mem_m)``, keys / values each ``(data base
-    pointer, int32 offsets of a [BN, BD] data tile's rows offs_n0, scale base pointer, data
-    row stride, scale row stride)``."""
-    KQ, KS, VQ, VS, stride_kq, stride_ks, stride_vq, stride_vs, mem_m = memory
-    keys = (KQ + b * stride_kq[0] + h * stride_kq[2],
-            offs_n0[:, None] * stride_kq[1] + offs_d[None, :],
-            KS + b * stride_ks[0] + h * stride_ks[2], stride_kq[1], stride_ks[1])
-    values = (VQ + b * stride_vq[0] + h * stride_vq[2],
-              offs_n0[:, None] * stride_vq[1] + offs_d[None, :],
-              VS + b * stride_vs[0] + h * stride_vs[2], stride_vq[1], stride_vs[1])
-    return keys, values, mem_m
+    """The 8-bit memory of batch b, head h, from the kernels' ``memory`` argument
+    (``MemoryArgs``): ``(keys, values, mem_m)``, keys / values each a ``QuantRows`` (tiles of
+    rows offs_n0, columns offs_d)."""
+    keys = _quant_rows(memory.kq, memory.ks, memory.kq_strides, memory.ks_strides, b, h,
+                       offs_n0, offs_d)
+    values = _quant_rows(memory.vq, memory.vs, memory.vq_strides, memory.vs_strides, b, h,
+                         offs_n0, offs_d)
+    return keys, values, memory.mem_m
 
 
-def memory_launch_args(memory, k: torch.Tensor, v: torch.Tensor):
-    """The ``memory`` tuple argument of the forward and decode kernels: ``(KQ, KS, VQ, VS,
-    (b, n, h) strides of KQ, of KS, of VQ, of VS, mem_m)``, the data with a contiguous last
-    dim, ``mem_m`` its rows. ``memory`` None or of length 0: placeholders (k, v, zero strides,
-    ``mem_m`` 0; the kernels' QUANT_MEM variant is then off and reads none of them)."""
+def memory_launch_args(memory, k: torch.Tensor, v: torch.Tensor) -> MemoryArgs:
+    """The ``memory`` argument (``MemoryArgs``) of the forward and decode kernels, the data
+    with a contiguous last dim. ``memory`` None or of length 0: placeholders (k, v, zero
+    strides, ``mem_m`` 0; the kernels' QUANT_MEM variant is then off and reads none of
+    them)."""
     if memory is None or memory.k.shape[1] == 0:
-        z = (0, 0, 0)
-        return (k, k, v, v, z, z, z, z, 0)
+        z = RowStrides(0, 0, 0)
+        return MemoryArgs(k, k, v, v, z, z, z, z, 0)
     kq, vq = (last_dim_contiguous(t) for t in (memory.k, memory.v))
     ks, vs = memory.k_scale, memory.v_scale
     B, M, H, D = kq.shape
     assert kq.dtype == vq.dtype and kq.element_size() == 1 \
         and (k.shape[0], *k.shape[2:]) == (B, H, D) and tuple(vq.shape) == (B, M, H, D) \
         and tuple(ks.shape) == (B, M, H) == tuple(vs.shape), f"memory {memory!r:.200}"
-    return (kq, ks, vq, vs, tuple(kq.stride()[:3]), tuple(ks.stride()), tuple(vq.stride()[:3]),
-            tuple(vs.stride()), M)
+    return MemoryArgs(kq, ks, vq, vs, row_strides(kq), row_strides(ks), row_strides(vq),
+                      row_strides(vs), M)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -266,22 +396,24 @@ def excludes_pairs(window_left: int, window_right: int, key_padding_mask, attn_m
             or attn_mask is not None)
 
 
-def mask_operands(key_padding_mask, attn_mask, placeholder: torch.Tensor, full_shape):
-    """The kernels' mask arguments: the key padding mask ``[B, Lk]`` and the dense mask
-    (expanded to ``full_shape`` ``[B, H, Lq, Lk]``, any strides) as uint8 views with their
-    strides; ``placeholder`` and zero strides stand in for an absent one (unread: HAS_KPM /
-    HAS_MASK off). Returns (kpm, kpm_strides, am, am_strides)."""
+def mask_args(window_left: int, window_right: int, key_padding_mask, attn_mask, band,
+              placeholder: torch.Tensor, full_shape) -> MaskArgs:
+    """The kernels' ``masks`` argument: the window as given, the key padding mask ``[B, Lk]``
+    and the dense mask (expanded to ``full_shape`` ``[B, H, Lq, Lk]``, any strides) as uint8
+    views with their strides, and the band (None: none); ``placeholder`` and zero strides
+    stand in for an absent one (unread: HAS_KPM / HAS_MASK / HAS_BAND off)."""
     if key_padding_mask is not None:
         kpm = key_padding_mask.view(torch.uint8)
-        kpm_strides = (kpm.stride(0), kpm.stride(1))
+        kpm_strides = KpmStrides(kpm.stride(0), kpm.stride(1))
     else:
-        kpm, kpm_strides = placeholder, (0, 0)
+        kpm, kpm_strides = placeholder, KpmStrides(0, 0)
     if attn_mask is not None:
         am = attn_mask.expand(*full_shape).view(torch.uint8)
-        am_strides = tuple(am.stride())
+        am_strides = MaskStrides(*am.stride())
     else:
-        am, am_strides = placeholder, (0, 0, 0, 0)
-    return kpm, kpm_strides, am, am_strides
+        am, am_strides = placeholder, MaskStrides(0, 0, 0, 0)
+    return MaskArgs(window_left, window_right, kpm, kpm_strides, am, am_strides,
+                    placeholder if band is None else band)
 
 
 def autotune_enabled() -> bool:
@@ -481,6 +613,13 @@ def dropout_keep_scale(p: float) -> float:
     """The factor of the kept probabilities for ``dropout_p = p``: 1 / (1 - the rate actually
     used, ``dropout_rate(p)``), so that the expected output is the undropped one."""
     return DROPOUT_RESOLUTION / (DROPOUT_RESOLUTION - dropout_threshold(p))
+
+
+def dropout_args(dropout_p: float, seed, placeholder: torch.Tensor) -> DropoutArgs:
+    """The kernels' ``dropout`` argument for ``dropout_p`` (``placeholder`` stands in for the
+    seed tensor without dropout: unread, DROPOUT off)."""
+    return DropoutArgs(seed if dropout_p > 0.0 else placeholder, dropout_threshold(dropout_p),
+                       dropout_keep_scale(dropout_p))
 
 
 @triton.jit

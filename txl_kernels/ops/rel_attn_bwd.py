@@ -25,7 +25,7 @@ Derivations: docs/DESIGN.md, sections "Backward", "Window reuse in the backward"
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -34,12 +34,13 @@ import triton.language as tl
 from .._arch import config_family
 from .._utils import describe
 from ..reference import finite_or_zero
-from ._common import (INTERPRET, LOG2E, apply_mask_band, autotune_enabled, bias_operands,
-                      descriptors_ok, dot_precision, dropout_keep, dropout_keep_scale,
-                      dropout_threshold, ensure_scratch_allocator, excludes_pairs, interior_tiles,
-                      last_dim_contiguous, length_bucket, load_dropout_seed, mask_operands,
-                      operand_workspace, pair_mask, rotate_rows, round_bf16, store_bias_operands,
-                      tile_run, to_operand)
+from ._common import (INTERPRET, LOG2E, BiasStrides, HeadStrides, Pattern, RowStrides,
+                      WorkStrides, apply_mask_band, autotune_enabled, bias_operands,
+                      bias_strides, descriptors_ok, dot_precision, dropout_args, dropout_keep,
+                      ensure_scratch_allocator, excludes_pairs, head_strides, interior_tiles,
+                      last_dim_contiguous, length_bucket, load_dropout_seed, mask_args,
+                      operand_workspace, pair_mask, rotate_rows, round_bf16, row_strides,
+                      store_bias_operands, tile_run, to_operand)
 
 __all__ = ["rel_attn_bwd"]
 
@@ -175,15 +176,116 @@ def _probs(ac, bd, lse2, offs_i, j0, qk_scale, pattern, HAS_KPM: tl.constexpr,
 # Kernels
 # ----------------------------------------------------------------------------------------------
 # The three main kernels take the same inputs: the pointers A_OP, QV_OP, K, V, R, DO, LSE,
-# DELTA, their strides as one tuple ``strides`` ((wbh, wm), (kb, kn, kh), (vb, vn, vh), (rp,
-# rh), (dob, dom, doh), (lb, lh, lm)), the masks as ``masks`` (window_left, window_right,
-# KPM, (kpm_b, kpm_n), MASK, (mb, mh, mm, mn), BAND) and the dropout as ``dropout`` (SEED,
-# dropout_threshold(p), dropout_keep_scale(p)); the dr kernel also ``q_args`` (see _program_setup).
-# _program_setup turns them into per-(batch, head) tuples that the tile helpers unpack.
+# DELTA, their strides as one ``BwdStrides`` ``strides``, the masks as ``_common.MaskArgs``
+# ``masks`` and the dropout as ``_common.DropoutArgs`` ``dropout``; the dk/dv and dr kernels
+# also ``q_args`` (``QArgs``, see _program_setup). _program_setup turns them into
+# per-(batch, head) NamedTuples (``_Query``, ``_Keys``, ``_Rel``, ``_common.Pattern``,
+# ``_Drop``) that the tile helpers read by field name.
 # LQ_BUCKET / LK_BUCKET are autotune keys only. The parameter order (pointers, strides,
 # sizes, masks, dropout) matters: LLVM ranks arguments by position when it reassociates
 # index arithmetic, and with the window ahead of Lq / Lk the dk/dv kernel spills 8 B more on
 # sm_90 (the static sm_90 model's --bwd report, sass_profile.py).
+
+
+class LseStrides(NamedTuple):
+    """The (batch, head, row) strides of lse / delta ``[B, H, Lq]``."""
+    batch: int
+    head: int
+    row: int
+
+
+class BwdStrides(NamedTuple):
+    """The main backward kernels' ``strides``: the operand workspaces' ``WorkStrides``, k's,
+    v's and dO's ``RowStrides``, r's ``HeadStrides``, lse's (and delta's) ``LseStrides``."""
+    work: WorkStrides
+    k: RowStrides
+    v: RowStrides
+    r: HeadStrides
+    do: RowStrides
+    lse: LseStrides
+
+
+class QArgs(NamedTuple):
+    """q and the biases, for the kernels that form q + u and q + vb themselves (Q_ONLY,
+    FROM_Q): q, u, vb, q's ``RowStrides``, the biases' ``BiasStrides``."""
+    q: torch.Tensor
+    u: torch.Tensor
+    vb: torch.Tensor
+    stride_q: RowStrides
+    stride_bias: BiasStrides
+
+
+class DkdvOuts(NamedTuple):
+    """The dk/dv kernel's ``outs``: dk, dv, the du partials, dk's (and dv's) ``RowStrides``
+    and the partials' (b, key tile, h) ``RowStrides``."""
+    dk: torch.Tensor
+    dv: torch.Tensor
+    du_part: torch.Tensor
+    stride_dk: RowStrides
+    stride_part: RowStrides
+
+
+class AtomicArgs(NamedTuple):
+    """The dk/dv kernel's ``atomics`` (ATOMIC): the fp32 dq accumulator and its
+    ``RowStrides``, the fp32 dr accumulator and its (batch, row, head) ``RowStrides`` (batch
+    0 unless ORDERED), ORDERED's progress slots and their row per batch * head."""
+    dq: torch.Tensor
+    stride_dq: RowStrides
+    dr: torch.Tensor
+    stride_dr: RowStrides
+    sems: torch.Tensor
+    sem_row: int
+
+
+class ZStrides(NamedTuple):
+    """The (chunk, batch, row, head) strides of the dr kernel's ``[2, B, R, H, D]`` Z."""
+    chunk: int
+    batch: int
+    row: int
+    head: int
+
+
+class _Query(NamedTuple):
+    """What ``_load_query_tile`` reads (``_program_setup``): the (q + u) and (q + vb) sources
+    (pointers or descriptors of this (batch, head); FROM_Q: q for both), dO's, lse's and
+    delta's, the operands', dO's and lse's row strides, and (FROM_Q) the biases in fp32."""
+    a: object
+    qv: object
+    do: object
+    lse: object
+    delta: object
+    stride_w: object
+    stride_do: object
+    stride_lse: object
+    bias_u: object
+    bias_v: object
+
+
+class _Keys(NamedTuple):
+    """What ``_load_kv_tile`` reads: K's and V's sources of this (batch, head), their row
+    strides."""
+    k: object
+    v: object
+    stride_k: object
+    stride_v: object
+
+
+class _Rel(NamedTuple):
+    """What ``_load_r`` reads: this head's r (pointer or descriptor), its row stride, its rows
+    R."""
+    base: object
+    stride: object
+    rows: object
+
+
+class _Drop(NamedTuple):
+    """The dropout of a program (``_recompute_p_ds``): batch * head, Lq, the (seed, offset)
+    tensor, the keep-mask's threshold and the kept values' scale."""
+    bh: object
+    Lq: object
+    seed: object
+    threshold: object
+    keep_scale: object
 
 
 @triton.jit
@@ -197,57 +299,67 @@ def _program_setup(A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout
     BLOCK_D] tiles of (q + u), (q + vb), dO, K, V and r come through TMA descriptors made here
     (zero fill past the rows / D: no pointer math, no masks). FROM_Q: the query tiles are q
     itself (one tile for both operands) and the head's biases u and vb, loaded here in fp32,
-    from ``q_args`` = (Q, U, VB, (qb, qm, qh), (uh, vbh)); _load_query_tile forms the
-    operands. Returns (b, h, window_left, window_right, query, keys, rel, pattern, drop):
-    query / keys / rel are what _load_query_tile / _load_kv_tile / _load_r read, pattern what
-    _probs masks with, drop the dropout's (batch * head, Lq, SEED, threshold, scale)."""
-    (stride_wbh, stride_wm), stride_k, stride_v, stride_r, stride_do, stride_l = strides
-    window_left, window_right, KPM, stride_kpm, MASK, stride_m, BAND = masks
-    SEED, drop_thresh, drop_scale = dropout
+    from ``q_args`` (``QArgs``); _load_query_tile forms the operands. Returns (b, h,
+    window_left, window_right, query, keys, rel, pattern, drop): query / keys / rel
+    (``_Query``, ``_Keys``, ``_Rel``) are what _load_query_tile / _load_kv_tile / _load_r
+    read, pattern (``Pattern``) what _probs masks with, drop (``_Drop``) the dropout's."""
+    stride_wm = strides.work.row
+    stride_k, stride_v, stride_r, stride_do = strides.k, strides.v, strides.r, strides.do
+    window_left, window_right = masks.window_left, masks.window_right
     pid_bh = tl.program_id(0).to(tl.int64)
     b = pid_bh // H
     h = pid_bh % H
     band_on = False
     if HAS_BAND:
-        window_left, window_right, band_on = apply_mask_band(BAND, window_left, window_right)
+        window_left, window_right, band_on = apply_mask_band(masks.band, window_left,
+                                                             window_right)
     if FROM_Q:
-        Q, U, VB, stride_q, (stride_uh, stride_vbh) = q_args
-        A_bh = Q + b * stride_q[0] + h * stride_q[2]
+        stride_q = q_args.stride_q
+        A_bh = q_args.q + b * stride_q.batch + h * stride_q.head
         QV_bh = A_bh
-        stride_wm = stride_q[1]
+        stride_wm = stride_q.row
     else:
-        A_bh, QV_bh = A_OP + pid_bh * stride_wbh, QV_OP + pid_bh * stride_wbh
-    DO_bh = DO + b * stride_do[0] + h * stride_do[2]
-    K_bh, V_bh = K + b * stride_k[0] + h * stride_k[2], V + b * stride_v[0] + h * stride_v[2]
-    R_h = R + h * stride_r[1]
+        A_bh = A_OP + pid_bh * strides.work.bh
+        QV_bh = QV_OP + pid_bh * strides.work.bh
+    DO_bh = DO + b * stride_do.batch + h * stride_do.head
+    K_bh = K + b * stride_k.batch + h * stride_k.head
+    V_bh = V + b * stride_v.batch + h * stride_v.head
+    R_h = R + h * stride_r.head
     if USE_DESC:
         A_bh = tl.make_tensor_descriptor(A_bh, shape=[Lq, D], strides=[stride_wm, 1],
                                          block_shape=[BLOCK, BLOCK_D])
         if not FROM_Q:
             QV_bh = tl.make_tensor_descriptor(QV_bh, shape=[Lq, D], strides=[stride_wm, 1],
                                               block_shape=[BLOCK, BLOCK_D])
-        DO_bh = tl.make_tensor_descriptor(DO_bh, shape=[Lq, D], strides=[stride_do[1], 1],
+        DO_bh = tl.make_tensor_descriptor(DO_bh, shape=[Lq, D], strides=[stride_do.row, 1],
                                           block_shape=[BLOCK, BLOCK_D])
-        K_bh = tl.make_tensor_descriptor(K_bh, shape=[Lk, D], strides=[stride_k[1], 1],
+        K_bh = tl.make_tensor_descriptor(K_bh, shape=[Lk, D], strides=[stride_k.row, 1],
                                          block_shape=[BLOCK, BLOCK_D])
-        V_bh = tl.make_tensor_descriptor(V_bh, shape=[Lk, D], strides=[stride_v[1], 1],
+        V_bh = tl.make_tensor_descriptor(V_bh, shape=[Lk, D], strides=[stride_v.row, 1],
                                          block_shape=[BLOCK, BLOCK_D])
-        R_h = tl.make_tensor_descriptor(R_h, shape=[R_rows, D], strides=[stride_r[0], 1],
+        R_h = tl.make_tensor_descriptor(R_h, shape=[R_rows, D], strides=[stride_r.row, 1],
                                         block_shape=[BLOCK, BLOCK_D])
     bias_u = 0.0
     bias_v = 0.0
     if FROM_Q:
         offs_d = tl.arange(0, BLOCK_D)
-        bias_u = tl.load(U + h * stride_uh + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-        bias_v = tl.load(VB + h * stride_vbh + offs_d, mask=offs_d < D,
+        bias_u = tl.load(q_args.u + h * q_args.stride_bias.u + offs_d, mask=offs_d < D,
                          other=0.0).to(tl.float32)
-    query = (A_bh, QV_bh, DO_bh, LSE + b * stride_l[0] + h * stride_l[1],
-             DELTA + b * stride_l[0] + h * stride_l[1], stride_wm, stride_do[1], stride_l[2],
-             bias_u, bias_v)
-    keys = (K_bh, V_bh, stride_k[1], stride_v[1])
-    rel = (R_h, stride_r[0], R_rows)
-    pattern = (b, h, Lq, Lk, window_left, window_right, band_on, KPM, stride_kpm, MASK, stride_m)
-    drop = (pid_bh, Lq, SEED, drop_thresh, drop_scale)
+        bias_v = tl.load(q_args.vb + h * q_args.stride_bias.vb + offs_d, mask=offs_d < D,
+                         other=0.0).to(tl.float32)
+    stride_l = strides.lse
+    query = _Query(a=A_bh, qv=QV_bh, do=DO_bh, lse=LSE + b * stride_l.batch + h * stride_l.head,
+                   delta=DELTA + b * stride_l.batch + h * stride_l.head, stride_w=stride_wm,
+                   stride_do=stride_do.row, stride_lse=stride_l.row, bias_u=bias_u,
+                   bias_v=bias_v)
+    keys = _Keys(k=K_bh, v=V_bh, stride_k=stride_k.row, stride_v=stride_v.row)
+    rel = _Rel(base=R_h, stride=stride_r.row, rows=R_rows)
+    pattern = Pattern(b=b, h=h, Lq=Lq, Lk=Lk, window_left=window_left,
+                      window_right=window_right, band_on=band_on, kpm=masks.kpm,
+                      kpm_strides=masks.kpm_strides, mask=masks.mask,
+                      mask_strides=masks.mask_strides)
+    drop = _Drop(bh=pid_bh, Lq=Lq, seed=dropout.seed, threshold=dropout.threshold,
+                 keep_scale=dropout.keep_scale)
     return b, h, window_left, window_right, query, keys, rel, pattern, drop
 
 
@@ -255,24 +367,22 @@ def _program_setup(A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout
 def _load_kv_tile(keys, j0, offs_j, Lk, offs_d, D, DOT_DTYPE: tl.constexpr,
                   USE_DESC: tl.constexpr):
     """The K and V rows j0 + [0, BLOCK) of one key tile (zero past Lk and past D)."""
-    K_bh, V_bh, stride_kn, stride_vn = keys
     if USE_DESC:
-        k_t = K_bh.load([j0, 0]).to(DOT_DTYPE)
-        v_t = V_bh.load([j0, 0]).to(DOT_DTYPE)
+        k_t = keys.k.load([j0, 0]).to(DOT_DTYPE)
+        v_t = keys.v.load([j0, 0]).to(DOT_DTYPE)
     else:
-        k_t = _load_rows(K_bh, offs_j, Lk, stride_kn, offs_d, D, DOT_DTYPE)
-        v_t = _load_rows(V_bh, offs_j, Lk, stride_vn, offs_d, D, DOT_DTYPE)
+        k_t = _load_rows(keys.k, offs_j, Lk, keys.stride_k, offs_d, D, DOT_DTYPE)
+        v_t = _load_rows(keys.v, offs_j, Lk, keys.stride_v, offs_d, D, DOT_DTYPE)
     return k_t, v_t
 
 
 @triton.jit
 def _load_r(rel, row0, w, offs_d, D, DOT_DTYPE: tl.constexpr, USE_DESC: tl.constexpr):
     """Rows row0 + w (w = [0, BLOCK)) of r (zero outside [0, R) and past D)."""
-    R_h, stride_rp, R_rows = rel
     if USE_DESC:
-        rows = R_h.load([row0, 0]).to(DOT_DTYPE)
+        rows = rel.base.load([row0, 0]).to(DOT_DTYPE)
     else:
-        rows = _load_rows(R_h, row0 + w, R_rows, stride_rp, offs_d, D, DOT_DTYPE)
+        rows = _load_rows(rel.base, row0 + w, rel.rows, rel.stride, offs_d, D, DOT_DTYPE)
     return rows
 
 
@@ -293,34 +403,35 @@ def _load_query_tile(query, i0, offs_i, offs_d, Lq, D, DOT_DTYPE: tl.constexpr,
     formed here from one q tile the same way, in fp32 then rounded to IN_DTYPE: one tile load
     instead of two; with ROUND False both are the q tile itself, for the caller to form), dO,
     the log-sum-exp in log2 units (+inf past Lq) and delta."""
-    A_bh, QV_bh, DO_bh, LSE_bh, DELTA_bh, stride_wm, stride_dom, stride_lm, bias_u, bias_v = \
-        query
     in_i = offs_i < Lq
     if USE_DESC:
-        a_t = A_bh.load([i0, 0])
+        a_t = query.a.load([i0, 0])
         if FROM_Q:
             qv_t = a_t
         else:
-            qv_t = QV_bh.load([i0, 0])
-        do = DO_bh.load([i0, 0]).to(DOT_DTYPE)
+            qv_t = query.qv.load([i0, 0])
+        do = query.do.load([i0, 0]).to(DOT_DTYPE)
     else:
         rows_i = offs_i.to(tl.int64)[:, None]
         q_msk = in_i[:, None] & (offs_d < D)[None, :]
-        a_t = tl.load(A_bh + rows_i * stride_wm + offs_d[None, :], mask=q_msk, other=0.0)
+        a_t = tl.load(query.a + rows_i * query.stride_w + offs_d[None, :], mask=q_msk,
+                      other=0.0)
         if FROM_Q:
             qv_t = a_t
         else:
-            qv_t = tl.load(QV_bh + rows_i * stride_wm + offs_d[None, :], mask=q_msk, other=0.0)
-        do = tl.load(DO_bh + rows_i * stride_dom + offs_d[None, :], mask=q_msk,
+            qv_t = tl.load(query.qv + rows_i * query.stride_w + offs_d[None, :], mask=q_msk,
+                           other=0.0)
+        do = tl.load(query.do + rows_i * query.stride_do + offs_d[None, :], mask=q_msk,
                      other=0.0).to(DOT_DTYPE)
     if FROM_Q and ROUND:
-        a_t, qv_t = bias_operands(a_t.to(tl.float32), bias_u, bias_v, IN_DTYPE, UPCAST)
+        a_t, qv_t = bias_operands(a_t.to(tl.float32), query.bias_u, query.bias_v, IN_DTYPE,
+                                  UPCAST)
     elif FROM_Q:
         a_t = a_t.to(DOT_DTYPE)
         qv_t = a_t
-    l_off = offs_i.to(tl.int64) * stride_lm
-    lse2 = tl.load(LSE_bh + l_off, mask=in_i, other=float("inf")) * LOG2E
-    delta = tl.load(DELTA_bh + l_off, mask=in_i, other=0.0)
+    l_off = offs_i.to(tl.int64) * query.stride_lse
+    lse2 = tl.load(query.lse + l_off, mask=in_i, other=float("inf")) * LOG2E
+    delta = tl.load(query.delta + l_off, mask=in_i, other=0.0)
     return a_t, qv_t, do, lse2, delta
 
 
@@ -350,11 +461,11 @@ def _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, i0, j0, offs_i, 
     dp = tl.dot(do, tl.trans(v_t), input_precision=DOT_PREC)
     pv = p
     if DROPOUT:
-        bh, Lq, SEED, drop_thresh, drop_scale = drop
-        drop_seed, drop_off = load_dropout_seed(SEED)
-        keep = dropout_keep(drop_seed, drop_off, bh, i0, j0, Lq, drop_thresh, BLOCK, BLOCK)
+        drop_seed, drop_off = load_dropout_seed(drop.seed)
+        keep = dropout_keep(drop_seed, drop_off, drop.bh, i0, j0, drop.Lq, drop.threshold,
+                            BLOCK, BLOCK)
         pv = tl.where(keep, p, 0.0)  # (dV takes the 1 / (1 - p) once, in the dk/dv kernel)
-        ds = p * (tl.where(keep, dp, 0.0) * drop_scale - delta[:, None])
+        ds = p * (tl.where(keep, dp, 0.0) * drop.keep_scale - delta[:, None])
     else:
         ds = p * (dp - delta[:, None])
     return to_operand(pv, IN_DTYPE, UPCAST), ds
@@ -436,19 +547,41 @@ def _turn_pass(PROG, progress):
     tl.atomic_xchg(PROG, progress, sem="release")
 
 
+class _DrSums(NamedTuple):
+    """Q_ONLY's dr sums of one window chunk (``_dr_product``): dt^T q, and dt^T e0, whose
+    column 0 holds dt's column sums."""
+    q_term: object
+    col_sums: object
+
+
+class _VTerm(NamedTuple):
+    """Q_ONLY's bias operands of the dr sums (``_dr_product``, ``_dr_value``): e0 = [1, 0,
+    ..., 0] per row ([BLOCK, 16]) and v16 = [vb; 0; ...] ([16, BLOCK_D])."""
+    e0: object
+    v16: object
+
+
+class _Order(NamedTuple):
+    """ORDERED's turn of one query tile (``_dq_dr_atomics``): this program's progress slot,
+    whether it is the last key tile, the progress this query tile publishes."""
+    prog: object
+    last: object
+    progress: object
+
+
 @triton.jit
 def _dr_product(dt, qv_b, pend, e0, Q_ONLY: tl.constexpr, DOT_PREC: tl.constexpr):
     """dt^T (q + vb) for the r rows of one window chunk (dt: its part of the unskewed dS),
     accumulated onto ``pend`` (None: a new sum). Q_ONLY: qv_b is the q tile itself and the
-    result the pair (dt^T q, dt^T e0), whose second's column 0 holds dt's column sums: the
-    vb term, added by _dr_value."""
+    result a ``_DrSums`` (dt^T q, dt^T e0), whose col_sums' column 0 holds dt's column sums:
+    the vb term, added by _dr_value."""
     if Q_ONLY:
         if pend is None:
-            out = (tl.dot(tl.trans(dt), qv_b, input_precision=DOT_PREC),
-                   tl.dot(tl.trans(dt), e0, input_precision=DOT_PREC))
+            out = _DrSums(tl.dot(tl.trans(dt), qv_b, input_precision=DOT_PREC),
+                          tl.dot(tl.trans(dt), e0, input_precision=DOT_PREC))
         else:
-            out = (tl.dot(tl.trans(dt), qv_b, pend[0], input_precision=DOT_PREC),
-                   tl.dot(tl.trans(dt), e0, pend[1], input_precision=DOT_PREC))
+            out = _DrSums(tl.dot(tl.trans(dt), qv_b, pend.q_term, input_precision=DOT_PREC),
+                          tl.dot(tl.trans(dt), e0, pend.col_sums, input_precision=DOT_PREC))
     else:
         out = tl.dot(tl.trans(dt), qv_b, pend, input_precision=DOT_PREC)
     return out
@@ -461,7 +594,7 @@ def _dr_value(part, v16, Q_ONLY: tl.constexpr, DOT_DTYPE: tl.constexpr, UPCAST: 
     the outer product as two narrow products with v16 (row 0: vb), the sums split into a
     rounded head and its remainder (fp32 precision)."""
     if Q_ONLY:
-        x, c = part
+        x, c = part.q_term, part.col_sums
         c_hi = to_operand(c, DOT_DTYPE, UPCAST)
         x = tl.dot(c_hi, v16, x, input_precision=DOT_PREC)
         x = tl.dot((c - c_hi.to(tl.float32)).to(DOT_DTYPE), v16, x, input_precision=DOT_PREC)
@@ -476,16 +609,14 @@ def _dq_dr_atomics(ds_op, ds, k_t, r_lo, r_hi, qv_t, dr_pend, DQ_bh, DR_h, offs_
                    vterm, DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
                    SKEW_GATHER: tl.constexpr, BLOCK: tl.constexpr, IN_DTYPE: tl.constexpr,
                    ORDERED: tl.constexpr, Q_ONLY: tl.constexpr):
-    """The dk/dv kernel's ATOMIC part for one query tile: its dq terms, dA + dQv = dS K +
-    [G_lo | G_hi] [r_lo; r_hi] (G the unskewed dS, split into its window chunks), added
-    unscaled to DQ_ACC (fp32 atomics; the launcher scales), and dr: the hi chunk's rows
-    ``rows`` get dr_pend (the previous query tile's lo-chunk part: the same rows) plus this
-    tile's G_hi^T Qv; returns this tile's G_lo^T Qv, pending for the next tile. ORDERED (the
-    query tiles go down): the same with lo and hi swapped, and ``order`` = (this program's
-    progress slot, whether it is the last key tile, this query tile's progress): the adds
-    wait for the next key tile's program to get as far, then publish it. Q_ONLY: ``qv_t`` is
-    the q tile and the dr sums carry the vb term apart (_dr_product, _dr_value; ``vterm`` =
-    (e0, v16))."""
+    """The dk/dv kernel's ATOMIC part for one query tile: its dq terms, dA + dQv = dS K
+    + [G_lo | G_hi] [r_lo; r_hi] (G the unskewed dS, split into its window chunks), added unscaled
+    to the dq accumulator (fp32 atomics; the launcher scales), and dr: the hi chunk's rows ``rows``
+    get dr_pend (the previous query tile's lo-chunk part: the same rows) plus this tile's G_hi^T
+    Qv; returns this tile's G_lo^T Qv, pending for the next tile. ORDERED (the query tiles go
+    down): the same with lo and hi swapped, and ``order`` (an ``_Order``): the adds wait for the
+    next key tile's program to get as far, then publish it. Q_ONLY: ``qv_t`` is the q tile and
+    the dr sums carry the vb term apart (_dr_product, _dr_value; ``vterm``: a ``_VTerm``)."""
     g = to_operand(_unskew(ds, BLOCK, SKEW_GATHER), IN_DTYPE, UPCAST)
     dt_lo = tl.where(lo_part, g, 0.0).to(DOT_DTYPE)
     dt_hi = tl.where(lo_part, 0.0, g).to(DOT_DTYPE)
@@ -493,19 +624,17 @@ def _dq_dr_atomics(ds_op, ds, k_t, r_lo, r_hi, qv_t, dr_pend, DQ_bh, DR_h, offs_
     dq = tl.dot(dt_lo, r_lo, dq, input_precision=DOT_PREC)
     dq = tl.dot(dt_hi, r_hi, dq, input_precision=DOT_PREC)
     if ORDERED:  # query tiles going down: flush the lo chunk's rows, carry the hi chunk's
-        PROG, last, progress = order
-        _turn_wait(PROG, progress, last)
+        _turn_wait(order.prog, order.progress, order.last)
         flush, carry = dt_lo, dt_hi
     else:
         flush, carry = dt_hi, dt_lo
     _atomic_add(DQ_bh, offs_i * stride_dqm, offs_d, dq, offs_i < Lq, d_ok)
-    e0, v16 = vterm
-    x = _dr_value(_dr_product(flush, qv_t, dr_pend, e0, Q_ONLY, DOT_PREC), v16, Q_ONLY,
-                  DOT_DTYPE, UPCAST, DOT_PREC)
+    x = _dr_value(_dr_product(flush, qv_t, dr_pend, vterm.e0, Q_ONLY, DOT_PREC), vterm.v16,
+                  Q_ONLY, DOT_DTYPE, UPCAST, DOT_PREC)
     _dr_add(DR_h, x, rows, R_rows, stride_drp, offs_d, d_ok, sm_scale)
     if ORDERED:
-        _turn_pass(PROG, progress)
-    return _dr_product(carry, qv_t, None, e0, Q_ONLY, DOT_PREC)
+        _turn_pass(order.prog, order.progress)
+    return _dr_product(carry, qv_t, None, vterm.e0, Q_ONLY, DOT_PREC)
 
 
 @triton.jit
@@ -521,17 +650,15 @@ def _rel_attn_bwd_dkdv_kernel(
 ):
     """One program per (batch * head, key tile): dk and dv of the tile, looping over the query
     tiles that the window lets see it, and the tile's part of du (scale * column sums of dS .
-    K: the row sums of dA = scale dS K) in DU_PART[b, key tile, h]; ``outs`` = (DK, DV,
-    DU_PART, the (b, n, h) strides of DK and DV, those of DU_PART). ATOMIC: also dq and dr,
-    added to ``atomics`` = (DQ_ACC, its (b, m, h) strides, DR_ACC, its (b, p, h) strides, SEMS,
-    its row per batch * head); ORDERED: every dq and dr row takes the key tiles' adds in
-    key-tile order (SEMS: each program's progress), so the sums are the same from run to run.
+    K: the row sums of dA = scale dS K) in the du partials of ``outs`` (``DkdvOuts``) at
+    [b, key tile, h]. ATOMIC: also dq and dr, added to ``atomics`` (``AtomicArgs``);
+    ORDERED: every dq and dr row takes the key tiles' adds in key-tile order (the progress
+    slots: each program's progress), so the sums are the same from run to run.
     Q_ONLY (with ATOMIC): one q tile per query tile instead of the two preprocessed operands
     (``q_args`` as in _program_setup): (q + u) and (q + vb) are rounded here as the forward
     rounds them, for the products that recompute S, and the gradient products take q itself
     plus the bias terms in fp32: dK = dS^T q + (column sums of dS) u, dr = G^T q + (column
     sums of G) vb."""
-    DK, DV, DU_PART, stride_dk, stride_part = outs
     # ORDERED: key tiles in reverse grid order (n + 1, which n waits for, starts first)
     n = tl.program_id(1)
     if ORDERED:
@@ -576,21 +703,21 @@ def _rel_attn_bwd_dkdv_kernel(
         r_lo = _load_r(rel, j0 - m_hi * BLOCK + r_c1, w, offs_d, D, DOT_DTYPE, USE_DESC)
     else:
         r_hi = _load_r(rel, j0 - m_lo * BLOCK + r_c1, w, offs_d, D, DOT_DTYPE, USE_DESC)
-    vterm = (e0, 0)  # Q_ONLY: e0 and v16 = [vb; 0; ...] ([16, BLOCK_D]), for _dr_value
+    vterm = _VTerm(e0=e0, v16=0)  # Q_ONLY: v16 = [vb; 0; ...], for _dr_value
     if Q_ONLY:  # the biases in the operand dtype (exact: they are stored in the input dtype)
-        bias_u, bias_v = query[8].to(DOT_DTYPE), query[9].to(DOT_DTYPE)
-        vterm = (e0, tl.where(tl.arange(0, 16)[:, None] == 0, bias_v[None, :],
-                              0.0).to(DOT_DTYPE))
+        bias_u, bias_v = query.bias_u.to(DOT_DTYPE), query.bias_v.to(DOT_DTYPE)
+        vterm = _VTerm(e0=e0, v16=tl.where(tl.arange(0, 16)[:, None] == 0, bias_v[None, :],
+                                           0.0).to(DOT_DTYPE))
     if ATOMIC:
-        DQ_ACC, stride_dqa, DR_ACC, stride_dr, SEMS, sem_row = atomics
-        DQ_bh = DQ_ACC + b * stride_dqa[0] + h * stride_dqa[2]
-        DR_h = DR_ACC + b * stride_dr[0] + h * stride_dr[2]
+        stride_dqa, stride_dr = atomics.stride_dq, atomics.stride_dr
+        DQ_bh = atomics.dq + b * stride_dqa.batch + h * stride_dqa.head
+        DR_h = atomics.dr + b * stride_dr.batch + h * stride_dr.head
         lo_part = _lo_part(BLOCK)
         # dr of the current tile's hi window chunk, pending its lo-chunk part from the
         # previous query tile (the same r rows: see the loop)
         dr_pend = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
         if Q_ONLY:
-            dr_pend = (dr_pend, tl.zeros([BLOCK, 16], dtype=tl.float32))
+            dr_pend = _DrSums(dr_pend, tl.zeros([BLOCK, 16], dtype=tl.float32))
         # ORDERED: the query tiles go down, m = m_hi - 1 .. m_lo, and key tile n publishes in
         # PROG[n] how far it has got (Mq - m once query tile m's adds are issued, Mq =
         # cdiv(Lq, BLOCK); _DONE after the last flush). Query tile m's adds (dq tile m, dr
@@ -604,7 +731,7 @@ def _rel_attn_bwd_dkdv_kernel(
         # make each level of the chain a step later).
         Mq = tl.cdiv(Lq, BLOCK)
         last = n == tl.num_programs(1) - 1
-        PROG = SEMS + (b * H + h) * sem_row + n
+        PROG = atomics.sems + (b * H + h) * atomics.sem_row + n
     m_first, m_stop, m_step = m_lo, m_hi, 1
     if ORDERED:
         m_first, m_stop, m_step = m_hi - 1, m_lo - 1, -1
@@ -638,13 +765,13 @@ def _rel_attn_bwd_dkdv_kernel(
             order = 0
             rows = p_lo + BLOCK + w  # the hi chunk's rows (ORDERED: the lo chunk's)
             if ORDERED:
-                order = (PROG, last, Mq - m)
+                order = _Order(prog=PROG, last=last, progress=Mq - m)
                 rows = p_lo + w
             qv_b = qv_t
             if Q_ONLY:
                 qv_b = q_t
             dr_pend = _dq_dr_atomics(ds_op, ds, k_t, r_lo, r_hi, qv_b, dr_pend, DQ_bh, DR_h,
-                                     offs_i, rows, Lq, R_rows, stride_dqa[1], stride_dr[1],
+                                     offs_i, rows, Lq, R_rows, stride_dqa.row, stride_dr.row,
                                      offs_d, d_ok, lo_part, sm_scale, order, vterm, DOT_DTYPE,
                                      UPCAST, DOT_PREC, SKEW_GATHER, BLOCK, K.dtype.element_ty,
                                      ORDERED, Q_ONLY)
@@ -657,33 +784,69 @@ def _rel_attn_bwd_dkdv_kernel(
         if ORDERED:
             rows = j0 - m_lo * BLOCK + r_c1 + w
             _turn_wait(PROG, _DONE, last)
-        _dr_add(DR_h, _dr_value(dr_pend, vterm[1], Q_ONLY, DOT_DTYPE, UPCAST, DOT_PREC), rows,
-                R_rows, stride_dr[1], offs_d, d_ok, sm_scale)
+        _dr_add(DR_h, _dr_value(dr_pend, vterm.v16, Q_ONLY, DOT_DTYPE, UPCAST, DOT_PREC), rows,
+                R_rows, stride_dr.row, offs_d, d_ok, sm_scale)
         if ORDERED:
             _turn_pass(PROG, _DONE)
 
     # du's part: scale * (column sums of dS) . K, once (the sum over ds_cols' columns adds
     # zeros to column 0: exact)
-    part_off = (b * stride_part[0] + n.to(tl.int64) * stride_part[1]
-                + h * stride_part[2] + offs_d)
+    stride_part = outs.stride_part
+    part_off = (b * stride_part.batch + n.to(tl.int64) * stride_part.row
+                + h * stride_part.head + offs_d)
     if DU_DOT:
         col_sums = tl.sum(ds_cols, axis=1)
     else:
         col_sums = tl.sum(ds_sum, axis=0)
-    tl.store(DU_PART + part_off,
+    tl.store(outs.du_part + part_off,
              tl.sum(col_sums[:, None] * k_t.to(tl.float32), axis=0) * sm_scale, mask=d_ok)
     if Q_ONLY:  # dS^T (q + u) = dS^T q + (column sums of dS) u; u loaded again here (held
         # through the loop, its fp32 copy would take registers from it)
-        _, U, _, _, (stride_uh, _) = q_args
-        dk += col_sums[:, None] * tl.load(U + h * stride_uh + offs_d, mask=d_ok,
-                                          other=0.0).to(tl.float32)[None, :]
+        dk += col_sums[:, None] * tl.load(q_args.u + h * q_args.stride_bias.u + offs_d,
+                                          mask=d_ok, other=0.0).to(tl.float32)[None, :]
     dk = dk * sm_scale
     if DROPOUT:  # the kept probabilities' 1 / (1 - p) (_recompute_p_ds)
-        dv = dv * drop[4]
-    out_off = (b * stride_dk[0] + h * stride_dk[2] + offs_j.to(tl.int64)[:, None] * stride_dk[1]
-               + offs_d[None, :])
-    tl.store(DK + out_off, _output(dk, DK.dtype.element_ty, UPCAST), mask=kv_msk)
-    tl.store(DV + out_off, _output(dv, DV.dtype.element_ty, UPCAST), mask=kv_msk)
+        dv = dv * drop.keep_scale
+    stride_dk = outs.stride_dk
+    out_off = (b * stride_dk.batch + h * stride_dk.head
+               + offs_j.to(tl.int64)[:, None] * stride_dk.row + offs_d[None, :])
+    tl.store(outs.dk + out_off, _output(dk, outs.dk.dtype.element_ty, UPCAST), mask=kv_msk)
+    tl.store(outs.dv + out_off, _output(dv, outs.dv.dtype.element_ty, UPCAST), mask=kv_msk)
+
+
+class _QueryRows(NamedTuple):
+    """One query tile as ``_load_query_tile`` returns it, with its rows: the (q + u) and
+    (q + vb) operands, dO, lse in log2 units, delta, the first row i0 and the rows offs_i."""
+    a: object
+    qv: object
+    do: object
+    lse2: object
+    delta: object
+    i0: object
+    offs_i: object
+
+
+class _DqTile(NamedTuple):
+    """The dq kernel's loop invariants (``_dq_tile``): its ``_QueryRows``, the columns and
+    those in range, the lo-chunk selector, the window offsets w, _program_setup's keys / rel
+    / pattern / drop, the dr rows of this head and their row stride (ATOMIC_DR), Lk, R, D
+    and the two scales."""
+    rows: _QueryRows
+    offs_d: object
+    d_ok: object
+    lo_part: object
+    w: object
+    keys: object
+    rel: object
+    dr: object
+    stride_dr: object
+    pattern: object
+    drop: object
+    Lk: object
+    R_rows: object
+    D: object
+    sm_scale: object
+    qk_scale: object
 
 
 @triton.jit
@@ -693,28 +856,30 @@ def _dq_tile(carry, n, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
              BLOCK: tl.constexpr, DROPOUT: tl.constexpr, USE_DESC: tl.constexpr,
              MASKED: tl.constexpr, IN_DTYPE: tl.constexpr):
     """One key tile n of the dq kernel's loop: carry (dq, g_prev, p_lo, r_lo) -> the
-    same after it; ``tile`` the query tile's loop invariants (see the kernel). The window's lo
+    same after it; ``tile`` the query tile's loop invariants (``_DqTile``). The window's lo
     chunk of r is the last tile's hi chunk, carried: one r tile loaded per key tile."""
     dq, g_prev, p_lo, r_lo = carry
-    (a_t, qv_t, do, lse2, delta, i0, offs_i, offs_d, d_ok, lo_part, w, keys, rel, DR_h,
-     stride_drp, pattern, drop, Lk, R_rows, D, sm_scale, qk_scale) = tile
+    q = tile.rows
+    offs_d, w = tile.offs_d, tile.w
     j0 = n * BLOCK
     offs_j = j0 + tl.arange(0, BLOCK)
-    k_t, v_t = _load_kv_tile(keys, j0, offs_j, Lk, offs_d, D, DOT_DTYPE, USE_DESC)
-    r_hi = _load_r(rel, p_lo + BLOCK, w, offs_d, D, DOT_DTYPE, USE_DESC)
-    t_lo, t_hi = _chunks_t(qv_t, r_lo, r_hi, DOT_PREC)
-    p, ds = _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, i0, j0, offs_i,
-                            qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
-                            DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, IN_DTYPE, UPCAST, MASKED)
+    k_t, v_t = _load_kv_tile(tile.keys, j0, offs_j, tile.Lk, offs_d, tile.D, DOT_DTYPE,
+                             USE_DESC)
+    r_hi = _load_r(tile.rel, p_lo + BLOCK, w, offs_d, tile.D, DOT_DTYPE, USE_DESC)
+    t_lo, t_hi = _chunks_t(q.qv, r_lo, r_hi, DOT_PREC)
+    p, ds = _recompute_p_ds(q.a, q.do, k_t, v_t, t_lo, t_hi, q.lse2, q.delta, q.i0, j0,
+                            q.offs_i, tile.qk_scale, tile.pattern, tile.drop, HAS_KPM,
+                            HAS_MASK, HAS_BAND, DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, IN_DTYPE,
+                            UPCAST, MASKED)
     dq = tl.dot(to_operand(ds, IN_DTYPE, UPCAST), k_t, dq, input_precision=DOT_PREC)  # dA
     # rows p_lo ..: the lo part of this tile's unskewed dS and the hi part of the previous
     # tile's have disjoint supports: one merge, one product with the shared rows.
     g = _unskew(ds, BLOCK, SKEW_GATHER)
-    dt = to_operand(tl.where(lo_part, g, g_prev), IN_DTYPE, UPCAST)
+    dt = to_operand(tl.where(tile.lo_part, g, g_prev), IN_DTYPE, UPCAST)
     dq = tl.dot(dt, r_lo, dq, input_precision=DOT_PREC)  # dQv
     if ATOMIC_DR:
-        _dr_add(DR_h, tl.dot(tl.trans(dt), qv_t, input_precision=DOT_PREC), p_lo + w, R_rows,
-                stride_drp, offs_d, d_ok, sm_scale)
+        _dr_add(tile.dr, tl.dot(tl.trans(dt), q.qv, input_precision=DOT_PREC), p_lo + w,
+                tile.R_rows, tile.stride_dr, offs_d, tile.d_ok, tile.sm_scale)
     return dq, g, p_lo + BLOCK, r_hi
 
 
@@ -732,8 +897,8 @@ def _rel_attn_bwd_dq_kernel(
     """One program per (batch * head, query tile): dq of the tile (dA + dQv, in one
     accumulator) and its row sum (DQ_PART: dvb = sum(dq) - du, du from the dk/dv kernel),
     looping over the key tiles of the window in increasing order with the window chunk carried
-    from tile to tile. With ATOMIC_DR also dr (atomics). Strides: stride_dq (b, m, h);
-    stride_part (b, m, h) of DQ_PART; stride_dr (p, h)."""
+    from tile to tile. With ATOMIC_DR also dr (atomics). Strides: stride_dq and stride_part
+    (DQ_PART's) ``RowStrides``, stride_dr ``HeadStrides``."""
     num_m = tl.cdiv(Lq, BLOCK)
     m = num_m - 1 - tl.program_id(1)  # longest rows (causal) first
     mlen = Lk - Lq
@@ -759,7 +924,7 @@ def _rel_attn_bwd_dq_kernel(
     n_hi = (tl.maximum(j_hi, -1) + BLOCK) // BLOCK
 
     w = tl.arange(0, BLOCK)
-    DR_h = DR_ACC + h * stride_dr[1]
+    DR_h = DR_ACC + h * stride_dr.head
     # Columns w of an unskewed dS tile with w + a >= BLOCK - 1 (row a) are its lo window chunk,
     # the others its hi chunk.
     lo_part = _lo_part(BLOCK)
@@ -768,8 +933,11 @@ def _rel_attn_bwd_dq_kernel(
     g_prev = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)  # its hi part is pending
     dq = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     carry = (dq, g_prev, p_lo, _load_r(rel, p_lo, w, offs_d, D, DOT_DTYPE, USE_DESC))
-    tile = (a_t, qv_t, do, lse2, delta, i0, offs_i, offs_d, d_ok, lo_part, w, keys, rel, DR_h,
-            stride_dr[0], pattern, drop, Lk, R_rows, D, sm_scale, qk_scale)
+    tile = _DqTile(rows=_QueryRows(a=a_t, qv=qv_t, do=do, lse2=lse2, delta=delta, i0=i0,
+                                   offs_i=offs_i),
+                   offs_d=offs_d, d_ok=d_ok, lo_part=lo_part, w=w, keys=keys, rel=rel, dr=DR_h,
+                   stride_dr=stride_dr.row, pattern=pattern, drop=drop, Lk=Lk, R_rows=R_rows,
+                   D=D, sm_scale=sm_scale, qk_scale=qk_scale)
     # three runs of key tiles, in order (the window chunk is carried), as in the forward:
     # [n_lo, n_a) the left band edge (masked), [n_a, n_b) the interior (mask-free,
     # interior_tiles), [n_b, n_hi) the right edge and the Lk tail (masked); with a padding or
@@ -792,14 +960,33 @@ def _rel_attn_bwd_dq_kernel(
     dq = tl.dot(dt, r_lo, dq, input_precision=DOT_PREC)
     if ATOMIC_DR:
         _dr_add(DR_h, tl.dot(tl.trans(dt), qv_t, input_precision=DOT_PREC), p_lo + w, R_rows,
-                stride_dr[0], offs_d, d_ok, sm_scale)
+                stride_dr.row, offs_d, d_ok, sm_scale)
 
     dq = dq * sm_scale
-    tl.store(DQ + b * stride_dq[0] + h * stride_dq[2] + rows_i * stride_dq[1] + offs_d[None, :],
-             _output(dq, DQ.dtype.element_ty, UPCAST), mask=q_msk)
-    part_off = (b * stride_part[0] + m.to(tl.int64) * stride_part[1] + h * stride_part[2]
-                + offs_d)
+    tl.store(DQ + b * stride_dq.batch + h * stride_dq.head + rows_i * stride_dq.row
+             + offs_d[None, :], _output(dq, DQ.dtype.element_ty, UPCAST), mask=q_msk)
+    part_off = (b * stride_part.batch + m.to(tl.int64) * stride_part.row
+                + h * stride_part.head + offs_d)
     tl.store(DQ_PART + part_off, tl.sum(dq, axis=0), mask=d_ok)
+
+
+class _DrTile(NamedTuple):
+    """The dr kernel's loop invariants (``_dr_tile``): _program_setup's query / keys, the
+    diagonal's two r chunks, the columns, the lo-chunk selector, _program_setup's pattern /
+    drop, Lq, Lk, D, scale * log2(e) and the diagonal t."""
+    query: object
+    keys: object
+    r_lo: object
+    r_hi: object
+    offs_d: object
+    lo_part: object
+    pattern: object
+    drop: object
+    Lq: object
+    Lk: object
+    D: object
+    qk_scale: object
+    t: object
 
 
 @triton.jit
@@ -809,24 +996,25 @@ def _dr_tile(carry, m, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
              DROPOUT: tl.constexpr, USE_DESC: tl.constexpr, MASKED: tl.constexpr,
              IN_DTYPE: tl.constexpr, FROM_Q: tl.constexpr):
     """One tile pair (m, m + t) of the dr kernel's diagonal: carry (dr_lo, dr_hi) -> the same
-    after it; ``tile`` the diagonal's loop invariants (see the kernel)."""
+    after it; ``tile`` the diagonal's loop invariants (``_DrTile``)."""
     dr_lo, dr_hi = carry
-    query, keys, r_lo, r_hi, offs_d, lo_part, pattern, drop, Lq, Lk, D, qk_scale, t = tile
+    offs_d, D = tile.offs_d, tile.D
     i0 = m * BLOCK
-    j0 = i0 + t * BLOCK
+    j0 = i0 + tile.t * BLOCK
     offs_i = i0 + tl.arange(0, BLOCK)
     offs_j = j0 + tl.arange(0, BLOCK)
-    a_t, qv_t, do, lse2, delta = _load_query_tile(query, i0, offs_i, offs_d, Lq, D, DOT_DTYPE,
-                                                  USE_DESC, FROM_Q, IN_DTYPE,
+    a_t, qv_t, do, lse2, delta = _load_query_tile(tile.query, i0, offs_i, offs_d, tile.Lq, D,
+                                                  DOT_DTYPE, USE_DESC, FROM_Q, IN_DTYPE,
                                                   UPCAST)
-    k_t, v_t = _load_kv_tile(keys, j0, offs_j, Lk, offs_d, D, DOT_DTYPE, USE_DESC)
-    t_lo, t_hi = _chunks_t(qv_t, r_lo, r_hi, DOT_PREC)
+    k_t, v_t = _load_kv_tile(tile.keys, j0, offs_j, tile.Lk, offs_d, D, DOT_DTYPE, USE_DESC)
+    t_lo, t_hi = _chunks_t(qv_t, tile.r_lo, tile.r_hi, DOT_PREC)
     p, ds = _recompute_p_ds(a_t, do, k_t, v_t, t_lo, t_hi, lse2, delta, i0, j0, offs_i,
-                            qk_scale, pattern, drop, HAS_KPM, HAS_MASK, HAS_BAND,
-                            DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, IN_DTYPE, UPCAST, MASKED)
+                            tile.qk_scale, tile.pattern, tile.drop, HAS_KPM, HAS_MASK,
+                            HAS_BAND, DROPOUT, DOT_PREC, SKEW_GATHER, BLOCK, IN_DTYPE, UPCAST,
+                            MASKED)
     g = to_operand(_unskew(ds, BLOCK, SKEW_GATHER), IN_DTYPE, UPCAST)
-    dt_lo = tl.where(lo_part, g, 0.0).to(DOT_DTYPE)
-    dt_hi = tl.where(lo_part, 0.0, g).to(DOT_DTYPE)
+    dt_lo = tl.where(tile.lo_part, g, 0.0).to(DOT_DTYPE)
+    dt_hi = tl.where(tile.lo_part, 0.0, g).to(DOT_DTYPE)
     dr_lo = tl.dot(tl.trans(dt_lo), qv_t, dr_lo, input_precision=DOT_PREC)
     dr_hi = tl.dot(tl.trans(dt_hi), qv_t, dr_hi, input_precision=DOT_PREC)
     return dr_lo, dr_hi
@@ -845,7 +1033,7 @@ def _rel_attn_bwd_dr_kernel(
     """One program per (batch * head, block diagonal t = n - m): the dr contributions of the
     tile pairs (m, m + t) of one batch and head, reduced in registers in a fixed order, written
     to Z[0] (lo chunk rows) and Z[1] (hi chunk rows). No two programs write the same row of Z[c].
-    stride_z: (c, b, p, h). FROM_Q: (q + u) and (q + vb) formed from one q tile per pair
+    stride_z: ``ZStrides``. FROM_Q: (q + u) and (q + vb) formed from one q tile per pair
     (_load_query_tile), a quarter less global traffic per pair (_dr_from_q says where)."""
     num_m = tl.cdiv(Lq, BLOCK)
     num_n = tl.cdiv(Lk, BLOCK)
@@ -887,7 +1075,8 @@ def _rel_attn_bwd_dr_kernel(
     if HAS_KPM or HAS_MASK:
         m_b = m_lo
     carry = (dr_lo, dr_hi)
-    tile = (query, keys, r_lo, r_hi, offs_d, lo_part, pattern, drop, Lq, Lk, D, qk_scale, t)
+    tile = _DrTile(query=query, keys=keys, r_lo=r_lo, r_hi=r_hi, offs_d=offs_d, lo_part=lo_part,
+                   pattern=pattern, drop=drop, Lq=Lq, Lk=Lk, D=D, qk_scale=qk_scale, t=t)
     # runs 1 and 2 of tile_run: [m_lo, m_b) mask-free, [m_b, m_hi) masked (no left edge: the
     # whole diagonal has one distance range)
     for run in tl.static_range(1, 3):
@@ -899,12 +1088,12 @@ def _rel_attn_bwd_dr_kernel(
                                  run != 1, K.dtype.element_ty, FROM_Q)
     dr_lo, dr_hi = carry
 
-    Z_bh = Z + b * stride_z[1] + h * stride_z[3] + offs_d[None, :]
+    Z_bh = Z + b * stride_z.batch + h * stride_z.head + offs_d[None, :]
     rows = p_lo + w
-    tl.store(Z_bh + rows.to(tl.int64)[:, None] * stride_z[2], dr_lo * sm_scale,
+    tl.store(Z_bh + rows.to(tl.int64)[:, None] * stride_z.row, dr_lo * sm_scale,
              mask=((rows >= 0) & (rows < R_rows))[:, None] & d_ok[None, :])
     rows = p_hi + w
-    tl.store(Z_bh + stride_z[0] + rows.to(tl.int64)[:, None] * stride_z[2], dr_hi * sm_scale,
+    tl.store(Z_bh + stride_z.chunk + rows.to(tl.int64)[:, None] * stride_z.row, dr_hi * sm_scale,
              mask=((rows >= 0) & (rows < R_rows))[:, None] & d_ok[None, :])
 
 
@@ -1039,14 +1228,16 @@ def _family_keeps(family: str, extra_tiles: bool, cfg, block_d: int, wide: bool)
 
 def _zero_atomics(nargs, reset_only=False):
     """The dk/dv autotuner's hook, before each trial and before the chosen config's run:
-    ATOMIC adds into the dq and dr buffers of its ``atomics`` tuple and ORDERED publishes
-    progress in its slots, so each run starts them from zero (a slot left at _DONE would let
-    the next run's adds go out of order; reset_to_zero takes only top-level tensors)."""
+    ATOMIC adds into the dq and dr buffers of its ``atomics`` (``AtomicArgs``, or a tuple of
+    its fields in order) and ORDERED publishes progress in its slots, so each run starts them
+    from zero (a slot left at _DONE would let the next run's adds go out of order;
+    reset_to_zero takes only top-level tensors)."""
     if nargs.get("ATOMIC"):
-        nargs["atomics"][0].zero_()  # dq
-        nargs["atomics"][2].zero_()  # dr
-    if nargs.get("ORDERED"):
-        nargs["atomics"][4].zero_()  # the progress slots
+        atomics = AtomicArgs._make(nargs["atomics"])
+        atomics.dq.zero_()
+        atomics.dr.zero_()
+        if nargs.get("ORDERED"):
+            atomics.sems.zero_()
 
 
 _KEY = ["BLOCK_D", "LQ_BUCKET", "LK_BUCKET", "HAS_KPM", "HAS_MASK", "HAS_BAND", "DOT_PREC",
@@ -1104,11 +1295,6 @@ def _atomic_offsets_fit(R_rows: int, Lq: int, Lk: int, H: int, D: int,
     return (max(R_rows, Lq + Lk, c + Lk, Lq - c) + 4 * 64) * H * D < 2 ** 31
 
 
-def _bmh(t: torch.Tensor) -> Tuple[int, int, int]:
-    """The (batch, row, head) strides of a [B, L, H, D] tensor, one kernel tuple argument."""
-    return t.stride(0), t.stride(1), t.stride(2)
-
-
 def _launch(tuned, raw, grid, args, meta, config):
     """Launch ``raw`` with ``config`` (BLOCK, num_warps, num_stages), or ``tuned`` (its
     autotuner) when config is None; ``grid`` maps the BLOCK to the launch grid."""
@@ -1163,16 +1349,16 @@ def _bwd_configs(dtype, precision: str, block_d: int, Lq: int, Lk: int, family: 
 def _bwd_preprocess(do, q, r_w_bias, r_r_bias, out, q_only: bool, upcast: bool, block_d: int):
     """delta = rowsum(dO * O) and the operands q + u and q + vb, rounded once (``q_only``: the
     dk/dv kernel forms them from q tiles: no workspaces, q stands in). Returns (delta, a_op,
-    qv_op, the operands' (batch, head) strides)."""
+    qv_op, the operands' ``WorkStrides``)."""
     B, Lq, H, D = q.shape
     delta = torch.empty((B, H, Lq), device=q.device, dtype=torch.float32)
     if q_only:
         a_op = qv_op = q
-        w_strides = (0, q.stride(1))
+        w_strides = WorkStrides(0, q.stride(1))
     else:
         a_op, qv_op = (operand_workspace(B, H, Lq, D, q.dtype, upcast, q.device)
                        for _ in range(2))
-        w_strides = a_op.stride()[:2]
+        w_strides = WorkStrides(a_op.stride(0), a_op.stride(1))
     pre_block = 16 if INTERPRET else 64
     _rel_attn_bwd_preprocess_kernel[(B * H, triton.cdiv(Lq, pre_block))](
         out, do, q, r_w_bias, r_r_bias, delta, a_op, qv_op,
@@ -1190,8 +1376,8 @@ def _atomic_buffers(q, Lk: int, R_rows: int, fused_dq: bool, ordered: bool,
                     deterministic: bool):
     """The fp32 accumulators the kernels add into with atomics: dr (fused dq, or not
     deterministic; ``ordered``: one per batch, a fixed order per batch * head, summed by the
-    caller), dq (fused dq) and the dk/dv kernel's ATOMIC tuple (0 without fused dq). Returns
-    (dr_acc, dq_acc, atomics); None for a buffer not used."""
+    caller), dq (fused dq) and the dk/dv kernel's ``AtomicArgs`` (0 without fused dq).
+    Returns (dr_acc, dq_acc, atomics); None for a buffer not used."""
     B, Lq, H, D = q.shape
     dev = q.device
     dr_acc = dq_acc = None
@@ -1206,9 +1392,10 @@ def _atomic_buffers(q, Lk: int, R_rows: int, fused_dq: bool, ordered: bool,
     sem_row = triton.cdiv(Lk, _MIN_BLOCK)
     sems = (torch.zeros(B * H * sem_row, device=dev, dtype=torch.int32) if ordered
             else dq_acc)
-    atomics = (dq_acc, _bmh(dq_acc), dr_acc,
-               (dr_acc.stride(0) if ordered else 0, dr_acc.stride(1), dr_acc.stride(2)),
-               sems, sem_row)
+    atomics = AtomicArgs(dq=dq_acc, stride_dq=row_strides(dq_acc), dr=dr_acc,
+                         stride_dr=RowStrides(dr_acc.stride(0) if ordered else 0,
+                                              dr_acc.stride(1), dr_acc.stride(2)),
+                         sems=sems, sem_row=sem_row)
     return dr_acc, dq_acc, atomics
 
 
@@ -1278,19 +1465,18 @@ def rel_attn_bwd(
     dot_dtype = tl.float32 if upcast else _TL_DTYPES[q.dtype]
     precision = dot_precision(q.dtype)
     configs = _bwd_configs(q.dtype, precision, block_d, Lq, Lk, family)
-    kpm, kpm_strides, am, am_strides = mask_operands(key_padding_mask, attn_mask, q,
-                                                     (B, H, Lq, Lk))
     delta, a_op, qv_op, w_strides = _bwd_preprocess(do, q, r_w_bias, r_r_bias, out, q_only,
                                                     upcast, block_d)
 
     # The main kernels' shared arguments (see "Kernels" above for the tuples' layouts).
     inputs = (a_op, qv_op, k, v, r, do, lse, delta)
-    strides = (w_strides, _bmh(k), _bmh(v), r.stride()[:2], _bmh(do), lse.stride())
+    strides = BwdStrides(work=w_strides, k=row_strides(k), v=row_strides(v), r=head_strides(r),
+                         do=row_strides(do), lse=LseStrides(*lse.stride()))
     has_band = attn_mask_band is not None and attn_mask is not None
-    band = attn_mask_band if has_band else delta  # unused without a band
-    masks = (wl, wr, kpm, kpm_strides, am, am_strides, band)
-    seed = dropout_seed if dropout else delta  # unused without dropout
-    drop = (seed, dropout_threshold(dropout_p), dropout_keep_scale(dropout_p))
+    # (delta: the placeholder of an absent mask, band or seed; unread)
+    masks = mask_args(wl, wr, key_padding_mask, attn_mask,
+                      attn_mask_band if has_band else None, delta, (B, H, Lq, Lk))
+    drop = dropout_args(dropout_p, dropout_seed, delta)
     meta = dict(HAS_KPM=key_padding_mask is not None, HAS_MASK=attn_mask is not None,
                 HAS_BAND=has_band, DOT_DTYPE=dot_dtype, UPCAST=upcast, DOT_PREC=precision,
                 SKEW_GATHER=q.dtype == torch.float32 or family in _GATHER_SKEW_FAMILIES,
@@ -1300,7 +1486,8 @@ def rel_attn_bwd(
         ensure_scratch_allocator()
     sizes = (H, Lq, Lk, R_rows, r_shift - (Lq - 1) + 1, D, scale, scale * LOG2E.value)
     # q and the biases, for the kernels that form q + u and q + vb themselves (FROM_Q, Q_ONLY)
-    q_args = (q, r_w_bias, r_r_bias, _bmh(q), (r_w_bias.stride(0), r_r_bias.stride(0)))
+    q_args = QArgs(q=q, u=r_w_bias, vb=r_r_bias, stride_q=row_strides(q),
+                   stride_bias=bias_strides(r_w_bias, r_r_bias))
     buckets = (length_bucket(Lq), length_bucket(Lk))  # autotune keys only
 
     # du and dvb: the dk/dv kernel writes scale (column sums of dS) . K of each key tile (its
@@ -1316,7 +1503,8 @@ def rel_attn_bwd(
     dv = torch.empty((B, Lk, H, D), device=dev, dtype=q.dtype)
     _launch(_dkdv_kernel, _rel_attn_bwd_dkdv_kernel,
             lambda blk: (B * H, triton.cdiv(Lk, blk)),
-            (*inputs, (dk, dv, du_part, _bmh(dk), _bmh(du_part)), strides, atomics, q_args,
+            (*inputs, DkdvOuts(dk=dk, dv=dv, du_part=du_part, stride_dk=row_strides(dk),
+                               stride_part=row_strides(du_part)), strides, atomics, q_args,
              *sizes, masks, drop, *buckets),
             dict(meta, DU_DOT=family in _DU_DOT_FAMILIES and block_d <= 64, ATOMIC=fused_dq,
                  ORDERED=ordered, Q_ONLY=q_only),
@@ -1337,8 +1525,8 @@ def rel_attn_bwd(
         dr_arg = dq_part if deterministic else dr_acc[0]  # dq_part: unused (ATOMIC_DR=False)
         _launch(_dq_kernel, _rel_attn_bwd_dq_kernel,
                 lambda blk: (B * H, triton.cdiv(Lq, blk)),
-                (*inputs, dq, dq_part, dr_arg, strides, _bmh(dq), _bmh(dq_part),
-                 dr_arg.stride()[:2], *sizes, masks, drop, *buckets),
+                (*inputs, dq, dq_part, dr_arg, strides, row_strides(dq), row_strides(dq_part),
+                 head_strides(dr_arg), *sizes, masks, drop, *buckets),
                 dict(meta, ATOMIC_DR=not deterministic), configs[1])
         dvb = (dq_part.sum(dim=(0, 1)) - du32).to(q.dtype)
 
@@ -1349,7 +1537,8 @@ def rel_attn_bwd(
         z = torch.zeros((2, B, R_rows, H, D), device=dev, dtype=torch.float32)
         _launch(_dr_kernel, _rel_attn_bwd_dr_kernel,
                 lambda blk: (B * H, triton.cdiv(Lq, blk) + triton.cdiv(Lk, blk) - 1),
-                (*inputs, z, strides, z.stride()[:4], q_args, *sizes, masks, drop, *buckets),
+                (*inputs, z, strides, ZStrides(*z.stride()[:4]), q_args, *sizes, masks, drop,
+                 *buckets),
                 dict(meta, FROM_Q=_dr_from_q(block_d, meta)), configs[2])
         dr = z.sum(dim=(0, 1)).to(q.dtype)
     else:

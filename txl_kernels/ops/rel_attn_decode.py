@@ -19,17 +19,35 @@ Derivations: docs/DESIGN.md, section "Decode (rel_attn_decode.py)".
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from ..quant import QuantizedKV
-from ._common import (LOG2E, key_range, last_dim_contiguous, load_8bit, memory_bases,
-                      memory_launch_args)
+from ._common import (LOG2E, BiasStrides, HeadStrides, RowStrides, bias_strides, head_strides,
+                      key_range, last_dim_contiguous, load_8bit, memory_bases,
+                      memory_launch_args, row_strides)
 
 __all__ = ["rel_attn_decode", "num_splits_for"]
+
+
+class BatchHeadStrides(NamedTuple):
+    """The (batch, head) strides of a one-row ``[B, 1, H, D]`` tensor (q, the output)."""
+    batch: int
+    head: int
+
+
+class DecodeStrides(NamedTuple):
+    """The decode split kernel's ``strides``: q's ``BatchHeadStrides``, k's and v's
+    ``RowStrides``, r's ``HeadStrides``, the biases' ``BiasStrides``."""
+    q: BatchHeadStrides
+    k: RowStrides
+    v: RowStrides
+    r: HeadStrides
+    bias: BiasStrides
+
 
 @triton.jit
 def _decode_tile(acc, m_i, l_i, k, r, v, n_ok, qu, qv, qk_scale, k_scale, v_scale,
@@ -60,8 +78,8 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QUANT_MEM: tl.constexpr = False,
 ):
     """Keys j in this split's slice of the row's ``key_range`` (window_left >= 0 here: the
-    launcher turns unbounded into Lk). ``strides``: ((qb, qh), (kb, kn, kh), (vb, vn, vh),
-    (rp, rh), (uh, vbh)); ``memory``: ``_common.memory_launch_args``' tuple. QUANT_MEM: keys
+    launcher turns unbounded into Lk). ``strides``: ``DecodeStrides``; ``memory``:
+    ``_common.MemoryArgs``. QUANT_MEM: keys
     j < mem_m are the 8-bit memory's (data and per-row scales), in a loop of their own,
     dequantised in registers in fp32 with the scales applied per row (``_decode_tile``);
     keys j >= mem_m are row j - mem_m of K / V. Key j reads r's row j + (r_shift1 - 1):
@@ -78,7 +96,7 @@ def _decode_split_kernel(
     static model, tools/decode_static.py: they made the 8-bit key loop XU-bound, slower
     than the 16-bit loop). The tests compare with the float64 attention over ``data *
     scale``, within 2x the error of the same-precision reference with the same memory."""
-    stride_q, stride_k, stride_v, stride_r, stride_bias = strides
+    stride_q, stride_k, stride_v, stride_r = strides.q, strides.k, strides.v, strides.r
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -86,10 +104,10 @@ def _decode_split_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_n0 = tl.arange(0, BLOCK_N)
     d_ok = offs_d < D
-    q = tl.load(Q + b * stride_q[0] + h * stride_q[1] + offs_d, mask=d_ok,
+    q = tl.load(Q + b * stride_q.batch + h * stride_q.head + offs_d, mask=d_ok,
                 other=0.0).to(tl.float32)
-    u = tl.load(U + h * stride_bias[0] + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    vb = tl.load(VB + h * stride_bias[1] + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    u = tl.load(U + h * strides.bias.u + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    vb = tl.load(VB + h * strides.bias.vb + offs_d, mask=d_ok, other=0.0).to(tl.float32)
     qu = q + u
     qv = q + vb
 
@@ -100,28 +118,28 @@ def _decode_split_kernel(
     m_i = tl.full([], -float("inf"), tl.float32)
     l_i = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    k_off = offs_n0[:, None] * stride_k[1] + offs_d[None, :]
-    v_off = offs_n0[:, None] * stride_v[1] + offs_d[None, :]
-    r_off = offs_n0[:, None] * stride_r[0] + offs_d[None, :]
-    K_bh = K + b * stride_k[0] + h * stride_k[2]
-    V_bh = V + b * stride_v[0] + h * stride_v[2]
-    R_h = R + h * stride_r[1] + tl.cast(r_shift1 - 1, tl.int64) * stride_r[0]
+    k_off = offs_n0[:, None] * stride_k.row + offs_d[None, :]
+    v_off = offs_n0[:, None] * stride_v.row + offs_d[None, :]
+    r_off = offs_n0[:, None] * stride_r.row + offs_d[None, :]
+    K_bh = K + b * stride_k.batch + h * stride_k.head
+    V_bh = V + b * stride_v.batch + h * stride_v.head
+    R_h = R + h * stride_r.head + tl.cast(r_shift1 - 1, tl.int64) * stride_r.row
     c0 = 0  # key j >= c0 is row j - c0 of K / V
     if QUANT_MEM:
         kq_src, vq_src, mem_m = memory_bases(memory, b, h, offs_n0, offs_d)
-        KQ_bh, kq_off, KS_bh, stride_kqn, stride_ksn = kq_src
-        VQ_bh, vq_off, VS_bh, stride_vqn, stride_vsn = vq_src
         j_mem = tl.minimum(j_end, mem_m)
         for j0 in range(j_start, j_mem, BLOCK_N):  # the 8-bit memory's keys
             offs_n = j0 + offs_n0
             n_ok = offs_n < j_mem
             m2 = n_ok[:, None] & d_ok[None, :]
             jj = tl.cast(j0, tl.int64)
-            k = load_8bit(KQ_bh + jj * stride_kqn + kq_off, m2)
-            ks = tl.load(KS_bh + offs_n * stride_ksn, mask=n_ok, other=0.0).to(tl.float32)
-            r = tl.load(R_h + jj * stride_r[0] + r_off, mask=m2, other=0.0).to(tl.float32)
-            v = load_8bit(VQ_bh + jj * stride_vqn + vq_off, m2)
-            vs = tl.load(VS_bh + offs_n * stride_vsn, mask=n_ok, other=0.0).to(tl.float32)
+            k = load_8bit(kq_src.data + jj * kq_src.data_stride + kq_src.offsets, m2)
+            ks = tl.load(kq_src.scale + offs_n * kq_src.scale_stride, mask=n_ok,
+                         other=0.0).to(tl.float32)
+            r = tl.load(R_h + jj * stride_r.row + r_off, mask=m2, other=0.0).to(tl.float32)
+            v = load_8bit(vq_src.data + jj * vq_src.data_stride + vq_src.offsets, m2)
+            vs = tl.load(vq_src.scale + offs_n * vq_src.scale_stride, mask=n_ok,
+                         other=0.0).to(tl.float32)
             acc, m_i, l_i = _decode_tile(acc, m_i, l_i, k, r, v, n_ok, qu, qv, qk_scale,
                                          ks, vs, True)
         j_start = tl.maximum(j_start, mem_m)
@@ -132,9 +150,9 @@ def _decode_split_kernel(
         m2 = n_ok[:, None] & d_ok[None, :]
         jj = tl.cast(j0, tl.int64)
         jc = tl.cast(j0 - c0, tl.int64)
-        k = tl.load(K_bh + jc * stride_k[1] + k_off, mask=m2, other=0.0).to(tl.float32)
-        r = tl.load(R_h + jj * stride_r[0] + r_off, mask=m2, other=0.0).to(tl.float32)
-        v = tl.load(V_bh + jc * stride_v[1] + v_off, mask=m2, other=0.0).to(tl.float32)
+        k = tl.load(K_bh + jc * stride_k.row + k_off, mask=m2, other=0.0).to(tl.float32)
+        r = tl.load(R_h + jj * stride_r.row + r_off, mask=m2, other=0.0).to(tl.float32)
+        v = tl.load(V_bh + jc * stride_v.row + v_off, mask=m2, other=0.0).to(tl.float32)
         acc, m_i, l_i = _decode_tile(acc, m_i, l_i, k, r, v, n_ok, qu, qv, qk_scale,
                                      1.0, 1.0, False)
     idx = pid_bh * num_splits + pid_s
@@ -146,7 +164,8 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_merge_kernel(M_IN, L_IN, ACC_IN, OUT, stride_o, H, D, num_splits,
                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Merge the splits' partials of one (batch, head); stride_o: OUT's (b, h) strides."""
+    """Merge the splits' partials of one (batch, head); stride_o: OUT's
+    ``BatchHeadStrides``."""
     pid_bh = tl.program_id(0)
     b = pid_bh // H
     h = pid_bh % H
@@ -164,7 +183,7 @@ def _decode_merge_kernel(M_IN, L_IN, ACC_IN, OUT, stride_o, H, D, num_splits,
                  0.0)
     den = tl.sum(w * l, axis=0)
     out = tl.sum(w[:, None] * acc, axis=0) / tl.where(den > 0, den, 1.0)
-    tl.store(OUT + b * stride_o[0] + h * stride_o[1] + offs_d, out.to(OUT.dtype.element_ty),
+    tl.store(OUT + b * stride_o.batch + h * stride_o.head + offs_d, out.to(OUT.dtype.element_ty),
              mask=offs_d < D)
 
 
@@ -236,9 +255,8 @@ def rel_attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.
     m = torch.empty(B * H * splits, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty(B * H * splits * block_d, device=q.device, dtype=torch.float32)
-    strides = ((q.stride(0), q.stride(2)), (k.stride(0), k.stride(1), k.stride(2)),
-               (v.stride(0), v.stride(1), v.stride(2)), (r.stride(0), r.stride(1)),
-               (u.stride(0), vb.stride(0)))
+    strides = DecodeStrides(q=BatchHeadStrides(q.stride(0), q.stride(2)), k=row_strides(k),
+                            v=row_strides(v), r=head_strides(r), bias=bias_strides(u, vb))
     _decode_split_kernel[(B * H, splits)](
         q, k, v, r, u, vb, m, l, acc, strides, H, Lk, D,
         int(window_left) if window_left >= 0 else Lk, per_split, splits,
@@ -246,6 +264,6 @@ def rel_attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.
         BLOCK_N=block_n, BLOCK_D=block_d, QUANT_MEM=quant)
     out = torch.empty((B, 1, H, D), device=q.device, dtype=q.dtype)
     _decode_merge_kernel[(B * H,)](
-        m, l, acc, out, (out.stride(0), out.stride(2)), H, D, splits,
+        m, l, acc, out, BatchHeadStrides(out.stride(0), out.stride(2)), H, D, splits,
         BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d)
     return out

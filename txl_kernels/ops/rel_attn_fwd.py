@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -40,14 +40,17 @@ from .._arch import config_family
 from .._utils import describe
 from ..quant import QuantizedKV, dequantize_per_token
 from ..reference import finite_or_zero, row_poison
-from ._common import (INTERPRET, LOG2E, apply_mask_band, autotune_enabled, descriptors_ok,
-                      dot_precision, draw_dropout_seed, dropout_apply, dropout_flags, dropout_keep,
-                      dropout_keep_mask, dropout_keep_scale, dropout_rate, dropout_threshold,
-                      ensure_scratch_allocator, excludes_pairs, interior_tiles, key_range,
-                      last_dim_contiguous, length_bucket, load_bias_operands, load_dequant,
-                      load_dropout_seed, mask_operands, memory_bases, memory_launch_args,
-                      operand_workspace, pair_mask, rotate_rows, round_bf16, store_bias_operands,
-                      tile_run, to_operand)
+from ._common import (INTERPRET, LOG2E, BiasStrides, HeadStrides, KpmStrides, MaskStrides,
+                      Pattern, RowStrides, WorkStrides,
+                      apply_mask_band, autotune_enabled, bias_strides, descriptors_ok,
+                      dot_precision, draw_dropout_seed, dropout_apply, dropout_args,
+                      dropout_flags, dropout_keep, dropout_keep_mask, dropout_keep_scale,
+                      dropout_rate, ensure_scratch_allocator, excludes_pairs, head_strides,
+                      interior_tiles, key_range, last_dim_contiguous, length_bucket,
+                      load_bias_operands, load_dequant, load_dropout_seed, mask_args,
+                      memory_bases, memory_launch_args, operand_workspace, pair_mask,
+                      rotate_rows, round_bf16, row_strides, store_bias_operands, tile_run,
+                      to_operand)
 
 __all__ = ["rel_attn_fwd", "choose_num_splits", "autotune_enabled", "draw_dropout_seed",
            "dropout_keep_mask", "dropout_rate", "dropout_keep_scale"]
@@ -61,19 +64,18 @@ INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16}
 def _window_chunk(qv, rel, row0, offs_n0, d_ok, EVEN_D: tl.constexpr, UPCAST: tl.constexpr,
                   DOT_PREC: tl.constexpr, USE_DESC: tl.constexpr):
     """T_c = qv @ r[row0 : row0 + BLOCK_N]^T ([BM, BN], fp32); rows outside [0, R) read as 0.
-    ``rel`` (``_program_setup``): this head's r (pointer or descriptor), the int32 offsets of
-    rows offs_n0 (row0 is added here), r's row stride and R."""
-    R_h, r_off, stride_rp, R_rows, _ = rel
+    ``rel`` (``_program_setup``'s ``_Rel``)."""
     if USE_DESC:  # rows outside [0, R) and columns >= D arrive as zeros
-        rc = R_h.load([row0, 0])
+        rc = rel.base.load([row0, 0])
     else:
         offs_p = row0 + offs_n0
-        p_ok = (offs_p >= 0) & (offs_p < R_rows)
+        p_ok = (offs_p >= 0) & (offs_p < rel.rows)
         if EVEN_D:
             msk = p_ok[:, None]
         else:
             msk = p_ok[:, None] & d_ok[None, :]
-        rc = tl.load(R_h + row0.to(tl.int64) * stride_rp + r_off, mask=msk, other=0.0)
+        rc = tl.load(rel.base + row0.to(tl.int64) * rel.stride + rel.offsets, mask=msk,
+                     other=0.0)
     if UPCAST:
         rc = rc.to(tl.float32)
     return tl.dot(qv, tl.trans(rc), input_precision=DOT_PREC)
@@ -82,14 +84,12 @@ def _window_chunk(qv, rel, row0, offs_n0, d_ok, EVEN_D: tl.constexpr, UPCAST: tl
 @triton.jit
 def _load_kv(src, j0, n_ok, d_ok, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
              USE_DESC: tl.constexpr):
-    """A [BN, BLOCK_D] key / value tile from row j0 of ``src`` = (base pointer or descriptor
-    of this (b, h), int32 row offsets, row stride): masked only where it can leave the tensor
-    (a descriptor zero-fills by itself)."""
-    X_bh, x_off, stride_xn = src
+    """A [BN, BLOCK_D] key / value tile from row j0 of ``src`` (``_Rows``): masked only where
+    it can leave the tensor (a descriptor zero-fills by itself)."""
     if USE_DESC:
-        x = X_bh.load([j0, 0])
+        x = src.base.load([j0, 0])
     else:
-        ptrs = X_bh + j0.to(tl.int64) * stride_xn + x_off
+        ptrs = src.base + j0.to(tl.int64) * src.stride + src.offsets
         if MASKED:
             if EVEN_D:
                 x = tl.load(ptrs, mask=n_ok[:, None], other=0.0)
@@ -104,17 +104,17 @@ def _load_kv(src, j0, n_ok, d_ok, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
 
 @triton.jit
 def _mem_rows(qsrc, j0, offs_n, in_mem, mm, OUT_TY: tl.constexpr, UPCAST: tl.constexpr):
-    """Rows j0.. of the 8-bit memory source ``qsrc`` (``memory_bases``), dequantised."""
-    XQ_bh, xq_off, XS_bh, stride_xqn, stride_xsn = qsrc
-    return load_dequant(XQ_bh + j0.to(tl.int64) * stride_xqn + xq_off,
-                        XS_bh + offs_n.to(tl.int64) * stride_xsn, in_mem, mm, OUT_TY, UPCAST)
+    """Rows j0.. of the 8-bit memory source ``qsrc`` (``memory_bases``' ``QuantRows``),
+    dequantised."""
+    return load_dequant(qsrc.data + j0.to(tl.int64) * qsrc.data_stride + qsrc.offsets,
+                        qsrc.scale + offs_n.to(tl.int64) * qsrc.scale_stride, in_mem, mm,
+                        OUT_TY, UPCAST)
 
 
 @triton.jit
 def _cur_rows(src, j0, mem_m, cm, OUT_TY: tl.constexpr):
-    """Rows j0 - mem_m.. of the current segment's source ``src``."""
-    X_bh, x_off, stride_xn = src
-    return tl.load(X_bh + (j0 - mem_m).to(tl.int64) * stride_xn + x_off, mask=cm,
+    """Rows j0 - mem_m.. of the current segment's source ``src`` (``_Rows``)."""
+    return tl.load(src.base + (j0 - mem_m).to(tl.int64) * src.stride + src.offsets, mask=cm,
                    other=0.0).to(OUT_TY)
 
 
@@ -140,8 +140,7 @@ def _load_kv_mem(qsrc, src, j0, mem_m, offs_n, n_ok, d_ok, EVEN_D: tl.constexpr,
     else:
         mm = mem_ok[:, None] & d_ok[None, :]
         cm = cur[:, None] & d_ok[None, :]
-    X_bh, _, _ = src
-    X_ELT: tl.constexpr = X_bh.dtype.element_ty
+    X_ELT: tl.constexpr = src.base.dtype.element_ty
     OUT_TY: tl.constexpr = tl.float32 if UPCAST else X_ELT
     BN: tl.constexpr = offs_n.shape[0]
     if X_ELT == tl.float32:
@@ -181,25 +180,26 @@ def _attend_tile(acc, m_i, l_i, t0, t1, t, qu, qv, tile, kv, rel, pattern, drop,
                  USE_DESC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  DROPOUT: tl.constexpr, QUANT_MEM: tl.constexpr):
     """One key tile [t * BN, t * BN + BN) of the online softmax: (acc, m_i, l_i, t0, t1) ->
-    the same after it. ``tile``: the query tile's loop invariants (see the kernel); ``kv``,
-    ``rel``, ``pattern``: ``_program_setup``'s; ``drop``: (batch * head, Lq, seed, offset,
-    threshold). MASKED = False: an interior tile (every pair allowed, every key < Lk, no
-    padding / dense mask): no mask work at all. DROPOUT: P is dropped after the normaliser
-    l_i took it (the 1 / (1 - p) rescale is applied to the output once, by the caller).
-    QUANT_MEM: keys / values from ``_load_kv_mem``. With any mask (POISON) the masked tiles
-    add the key bias of ``masked_value_operands`` (row ``KB_bh``) to the allowed pairs' scores
-    in place of the key padding mask, and load the 8-bit memory's rows of a NaN bias as 0."""
-    i0, offs_m, offs_n0, d_ok, rot, take_first, first_is_0, qk_scale = tile
-    k_src, v_src, kq_src, vq_src, mem_m, KB_bh = kv
+    the same after it. ``tile``: the query tile's loop invariants (``_QueryTile``); ``kv``,
+    ``rel``, ``pattern``: ``_program_setup``'s; ``drop``: a ``_Drop``. MASKED = False: an
+    interior tile (every pair allowed, every key < Lk, no padding / dense mask): no mask work
+    at all. DROPOUT: P is dropped after the normaliser l_i took it (the 1 / (1 - p) rescale
+    is applied to the output once, by the caller). QUANT_MEM: keys / values from
+    ``_load_kv_mem``. With any mask (POISON) the masked tiles add the key bias of
+    ``masked_value_operands`` (row ``kv.key_bias``) to the allowed pairs' scores in place of
+    the key padding mask, and load the 8-bit memory's rows of a NaN bias as 0."""
+    i0, offs_m, offs_n0, d_ok = tile.i0, tile.offs_m, tile.offs_n0, tile.d_ok
+    rot, take_first, first_is_0 = tile.rot, tile.take_first, tile.first_is_0
+    mem_m = kv.mem_m
     POISON: tl.constexpr = HAS_WL or HAS_WR or HAS_KPM or HAS_MASK or HAS_BAND  # (any mask)
-    Lq = pattern[2]
-    Lk = pattern[3]
+    Lq = pattern.Lq
+    Lk = pattern.Lk
     j0 = t * BLOCK_N
     offs_n = j0 + offs_n0
     n_ok = offs_n < Lk
     # BD: one new window chunk per key tile (rotated by rot once, here), the others carried
     # over from the last tile already rotated; then one merge
-    base = j0 - i0 - (BLOCK_M - 1) + Lq - 1 + (rel[4] - 1)  # (r_shift1: rel_attn_bwd._ROW_SHIFT)
+    base = j0 - i0 - (BLOCK_M - 1) + Lq - 1 + (rel.shift1 - 1)  # (rel_attn_bwd._ROW_SHIFT)
     if BLOCK_M > BLOCK_N:
         t2 = rotate_rows(_window_chunk(qv, rel, base + 2 * BLOCK_N, offs_n0, d_ok, EVEN_D,
                                        UPCAST, DOT_PREC, USE_DESC), rot, BLOCK_M, BLOCK_N)
@@ -211,7 +211,7 @@ def _attend_tile(acc, m_i, l_i, t0, t1, t, qu, qv, tile, kv, rel, pattern, drop,
                                        DOT_PREC, USE_DESC), rot, BLOCK_M, BLOCK_N)
         bd = tl.where(take_first, t0, tn)
         t0 = tn
-    k = _key_value_tile(k_src, kq_src, j0, mem_m, offs_n, n_ok, d_ok, MASKED, EVEN_D, UPCAST,
+    k = _key_value_tile(kv.k, kv.kq, j0, mem_m, offs_n, n_ok, d_ok, MASKED, EVEN_D, UPCAST,
                         USE_DESC, QUANT_MEM)
     # AC + BD (Triton folds the add into the wgmma's accumulator); scale * log2(e) is applied
     # in the exponent's FMA below
@@ -220,7 +220,7 @@ def _attend_tile(acc, m_i, l_i, t0, t1, t, qu, qv, tile, kv, rel, pattern, drop,
         # the key bias (``masked_value_operands``) in the key padding's place: -inf on padded
         # keys, NaN on the allowed pairs of a key whose value row is not finite (V's tile holds
         # it as 0, a non-finite K / r row already scores NaN), 0 elsewhere
-        kb = tl.load(KB_bh + offs_n, mask=n_ok, other=float("-inf"))
+        kb = tl.load(kv.key_bias + offs_n, mask=n_ok, other=float("-inf"))
         ok = pair_mask(offs_m, j0, BLOCK_N, pattern, HAS_WL, HAS_WR, False, HAS_MASK, HAS_BAND)
         if HAS_KPM:
             ok = ok & (kb != float("-inf"))[None, :]
@@ -230,6 +230,7 @@ def _attend_tile(acc, m_i, l_i, t0, t1, t, qu, qv, tile, kv, rel, pattern, drop,
                                HAS_BAND), s, float("-inf"))
 
     # ---- online softmax (log2 domain)
+    qk_scale = tile.qk_scale
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     if MASKED:
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -238,28 +239,27 @@ def _attend_tile(acc, m_i, l_i, t0, t1, t, qu, qv, tile, kv, rel, pattern, drop,
     alpha = tl.math.exp2(m_i - m_safe)
     p = tl.math.exp2(s * qk_scale - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    pid_bh, _, drop_seed, drop_off, drop_thresh = drop
     # dropout: head dims <= 128 take the word-at-a-time mask on the rounded operand (a pair of
     # 16-bit values per mask instruction), applied before V's tile is loaded (loaded first, it
     # stays live across the mask: sm_90's D 128 tile spills 8 B); D 256 the per-byte compare,
     # which spills less in its register budget
     WORD_MASK: tl.constexpr = DROPOUT and acc.shape[1] <= 128
     if DROPOUT and not WORD_MASK:
-        p = tl.where(dropout_keep(drop_seed, drop_off, pid_bh, i0, j0, Lq, drop_thresh,
+        p = tl.where(dropout_keep(drop.seed, drop.offset, drop.bh, i0, j0, Lq, drop.threshold,
                                   BLOCK_M, BLOCK_N), p, 0.0)
     if WORD_MASK:
-        flags, sel = dropout_flags(drop_seed, drop_off, pid_bh, i0, j0, Lq, drop_thresh,
+        flags, sel = dropout_flags(drop.seed, drop.offset, drop.bh, i0, j0, Lq, drop.threshold,
                                    BLOCK_M, BLOCK_N)
         pv = dropout_apply(to_operand(p, qu.dtype, UPCAST), flags, sel)
     if QUANT_MEM and MASKED and POISON:
         # the memory's rows of a NaN key bias as 0 (the launcher zeroed v's, not the memory's:
         # the kernel reads it in place)
-        v = _load_kv_mem(vq_src, v_src, j0, mem_m, offs_n, n_ok, d_ok, EVEN_D, UPCAST,
+        v = _load_kv_mem(kv.vq, kv.v, j0, mem_m, offs_n, n_ok, d_ok, EVEN_D, UPCAST,
                          (offs_n < mem_m) & (kb == 0.0))
         if UPCAST:
             v = v.to(tl.float32)
     else:
-        v = _key_value_tile(v_src, vq_src, j0, mem_m, offs_n, n_ok, d_ok, MASKED, EVEN_D,
+        v = _key_value_tile(kv.v, kv.vq, j0, mem_m, offs_n, n_ok, d_ok, MASKED, EVEN_D,
                             UPCAST, USE_DESC, QUANT_MEM)
     if not WORD_MASK:  # (rounded after V's load: before it, sm_100's 8-bit memory spills)
         pv = to_operand(p, v.dtype, UPCAST)
@@ -277,11 +277,11 @@ def _store_rows(Out, Lse, o, m2, den, b, h, pid_bh, offs_m, offs_d, m_ok, d_ok, 
                 UPCAST: tl.constexpr):
     """The final rows of a query tile: out = o (normalised), and lse = (m2 + log2 den) ln 2
     (natural log; m2 the row max in log2 units), +inf for rows with no allowed key (den 0).
-    stride_o: Out's (b, m, h) strides."""
+    stride_o: Out's ``RowStrides``."""
     if UPCAST:
         o = round_bf16(o)
-    o_ptrs = (Out + b * stride_o[0] + h * stride_o[2] + offs_m.to(tl.int64)[:, None] * stride_o[1]
-              + offs_d[None, :])
+    o_ptrs = (Out + b * stride_o.batch + h * stride_o.head
+              + offs_m.to(tl.int64)[:, None] * stride_o.row + offs_d[None, :])
     tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
     has_key = den != 0.0  # (den >= 0; NaN, from a non-finite allowed pair, keeps lse NaN)
     lse = tl.where(has_key, (m2 + tl.math.log2(tl.where(has_key, den, 1.0)))
@@ -294,8 +294,8 @@ def _operand_tile(W, pid_bh, stride_w, i0, Lq, D, BLOCK_M: tl.constexpr,
                   BLOCK_D: tl.constexpr):
     """Rows i0.. of one ``_rel_attn_fwd_operands_kernel`` workspace for this (batch, head),
     through a TMA descriptor (rows past Lq and columns past D read as 0)."""
-    W_bh = tl.make_tensor_descriptor(W + pid_bh.to(tl.int64) * stride_w[0], shape=[Lq, D],
-                                     strides=[stride_w[1], 1], block_shape=[BLOCK_M, BLOCK_D])
+    W_bh = tl.make_tensor_descriptor(W + pid_bh.to(tl.int64) * stride_w.bh, shape=[Lq, D],
+                                     strides=[stride_w.row, 1], block_shape=[BLOCK_M, BLOCK_D])
     return W_bh.load([i0, 0])
 
 
@@ -312,21 +312,108 @@ def _rel_attn_fwd_operands_kernel(Q, U, VB, A_OP, QV_OP, stride_q, stride_bias, 
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    store_bias_operands(Q + b * stride_q[0] + h * stride_q[2], U + h * stride_bias[0],
-                        VB + h * stride_bias[1], A_OP + pid_bh * stride_w[0],
-                        QV_OP + pid_bh * stride_w[0], offs_m.to(tl.int64)[:, None], offs_d,
-                        d_ok, (offs_m < Lq)[:, None] & d_ok[None, :], stride_q[1], stride_w[1],
-                        UPCAST)
+    store_bias_operands(Q + b * stride_q.batch + h * stride_q.head, U + h * stride_bias.u,
+                        VB + h * stride_bias.vb, A_OP + pid_bh * stride_w.bh,
+                        QV_OP + pid_bh * stride_w.bh, offs_m.to(tl.int64)[:, None], offs_d,
+                        d_ok, (offs_m < Lq)[:, None] & d_ok[None, :], stride_q.row,
+                        stride_w.row, UPCAST)
 
 
 # The forward kernel's inputs, in the backward kernels' layout: the pointers, their strides as
-# one tuple ``strides`` ((qb, qm, qh), (kb, kn, kh), (vb, vn, vh), (rp, rh), (uh, vbh),
-# (ob, om, oh)), the sizes, the masks as ``masks`` (window_left, window_right, KPM,
-# (kpm_b, kpm_n), MASK, (mb, mh, mm, mn), BAND, KBIAS, KCOUNT: the last two
-# ``masked_value_operands``' key bias and count, read when any mask is on), the dropout as
-# ``dropout`` (SEED, dropout_threshold(p), dropout_keep_scale(p)) and the 8-bit memory as
-# ``memory`` (``_common.memory_launch_args``); _program_setup turns them into per-(batch, head)
-# tuples that the tile helpers unpack. LQ_BUCKET / LK_BUCKET are autotune keys only.
+# one ``FwdStrides`` ``strides``, the sizes, the masks as ``FwdMaskArgs`` ``masks``, the
+# dropout as ``_common.DropoutArgs`` ``dropout`` and the 8-bit memory as ``_common.MemoryArgs``
+# ``memory``; _program_setup turns them into per-(batch, head) NamedTuples (``_Rows``,
+# ``_KeyValues``, ``_Rel``, ``_common.Pattern``) that the tile helpers read by field name.
+# LQ_BUCKET / LK_BUCKET are autotune keys only.
+
+class FwdStrides(NamedTuple):
+    """The forward kernel's ``strides``: q's, k's, v's and out's ``RowStrides``, r's
+    ``HeadStrides`` and the biases' ``BiasStrides``."""
+    q: RowStrides
+    k: RowStrides
+    v: RowStrides
+    r: HeadStrides
+    bias: BiasStrides
+    out: RowStrides
+
+
+class FwdMaskArgs(NamedTuple):
+    """The forward kernel's ``masks``: ``_common.MaskArgs``' fields, then
+    ``masked_value_operands``' key bias and key count (read when any mask is on)."""
+    window_left: int
+    window_right: int
+    kpm: torch.Tensor
+    kpm_strides: KpmStrides
+    mask: torch.Tensor
+    mask_strides: MaskStrides
+    band: torch.Tensor
+    key_bias: torch.Tensor
+    key_count: torch.Tensor
+
+
+class FwdOperands(NamedTuple):
+    """The forward kernel's ``operands``: the biases, and with OP_TILES the
+    ``_rel_attn_fwd_operands_kernel`` workspaces of (q + u) and (q + vb) with their
+    ``WorkStrides``."""
+    u: torch.Tensor
+    vb: torch.Tensor
+    a_op: torch.Tensor
+    qv_op: torch.Tensor
+    stride_w: WorkStrides
+
+
+class _Rows(NamedTuple):
+    """A key / value source of one (batch, head): base pointer (or TMA descriptor), the int32
+    offsets of a tile's rows offs_n0, the row stride."""
+    base: object
+    offsets: object
+    stride: object
+
+
+class _KeyValues(NamedTuple):
+    """What ``_key_value_tile`` reads (``_program_setup``): the K / V ``_Rows``, the 8-bit
+    memory's ``QuantRows``, its rows ``mem_m``, and this (batch, head)'s key bias row."""
+    k: _Rows
+    v: _Rows
+    kq: object
+    vq: object
+    mem_m: object
+    key_bias: object
+
+
+class _Rel(NamedTuple):
+    """What ``_window_chunk`` reads (``_program_setup``): this head's r (pointer or
+    descriptor), the int32 offsets of rows offs_n0, r's row stride, its rows R and
+    ``shift1`` (the pair (i, j) reads row j - i + Lq - 1 + (shift1 - 1), see
+    rel_attn_bwd._ROW_SHIFT)."""
+    base: object
+    offsets: object
+    stride: object
+    rows: object
+    shift1: object
+
+
+class _QueryTile(NamedTuple):
+    """A query tile's loop invariants (``_attend_tile``): its first row, rows, the key
+    offsets of a tile, the columns in range, the skew's per-row rotation and merge selectors
+    (see the kernel), and scale * log2(e)."""
+    i0: object
+    offs_m: object
+    offs_n0: object
+    d_ok: object
+    rot: object
+    take_first: object
+    first_is_0: object
+    qk_scale: object
+
+
+class _Drop(NamedTuple):
+    """The dropout state of a program (``_attend_tile``): batch * head, the (seed, offset)
+    pair loaded from the seed tensor, the keep-mask's threshold."""
+    bh: object
+    seed: object
+    offset: object
+    threshold: object
 
 
 @triton.jit
@@ -338,43 +425,50 @@ def _program_setup(K, V, R, strides, masks, memory, H, Lq, Lk, R_rows, r_shift1,
     load) and the per-(batch, head) base pointers, computed once; with USE_DESC the
     [BLOCK_N, BLOCK_D] tiles of r, and of K / V without an 8-bit memory, come through TMA
     descriptors made here (zero fill past the rows / D: no pointer math, no masks). Returns
-    (pid_bh, b, h, window_left, window_right, kv, rel, pattern): kv what _key_value_tile reads
-    (K / V sources, the 8-bit memory's, mem_m) and this (b, h)'s key bias row, rel what
-    _window_chunk reads (with r_shift1: the pair (i, j) reads row j - i + Lq - 1 +
-    (r_shift1 - 1), see rel_attn_bwd._ROW_SHIFT), pattern what ``pair_mask`` masks with."""
-    _, stride_k, stride_v, stride_r, _, _ = strides
-    window_left, window_right, KPM, stride_kpm, MASK, stride_m, BAND, KBIAS, _ = masks
+    (pid_bh, b, h, window_left, window_right, kv, rel, pattern): kv (``_KeyValues``) what
+    _key_value_tile reads, rel (``_Rel``) what _window_chunk reads, pattern (``Pattern``)
+    what ``pair_mask`` masks with."""
+    stride_k, stride_v, stride_r = strides.k, strides.v, strides.r
+    window_left, window_right = masks.window_left, masks.window_right
     pid_bh = tl.program_id(0)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     band_on = 0
     if HAS_BAND:  # the launcher then sets HAS_WL = HAS_WR = True (unbounded = Lk + Lq)
-        window_left, window_right, band_on = apply_mask_band(BAND, window_left, window_right)
+        window_left, window_right, band_on = apply_mask_band(masks.band, window_left,
+                                                             window_right)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     # base pointers of this (b, h), offset once; tiles add j0 * stride and int32 offsets
     if USE_DESC and not QUANT_MEM:  # TMA: no pointer math, zero fill replaces row / col masks
-        K_bh = tl.make_tensor_descriptor(K + b * stride_k[0] + h * stride_k[2], shape=[Lk, D],
-                                         strides=[stride_k[1], 1],
+        K_bh = tl.make_tensor_descriptor(K + b * stride_k.batch + h * stride_k.head,
+                                         shape=[Lk, D], strides=[stride_k.row, 1],
                                          block_shape=[BLOCK_N, BLOCK_D])
-        V_bh = tl.make_tensor_descriptor(V + b * stride_v[0] + h * stride_v[2], shape=[Lk, D],
-                                         strides=[stride_v[1], 1],
+        V_bh = tl.make_tensor_descriptor(V + b * stride_v.batch + h * stride_v.head,
+                                         shape=[Lk, D], strides=[stride_v.row, 1],
                                          block_shape=[BLOCK_N, BLOCK_D])
     else:  # (QUANT_MEM: the current segment's rows, by pointers, and the 8-bit memory's)
-        K_bh = K + b * stride_k[0] + h * stride_k[2]
-        V_bh = V + b * stride_v[0] + h * stride_v[2]
+        K_bh = K + b * stride_k.batch + h * stride_k.head
+        V_bh = V + b * stride_v.batch + h * stride_v.head
     if USE_DESC:
-        R_h = tl.make_tensor_descriptor(R + h * stride_r[1], shape=[R_rows, D],
-                                        strides=[stride_r[0], 1], block_shape=[BLOCK_N, BLOCK_D])
+        R_h = tl.make_tensor_descriptor(R + h * stride_r.head, shape=[R_rows, D],
+                                        strides=[stride_r.row, 1],
+                                        block_shape=[BLOCK_N, BLOCK_D])
     else:
-        R_h = R + h * stride_r[1]
+        R_h = R + h * stride_r.head
     kq_src, vq_src, mem_m = memory_bases(memory, b, h, offs_n0, offs_d)
-    kv = ((K_bh, offs_n0[:, None] * stride_k[1] + offs_d[None, :], stride_k[1]),
-          (V_bh, offs_n0[:, None] * stride_v[1] + offs_d[None, :], stride_v[1]),
-          kq_src, vq_src, mem_m, KBIAS + pid_bh.to(tl.int64) * Lk)
-    rel = (R_h, offs_n0[:, None] * stride_r[0] + offs_d[None, :], stride_r[0], R_rows, r_shift1)
-    pattern = (b, h, Lq, Lk, window_left, window_right, band_on, KPM, stride_kpm, MASK,
-               stride_m)
+    kv = _KeyValues(k=_Rows(K_bh, offs_n0[:, None] * stride_k.row + offs_d[None, :],
+                            stride_k.row),
+                    v=_Rows(V_bh, offs_n0[:, None] * stride_v.row + offs_d[None, :],
+                            stride_v.row),
+                    kq=kq_src, vq=vq_src, mem_m=mem_m,
+                    key_bias=masks.key_bias + pid_bh.to(tl.int64) * Lk)
+    rel = _Rel(base=R_h, offsets=offs_n0[:, None] * stride_r.row + offs_d[None, :],
+               stride=stride_r.row, rows=R_rows, shift1=r_shift1)
+    pattern = Pattern(b=b, h=h, Lq=Lq, Lk=Lk, window_left=window_left,
+                      window_right=window_right, band_on=band_on, kpm=masks.kpm,
+                      kpm_strides=masks.kpm_strides, mask=masks.mask,
+                      mask_strides=masks.mask_strides)
     return pid_bh, b, h, window_left, window_right, kv, rel, pattern
 
 
@@ -391,10 +485,7 @@ def _rel_attn_fwd_kernel(
     """One program per (batch * head, query tile, key split): the online softmax over the
     key tiles of the split that the window lets the query tile see; the output rows and lse
     (SPLIT: a normalised partial and its log2-sum-exp, merged by the combine kernel).
-    ``operands``: (U, VB, A_OP, QV_OP, (wbh, wm)): the biases, and with OP_TILES the
-    ``_rel_attn_fwd_operands_kernel`` workspaces of (q + u) and (q + vb) with their strides."""
-    stride_q, _, _, _, stride_bias, stride_o = strides
-    SEED, drop_thresh, drop_scale = dropout
+    ``operands``: ``FwdOperands``."""
     pid_bh, b, h, window_left, window_right, kv, rel, pattern = _program_setup(
         K, V, R, strides, masks, memory, H, Lq, Lk, R_rows, r_shift1, D, HAS_BAND, USE_DESC,
         QUANT_MEM, BLOCK_N, BLOCK_D)
@@ -412,15 +503,18 @@ def _rel_attn_fwd_kernel(
 
     # ---- query tiles: (q + u) for AC and (q + vb) for BD, rounded to the input dtype (sums
     # in fp32, rounded once: also sidesteps the interpreter's bf16 arithmetic)
-    U, VB, A_OP, QV_OP, stride_w = operands
     if OP_TILES:  # TMA tiles of the workspaces: the products read them from shared memory
-        qu = _operand_tile(A_OP, pid_bh, stride_w, i0, Lq, D, BLOCK_M, BLOCK_D)
-        qv = _operand_tile(QV_OP, pid_bh, stride_w, i0, Lq, D, BLOCK_M, BLOCK_D)
+        qu = _operand_tile(operands.a_op, pid_bh, operands.stride_w, i0, Lq, D, BLOCK_M,
+                           BLOCK_D)
+        qv = _operand_tile(operands.qv_op, pid_bh, operands.stride_w, i0, Lq, D, BLOCK_M,
+                           BLOCK_D)
     else:  # formed in registers
-        qu, qv = load_bias_operands(Q + b * stride_q[0] + h * stride_q[2],
-                                    U + h * stride_bias[0], VB + h * stride_bias[1],
+        stride_q, stride_bias = strides.q, strides.bias
+        qu, qv = load_bias_operands(Q + b * stride_q.batch + h * stride_q.head,
+                                    operands.u + h * stride_bias.u,
+                                    operands.vb + h * stride_bias.vb,
                                     offs_m.to(tl.int64)[:, None], offs_d, d_ok,
-                                    m_ok[:, None] & d_ok[None, :], stride_q[1], UPCAST)
+                                    m_ok[:, None] & d_ok[None, :], stride_q.row, UPCAST)
 
     # ---- key range this query tile may see (window / causal), as whole key tiles
     i_last = tl.minimum(i0 + BLOCK_M, Lq) - 1
@@ -456,9 +550,10 @@ def _rel_attn_fwd_kernel(
     drop_seed = 0
     drop_off = 0
     if DROPOUT:
-        drop_seed, drop_off = load_dropout_seed(SEED)
-    drop = (pid_bh, Lq, drop_seed, drop_off, drop_thresh)
-    tile = (i0, offs_m, offs_n0, d_ok, rot, take_first, first_is_0, qk_scale)
+        drop_seed, drop_off = load_dropout_seed(dropout.seed)
+    drop = _Drop(bh=pid_bh, seed=drop_seed, offset=drop_off, threshold=dropout.threshold)
+    tile = _QueryTile(i0=i0, offs_m=offs_m, offs_n0=offs_n0, d_ok=d_ok, rot=rot,
+                      take_first=take_first, first_is_0=first_is_0, qk_scale=qk_scale)
 
     # ---- interior key tiles [t_in, t_out): every pair allowed by the window, every key < Lk
     # and no padding / dense mask, so they run mask-free; the rest (the band edges) masked.
@@ -472,7 +567,7 @@ def _rel_attn_fwd_kernel(
             # launcher, and these tiles add no key bias): every row of this tile may see it,
             # so each starts with a NaN sum (NaN * alpha + ... stays NaN). The launcher's
             # ``masked_value_operands`` count of such keys before each j says.
-            KCOUNT = masks[8] + pid_bh.to(tl.int64) * (Lk + 1)
+            KCOUNT = masks.key_count + pid_bh.to(tl.int64) * (Lk + 1)
             has_in = t_out > t_in
             n_bad = (tl.load(KCOUNT + t_out * BLOCK_N, mask=has_in, other=0)
                      - tl.load(KCOUNT + t_in * BLOCK_N, mask=has_in, other=0))
@@ -492,7 +587,7 @@ def _rel_attn_fwd_kernel(
     has_key = l_i != 0.0  # (as in _store_rows: a NaN l_i stays NaN)
     l_safe = tl.where(has_key, l_i, 1.0)
     if DROPOUT:  # the kept probabilities' 1 / (1 - p)
-        o = acc * (drop_scale / l_safe)[:, None]
+        o = acc * (dropout.keep_scale / l_safe)[:, None]
     else:
         o = acc / l_safe[:, None]
     if SPLIT:
@@ -504,7 +599,7 @@ def _rel_attn_fwd_kernel(
                  mask=m_ok)
     else:
         _store_rows(Out, Lse, o, m_i, l_i, b, h, pid_bh, offs_m, offs_d, m_ok, d_ok, Lq,
-                    stride_o, UPCAST)
+                    strides.out, UPCAST)
 
 
 @triton.jit
@@ -696,11 +791,6 @@ _rel_attn_fwd_kernel_tuned = triton.autotune(
 # --------------------------------------------------------------------------------------------
 # Launcher
 
-def _bmh(t: torch.Tensor) -> Tuple[int, int, int]:
-    """The (batch, row, head) strides of a [B, L, H, D] tensor, one kernel tuple argument."""
-    return t.stride(0), t.stride(1), t.stride(2)
-
-
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -870,8 +960,6 @@ def rel_attn_fwd(
     lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
 
     has_kpm, has_mask = key_padding_mask is not None, attn_mask is not None
-    kpm, kpm_strides, am, am_strides = mask_operands(key_padding_mask, attn_mask, q,
-                                                     (B, H, Lq, Lk))
 
     dot_prec = dot_precision(dtype)
     block_d = max(16, triton.next_power_of_2(D))
@@ -888,7 +976,6 @@ def rel_attn_fwd(
         o_part, l_part = lse, lse  # unused
 
     has_band = attn_mask_band is not None and has_mask
-    band = attn_mask_band if has_band else lse  # unused without a band
     # With a band the window checks are compiled in; an unbounded side becomes Lk + Lq.
     wl_arg = int(window_left) if window_left >= 0 or not has_band else Lk + Lq
     wr_arg = int(window_right) if window_right >= 0 or not has_band else Lk + Lq
@@ -896,23 +983,25 @@ def rel_attn_fwd(
     dropout = dropout_p > 0.0
     if dropout and dropout_seed is None:
         dropout_seed = draw_dropout_seed(q.device)
-    seed_arg = dropout_seed if dropout else lse  # unused without dropout
 
     if excludes_pairs(window_left, window_right, key_padding_mask, attn_mask):  # (POISON)
         v, key_bias, key_count = masked_value_operands(v, memory, key_padding_mask, dtype)
     else:  # no pair is excluded: V as given, no bias (unused placeholders)
         key_bias, key_count = lse, lse
     mem_arg = memory_launch_args(memory, k, v)
-    strides = (_bmh(q), _bmh(k), _bmh(v), tuple(r.stride()[:2]), (u.stride(0), vb.stride(0)),
-               _bmh(out))
-    masks = (wl_arg, wr_arg, kpm, kpm_strides, am, am_strides, band, key_bias, key_count)
-    dropout_arg = (seed_arg, dropout_threshold(dropout_p), dropout_keep_scale(dropout_p))
+    strides = FwdStrides(q=row_strides(q), k=row_strides(k), v=row_strides(v),
+                         r=head_strides(r), bias=bias_strides(u, vb), out=row_strides(out))
+    # (lse: the placeholder of an absent mask, band or seed; unread)
+    masks = FwdMaskArgs(*mask_args(wl_arg, wr_arg, key_padding_mask, attn_mask,
+                                   attn_mask_band if has_band else None, lse, (B, H, Lq, Lk)),
+                        key_bias=key_bias, key_count=key_count)
+    dropout_arg = dropout_args(dropout_p, dropout_seed, lse)
     if operand_tiles:
         a_op, qv_op = (operand_workspace(B, H, Lq, D, dtype, upcast, q.device) for _ in range(2))
-        stride_w = tuple(a_op.stride()[:2])
+        stride_w = WorkStrides(a_op.stride(0), a_op.stride(1))
     else:
-        a_op, qv_op, stride_w = q, q, (0, 0)  # unused
-    operands = (u, vb, a_op, qv_op, stride_w)
+        a_op, qv_op, stride_w = q, q, WorkStrides(0, 0)  # unused
+    operands = FwdOperands(u=u, vb=vb, a_op=a_op, qv_op=qv_op, stride_w=stride_w)
     # 1 + the rows' shift against the default table (1 for it: rel_attn_bwd._ROW_SHIFT)
     r_shift1 = 1 if r_first_distance is None else int(r_first_distance) - (Lk - 1) + 1
     args = (q, k, v, r, operands, out, lse, o_part, l_part, strides, H, Lq, Lk, R_rows,
@@ -933,7 +1022,7 @@ def rel_attn_fwd(
         if operand_tiles:
             bm_o = 16 if INTERPRET else 64
             _rel_attn_fwd_operands_kernel[(B * H, triton.cdiv(Lq, bm_o))](
-                q, u, vb, a_op, qv_op, _bmh(q), (u.stride(0), vb.stride(0)), stride_w, H, Lq, D,
+                q, u, vb, a_op, qv_op, strides.q, strides.bias, stride_w, H, Lq, D,
                 UPCAST=upcast, BLOCK_M=bm_o, BLOCK_D=block_d, num_warps=4)
         if config is not None:
             cfg = dict(config)
@@ -949,7 +1038,7 @@ def rel_attn_fwd(
         if split:
             bm_c = 16 if INTERPRET else 64
             _rel_attn_fwd_combine_kernel[(B * H, triton.cdiv(Lq, bm_c))](
-                o_part, l_part, out, lse, _bmh(out), H, Lq, D, num_splits, UPCAST=upcast,
+                o_part, l_part, out, lse, strides.out, H, Lq, D, num_splits, UPCAST=upcast,
                 BLOCK_M=bm_c, BLOCK_D=block_d, num_warps=4)
     return out, lse
 
