@@ -173,6 +173,53 @@ def _key_value_tile(src, qsrc, j0, mem_m, offs_n, n_ok, d_ok, MASKED: tl.constex
 
 
 @triton.jit
+def _window_bd(t0, t1, qv, rel, tile, j0, Lq, EVEN_D: tl.constexpr, UPCAST: tl.constexpr,
+               DOT_PREC: tl.constexpr, USE_DESC: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """BD of key tile j0 (``_QueryTile`` ``tile``), and the window carried to the next tile:
+    (bd, t0, t1). One new window chunk per key tile (rotated by tile.rot once, here), the
+    others carried over from the last tile already rotated; then one merge."""
+    base = j0 - tile.i0 - (BLOCK_M - 1) + Lq - 1 + (rel.shift1 - 1)  # (rel_attn_bwd._ROW_SHIFT)
+    take_first, first_is_0 = tile.take_first, tile.first_is_0
+    if BLOCK_M > BLOCK_N:
+        t2 = rotate_rows(_window_chunk(qv, rel, base + 2 * BLOCK_N, tile.offs_n0, tile.d_ok,
+                                       EVEN_D, UPCAST, DOT_PREC, USE_DESC), tile.rot, BLOCK_M,
+                         BLOCK_N)
+        bd = tl.where(take_first, tl.where(first_is_0, t0, t1), tl.where(first_is_0, t1, t2))
+        t0 = t1
+        t1 = t2
+    else:
+        tn = rotate_rows(_window_chunk(qv, rel, base + BLOCK_N, tile.offs_n0, tile.d_ok, EVEN_D,
+                                       UPCAST, DOT_PREC, USE_DESC), tile.rot, BLOCK_M, BLOCK_N)
+        bd = tl.where(take_first, t0, tn)
+        t0 = tn
+    return bd, t0, t1
+
+
+@triton.jit
+def _masked_scores(s, KEY_BIAS, offs_m, j0, offs_n, n_ok, pattern, HAS_WL: tl.constexpr,
+                   HAS_WR: tl.constexpr, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
+                   HAS_BAND: tl.constexpr, MASKED: tl.constexpr, POISON: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """The scores s of key tile j0 with the masked pairs at -inf (MASKED), and the tile's key
+    bias (POISON; 0 otherwise): (s, kb). With any mask (POISON) the key bias
+    (``masked_value_operands``, this (batch, head)'s row ``KEY_BIAS``) takes the key padding's
+    place: -inf on padded keys, NaN on the allowed pairs of a key whose value row is not
+    finite (V's tile holds it as 0, a non-finite K / r row already scores NaN), 0 elsewhere."""
+    kb = 0.0
+    if MASKED and POISON:
+        kb = tl.load(KEY_BIAS + offs_n, mask=n_ok, other=float("-inf"))
+        ok = pair_mask(offs_m, j0, BLOCK_N, pattern, HAS_WL, HAS_WR, False, HAS_MASK, HAS_BAND)
+        if HAS_KPM:
+            ok = ok & (kb != float("-inf"))[None, :]
+        s = tl.where(ok, s + kb[None, :], float("-inf"))
+    elif MASKED:
+        s = tl.where(pair_mask(offs_m, j0, BLOCK_N, pattern, HAS_WL, HAS_WR, HAS_KPM, HAS_MASK,
+                               HAS_BAND), s, float("-inf"))
+    return s, kb
+
+
+@triton.jit
 def _attend_tile(acc, m_i, l_i, t0, t1, t, qu, qv, tile, kv, rel, pattern, drop,
                  HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_KPM: tl.constexpr,
                  HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr, MASKED: tl.constexpr,
@@ -189,7 +236,6 @@ def _attend_tile(acc, m_i, l_i, t0, t1, t, qu, qv, tile, kv, rel, pattern, drop,
     ``masked_value_operands`` (row ``kv.key_bias``) to the allowed pairs' scores in place of
     the key padding mask, and load the 8-bit memory's rows of a NaN bias as 0."""
     i0, offs_m, offs_n0, d_ok = tile.i0, tile.offs_m, tile.offs_n0, tile.d_ok
-    rot, take_first, first_is_0 = tile.rot, tile.take_first, tile.first_is_0
     mem_m = kv.mem_m
     POISON: tl.constexpr = HAS_WL or HAS_WR or HAS_KPM or HAS_MASK or HAS_BAND  # (any mask)
     Lq = pattern.Lq
@@ -197,37 +243,15 @@ def _attend_tile(acc, m_i, l_i, t0, t1, t, qu, qv, tile, kv, rel, pattern, drop,
     j0 = t * BLOCK_N
     offs_n = j0 + offs_n0
     n_ok = offs_n < Lk
-    # BD: one new window chunk per key tile (rotated by rot once, here), the others carried
-    # over from the last tile already rotated; then one merge
-    base = j0 - i0 - (BLOCK_M - 1) + Lq - 1 + (rel.shift1 - 1)  # (rel_attn_bwd._ROW_SHIFT)
-    if BLOCK_M > BLOCK_N:
-        t2 = rotate_rows(_window_chunk(qv, rel, base + 2 * BLOCK_N, offs_n0, d_ok, EVEN_D,
-                                       UPCAST, DOT_PREC, USE_DESC), rot, BLOCK_M, BLOCK_N)
-        bd = tl.where(take_first, tl.where(first_is_0, t0, t1), tl.where(first_is_0, t1, t2))
-        t0 = t1
-        t1 = t2
-    else:
-        tn = rotate_rows(_window_chunk(qv, rel, base + BLOCK_N, offs_n0, d_ok, EVEN_D, UPCAST,
-                                       DOT_PREC, USE_DESC), rot, BLOCK_M, BLOCK_N)
-        bd = tl.where(take_first, t0, tn)
-        t0 = tn
+    bd, t0, t1 = _window_bd(t0, t1, qv, rel, tile, j0, Lq, EVEN_D, UPCAST, DOT_PREC, USE_DESC,
+                            BLOCK_M, BLOCK_N)
     k = _key_value_tile(kv.k, kv.kq, j0, mem_m, offs_n, n_ok, d_ok, MASKED, EVEN_D, UPCAST,
                         USE_DESC, QUANT_MEM)
     # AC + BD (Triton folds the add into the wgmma's accumulator); scale * log2(e) is applied
     # in the exponent's FMA below
     s = tl.dot(qu, tl.trans(k), input_precision=DOT_PREC) + bd
-    if MASKED and POISON:
-        # the key bias (``masked_value_operands``) in the key padding's place: -inf on padded
-        # keys, NaN on the allowed pairs of a key whose value row is not finite (V's tile holds
-        # it as 0, a non-finite K / r row already scores NaN), 0 elsewhere
-        kb = tl.load(kv.key_bias + offs_n, mask=n_ok, other=float("-inf"))
-        ok = pair_mask(offs_m, j0, BLOCK_N, pattern, HAS_WL, HAS_WR, False, HAS_MASK, HAS_BAND)
-        if HAS_KPM:
-            ok = ok & (kb != float("-inf"))[None, :]
-        s = tl.where(ok, s + kb[None, :], float("-inf"))
-    elif MASKED:
-        s = tl.where(pair_mask(offs_m, j0, BLOCK_N, pattern, HAS_WL, HAS_WR, HAS_KPM, HAS_MASK,
-                               HAS_BAND), s, float("-inf"))
+    s, kb = _masked_scores(s, kv.key_bias, offs_m, j0, offs_n, n_ok, pattern, HAS_WL, HAS_WR,
+                           HAS_KPM, HAS_MASK, HAS_BAND, MASKED, POISON, BLOCK_N)
 
     # ---- online softmax (log2 domain)
     qk_scale = tile.qk_scale
@@ -473,6 +497,122 @@ def _program_setup(K, V, R, strides, masks, memory, H, Lq, Lk, R_rows, r_shift1,
 
 
 @triton.jit
+def _query_operands(Q, operands, strides, pid_bh, b, h, i0, offs_m, offs_d, m_ok, d_ok, Lq, D,
+                    UPCAST: tl.constexpr, OP_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """The query tile's operands: (q + u) for AC and (q + vb) for BD, rounded to the input
+    dtype (sums in fp32, rounded once: also sidesteps the interpreter's bf16 arithmetic)."""
+    if OP_TILES:  # TMA tiles of the workspaces: the products read them from shared memory
+        qu = _operand_tile(operands.a_op, pid_bh, operands.stride_w, i0, Lq, D, BLOCK_M,
+                           BLOCK_D)
+        qv = _operand_tile(operands.qv_op, pid_bh, operands.stride_w, i0, Lq, D, BLOCK_M,
+                           BLOCK_D)
+    else:  # formed in registers
+        stride_q, stride_bias = strides.q, strides.bias
+        qu, qv = load_bias_operands(Q + b * stride_q.batch + h * stride_q.head,
+                                    operands.u + h * stride_bias.u,
+                                    operands.vb + h * stride_bias.vb,
+                                    offs_m.to(tl.int64)[:, None], offs_d, d_ok,
+                                    m_ok[:, None] & d_ok[None, :], stride_q.row, UPCAST)
+    return qu, qv
+
+
+@triton.jit
+def _split_tiles(i0, pid_s, num_splits, Lq, Lk, window_left, window_right,
+                 HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """``[t_begin, t_end)``: the key tiles of split ``pid_s`` (of ``num_splits``) of those
+    that the query tile at row i0 may see (window / causal), as whole key tiles."""
+    i_last = tl.minimum(i0 + BLOCK_M, Lq) - 1
+    lo, _ = key_range(i0, Lq, Lk, window_left, window_right, HAS_WL, HAS_WR)
+    _, hi = key_range(i_last, Lq, Lk, window_left, window_right, HAS_WL, HAS_WR)
+    t_lo = lo // BLOCK_N
+    t_hi = tl.maximum((hi + BLOCK_N) // BLOCK_N, t_lo)
+    per_split = (t_hi - t_lo + num_splits - 1) // num_splits
+    t_begin = t_lo + pid_s * per_split
+    t_end = tl.minimum(t_begin + per_split, t_hi)
+    return t_begin, t_end
+
+
+@triton.jit
+def _prime_window(qv, rel, t_begin, i0, Lq, offs_n0, d_ok, EVEN_D: tl.constexpr,
+                  UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, USE_DESC: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The skew's per-row rotation and merge selectors, and the window primed for key tile
+    t_begin: (rot, take_first, first_is_0, t0, t1).
+
+    Skew. Tile element (a, c) needs window column w = c + sh_a, sh_a = BM - 1 - a, i.e.
+    chunk w // BN at column w % BN. Row a reads chunk c0_a = sh_a // BN at columns >= s_a =
+    sh_a % BN and chunk c0_a + 1 at columns < s_a: the two never collide, so the skew is a
+    merge and one row rotation by s_a. Each chunk is rotated once, when computed, and carried
+    rotated; after the rotation, row a takes its first chunk at c < BN - s_a. Priming
+    computes chunks 0 .. C-2 of the first tile (t1 = t0 when C == 2)."""
+    sh = (BLOCK_M - 1) - tl.arange(0, BLOCK_M)
+    rot = sh % BLOCK_N
+    take_first = offs_n0[None, :] < (BLOCK_N - rot)[:, None]
+    first_is_0 = (sh < BLOCK_N)[:, None]
+    base0 = t_begin * BLOCK_N - i0 - (BLOCK_M - 1) + Lq - 1 + (rel.shift1 - 1)
+    t0 = rotate_rows(_window_chunk(qv, rel, base0, offs_n0, d_ok, EVEN_D, UPCAST, DOT_PREC,
+                                   USE_DESC), rot, BLOCK_M, BLOCK_N)
+    t1 = t0
+    if BLOCK_M > BLOCK_N:  # C == 3
+        t1 = rotate_rows(_window_chunk(qv, rel, base0 + BLOCK_N, offs_n0, d_ok, EVEN_D, UPCAST,
+                                       DOT_PREC, USE_DESC), rot, BLOCK_M, BLOCK_N)
+    return rot, take_first, first_is_0, t0, t1
+
+
+@triton.jit
+def _interior_run(l_i, i0, t_begin, t_end, Lk, mlen, window_left, window_right, KEY_COUNT,
+                  pid_bh, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_KPM: tl.constexpr,
+                  HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The interior key tiles [t_in, t_out) of [t_begin, t_end): every pair allowed by the
+    window, every key < Lk and no padding / dense mask, so they run mask-free; the rest (the
+    band edges) masked. Returns (t_in, t_out, l_i), l_i NaN in the rows that an interior
+    key with a non-finite value row reaches."""
+    t_in = t_begin
+    t_out = t_begin
+    if not (HAS_KPM or HAS_MASK):
+        t_in, t_out = interior_tiles(i0, i0 + BLOCK_M - 1, BLOCK_N, t_begin, t_end, Lk, mlen,
+                                     window_left, window_right, HAS_WL, HAS_WR)
+        if HAS_WL or HAS_WR:
+            # a key of the interior tiles whose value row is not finite (v's row zeroed by the
+            # launcher, and these tiles add no key bias): every row of this tile may see it,
+            # so each starts with a NaN sum (NaN * alpha + ... stays NaN). The launcher's
+            # ``masked_value_operands`` count of such keys before each j (KEY_COUNT) says.
+            KCOUNT = KEY_COUNT + pid_bh.to(tl.int64) * (Lk + 1)
+            has_in = t_out > t_in
+            n_bad = (tl.load(KCOUNT + t_out * BLOCK_N, mask=has_in, other=0)
+                     - tl.load(KCOUNT + t_in * BLOCK_N, mask=has_in, other=0))
+            l_i += tl.where(n_bad == 0, 0.0, float("nan"))
+    return t_in, t_out, l_i
+
+
+@triton.jit
+def _finish_rows(acc, m_i, l_i, Out, Lse, OPart, LPart, b, h, pid_bh, pid_s, num_splits,
+                 offs_m, offs_d, m_ok, d_ok, Lq, D, stride_o, keep_scale,
+                 DROPOUT: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr):
+    """The query tile's rows after its last key tile: normalised (DROPOUT: with the kept
+    probabilities' 1 / (1 - p), ``keep_scale``) and stored by ``_store_rows``, or (SPLIT) a
+    normalised partial and its log2-sum-exp for the combine kernel."""
+    has_key = l_i != 0.0  # (as in _store_rows: a NaN l_i stays NaN)
+    l_safe = tl.where(has_key, l_i, 1.0)
+    if DROPOUT:
+        o = acc * (keep_scale / l_safe)[:, None]
+    else:
+        o = acc / l_safe[:, None]
+    if SPLIT:
+        # partial: normalised output and log2-sum-exp (-inf when this slice saw no key)
+        row = (pid_bh.to(tl.int64) * num_splits + pid_s) * Lq + offs_m.to(tl.int64)
+        tl.store(OPart + row[:, None] * D + offs_d[None, :], o,
+                 mask=m_ok[:, None] & d_ok[None, :])
+        tl.store(LPart + row, tl.where(has_key, m_i + tl.math.log2(l_safe), float("-inf")),
+                 mask=m_ok)
+    else:
+        _store_rows(Out, Lse, o, m_i, l_i, b, h, pid_bh, offs_m, offs_d, m_ok, d_ok, Lq,
+                    stride_o, UPCAST)
+
+
+@triton.jit
 def _rel_attn_fwd_kernel(
     Q, K, V, R, operands, Out, Lse, OPart, LPart, strides, H, Lq, Lk, R_rows, r_shift1, D,
     qk_scale, num_splits, masks, dropout, memory, LQ_BUCKET, LK_BUCKET,
@@ -501,48 +641,13 @@ def _rel_attn_fwd_kernel(
     m_ok = offs_m < Lq
     d_ok = offs_d < D
 
-    # ---- query tiles: (q + u) for AC and (q + vb) for BD, rounded to the input dtype (sums
-    # in fp32, rounded once: also sidesteps the interpreter's bf16 arithmetic)
-    if OP_TILES:  # TMA tiles of the workspaces: the products read them from shared memory
-        qu = _operand_tile(operands.a_op, pid_bh, operands.stride_w, i0, Lq, D, BLOCK_M,
-                           BLOCK_D)
-        qv = _operand_tile(operands.qv_op, pid_bh, operands.stride_w, i0, Lq, D, BLOCK_M,
-                           BLOCK_D)
-    else:  # formed in registers
-        stride_q, stride_bias = strides.q, strides.bias
-        qu, qv = load_bias_operands(Q + b * stride_q.batch + h * stride_q.head,
-                                    operands.u + h * stride_bias.u,
-                                    operands.vb + h * stride_bias.vb,
-                                    offs_m.to(tl.int64)[:, None], offs_d, d_ok,
-                                    m_ok[:, None] & d_ok[None, :], stride_q.row, UPCAST)
-
-    # ---- key range this query tile may see (window / causal), as whole key tiles
-    i_last = tl.minimum(i0 + BLOCK_M, Lq) - 1
-    lo, _ = key_range(i0, Lq, Lk, window_left, window_right, HAS_WL, HAS_WR)
-    _, hi = key_range(i_last, Lq, Lk, window_left, window_right, HAS_WL, HAS_WR)
-    t_lo = lo // BLOCK_N
-    t_hi = tl.maximum((hi + BLOCK_N) // BLOCK_N, t_lo)
-    per_split = (t_hi - t_lo + num_splits - 1) // num_splits
-    t_begin = t_lo + pid_s * per_split
-    t_end = tl.minimum(t_begin + per_split, t_hi)
-
-    # ---- skew. Tile element (a, c) needs window column w = c + sh_a, sh_a = BM - 1 - a,
-    # i.e. chunk w // BN at column w % BN. Row a reads chunk c0_a = sh_a // BN at columns
-    # >= s_a = sh_a % BN and chunk c0_a + 1 at columns < s_a: the two never collide, so the
-    # skew is a merge and one row rotation by s_a. Each chunk is rotated once, when computed,
-    # and carried rotated; after the rotation, row a takes its first chunk at c < BN - s_a.
-    sh = (BLOCK_M - 1) - tl.arange(0, BLOCK_M)
-    rot = sh % BLOCK_N
-    take_first = offs_n0[None, :] < (BLOCK_N - rot)[:, None]
-    first_is_0 = (sh < BLOCK_N)[:, None]
-    # ---- prime the window: chunks 0 .. C-2 of the first tile
-    base0 = t_begin * BLOCK_N - i0 - (BLOCK_M - 1) + Lq - 1 + (r_shift1 - 1)
-    t0 = rotate_rows(_window_chunk(qv, rel, base0, offs_n0, d_ok, EVEN_D, UPCAST, DOT_PREC,
-                                   USE_DESC), rot, BLOCK_M, BLOCK_N)
-    t1 = t0
-    if BLOCK_M > BLOCK_N:  # C == 3
-        t1 = rotate_rows(_window_chunk(qv, rel, base0 + BLOCK_N, offs_n0, d_ok, EVEN_D, UPCAST,
-                                       DOT_PREC, USE_DESC), rot, BLOCK_M, BLOCK_N)
+    qu, qv = _query_operands(Q, operands, strides, pid_bh, b, h, i0, offs_m, offs_d, m_ok, d_ok,
+                             Lq, D, UPCAST, OP_TILES, BLOCK_M, BLOCK_D)
+    t_begin, t_end = _split_tiles(i0, pid_s, num_splits, Lq, Lk, window_left, window_right,
+                                  HAS_WL, HAS_WR, BLOCK_M, BLOCK_N)
+    rot, take_first, first_is_0, t0, t1 = _prime_window(qv, rel, t_begin, i0, Lq, offs_n0, d_ok,
+                                                        EVEN_D, UPCAST, DOT_PREC, USE_DESC,
+                                                        BLOCK_M, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -555,23 +660,9 @@ def _rel_attn_fwd_kernel(
     tile = _QueryTile(i0=i0, offs_m=offs_m, offs_n0=offs_n0, d_ok=d_ok, rot=rot,
                       take_first=take_first, first_is_0=first_is_0, qk_scale=qk_scale)
 
-    # ---- interior key tiles [t_in, t_out): every pair allowed by the window, every key < Lk
-    # and no padding / dense mask, so they run mask-free; the rest (the band edges) masked.
-    t_in = t_begin
-    t_out = t_begin
-    if not (HAS_KPM or HAS_MASK):
-        t_in, t_out = interior_tiles(i0, i0 + BLOCK_M - 1, BLOCK_N, t_begin, t_end, Lk, mlen,
-                                     window_left, window_right, HAS_WL, HAS_WR)
-        if HAS_WL or HAS_WR:
-            # a key of the interior tiles whose value row is not finite (v's row zeroed by the
-            # launcher, and these tiles add no key bias): every row of this tile may see it,
-            # so each starts with a NaN sum (NaN * alpha + ... stays NaN). The launcher's
-            # ``masked_value_operands`` count of such keys before each j says.
-            KCOUNT = masks.key_count + pid_bh.to(tl.int64) * (Lk + 1)
-            has_in = t_out > t_in
-            n_bad = (tl.load(KCOUNT + t_out * BLOCK_N, mask=has_in, other=0)
-                     - tl.load(KCOUNT + t_in * BLOCK_N, mask=has_in, other=0))
-            l_i += tl.where(n_bad == 0, 0.0, float("nan"))
+    t_in, t_out, l_i = _interior_run(l_i, i0, t_begin, t_end, Lk, mlen, window_left,
+                                     window_right, masks.key_count, pid_bh, HAS_WL, HAS_WR,
+                                     HAS_KPM, HAS_MASK, BLOCK_M, BLOCK_N)
     # three runs of tiles: [t_begin, t_in) the left band edge (masked), [t_in, t_out) the
     # interior (mask-free), [t_out, t_end) the right edge and padding (masked); only the last
     # exists with a padding or dense mask, the first only with a left window
@@ -583,23 +674,9 @@ def _rel_attn_fwd_kernel(
                     acc, m_i, l_i, t0, t1, t, qu, qv, tile, kv, rel, pattern, drop,
                     HAS_WL, HAS_WR, HAS_KPM, HAS_MASK, HAS_BAND, run != 1, EVEN_D, UPCAST,
                     DOT_PREC, USE_DESC, BLOCK_M, BLOCK_N, DROPOUT, QUANT_MEM)
-
-    has_key = l_i != 0.0  # (as in _store_rows: a NaN l_i stays NaN)
-    l_safe = tl.where(has_key, l_i, 1.0)
-    if DROPOUT:  # the kept probabilities' 1 / (1 - p)
-        o = acc * (dropout.keep_scale / l_safe)[:, None]
-    else:
-        o = acc / l_safe[:, None]
-    if SPLIT:
-        # partial: normalised output and log2-sum-exp (-inf when this slice saw no key)
-        row = (pid_bh.to(tl.int64) * num_splits + pid_s) * Lq + offs_m.to(tl.int64)
-        tl.store(OPart + row[:, None] * D + offs_d[None, :], o,
-                 mask=m_ok[:, None] & d_ok[None, :])
-        tl.store(LPart + row, tl.where(has_key, m_i + tl.math.log2(l_safe), float("-inf")),
-                 mask=m_ok)
-    else:
-        _store_rows(Out, Lse, o, m_i, l_i, b, h, pid_bh, offs_m, offs_d, m_ok, d_ok, Lq,
-                    strides.out, UPCAST)
+    _finish_rows(acc, m_i, l_i, Out, Lse, OPart, LPart, b, h, pid_bh, pid_s, num_splits,
+                 offs_m, offs_d, m_ok, d_ok, Lq, D, strides.out, dropout.keep_scale, DROPOUT,
+                 SPLIT, UPCAST)
 
 
 @triton.jit
@@ -969,11 +1046,11 @@ def rel_attn_fwd(
                                                     window_right, operand_tiles, config,
                                                     num_splits)
     split = num_splits > 1
-    if split:
+    if split:  # the splits' partials (else unused: lse stands in)
         o_part = torch.empty((B * H, num_splits, Lq, D), dtype=torch.float32, device=q.device)
         l_part = torch.empty((B * H, num_splits, Lq), dtype=torch.float32, device=q.device)
     else:
-        o_part, l_part = lse, lse  # unused
+        o_part, l_part = lse, lse
 
     has_band = attn_mask_band is not None and has_mask
     # With a band the window checks are compiled in; an unbounded side becomes Lk + Lq.
@@ -984,24 +1061,11 @@ def rel_attn_fwd(
     if dropout and dropout_seed is None:
         dropout_seed = draw_dropout_seed(q.device)
 
-    if excludes_pairs(window_left, window_right, key_padding_mask, attn_mask):  # (POISON)
-        v, key_bias, key_count = masked_value_operands(v, memory, key_padding_mask, dtype)
-    else:  # no pair is excluded: V as given, no bias (unused placeholders)
-        key_bias, key_count = lse, lse
-    mem_arg = memory_launch_args(memory, k, v)
-    strides = FwdStrides(q=row_strides(q), k=row_strides(k), v=row_strides(v),
-                         r=head_strides(r), bias=bias_strides(u, vb), out=row_strides(out))
-    # (lse: the placeholder of an absent mask, band or seed; unread)
-    masks = FwdMaskArgs(*mask_args(wl_arg, wr_arg, key_padding_mask, attn_mask,
-                                   attn_mask_band if has_band else None, lse, (B, H, Lq, Lk)),
-                        key_bias=key_bias, key_count=key_count)
+    v, strides, masks, mem_arg, operands = _fwd_tuples(
+        q, k, v, r, u, vb, out, lse, memory, key_padding_mask, attn_mask,
+        attn_mask_band if has_band else None, (wl_arg, wr_arg), window_left, window_right,
+        operand_tiles, upcast)
     dropout_arg = dropout_args(dropout_p, dropout_seed, lse)
-    if operand_tiles:
-        a_op, qv_op = (operand_workspace(B, H, Lq, D, dtype, upcast, q.device) for _ in range(2))
-        stride_w = WorkStrides(a_op.stride(0), a_op.stride(1))
-    else:
-        a_op, qv_op, stride_w = q, q, WorkStrides(0, 0)  # unused
-    operands = FwdOperands(u=u, vb=vb, a_op=a_op, qv_op=qv_op, stride_w=stride_w)
     # 1 + the rows' shift against the default table (1 for it: rel_attn_bwd._ROW_SHIFT)
     r_shift1 = 1 if r_first_distance is None else int(r_first_distance) - (Lk - 1) + 1
     args = (q, k, v, r, operands, out, lse, o_part, l_part, strides, H, Lq, Lk, R_rows,
@@ -1013,17 +1077,59 @@ def rel_attn_fwd(
                 DOT_PREC=dot_prec, EVEN_D=D == block_d, USE_DESC=use_desc,
                 BLOCK_D=block_d, DROPOUT=dropout, QUANT_MEM=quant, OP_TILES=operand_tiles)
 
+    _run_fwd(args, meta, operands, strides, config, num_splits, o_part, l_part, out, lse)
+    return out, lse
+
+
+def _fwd_tuples(q, k, v, r, u, vb, out, lse, memory, key_padding_mask, attn_mask, band,
+                window_args, window_left: int, window_right: int, operand_tiles: bool,
+                upcast: bool):
+    """The forward kernel's tuple arguments but the dropout: (v, strides, masks, memory,
+    operands). ``window_args``: the window as the kernel takes it; where a mask or window can
+    exclude pairs, v with its non-finite rows zeroed and the key bias and count
+    (``masked_value_operands``); with ``operand_tiles`` the (q + u) / (q + vb) workspaces.
+    ``lse`` stands in for every absent tensor (unread)."""
+    B, Lq, H, D = q.shape
+    if excludes_pairs(window_left, window_right, key_padding_mask, attn_mask):  # (POISON)
+        v, key_bias, key_count = masked_value_operands(v, memory, key_padding_mask, q.dtype)
+    else:  # no pair is excluded: V as given, no bias (unused placeholders)
+        key_bias, key_count = lse, lse
+    mem_arg = memory_launch_args(memory, k, v)
+    Lk = k.shape[1] + mem_arg.mem_m
+    strides = FwdStrides(q=row_strides(q), k=row_strides(k), v=row_strides(v),
+                         r=head_strides(r), bias=bias_strides(u, vb), out=row_strides(out))
+    masks = FwdMaskArgs(*mask_args(*window_args, key_padding_mask, attn_mask, band, lse,
+                                   (B, H, Lq, Lk)),
+                        key_bias=key_bias, key_count=key_count)
+    if operand_tiles:
+        a_op, qv_op = (operand_workspace(B, H, Lq, D, q.dtype, upcast, q.device)
+                       for _ in range(2))
+        stride_w = WorkStrides(a_op.stride(0), a_op.stride(1))
+    else:
+        a_op, qv_op, stride_w = q, q, WorkStrides(0, 0)  # unused
+    operands = FwdOperands(u=u, vb=vb, a_op=a_op, qv_op=qv_op, stride_w=stride_w)
+    return v, strides, masks, mem_arg, operands
+
+
+def _run_fwd(args, meta, operands, strides, config, num_splits, o_part, l_part, out, lse):
+    """Launch the forward: the operands kernel (OP_TILES), the main kernel with ``config`` (or
+    its autotuner when None) and the combine kernel (SPLIT)."""
+    B, Lq, H, D = out.shape
+    q = args[0]
+    upcast, block_d = meta["UPCAST"], meta["BLOCK_D"]
+
     def grid(META):
         return (B * H, triton.cdiv(Lq, META["BLOCK_M"]), num_splits)
 
     if meta["USE_DESC"] and q.device.type == "cuda" and not INTERPRET:
         ensure_scratch_allocator()
     with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
-        if operand_tiles:
+        if meta["OP_TILES"]:
             bm_o = 16 if INTERPRET else 64
             _rel_attn_fwd_operands_kernel[(B * H, triton.cdiv(Lq, bm_o))](
-                q, u, vb, a_op, qv_op, strides.q, strides.bias, stride_w, H, Lq, D,
-                UPCAST=upcast, BLOCK_M=bm_o, BLOCK_D=block_d, num_warps=4)
+                q, operands.u, operands.vb, operands.a_op, operands.qv_op, strides.q,
+                strides.bias, operands.stride_w, H, Lq, D, UPCAST=upcast, BLOCK_M=bm_o,
+                BLOCK_D=block_d, num_warps=4)
         if config is not None:
             cfg = dict(config)
             bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
@@ -1035,11 +1141,10 @@ def rel_attn_fwd(
                                                         **cfg)
         else:
             _rel_attn_fwd_kernel_tuned[grid](*args, **meta)
-        if split:
+        if meta["SPLIT"]:
             bm_c = 16 if INTERPRET else 64
             _rel_attn_fwd_combine_kernel[(B * H, triton.cdiv(Lq, bm_c))](
                 o_part, l_part, out, lse, strides.out, H, Lq, D, num_splits, UPCAST=upcast,
                 BLOCK_M=bm_c, BLOCK_D=block_d, num_warps=4)
-    return out, lse
 
 
