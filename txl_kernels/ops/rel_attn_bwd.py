@@ -604,19 +604,29 @@ def _dr_value(part, v16, Q_ONLY: tl.constexpr, DOT_DTYPE: tl.constexpr, UPCAST: 
 
 
 @triton.jit
-def _dq_dr_atomics(ds_op, ds, k_t, r_lo, r_hi, qv_t, dr_pend, DQ_bh, DR_h, offs_i, rows, Lq,
-                   R_rows, stride_dqm, stride_drp, offs_d, d_ok, lo_part, sm_scale, order,
-                   vterm, DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-                   SKEW_GATHER: tl.constexpr, BLOCK: tl.constexpr, IN_DTYPE: tl.constexpr,
-                   ORDERED: tl.constexpr, Q_ONLY: tl.constexpr):
+def _dq_dr_atomics(ds_op, ds, k_t, r_lo, r_hi, qv_t, q_t, dr_pend, at, m, p_lo, w, offs_i,
+                   Lq, R_rows, offs_d, d_ok, sm_scale, vterm, DOT_DTYPE: tl.constexpr,
+                   UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, SKEW_GATHER: tl.constexpr,
+                   BLOCK: tl.constexpr, IN_DTYPE: tl.constexpr, ORDERED: tl.constexpr,
+                   Q_ONLY: tl.constexpr):
     """The dk/dv kernel's ATOMIC part for one query tile: its dq terms, dA + dQv = dS K
     + [G_lo | G_hi] [r_lo; r_hi] (G the unskewed dS, split into its window chunks), added unscaled
     to the dq accumulator (fp32 atomics; the launcher scales), and dr: the hi chunk's rows ``rows``
     get dr_pend (the previous query tile's lo-chunk part: the same rows) plus this tile's G_hi^T
     Qv; returns this tile's G_lo^T Qv, pending for the next tile. ORDERED (the query tiles go
     down): the same with lo and hi swapped, and ``order`` (an ``_Order``): the adds wait for the
-    next key tile's program to get as far, then publish it. Q_ONLY: ``qv_t`` is the q tile and
-    the dr sums carry the vb term apart (_dr_product, _dr_value; ``vterm``: a ``_VTerm``)."""
+    next key tile's program to get as far, then publish it. ``at``: the ``_AtomicTile``; the
+    query tile m's window starts at r row p_lo (its rows p_lo + w and p_lo + BLOCK + w).
+    Q_ONLY: the dr products take the q tile ``q_t`` in place of ``qv_t`` and the dr sums carry
+    the vb term apart (_dr_product, _dr_value; ``vterm``: a ``_VTerm``)."""
+    order = 0
+    rows = p_lo + BLOCK + w  # the hi chunk's rows (ORDERED: the lo chunk's)
+    if ORDERED:
+        order = _Order(prog=at.prog, last=at.last, progress=at.mq - m)
+        rows = p_lo + w
+    if Q_ONLY:
+        qv_t = q_t
+    lo_part = at.lo_part
     g = to_operand(_unskew(ds, BLOCK, SKEW_GATHER), IN_DTYPE, UPCAST)
     dt_lo = tl.where(lo_part, g, 0.0).to(DOT_DTYPE)
     dt_hi = tl.where(lo_part, 0.0, g).to(DOT_DTYPE)
@@ -628,13 +638,176 @@ def _dq_dr_atomics(ds_op, ds, k_t, r_lo, r_hi, qv_t, dr_pend, DQ_bh, DR_h, offs_
         flush, carry = dt_lo, dt_hi
     else:
         flush, carry = dt_hi, dt_lo
-    _atomic_add(DQ_bh, offs_i * stride_dqm, offs_d, dq, offs_i < Lq, d_ok)
+    _atomic_add(at.dq, offs_i * at.stride_dq, offs_d, dq, offs_i < Lq, d_ok)
     x = _dr_value(_dr_product(flush, qv_t, dr_pend, vterm.e0, Q_ONLY, DOT_PREC), vterm.v16,
                   Q_ONLY, DOT_DTYPE, UPCAST, DOT_PREC)
-    _dr_add(DR_h, x, rows, R_rows, stride_drp, offs_d, d_ok, sm_scale)
+    _dr_add(at.dr, x, rows, R_rows, at.stride_dr, offs_d, d_ok, sm_scale)
     if ORDERED:
         _turn_pass(order.prog, order.progress)
     return _dr_product(carry, qv_t, None, vterm.e0, Q_ONLY, DOT_PREC)
+
+
+class _AtomicTile(NamedTuple):
+    """The dk/dv kernel's ATOMIC invariants (``_atomic_setup``): this (batch, head)'s dq and
+    dr accumulators and their row strides, the lo-chunk selector, and ORDERED's number of
+    query tiles, whether this is the last key tile, and this program's progress slot."""
+    dq: object
+    dr: object
+    stride_dq: object
+    stride_dr: object
+    lo_part: object
+    mq: object
+    last: object
+    prog: object
+
+
+@triton.jit
+def _atomic_setup(atomics, b, h, n, H, Lq, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+                  Q_ONLY: tl.constexpr):
+    """The dk/dv kernel's ATOMIC invariants (an ``_AtomicTile``) and its first pending dr sum
+    (zeros; Q_ONLY: a ``_DrSums``), from ``atomics`` (``AtomicArgs``).
+
+    The pending sum is the dr of the current tile's hi window chunk, pending its lo-chunk part
+    from the previous query tile (the same r rows). ORDERED: the query tiles go down, m =
+    m_hi - 1 .. m_lo, and key tile n publishes in PROG[n] how far it has got (Mq - m once
+    query tile m's adds are issued, Mq = cdiv(Lq, BLOCK); _DONE after the last flush). Query
+    tile m's adds (dq tile m, dr block rows from p_lo) wait until PROG[n + 1] >= Mq - m, the
+    last flush until it is _DONE. By induction down from the last key tile, every key tile
+    after n then has made all its adds to those rows (dq tile m at its query tile m, the dr
+    rows at query tile m + 1: the tile ranges only move up with n), so every row takes its
+    adds in key-tile order (descending). Where the query range ends at the same tile for n and
+    n + 1 (causal, or no left window), n + 1 reaches dq tile m at the same step and the dr
+    rows a step earlier, so n hardly waits (docs/DESIGN.md: the other directions make each
+    level of the chain a step later)."""
+    stride_dqa, stride_dr = atomics.stride_dq, atomics.stride_dr
+    DQ_bh = atomics.dq + b * stride_dqa.batch + h * stride_dqa.head
+    DR_h = atomics.dr + b * stride_dr.batch + h * stride_dr.head
+    lo_part = _lo_part(BLOCK)
+    dr_pend = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    if Q_ONLY:
+        dr_pend = _DrSums(dr_pend, tl.zeros([BLOCK, 16], dtype=tl.float32))
+    Mq = tl.cdiv(Lq, BLOCK)
+    last = n == tl.num_programs(1) - 1
+    PROG = atomics.sems + (b * H + h) * atomics.sem_row + n
+    at = _AtomicTile(dq=DQ_bh, dr=DR_h, stride_dq=stride_dqa.row, stride_dr=stride_dr.row,
+                     lo_part=lo_part, mq=Mq, last=last, prog=PROG)
+    return at, dr_pend
+
+
+@triton.jit
+def _atomic_flush(at, dr_pend, vterm, j0, m_lo, m_hi, r_c1, w, R_rows, offs_d, d_ok, sm_scale,
+                  DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+                  BLOCK: tl.constexpr, ORDERED: tl.constexpr, Q_ONLY: tl.constexpr):
+    """ATOMIC, after the last query tile: the pending dr sum, of the last tile's lo chunk
+    (ORDERED: the hi chunk of tile m_lo, in turn, then this program's progress published as
+    _DONE)."""
+    rows = j0 - m_hi * BLOCK + r_c1 + w
+    if ORDERED:
+        rows = j0 - m_lo * BLOCK + r_c1 + w
+        _turn_wait(at.prog, _DONE, at.last)
+    _dr_add(at.dr, _dr_value(dr_pend, vterm.v16, Q_ONLY, DOT_DTYPE, UPCAST, DOT_PREC), rows,
+            R_rows, at.stride_dr, offs_d, d_ok, sm_scale)
+    if ORDERED:
+        _turn_pass(at.prog, _DONE)
+
+
+@triton.jit
+def _query_tiles(j0, mlen, window_left, window_right, Lq, BLOCK: tl.constexpr):
+    """``[m_lo, m_hi)``: the query tiles with rows that may see a key of the key tile at j0:
+    d = i + mlen - j in [-window_right, window_left] (both >= 0 here)."""
+    i_lo = tl.maximum(j0 - mlen - window_right, 0)
+    i_hi = tl.minimum(j0 + BLOCK - 1 + window_left - mlen, Lq - 1)
+    m_lo = i_lo // BLOCK
+    m_hi = (tl.maximum(i_hi, -1) + BLOCK) // BLOCK
+    return m_lo, m_hi
+
+
+@triton.jit
+def _key_tile(ORDERED: tl.constexpr):
+    """The dk/dv program's key tile: grid axis 1, or (ORDERED) in reverse grid order (n + 1,
+    which n waits for, starts first)."""
+    n = tl.program_id(1)
+    if ORDERED:
+        n = tl.num_programs(1) - 1 - n
+    return n
+
+
+@triton.jit
+def _du_operand(BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """e0 = [1, 0, ..., 0] per row ([BLOCK, 16]), the dk/dv kernel's operand for the column
+    sums of dS.
+
+    du: DU_DOT, the column sums of the rounded dS (the dK product's operand) as one narrow
+    product ds^T @ e0 (column 0 holds the sums, the others 0): 8 registers a thread at BLOCK
+    64 where a carried [BLOCK, BLOCK] fp32 tile takes 32 (sm_90, D <= 64); else the fp32 dS
+    tiles summed elementwise: fewer spills on the small-tile families' mma.sync / tcgen05
+    layouts (_DU_DOT_FAMILIES), and at D 128 on sm_90 fewer spills without flags and a faster
+    loop in the static model."""
+    e0 = (tl.arange(0, 16)[None, :] == 0) & (tl.arange(0, BLOCK)[:, None] >= 0)
+    return e0.to(DOT_DTYPE)
+
+
+@triton.jit
+def _q_only_biases(query, e0, DOT_DTYPE: tl.constexpr, Q_ONLY: tl.constexpr):
+    """(bias_u, bias_v, vterm). Q_ONLY: the biases in the operand dtype (exact: they are
+    stored in the input dtype), and the ``_VTerm`` of the dr sums (v16 = [vb; 0; ...]); else
+    0, 0 and a ``_VTerm`` with v16 0."""
+    bias_u = 0
+    bias_v = 0
+    vterm = _VTerm(e0=e0, v16=0)
+    if Q_ONLY:
+        bias_u, bias_v = query.bias_u.to(DOT_DTYPE), query.bias_v.to(DOT_DTYPE)
+        vterm = _VTerm(e0=e0, v16=tl.where(tl.arange(0, 16)[:, None] == 0, bias_v[None, :],
+                                           0.0).to(DOT_DTYPE))
+    return bias_u, bias_v, vterm
+
+
+@triton.jit
+def _dkdv_query_tile(query, m, bias_u, bias_v, offs_d, Lq, D, DOT_DTYPE: tl.constexpr,
+                     USE_DESC: tl.constexpr, Q_ONLY: tl.constexpr, IN_DTYPE: tl.constexpr,
+                     UPCAST: tl.constexpr, BLOCK: tl.constexpr):
+    """Query tile m of the dk/dv kernel: (i0, offs_i, a_t, qv_t, q_t, do, lse2, delta), q_t
+    the operand of the dK product (``_load_query_tile``'s (q + u); Q_ONLY: q itself, with
+    (q + u) and (q + vb) summed here in the operand dtype: fewer registers than fp32
+    sums)."""
+    i0 = m * BLOCK
+    offs_i = i0 + tl.arange(0, BLOCK)
+    a_t, qv_t, do, lse2, delta = _load_query_tile(query, i0, offs_i, offs_d, Lq, D, DOT_DTYPE,
+                                                  USE_DESC, Q_ONLY, IN_DTYPE, UPCAST, False)
+    q_t = a_t
+    if Q_ONLY:
+        a_t, qv_t = bias_operands(q_t, bias_u, bias_v, IN_DTYPE, UPCAST)
+    return i0, offs_i, a_t, qv_t, q_t, do, lse2, delta
+
+
+@triton.jit
+def _store_dkdv(dk, dv, ds_cols, ds_sum, k_t, outs, q_args, b, h, n, offs_j, offs_d, d_ok,
+                kv_msk, sm_scale, keep_scale, DU_DOT: tl.constexpr, Q_ONLY: tl.constexpr,
+                DROPOUT: tl.constexpr, UPCAST: tl.constexpr):
+    """The key tile's results into ``outs`` (``DkdvOuts``): its du part, scale * (column sums
+    of dS) . K, once (the sum over ds_cols' columns adds zeros to column 0: exact), and dk, dv
+    (DROPOUT: dv with the kept probabilities' 1 / (1 - p), ``keep_scale``)."""
+    stride_part = outs.stride_part
+    part_off = (b * stride_part.batch + n.to(tl.int64) * stride_part.row
+                + h * stride_part.head + offs_d)
+    if DU_DOT:
+        col_sums = tl.sum(ds_cols, axis=1)
+    else:
+        col_sums = tl.sum(ds_sum, axis=0)
+    tl.store(outs.du_part + part_off,
+             tl.sum(col_sums[:, None] * k_t.to(tl.float32), axis=0) * sm_scale, mask=d_ok)
+    if Q_ONLY:  # dS^T (q + u) = dS^T q + (column sums of dS) u; u loaded again here (held
+        # through the loop, its fp32 copy would take registers from it)
+        dk += col_sums[:, None] * tl.load(q_args.u + h * q_args.stride_bias.u + offs_d,
+                                          mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    dk = dk * sm_scale
+    if DROPOUT:  # (_recompute_p_ds)
+        dv = dv * keep_scale
+    stride_dk = outs.stride_dk
+    out_off = (b * stride_dk.batch + h * stride_dk.head
+               + offs_j.to(tl.int64)[:, None] * stride_dk.row + offs_d[None, :])
+    tl.store(outs.dk + out_off, _output(dk, outs.dk.dtype.element_ty, UPCAST), mask=kv_msk)
+    tl.store(outs.dv + out_off, _output(dv, outs.dv.dtype.element_ty, UPCAST), mask=kv_msk)
 
 
 @triton.jit
@@ -659,10 +832,7 @@ def _rel_attn_bwd_dkdv_kernel(
     rounds them, for the products that recompute S, and the gradient products take q itself
     plus the bias terms in fp32: dK = dS^T q + (column sums of dS) u, dr = G^T q + (column
     sums of G) vb."""
-    # ORDERED: key tiles in reverse grid order (n + 1, which n waits for, starts first)
-    n = tl.program_id(1)
-    if ORDERED:
-        n = tl.num_programs(1) - 1 - n
+    n = _key_tile(ORDERED)
     j0 = n * BLOCK
     offs_j = j0 + tl.arange(0, BLOCK)
     mlen = Lk - Lq
@@ -674,76 +844,31 @@ def _rel_attn_bwd_dkdv_kernel(
     d_ok = offs_d < D
     kv_msk = (offs_j < Lk)[:, None] & d_ok[None, :]
     k_t, v_t = _load_kv_tile(keys, j0, offs_j, Lk, offs_d, D, DOT_DTYPE, USE_DESC)
-
-    # Query rows that may see a key of this tile: d = i + mlen - j in [-window_right,
-    # window_left] (both >= 0 here).
-    i_lo = tl.maximum(j0 - mlen - window_right, 0)
-    i_hi = tl.minimum(j0 + BLOCK - 1 + window_left - mlen, Lq - 1)
-    m_lo = i_lo // BLOCK
-    m_hi = (tl.maximum(i_hi, -1) + BLOCK) // BLOCK
-
+    m_lo, m_hi = _query_tiles(j0, mlen, window_left, window_right, Lq, BLOCK)
     dk = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
-    # du: DU_DOT, the column sums of the rounded dS (the dK product's operand) as one narrow
-    # product ds^T @ e0, e0 = [1, 0, ..., 0] per row ([BLOCK, 16]; column 0 holds the sums,
-    # the others 0): 8 registers a thread at BLOCK 64 where a carried [BLOCK, BLOCK] fp32 tile
-    # takes 32 (sm_90, D <= 64); else the fp32 dS tiles summed elementwise: fewer spills on
-    # the small-tile families' mma.sync / tcgen05 layouts (_DU_DOT_FAMILIES), and at D 128
-    # on sm_90 fewer spills without flags and a faster loop in the static model
-    e0 = (tl.arange(0, 16)[None, :] == 0) & (tl.arange(0, BLOCK)[:, None] >= 0)
-    e0 = e0.to(DOT_DTYPE)
+    e0 = _du_operand(BLOCK, DOT_DTYPE)  # (DU_DOT; else the dS tiles summed in ds_sum)
     ds_cols = tl.zeros([BLOCK, 16], dtype=tl.float32)
     ds_sum = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
     # The window of query tile m is r rows j0 - i0 + r_c1 - BLOCK + [0, 2 BLOCK) (the pairs
-    # read rows j - i + r_c1 - 1): its hi chunk
-    # is the previous tile's lo chunk, carried, so one r tile is loaded per query tile.
-    # (ORDERED walks the query tiles down: its lo chunk is the previous tile's hi chunk.)
+    # read rows j - i + r_c1 - 1): its hi chunk is the previous tile's lo chunk, carried, so
+    # one r tile is loaded per query tile. (ORDERED walks the query tiles down: its lo chunk
+    # is the previous tile's hi chunk.)
     w = tl.arange(0, BLOCK)
     if ORDERED:
         r_lo = _load_r(rel, j0 - m_hi * BLOCK + r_c1, w, offs_d, D, DOT_DTYPE, USE_DESC)
     else:
         r_hi = _load_r(rel, j0 - m_lo * BLOCK + r_c1, w, offs_d, D, DOT_DTYPE, USE_DESC)
-    vterm = _VTerm(e0=e0, v16=0)  # Q_ONLY: v16 = [vb; 0; ...], for _dr_value
-    if Q_ONLY:  # the biases in the operand dtype (exact: they are stored in the input dtype)
-        bias_u, bias_v = query.bias_u.to(DOT_DTYPE), query.bias_v.to(DOT_DTYPE)
-        vterm = _VTerm(e0=e0, v16=tl.where(tl.arange(0, 16)[:, None] == 0, bias_v[None, :],
-                                           0.0).to(DOT_DTYPE))
-    if ATOMIC:
-        stride_dqa, stride_dr = atomics.stride_dq, atomics.stride_dr
-        DQ_bh = atomics.dq + b * stride_dqa.batch + h * stride_dqa.head
-        DR_h = atomics.dr + b * stride_dr.batch + h * stride_dr.head
-        lo_part = _lo_part(BLOCK)
-        # dr of the current tile's hi window chunk, pending its lo-chunk part from the
-        # previous query tile (the same r rows: see the loop)
-        dr_pend = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
-        if Q_ONLY:
-            dr_pend = _DrSums(dr_pend, tl.zeros([BLOCK, 16], dtype=tl.float32))
-        # ORDERED: the query tiles go down, m = m_hi - 1 .. m_lo, and key tile n publishes in
-        # PROG[n] how far it has got (Mq - m once query tile m's adds are issued, Mq =
-        # cdiv(Lq, BLOCK); _DONE after the last flush). Query tile m's adds (dq tile m, dr
-        # block rows from p_lo) wait until PROG[n + 1] >= Mq - m, the last flush until it is
-        # _DONE. By induction down from the last key tile, every key tile after n then has
-        # made all its adds to those rows (dq tile m at its query tile m, the dr rows at query
-        # tile m + 1: the tile ranges only move up with n), so every row takes its adds in
-        # key-tile order (descending). Where the query range ends at the same tile for n and
-        # n + 1 (causal, or no left window), n + 1 reaches dq tile m at the same step and the
-        # dr rows a step earlier, so n hardly waits (docs/DESIGN.md: the other directions
-        # make each level of the chain a step later).
-        Mq = tl.cdiv(Lq, BLOCK)
-        last = n == tl.num_programs(1) - 1
-        PROG = atomics.sems + (b * H + h) * atomics.sem_row + n
+    bias_u, bias_v, vterm = _q_only_biases(query, e0, DOT_DTYPE, Q_ONLY)
+    if ATOMIC:  # (the pending dr sum and ORDERED's turns: _atomic_setup)
+        at, dr_pend = _atomic_setup(atomics, b, h, n, H, Lq, BLOCK, BLOCK_D, Q_ONLY)
     m_first, m_stop, m_step = m_lo, m_hi, 1
-    if ORDERED:
+    if ORDERED:  # (the query tiles going down)
         m_first, m_stop, m_step = m_hi - 1, m_lo - 1, -1
     for m in range(m_first, m_stop, m_step):
-        i0 = m * BLOCK
-        offs_i = i0 + tl.arange(0, BLOCK)
-        a_t, qv_t, do, lse2, delta = _load_query_tile(query, i0, offs_i, offs_d, Lq, D,
-                                                      DOT_DTYPE, USE_DESC, Q_ONLY,
-                                                      K.dtype.element_ty, UPCAST, False)
-        q_t = a_t
-        if Q_ONLY:  # summed in the operand dtype: fewer registers than fp32 sums
-            a_t, qv_t = bias_operands(q_t, bias_u, bias_v, K.dtype.element_ty, UPCAST)
+        i0, offs_i, a_t, qv_t, q_t, do, lse2, delta = _dkdv_query_tile(
+            query, m, bias_u, bias_v, offs_d, Lq, D, DOT_DTYPE, USE_DESC, Q_ONLY,
+            K.dtype.element_ty, UPCAST, BLOCK)
         p_lo = j0 - i0 + r_c1 - BLOCK
         if ORDERED:
             r_hi = _load_r(rel, p_lo + BLOCK, w, offs_d, D, DOT_DTYPE, USE_DESC)
@@ -762,56 +887,19 @@ def _rel_attn_bwd_dkdv_kernel(
         else:
             ds_sum += ds
         if ATOMIC:
-            order = 0
-            rows = p_lo + BLOCK + w  # the hi chunk's rows (ORDERED: the lo chunk's)
-            if ORDERED:
-                order = _Order(prog=PROG, last=last, progress=Mq - m)
-                rows = p_lo + w
-            qv_b = qv_t
-            if Q_ONLY:
-                qv_b = q_t
-            dr_pend = _dq_dr_atomics(ds_op, ds, k_t, r_lo, r_hi, qv_b, dr_pend, DQ_bh, DR_h,
-                                     offs_i, rows, Lq, R_rows, stride_dqa.row, stride_dr.row,
-                                     offs_d, d_ok, lo_part, sm_scale, order, vterm, DOT_DTYPE,
-                                     UPCAST, DOT_PREC, SKEW_GATHER, BLOCK, K.dtype.element_ty,
-                                     ORDERED, Q_ONLY)
+            dr_pend = _dq_dr_atomics(ds_op, ds, k_t, r_lo, r_hi, qv_t, q_t, dr_pend, at, m,
+                                     p_lo, w, offs_i, Lq, R_rows, offs_d, d_ok, sm_scale, vterm,
+                                     DOT_DTYPE, UPCAST, DOT_PREC, SKEW_GATHER, BLOCK,
+                                     K.dtype.element_ty, ORDERED, Q_ONLY)
         if ORDERED:
             r_lo = r_hi
         else:
             r_hi = r_lo
-    if ATOMIC:  # the last tile's lo chunk (ORDERED: the hi chunk of tile m_lo)
-        rows = j0 - m_hi * BLOCK + r_c1 + w
-        if ORDERED:
-            rows = j0 - m_lo * BLOCK + r_c1 + w
-            _turn_wait(PROG, _DONE, last)
-        _dr_add(DR_h, _dr_value(dr_pend, vterm.v16, Q_ONLY, DOT_DTYPE, UPCAST, DOT_PREC), rows,
-                R_rows, stride_dr.row, offs_d, d_ok, sm_scale)
-        if ORDERED:
-            _turn_pass(PROG, _DONE)
-
-    # du's part: scale * (column sums of dS) . K, once (the sum over ds_cols' columns adds
-    # zeros to column 0: exact)
-    stride_part = outs.stride_part
-    part_off = (b * stride_part.batch + n.to(tl.int64) * stride_part.row
-                + h * stride_part.head + offs_d)
-    if DU_DOT:
-        col_sums = tl.sum(ds_cols, axis=1)
-    else:
-        col_sums = tl.sum(ds_sum, axis=0)
-    tl.store(outs.du_part + part_off,
-             tl.sum(col_sums[:, None] * k_t.to(tl.float32), axis=0) * sm_scale, mask=d_ok)
-    if Q_ONLY:  # dS^T (q + u) = dS^T q + (column sums of dS) u; u loaded again here (held
-        # through the loop, its fp32 copy would take registers from it)
-        dk += col_sums[:, None] * tl.load(q_args.u + h * q_args.stride_bias.u + offs_d,
-                                          mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    dk = dk * sm_scale
-    if DROPOUT:  # the kept probabilities' 1 / (1 - p) (_recompute_p_ds)
-        dv = dv * drop.keep_scale
-    stride_dk = outs.stride_dk
-    out_off = (b * stride_dk.batch + h * stride_dk.head
-               + offs_j.to(tl.int64)[:, None] * stride_dk.row + offs_d[None, :])
-    tl.store(outs.dk + out_off, _output(dk, outs.dk.dtype.element_ty, UPCAST), mask=kv_msk)
-    tl.store(outs.dv + out_off, _output(dv, outs.dv.dtype.element_ty, UPCAST), mask=kv_msk)
+    if ATOMIC:
+        _atomic_flush(at, dr_pend, vterm, j0, m_lo, m_hi, r_c1, w, R_rows, offs_d, d_ok,
+                      sm_scale, DOT_DTYPE, UPCAST, DOT_PREC, BLOCK, ORDERED, Q_ONLY)
+    _store_dkdv(dk, dv, ds_cols, ds_sum, k_t, outs, q_args, b, h, n, offs_j, offs_d, d_ok,
+                kv_msk, sm_scale, drop.keep_scale, DU_DOT, Q_ONLY, DROPOUT, UPCAST)
 
 
 class _QueryRows(NamedTuple):
