@@ -1518,8 +1518,7 @@ def rel_attn_bwd(
     B, Lq, H, D = q.shape
     Lk = k.shape[1]
     R_rows = r.shape[0]
-    dev = q.device
-    family = config_family(dev)[0]
+    family = config_family(q.device)[0]
     block_d = max(16, triton.next_power_of_2(D))
     r_shift = Lq - 1 if r_first_distance is None else int(r_first_distance) - Lk + Lq
     fits = _atomic_offsets_fit(R_rows, Lq, Lk, H, D, r_shift)
@@ -1528,25 +1527,10 @@ def rel_attn_bwd(
     ordered = fused_dq and deterministic
     q_only = fused_dq and _q_only(family, block_d)
     deterministic = deterministic or not fits
-    dropout = dropout_p > 0.0
-    # Non-finite entries of r, and of k / v where a mask can exclude a pair, as 0: excluded
-    # pairs take part with exact zeros of P and dS in dP = dO V^T, dS K and dS r (and every
-    # 2 BLOCK window of r holds a row none of its tile's pairs use, on mask-free tiles too);
-    # an allowed pair with a non-finite row has a NaN lse from the forward, which keeps its
-    # rows' P and dS NaN. Done here, one elementwise pass per tensor, rather than in the
-    # kernels, where it costs registers on every tile (sm_90: 50-200 B more spills per kernel)
-    r = finite_or_zero(r)
-    if excludes_pairs(window_left, window_right, key_padding_mask, attn_mask):
-        k, v = finite_or_zero(k), finite_or_zero(v)
-    q, k, v, r, do, out = (last_dim_contiguous(t) for t in (q, k, v, r, do, out))
-    r_w_bias, r_r_bias = last_dim_contiguous(r_w_bias), last_dim_contiguous(r_r_bias)
-    lse = lse.contiguous()
-    # Unbounded window sides become Lq + Lk (wider than any pair distance), so the kernels
-    # test every side without a flag; a mask band narrows them on the device.
-    wl = int(window_left) if window_left >= 0 else Lq + Lk
-    wr = int(window_right) if window_right >= 0 else Lq + Lk
+    q, k, v, r, do, out, r_w_bias, r_r_bias, lse = _bwd_inputs(
+        q, k, v, r, do, out, r_w_bias, r_r_bias, lse,
+        excludes_pairs(window_left, window_right, key_padding_mask, attn_mask))
     scale = float(softmax_scale)
-
     # The interpreter's bf16 dot is wrong (triton#11584): bf16 operands are rounded to bf16
     # (round to nearest) but kept in fp32 for tl.dot.
     upcast = q.dtype == torch.bfloat16 and INTERPRET
@@ -1555,49 +1539,33 @@ def rel_attn_bwd(
     configs = _bwd_configs(q.dtype, precision, block_d, Lq, Lk, family)
     delta, a_op, qv_op, w_strides = _bwd_preprocess(do, q, r_w_bias, r_r_bias, out, q_only,
                                                     upcast, block_d)
-
     # The main kernels' shared arguments (see "Kernels" above for the tuples' layouts).
     inputs = (a_op, qv_op, k, v, r, do, lse, delta)
-    strides = BwdStrides(work=w_strides, k=row_strides(k), v=row_strides(v), r=head_strides(r),
-                         do=row_strides(do), lse=LseStrides(*lse.stride()))
-    has_band = attn_mask_band is not None and attn_mask is not None
-    # (delta: the placeholder of an absent mask, band or seed; unread)
-    masks = mask_args(wl, wr, key_padding_mask, attn_mask,
-                      attn_mask_band if has_band else None, delta, (B, H, Lq, Lk))
-    drop = dropout_args(dropout_p, dropout_seed, delta)
+    strides, masks = _bwd_tuples(inputs, w_strides, window_left, window_right,
+                                 key_padding_mask, attn_mask, attn_mask_band)
+    drop = dropout_args(dropout_p, dropout_seed, delta)  # (delta: the placeholder seed)
     meta = dict(HAS_KPM=key_padding_mask is not None, HAS_MASK=attn_mask is not None,
-                HAS_BAND=has_band, DOT_DTYPE=dot_dtype, UPCAST=upcast, DOT_PREC=precision,
+                HAS_BAND=attn_mask_band is not None and attn_mask is not None,
+                DOT_DTYPE=dot_dtype, UPCAST=upcast, DOT_PREC=precision,
                 SKEW_GATHER=q.dtype == torch.float32 or family in _GATHER_SKEW_FAMILIES,
-                BLOCK_D=block_d, DROPOUT=dropout,
+                BLOCK_D=block_d, DROPOUT=dropout_p > 0.0,
                 USE_DESC=descriptors_ok(a_op, qv_op, q, do, k, v, r))
-    if meta["USE_DESC"] and dev.type == "cuda" and not INTERPRET:
+    if meta["USE_DESC"] and q.device.type == "cuda" and not INTERPRET:
         ensure_scratch_allocator()
     sizes = (H, Lq, Lk, R_rows, r_shift - (Lq - 1) + 1, D, scale, scale * LOG2E.value)
     # q and the biases, for the kernels that form q + u and q + vb themselves (FROM_Q, Q_ONLY)
     q_args = QArgs(q=q, u=r_w_bias, vb=r_r_bias, stride_q=row_strides(q),
                    stride_bias=bias_strides(r_w_bias, r_r_bias))
     buckets = (length_bucket(Lq), length_bucket(Lk))  # autotune keys only
-
     # du and dvb: the dk/dv kernel writes scale (column sums of dS) . K of each key tile (its
     # part of du = sum of dA over the rows); dvb = sum(dq) - du, all in fp32 (the dq kernel
     # writes the row sums of each dq tile, summed in a fixed order; with ATOMIC they are summed
     # from the fp32 dq)
-    du_part = torch.zeros((B, triton.cdiv(Lk, _MIN_BLOCK), H, D), device=dev,
-                          dtype=torch.float32)
     dr_acc, dq_acc, atomics = _atomic_buffers(q, Lk, R_rows, fused_dq, ordered, deterministic)
-
-    # dk, dv (+ du partials; ATOMIC: + dq and dr by fp32 atomics): one program per key tile
-    dk = torch.empty((B, Lk, H, D), device=dev, dtype=q.dtype)
-    dv = torch.empty((B, Lk, H, D), device=dev, dtype=q.dtype)
-    _launch(_dkdv_kernel, _rel_attn_bwd_dkdv_kernel,
-            lambda blk: (B * H, triton.cdiv(Lk, blk)),
-            (*inputs, DkdvOuts(dk=dk, dv=dv, du_part=du_part, stride_dk=row_strides(dk),
-                               stride_part=row_strides(du_part)), strides, atomics, q_args,
-             *sizes, masks, drop, *buckets),
-            dict(meta, DU_DOT=family in _DU_DOT_FAMILIES and block_d <= 64, ATOMIC=fused_dq,
-                 ORDERED=ordered, Q_ONLY=q_only),
-            configs[0])
-    du32 = du_part.sum(dim=(0, 1))
+    launch = (inputs, strides, sizes, masks, drop, buckets, meta)
+    dk, dv, du32 = _run_dkdv(q, Lk, launch, atomics, q_args,
+                             dict(DU_DOT=family in _DU_DOT_FAMILIES and block_d <= 64,
+                                  ATOMIC=fused_dq, ORDERED=ordered, Q_ONLY=q_only), configs[0])
     du = du32.to(q.dtype)
 
     if fused_dq:
@@ -1605,30 +1573,101 @@ def rel_attn_bwd(
         dq = dq32.to(q.dtype)
         dvb = (dq32.sum(dim=(0, 1)) - du32).to(q.dtype)
     else:
-        # dq (+ its row sums; + dr with atomics when not deterministic): one program per
-        # query tile
-        dq = torch.empty((B, Lq, H, D), device=dev, dtype=q.dtype)
-        dq_part = torch.zeros((B, triton.cdiv(Lq, _MIN_BLOCK), H, D), device=dev,
-                              dtype=torch.float32)
-        dr_arg = dq_part if deterministic else dr_acc[0]  # dq_part: unused (ATOMIC_DR=False)
-        _launch(_dq_kernel, _rel_attn_bwd_dq_kernel,
-                lambda blk: (B * H, triton.cdiv(Lq, blk)),
-                (*inputs, dq, dq_part, dr_arg, strides, row_strides(dq), row_strides(dq_part),
-                 head_strides(dr_arg), *sizes, masks, drop, *buckets),
-                dict(meta, ATOMIC_DR=not deterministic), configs[1])
-        dvb = (dq_part.sum(dim=(0, 1)) - du32).to(q.dtype)
+        dq, dvb = _run_dq(q, launch, du32, None if deterministic else dr_acc[0], configs[1])
 
     if fused_dq:
         dr = (dr_acc.sum(dim=0) if ordered else dr_acc[0]).to(q.dtype)
     elif deterministic:
-        # dr: one program per block diagonal; Z[0] holds the lo chunks, Z[1] the hi chunks.
-        z = torch.zeros((2, B, R_rows, H, D), device=dev, dtype=torch.float32)
-        _launch(_dr_kernel, _rel_attn_bwd_dr_kernel,
-                lambda blk: (B * H, triton.cdiv(Lq, blk) + triton.cdiv(Lk, blk) - 1),
-                (*inputs, z, strides, ZStrides(*z.stride()[:4]), q_args, *sizes, masks, drop,
-                 *buckets),
-                dict(meta, FROM_Q=_dr_from_q(block_d, meta)), configs[2])
-        dr = z.sum(dim=(0, 1)).to(q.dtype)
+        dr = _run_dr(q, Lk, R_rows, launch, q_args, configs[2])
     else:
         dr = dr_acc[0].to(q.dtype)
     return dq, dk, dv, dr, du, dvb
+
+
+def _bwd_tuples(inputs, w_strides: WorkStrides, window_left: int, window_right: int,
+                key_padding_mask, attn_mask, attn_mask_band):
+    """The main backward kernels' ``strides`` (``BwdStrides``) and ``masks`` (``MaskArgs``)
+    for their pointer ``inputs`` (a_op, qv_op, k, v, r, do, lse, delta). Unbounded window
+    sides become Lq + Lk (wider than any pair distance), so the kernels test every side
+    without a flag; a mask band (used with a dense mask only) narrows them on the device.
+    delta stands in for an absent mask or band (unread)."""
+    _, _, k, v, r, do, lse, delta = inputs
+    B, H, Lq = lse.shape
+    Lk = k.shape[1]
+    strides = BwdStrides(work=w_strides, k=row_strides(k), v=row_strides(v), r=head_strides(r),
+                         do=row_strides(do), lse=LseStrides(*lse.stride()))
+    wl = int(window_left) if window_left >= 0 else Lq + Lk
+    wr = int(window_right) if window_right >= 0 else Lq + Lk
+    has_band = attn_mask_band is not None and attn_mask is not None
+    masks = mask_args(wl, wr, key_padding_mask, attn_mask,
+                      attn_mask_band if has_band else None, delta, (B, H, Lq, Lk))
+    return strides, masks
+
+
+def _bwd_inputs(q, k, v, r, do, out, r_w_bias, r_r_bias, lse, excludes: bool):
+    """The backward's tensors as the kernels take them: non-finite entries of r, and of k / v
+    where a mask can exclude a pair (``excludes``), as 0, and every tensor with a contiguous
+    last dim (lse contiguous). Excluded pairs take part with exact zeros of P and dS in
+    dP = dO V^T, dS K and dS r (and every 2 BLOCK window of r holds a row none of its tile's
+    pairs use, on mask-free tiles too); an allowed pair with a non-finite row has a NaN lse
+    from the forward, which keeps its rows' P and dS NaN. Done here, one elementwise pass per
+    tensor, rather than in the kernels, where it costs registers on every tile (sm_90:
+    50-200 B more spills per kernel)."""
+    r = finite_or_zero(r)
+    if excludes:
+        k, v = finite_or_zero(k), finite_or_zero(v)
+    q, k, v, r, do, out = (last_dim_contiguous(t) for t in (q, k, v, r, do, out))
+    r_w_bias, r_r_bias = last_dim_contiguous(r_w_bias), last_dim_contiguous(r_r_bias)
+    return q, k, v, r, do, out, r_w_bias, r_r_bias, lse.contiguous()
+
+
+def _run_dkdv(q, Lk: int, launch, atomics, q_args, flags: dict, config):
+    """The dk/dv kernel (+ du partials; ATOMIC: + dq and dr by fp32 atomics into
+    ``atomics``' buffers): one program per key tile. ``launch`` as in ``_run_dq``; ``flags``
+    its own constexprs (DU_DOT, ATOMIC, ORDERED, Q_ONLY). Returns (dk, dv, du in fp32)."""
+    inputs, strides, sizes, masks, drop, buckets, meta = launch
+    B, Lq, H, D = q.shape
+    du_part = torch.zeros((B, triton.cdiv(Lk, _MIN_BLOCK), H, D), device=q.device,
+                          dtype=torch.float32)
+    dk = torch.empty((B, Lk, H, D), device=q.device, dtype=q.dtype)
+    dv = torch.empty((B, Lk, H, D), device=q.device, dtype=q.dtype)
+    _launch(_dkdv_kernel, _rel_attn_bwd_dkdv_kernel,
+            lambda blk: (B * H, triton.cdiv(Lk, blk)),
+            (*inputs, DkdvOuts(dk=dk, dv=dv, du_part=du_part, stride_dk=row_strides(dk),
+                               stride_part=row_strides(du_part)), strides, atomics, q_args,
+             *sizes, masks, drop, *buckets),
+            dict(meta, **flags), config)
+    return dk, dv, du_part.sum(dim=(0, 1))
+
+
+def _run_dq(q, launch, du32, dr_acc, config):
+    """The dq kernel (+ its row sums; + dr with atomics into ``dr_acc`` [R, H, D] unless it is
+    None, the deterministic mode): one program per query tile. ``launch``: the main kernels'
+    shared (inputs, strides, sizes, masks, drop, buckets, meta). Returns (dq, dvb), dvb =
+    sum(dq) - du (fp32 ``du32``)."""
+    inputs, strides, sizes, masks, drop, buckets, meta = launch
+    B, Lq, H, D = q.shape
+    dq = torch.empty((B, Lq, H, D), device=q.device, dtype=q.dtype)
+    dq_part = torch.zeros((B, triton.cdiv(Lq, _MIN_BLOCK), H, D), device=q.device,
+                          dtype=torch.float32)
+    dr_arg = dq_part if dr_acc is None else dr_acc  # dq_part: unused (ATOMIC_DR=False)
+    _launch(_dq_kernel, _rel_attn_bwd_dq_kernel,
+            lambda blk: (B * H, triton.cdiv(Lq, blk)),
+            (*inputs, dq, dq_part, dr_arg, strides, row_strides(dq), row_strides(dq_part),
+             head_strides(dr_arg), *sizes, masks, drop, *buckets),
+            dict(meta, ATOMIC_DR=dr_acc is not None), config)
+    return dq, (dq_part.sum(dim=(0, 1)) - du32).to(q.dtype)
+
+
+def _run_dr(q, Lk: int, R_rows: int, launch, q_args, config):
+    """The deterministic dr kernel: one program per block diagonal; Z[0] holds the lo chunks,
+    Z[1] the hi chunks, summed here. ``launch`` as in ``_run_dq``."""
+    inputs, strides, sizes, masks, drop, buckets, meta = launch
+    B, Lq, H, D = q.shape
+    z = torch.zeros((2, B, R_rows, H, D), device=q.device, dtype=torch.float32)
+    _launch(_dr_kernel, _rel_attn_bwd_dr_kernel,
+            lambda blk: (B * H, triton.cdiv(Lq, blk) + triton.cdiv(Lk, blk) - 1),
+            (*inputs, z, strides, ZStrides(*z.stride()[:4]), q_args, *sizes, masks, drop,
+             *buckets),
+            dict(meta, FROM_Q=_dr_from_q(meta["BLOCK_D"], meta)), config)
+    return z.sum(dim=(0, 1)).to(q.dtype)
