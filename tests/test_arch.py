@@ -60,7 +60,7 @@ def test_backward_defaults_per_family(monkeypatch):
     for cap, fam in ((80, "sm80"), (89, "sm86"), (90, "sm90"), (100, "sm100"), (120, "sm120")):
         for d in (64, 128, 256):
             for extra in (False, True):
-                cfg = B._default_config(d, False, False, extra, family=fam)
+                cfg = B._default_config(d, False, False, fam, extra_tiles=extra)
                 if fam != "sm90":
                     assert cfg["BLOCK"] <= 32, (fam, d, cfg)
                 key = (cfg["BLOCK"], cfg["num_warps"], cfg["num_stages"])
@@ -83,7 +83,7 @@ def test_forward_tables_fit_the_small_blocks():
     for fam in ("sm80", "sm86", "sm90", "sm100", "sm120"):
         for d in (64, 128):
             for dense_mask in (False, True):
-                cfg = F._default_config(d, False, False, fam, dense_mask)
+                cfg = F._default_config(d, False, False, fam, dense_mask=dense_mask)
                 key = (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"])
                 assert key in F._family_table(fam) and key in rows, (fam, d, cfg)
                 assert F._config_ok(*key, d, False, False), (fam, d, cfg)

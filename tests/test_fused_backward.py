@@ -512,7 +512,7 @@ def test_default_config_is_a_kept_autotune_config(monkeypatch):
                 for extra in (False, True):
                     for L in (20, 4096):
                         cfg = rb._default_config(block_d, exact, dtype == torch.float32,
-                                                 extra, L, L)
+                                                 extra_tiles=extra, lq=L, lk=L)
                         key = (cfg["BLOCK"], cfg["num_warps"], cfg["num_stages"])
                         assert key in gpu, (dtype, block_d, extra, L, cfg)
                         kept = rb._make_prune(extra)(list(gpu.values()),

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .._arch import config_family
+from .._variant import variant_of
 from .._utils import draw_dropout_seed, interpreting, last_dim_contiguous  # noqa: F401
 
 # TRITON_INTERPRET is read once, as triton itself does when it decorates the kernels.
@@ -143,7 +144,7 @@ class DropoutArgs(NamedTuple):
 class MemoryArgs(NamedTuple):
     """The forward and decode kernels' ``memory`` argument (``memory_launch_args``): the 8-bit
     keys / values and their per-row scales with their (batch, row, head) strides, and the
-    memory's rows ``mem_m``."""
+    memory's rows ``M``."""
     kq: torch.Tensor
     ks: torch.Tensor
     vq: torch.Tensor
@@ -152,7 +153,7 @@ class MemoryArgs(NamedTuple):
     ks_strides: RowStrides
     vq_strides: RowStrides
     vs_strides: RowStrides
-    mem_m: int
+    M: int
 
 
 class QuantRows(NamedTuple):
@@ -180,12 +181,12 @@ def to_operand(x, IN_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def bias_operands(q, bias_u, bias_v, IN_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
+def bias_operands(q, u, vb, IN_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
     """(q + u, q + vb) rounded once to the input dtype, the operands of the AC and BD products
     in every kernel (q [BLOCK, BLOCK_D], the biases [BLOCK_D]; both in fp32, or both in the
     16-bit input dtype: the exact sum of two 16-bit values rounds the same either way)."""
-    return (to_operand(q + bias_u[None, :], IN_DTYPE, UPCAST),
-            to_operand(q + bias_v[None, :], IN_DTYPE, UPCAST))
+    return (to_operand(q + u[None, :], IN_DTYPE, UPCAST),
+            to_operand(q + vb[None, :], IN_DTYPE, UPCAST))
 
 
 @triton.jit
@@ -195,9 +196,9 @@ def load_bias_operands(Q_bh, U_h, VB_h, rows, offs_d, d_ok, msk, stride_qm,
     from q (``Q_bh``, row stride stride_qm; ``msk`` the rows and columns in range) and this
     head's biases ``U_h`` / ``VB_h``."""
     q = tl.load(Q_bh + rows * stride_qm + offs_d[None, :], mask=msk, other=0.0).to(tl.float32)
-    bias_u = tl.load(U_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    bias_v = tl.load(VB_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    return bias_operands(q, bias_u, bias_v, Q_bh.dtype.element_ty, UPCAST)
+    u = tl.load(U_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    vb = tl.load(VB_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    return bias_operands(q, u, vb, Q_bh.dtype.element_ty, UPCAST)
 
 
 @triton.jit
@@ -354,19 +355,19 @@ def _quant_rows(X, S, stride_x, stride_s, b, h, offs_n0, offs_d):
 @triton.jit
 def memory_bases(memory, b, h, offs_n0, offs_d):
     """The 8-bit memory of batch b, head h, from the kernels' ``memory`` argument
-    (``MemoryArgs``): ``(keys, values, mem_m)``, keys / values each a ``QuantRows`` (tiles of
+    (``MemoryArgs``): ``(keys, values, M)``, keys / values each a ``QuantRows`` (tiles of
     rows offs_n0, columns offs_d)."""
     keys = _quant_rows(memory.kq, memory.ks, memory.kq_strides, memory.ks_strides, b, h,
                        offs_n0, offs_d)
     values = _quant_rows(memory.vq, memory.vs, memory.vq_strides, memory.vs_strides, b, h,
                          offs_n0, offs_d)
-    return keys, values, memory.mem_m
+    return keys, values, memory.M
 
 
 def memory_launch_args(memory, k: torch.Tensor, v: torch.Tensor) -> MemoryArgs:
     """The ``memory`` argument (``MemoryArgs``) of the forward and decode kernels, the data
     with a contiguous last dim. ``memory`` None or of length 0: placeholders (k, v, zero
-    strides, ``mem_m`` 0; the kernels' QUANT_MEM variant is then off and reads none of
+    strides, ``M`` 0; the kernels' QUANT_MEM variant is then off and reads none of
     them)."""
     if memory is None or memory.k.shape[1] == 0:
         z = RowStrides(0, 0, 0)
@@ -387,6 +388,22 @@ def dot_precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
         return "tf32"
     return "ieee"
+
+
+def variant_flags(q: torch.Tensor, window_left: int, window_right: int, key_padding_mask,
+                  attn_mask, attn_mask_band, dropout_p: float, memory, r_first_distance,
+                  deterministic: bool = False) -> dict:
+    """The constexpr flags a launch takes from its call's variant (``_variant.variant_of``,
+    the self-check's key, so that what is checked is what is compiled): HAS_WL / HAS_WR (a
+    window side; a mask band compiles both in), HAS_KPM, HAS_MASK, HAS_BAND (a band with its
+    dense mask), DROPOUT, QUANT_MEM (an 8-bit memory with rows). Each launcher passes the
+    ones its kernels declare."""
+    v = variant_of(q, window_left, window_right, key_padding_mask, attn_mask, attn_mask_band,
+                   dropout_p, memory, True, deterministic, r_first_distance)
+    band = v.band and v.attn_mask
+    return dict(HAS_WL=v.window_left or band, HAS_WR=v.window_right or band,
+                HAS_KPM=v.key_padding, HAS_MASK=v.attn_mask, HAS_BAND=band, DROPOUT=v.dropout,
+                QUANT_MEM=bool(v.memory))
 
 
 def excludes_pairs(window_left: int, window_right: int, key_padding_mask, attn_mask) -> bool:

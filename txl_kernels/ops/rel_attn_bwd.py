@@ -40,7 +40,7 @@ from ._common import (INTERPRET, LOG2E, BiasStrides, HeadStrides, Pattern, RowSt
                       ensure_scratch_allocator, excludes_pairs, head_strides, interior_tiles,
                       last_dim_contiguous, length_bucket, load_dropout_seed, mask_args,
                       operand_workspace, pair_mask, rotate_rows, round_bf16, row_strides,
-                      store_bias_operands, tile_run, to_operand)
+                      store_bias_operands, tile_run, to_operand, variant_flags)
 
 __all__ = ["rel_attn_bwd"]
 
@@ -144,8 +144,8 @@ def _atomic_add(BASE, row_off, cols, x, row_ok, col_ok):
 
 
 @triton.jit
-def _dr_add(DR_h, x, rows, R_rows, stride_drp, offs_d, d_ok, sm_scale):
-    """dr[rows] += scale * x ([BLOCK, D], from products dT^T Qv) with fp32 atomics; rows
+def _dr_add(DR_h, x, rows, R_rows, stride_drp, offs_d, d_ok, softmax_scale):
+    """dr[rows] += softmax_scale * x ([BLOCK, D], from products dT^T Qv) with fp32 atomics; rows
     outside [0, R) are skipped. The offsets within the head are int32 (64-bit ones cost a loop
     ~60 integer instructions per tile): the launcher takes the atomic paths only while every
     row's offset fits (_atomic_offsets_fit). [BLOCK, D] rather than its transpose: the atomics'
@@ -153,7 +153,7 @@ def _dr_add(DR_h, x, rows, R_rows, stride_drp, offs_d, d_ok, sm_scale):
     transposed pointer tile live (sm_80, bf16 D 128, BLOCK 32, 8 warps: 8.7 KB of spills
     against 176 B in the dq kernel)."""
     row_ok = (rows >= 0) & (rows < R_rows)
-    _atomic_add(DR_h, rows * stride_drp, offs_d, x * sm_scale, row_ok, d_ok)
+    _atomic_add(DR_h, rows * stride_drp, offs_d, x * softmax_scale, row_ok, d_ok)
 
 
 @triton.jit
@@ -257,8 +257,8 @@ class _Query(NamedTuple):
     stride_w: object
     stride_do: object
     stride_lse: object
-    bias_u: object
-    bias_v: object
+    u: object
+    vb: object
 
 
 class _Keys(NamedTuple):
@@ -339,19 +339,19 @@ def _program_setup(A_OP, QV_OP, K, V, R, DO, LSE, DELTA, strides, masks, dropout
                                          block_shape=[BLOCK, BLOCK_D])
         R_h = tl.make_tensor_descriptor(R_h, shape=[R_rows, D], strides=[stride_r.row, 1],
                                         block_shape=[BLOCK, BLOCK_D])
-    bias_u = 0.0
-    bias_v = 0.0
+    u = 0.0
+    vb = 0.0
     if FROM_Q:
         offs_d = tl.arange(0, BLOCK_D)
-        bias_u = tl.load(q_args.u + h * q_args.stride_bias.u + offs_d, mask=offs_d < D,
+        u = tl.load(q_args.u + h * q_args.stride_bias.u + offs_d, mask=offs_d < D,
                          other=0.0).to(tl.float32)
-        bias_v = tl.load(q_args.vb + h * q_args.stride_bias.vb + offs_d, mask=offs_d < D,
+        vb = tl.load(q_args.vb + h * q_args.stride_bias.vb + offs_d, mask=offs_d < D,
                          other=0.0).to(tl.float32)
     stride_l = strides.lse
     query = _Query(a=A_bh, qv=QV_bh, do=DO_bh, lse=LSE + b * stride_l.batch + h * stride_l.head,
                    delta=DELTA + b * stride_l.batch + h * stride_l.head, stride_w=stride_wm,
-                   stride_do=stride_do.row, stride_lse=stride_l.row, bias_u=bias_u,
-                   bias_v=bias_v)
+                   stride_do=stride_do.row, stride_lse=stride_l.row, u=u,
+                   vb=vb)
     keys = _Keys(k=K_bh, v=V_bh, stride_k=stride_k.row, stride_v=stride_v.row)
     rel = _Rel(base=R_h, stride=stride_r.row, rows=R_rows)
     pattern = Pattern(b=b, h=h, Lq=Lq, Lk=Lk, window_left=window_left,
@@ -424,7 +424,7 @@ def _load_query_tile(query, i0, offs_i, offs_d, Lq, D, DOT_DTYPE: tl.constexpr,
         do = tl.load(query.do + rows_i * query.stride_do + offs_d[None, :], mask=q_msk,
                      other=0.0).to(DOT_DTYPE)
     if FROM_Q and ROUND:
-        a_t, qv_t = bias_operands(a_t.to(tl.float32), query.bias_u, query.bias_v, IN_DTYPE,
+        a_t, qv_t = bias_operands(a_t.to(tl.float32), query.u, query.vb, IN_DTYPE,
                                   UPCAST)
     elif FROM_Q:
         a_t = a_t.to(DOT_DTYPE)
@@ -605,7 +605,7 @@ def _dr_value(part, v16, Q_ONLY: tl.constexpr, DOT_DTYPE: tl.constexpr, UPCAST: 
 
 @triton.jit
 def _dq_dr_atomics(ds_op, ds, k_t, r_lo, r_hi, qv_t, q_t, dr_pend, at, m, p_lo, w, offs_i,
-                   Lq, R_rows, offs_d, d_ok, sm_scale, vterm, DOT_DTYPE: tl.constexpr,
+                   Lq, R_rows, offs_d, d_ok, softmax_scale, vterm, DOT_DTYPE: tl.constexpr,
                    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, SKEW_GATHER: tl.constexpr,
                    BLOCK: tl.constexpr, IN_DTYPE: tl.constexpr, ORDERED: tl.constexpr,
                    Q_ONLY: tl.constexpr):
@@ -641,7 +641,7 @@ def _dq_dr_atomics(ds_op, ds, k_t, r_lo, r_hi, qv_t, q_t, dr_pend, at, m, p_lo, 
     _atomic_add(at.dq, offs_i * at.stride_dq, offs_d, dq, offs_i < Lq, d_ok)
     x = _dr_value(_dr_product(flush, qv_t, dr_pend, vterm.e0, Q_ONLY, DOT_PREC), vterm.v16,
                   Q_ONLY, DOT_DTYPE, UPCAST, DOT_PREC)
-    _dr_add(at.dr, x, rows, R_rows, at.stride_dr, offs_d, d_ok, sm_scale)
+    _dr_add(at.dr, x, rows, R_rows, at.stride_dr, offs_d, d_ok, softmax_scale)
     if ORDERED:
         _turn_pass(order.prog, order.progress)
     return _dr_product(carry, qv_t, None, vterm.e0, Q_ONLY, DOT_PREC)
@@ -695,7 +695,7 @@ def _atomic_setup(atomics, b, h, n, H, Lq, BLOCK: tl.constexpr, BLOCK_D: tl.cons
 
 
 @triton.jit
-def _atomic_flush(at, dr_pend, vterm, j0, m_lo, m_hi, r_c1, w, R_rows, offs_d, d_ok, sm_scale,
+def _atomic_flush(at, dr_pend, vterm, j0, m_lo, m_hi, r_c1, w, R_rows, offs_d, d_ok, softmax_scale,
                   DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
                   BLOCK: tl.constexpr, ORDERED: tl.constexpr, Q_ONLY: tl.constexpr):
     """ATOMIC, after the last query tile: the pending dr sum, of the last tile's lo chunk
@@ -706,7 +706,7 @@ def _atomic_flush(at, dr_pend, vterm, j0, m_lo, m_hi, r_c1, w, R_rows, offs_d, d
         rows = j0 - m_lo * BLOCK + r_c1 + w
         _turn_wait(at.prog, _DONE, at.last)
     _dr_add(at.dr, _dr_value(dr_pend, vterm.v16, Q_ONLY, DOT_DTYPE, UPCAST, DOT_PREC), rows,
-            R_rows, at.stride_dr, offs_d, d_ok, sm_scale)
+            R_rows, at.stride_dr, offs_d, d_ok, softmax_scale)
     if ORDERED:
         _turn_pass(at.prog, _DONE)
 
@@ -749,21 +749,21 @@ def _du_operand(BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr):
 
 @triton.jit
 def _q_only_biases(query, e0, DOT_DTYPE: tl.constexpr, Q_ONLY: tl.constexpr):
-    """(bias_u, bias_v, vterm). Q_ONLY: the biases in the operand dtype (exact: they are
+    """(u, vb, vterm). Q_ONLY: the biases in the operand dtype (exact: they are
     stored in the input dtype), and the ``_VTerm`` of the dr sums (v16 = [vb; 0; ...]); else
     0, 0 and a ``_VTerm`` with v16 0."""
-    bias_u = 0
-    bias_v = 0
+    u = 0
+    vb = 0
     vterm = _VTerm(e0=e0, v16=0)
     if Q_ONLY:
-        bias_u, bias_v = query.bias_u.to(DOT_DTYPE), query.bias_v.to(DOT_DTYPE)
-        vterm = _VTerm(e0=e0, v16=tl.where(tl.arange(0, 16)[:, None] == 0, bias_v[None, :],
+        u, vb = query.u.to(DOT_DTYPE), query.vb.to(DOT_DTYPE)
+        vterm = _VTerm(e0=e0, v16=tl.where(tl.arange(0, 16)[:, None] == 0, vb[None, :],
                                            0.0).to(DOT_DTYPE))
-    return bias_u, bias_v, vterm
+    return u, vb, vterm
 
 
 @triton.jit
-def _dkdv_query_tile(query, m, bias_u, bias_v, offs_d, Lq, D, DOT_DTYPE: tl.constexpr,
+def _dkdv_query_tile(query, m, u, vb, offs_d, Lq, D, DOT_DTYPE: tl.constexpr,
                      USE_DESC: tl.constexpr, Q_ONLY: tl.constexpr, IN_DTYPE: tl.constexpr,
                      UPCAST: tl.constexpr, BLOCK: tl.constexpr):
     """Query tile m of the dk/dv kernel: (i0, offs_i, a_t, qv_t, q_t, do, lse2, delta), q_t
@@ -776,17 +776,17 @@ def _dkdv_query_tile(query, m, bias_u, bias_v, offs_d, Lq, D, DOT_DTYPE: tl.cons
                                                   USE_DESC, Q_ONLY, IN_DTYPE, UPCAST, False)
     q_t = a_t
     if Q_ONLY:
-        a_t, qv_t = bias_operands(q_t, bias_u, bias_v, IN_DTYPE, UPCAST)
+        a_t, qv_t = bias_operands(q_t, u, vb, IN_DTYPE, UPCAST)
     return i0, offs_i, a_t, qv_t, q_t, do, lse2, delta
 
 
 @triton.jit
 def _store_dkdv(dk, dv, ds_cols, ds_sum, k_t, outs, q_args, b, h, n, offs_j, offs_d, d_ok,
-                kv_msk, sm_scale, keep_scale, DU_DOT: tl.constexpr, Q_ONLY: tl.constexpr,
+                kv_msk, softmax_scale, keep_scale, DU_DOT: tl.constexpr, Q_ONLY: tl.constexpr,
                 DROPOUT: tl.constexpr, UPCAST: tl.constexpr):
-    """The key tile's results into ``outs`` (``DkdvOuts``): its du part, scale * (column sums
-    of dS) . K, once (the sum over ds_cols' columns adds zeros to column 0: exact), and dk, dv
-    (DROPOUT: dv with the kept probabilities' 1 / (1 - p), ``keep_scale``)."""
+    """The key tile's results into ``outs`` (``DkdvOuts``): its du part, softmax_scale *
+    (column sums of dS) . K, once (the sum over ds_cols' columns adds zeros to column 0:
+    exact), and dk, dv (DROPOUT: dv with the kept probabilities' 1 / (1 - p), ``keep_scale``)."""
     stride_part = outs.stride_part
     part_off = (b * stride_part.batch + n.to(tl.int64) * stride_part.row
                 + h * stride_part.head + offs_d)
@@ -795,12 +795,12 @@ def _store_dkdv(dk, dv, ds_cols, ds_sum, k_t, outs, q_args, b, h, n, offs_j, off
     else:
         col_sums = tl.sum(ds_sum, axis=0)
     tl.store(outs.du_part + part_off,
-             tl.sum(col_sums[:, None] * k_t.to(tl.float32), axis=0) * sm_scale, mask=d_ok)
+             tl.sum(col_sums[:, None] * k_t.to(tl.float32), axis=0) * softmax_scale, mask=d_ok)
     if Q_ONLY:  # dS^T (q + u) = dS^T q + (column sums of dS) u; u loaded again here (held
         # through the loop, its fp32 copy would take registers from it)
         dk += col_sums[:, None] * tl.load(q_args.u + h * q_args.stride_bias.u + offs_d,
                                           mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    dk = dk * sm_scale
+    dk = dk * softmax_scale
     if DROPOUT:  # (_recompute_p_ds)
         dv = dv * keep_scale
     stride_dk = outs.stride_dk
@@ -813,7 +813,7 @@ def _store_dkdv(dk, dv, ds_cols, ds_sum, k_t, outs, q_args, b, h, n, offs_j, off
 @triton.jit
 def _rel_attn_bwd_dkdv_kernel(
     A_OP, QV_OP, K, V, R, DO, LSE, DELTA, outs, strides, atomics, q_args, H, Lq, Lk, R_rows,
-    r_shift1, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
+    r_shift1, D, softmax_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     SKEW_GATHER: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
@@ -822,11 +822,11 @@ def _rel_attn_bwd_dkdv_kernel(
     Q_ONLY: tl.constexpr = False,
 ):
     """One program per (batch * head, key tile): dk and dv of the tile, looping over the query
-    tiles that the window lets see it, and the tile's part of du (scale * column sums of dS .
-    K: the row sums of dA = scale dS K) in the du partials of ``outs`` (``DkdvOuts``) at
-    [b, key tile, h]. ATOMIC: also dq and dr, added to ``atomics`` (``AtomicArgs``);
-    ORDERED: every dq and dr row takes the key tiles' adds in key-tile order (the progress
-    slots: each program's progress), so the sums are the same from run to run.
+    tiles that the window lets see it, and the tile's part of du (softmax_scale * column sums
+    of dS . K: the row sums of dA = softmax_scale dS K) in the du partials of ``outs``
+    (``DkdvOuts``) at [b, key tile, h]. ATOMIC: also dq and dr, added to ``atomics``
+    (``AtomicArgs``); ORDERED: every dq and dr row takes the key tiles' adds in key-tile order
+    (the progress slots: each program's progress), so the sums are the same from run to run.
     Q_ONLY (with ATOMIC): one q tile per query tile instead of the two preprocessed operands
     (``q_args`` as in _program_setup): (q + u) and (q + vb) are rounded here as the forward
     rounds them, for the products that recompute S, and the gradient products take q itself
@@ -859,7 +859,7 @@ def _rel_attn_bwd_dkdv_kernel(
         r_lo = _load_r(rel, j0 - m_hi * BLOCK + r_c1, w, offs_d, D, DOT_DTYPE, USE_DESC)
     else:
         r_hi = _load_r(rel, j0 - m_lo * BLOCK + r_c1, w, offs_d, D, DOT_DTYPE, USE_DESC)
-    bias_u, bias_v, vterm = _q_only_biases(query, e0, DOT_DTYPE, Q_ONLY)
+    u, vb, vterm = _q_only_biases(query, e0, DOT_DTYPE, Q_ONLY)
     if ATOMIC:  # (the pending dr sum and ORDERED's turns: _atomic_setup)
         at, dr_pend = _atomic_setup(atomics, b, h, n, H, Lq, BLOCK, BLOCK_D, Q_ONLY)
     m_first, m_stop, m_step = m_lo, m_hi, 1
@@ -867,7 +867,7 @@ def _rel_attn_bwd_dkdv_kernel(
         m_first, m_stop, m_step = m_hi - 1, m_lo - 1, -1
     for m in range(m_first, m_stop, m_step):
         i0, offs_i, a_t, qv_t, q_t, do, lse2, delta = _dkdv_query_tile(
-            query, m, bias_u, bias_v, offs_d, Lq, D, DOT_DTYPE, USE_DESC, Q_ONLY,
+            query, m, u, vb, offs_d, Lq, D, DOT_DTYPE, USE_DESC, Q_ONLY,
             K.dtype.element_ty, UPCAST, BLOCK)
         p_lo = j0 - i0 + r_c1 - BLOCK
         if ORDERED:
@@ -888,8 +888,8 @@ def _rel_attn_bwd_dkdv_kernel(
             ds_sum += ds
         if ATOMIC:
             dr_pend = _dq_dr_atomics(ds_op, ds, k_t, r_lo, r_hi, qv_t, q_t, dr_pend, at, m,
-                                     p_lo, w, offs_i, Lq, R_rows, offs_d, d_ok, sm_scale, vterm,
-                                     DOT_DTYPE, UPCAST, DOT_PREC, SKEW_GATHER, BLOCK,
+                                     p_lo, w, offs_i, Lq, R_rows, offs_d, d_ok, softmax_scale,
+                                     vterm, DOT_DTYPE, UPCAST, DOT_PREC, SKEW_GATHER, BLOCK,
                                      K.dtype.element_ty, ORDERED, Q_ONLY)
         if ORDERED:
             r_lo = r_hi
@@ -897,9 +897,9 @@ def _rel_attn_bwd_dkdv_kernel(
             r_hi = r_lo
     if ATOMIC:
         _atomic_flush(at, dr_pend, vterm, j0, m_lo, m_hi, r_c1, w, R_rows, offs_d, d_ok,
-                      sm_scale, DOT_DTYPE, UPCAST, DOT_PREC, BLOCK, ORDERED, Q_ONLY)
+                      softmax_scale, DOT_DTYPE, UPCAST, DOT_PREC, BLOCK, ORDERED, Q_ONLY)
     _store_dkdv(dk, dv, ds_cols, ds_sum, k_t, outs, q_args, b, h, n, offs_j, offs_d, d_ok,
-                kv_msk, sm_scale, drop.keep_scale, DU_DOT, Q_ONLY, DROPOUT, UPCAST)
+                kv_msk, softmax_scale, drop.keep_scale, DU_DOT, Q_ONLY, DROPOUT, UPCAST)
 
 
 class _QueryRows(NamedTuple):
@@ -933,7 +933,7 @@ class _DqTile(NamedTuple):
     Lk: object
     R_rows: object
     D: object
-    sm_scale: object
+    softmax_scale: object
     qk_scale: object
 
 
@@ -967,7 +967,7 @@ def _dq_tile(carry, n, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
     dq = tl.dot(dt, r_lo, dq, input_precision=DOT_PREC)  # dQv
     if ATOMIC_DR:
         _dr_add(tile.dr, tl.dot(tl.trans(dt), q.qv, input_precision=DOT_PREC), p_lo + w,
-                tile.R_rows, tile.stride_dr, offs_d, tile.d_ok, tile.sm_scale)
+                tile.R_rows, tile.stride_dr, offs_d, tile.d_ok, tile.softmax_scale)
     return dq, g, p_lo + BLOCK, r_hi
 
 
@@ -975,7 +975,7 @@ def _dq_tile(carry, n, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
 def _rel_attn_bwd_dq_kernel(
     A_OP, QV_OP, K, V, R, DO, LSE, DELTA, DQ, DQ_PART, DR_ACC,
     strides, stride_dq, stride_part, stride_dr,
-    H, Lq, Lk, R_rows, r_shift1, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
+    H, Lq, Lk, R_rows, r_shift1, D, softmax_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
     ATOMIC_DR: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -1025,7 +1025,7 @@ def _rel_attn_bwd_dq_kernel(
                                    offs_i=offs_i),
                    offs_d=offs_d, d_ok=d_ok, lo_part=lo_part, w=w, keys=keys, rel=rel, dr=DR_h,
                    stride_dr=stride_dr.row, pattern=pattern, drop=drop, Lk=Lk, R_rows=R_rows,
-                   D=D, sm_scale=sm_scale, qk_scale=qk_scale)
+                   D=D, softmax_scale=softmax_scale, qk_scale=qk_scale)
     # three runs of key tiles, in order (the window chunk is carried), as in the forward:
     # [n_lo, n_a) the left band edge (masked), [n_a, n_b) the interior (mask-free,
     # interior_tiles), [n_b, n_hi) the right edge and the Lk tail (masked); with a padding or
@@ -1048,9 +1048,9 @@ def _rel_attn_bwd_dq_kernel(
     dq = tl.dot(dt, r_lo, dq, input_precision=DOT_PREC)
     if ATOMIC_DR:
         _dr_add(DR_h, tl.dot(tl.trans(dt), qv_t, input_precision=DOT_PREC), p_lo + w, R_rows,
-                stride_dr.row, offs_d, d_ok, sm_scale)
+                stride_dr.row, offs_d, d_ok, softmax_scale)
 
-    dq = dq * sm_scale
+    dq = dq * softmax_scale
     tl.store(DQ + b * stride_dq.batch + h * stride_dq.head + rows_i * stride_dq.row
              + offs_d[None, :], _output(dq, DQ.dtype.element_ty, UPCAST), mask=q_msk)
     part_off = (b * stride_part.batch + m.to(tl.int64) * stride_part.row
@@ -1061,7 +1061,7 @@ def _rel_attn_bwd_dq_kernel(
 class _DrTile(NamedTuple):
     """The dr kernel's loop invariants (``_dr_tile``): _program_setup's query / keys, the
     diagonal's two r chunks, the columns, the lo-chunk selector, _program_setup's pattern /
-    drop, Lq, Lk, D, scale * log2(e) and the diagonal t."""
+    drop, Lq, Lk, D, softmax_scale * log2(e) and the diagonal t."""
     query: object
     keys: object
     r_lo: object
@@ -1111,7 +1111,7 @@ def _dr_tile(carry, m, tile, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
 @triton.jit
 def _rel_attn_bwd_dr_kernel(
     A_OP, QV_OP, K, V, R, DO, LSE, DELTA, Z, strides, stride_z, q_args,
-    H, Lq, Lk, R_rows, r_shift1, D, sm_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
+    H, Lq, Lk, R_rows, r_shift1, D, softmax_scale, qk_scale, masks, dropout, LQ_BUCKET, LK_BUCKET,
     HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BAND: tl.constexpr,
     DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     SKEW_GATHER: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
@@ -1178,11 +1178,11 @@ def _rel_attn_bwd_dr_kernel(
 
     Z_bh = Z + b * stride_z.batch + h * stride_z.head + offs_d[None, :]
     rows = p_lo + w
-    tl.store(Z_bh + rows.to(tl.int64)[:, None] * stride_z.row, dr_lo * sm_scale,
+    tl.store(Z_bh + rows.to(tl.int64)[:, None] * stride_z.row, dr_lo * softmax_scale,
              mask=((rows >= 0) & (rows < R_rows))[:, None] & d_ok[None, :])
     rows = p_hi + w
-    tl.store(Z_bh + stride_z.chunk + rows.to(tl.int64)[:, None] * stride_z.row, dr_hi * sm_scale,
-             mask=((rows >= 0) & (rows < R_rows))[:, None] & d_ok[None, :])
+    tl.store(Z_bh + stride_z.chunk + rows.to(tl.int64)[:, None] * stride_z.row,
+             dr_hi * softmax_scale, mask=((rows >= 0) & (rows < R_rows))[:, None] & d_ok[None, :])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1238,9 +1238,9 @@ def _make_prune(extra_tiles: bool):
                 and _family_keeps(family, extra_tiles, cfg, block_d, wide)]
         if keep:
             return keep
-        cfg = dict(_default_config(block_d, False, wide, extra_tiles,
-                                   named_args.get("Lq", 1 << 30), named_args.get("Lk", 1 << 30),
-                                   family))
+        cfg = dict(_default_config(block_d, False, wide, family, extra_tiles=extra_tiles,
+                                   lq=named_args.get("Lq", 1 << 30),
+                                   lk=named_args.get("Lk", 1 << 30)))
         return [triton.Config({"BLOCK": cfg["BLOCK"]}, num_warps=cfg["num_warps"],
                               num_stages=cfg["num_stages"])]
 
@@ -1248,8 +1248,8 @@ def _make_prune(extra_tiles: bool):
 
 
 def _default_config(block_d: int, exact_fp32: bool, wide: bool = False,
-                    extra_tiles: bool = False, lq: int = 1 << 30, lk: int = 1 << 30,
-                    family: str = "sm90") -> dict:
+                    family: str = "sm90", *, extra_tiles: bool = False, lq: int = 1 << 30,
+                    lk: int = 1 << 30) -> dict:
     """The config a backward kernel uses on GPU when autotuning is off (TXL_KERNELS_AUTOTUNE=0),
     for config family ``family`` (``_arch.config_family``). sm_90: the largest kept BLOCK (64
     for fp16 / bf16 up to D 128: wgmma-sized tiles), 4 warps, 2 stages; exact fp32 products run
@@ -1430,7 +1430,7 @@ def _bwd_configs(dtype, precision: str, block_d: int, Lq: int, Lk: int, family: 
         return (None,) * 3
     wide = dtype == torch.float32
     exact = wide and precision == "ieee"
-    return tuple(_default_config(block_d, exact, wide, extra, Lq, Lk, family)
+    return tuple(_default_config(block_d, exact, wide, family, extra_tiles=extra, lq=Lq, lk=Lk)
                  for extra in (False, False, True))
 
 
@@ -1530,7 +1530,7 @@ def rel_attn_bwd(
     q, k, v, r, do, out, r_w_bias, r_r_bias, lse = _bwd_inputs(
         q, k, v, r, do, out, r_w_bias, r_r_bias, lse,
         excludes_pairs(window_left, window_right, key_padding_mask, attn_mask))
-    scale = float(softmax_scale)
+    softmax_scale = float(softmax_scale)
     # The interpreter's bf16 dot is wrong (triton#11584): bf16 operands are rounded to bf16
     # (round to nearest) but kept in fp32 for tl.dot.
     upcast = q.dtype == torch.bfloat16 and INTERPRET
@@ -1541,24 +1541,27 @@ def rel_attn_bwd(
                                                     upcast, block_d)
     # The main kernels' shared arguments (see "Kernels" above for the tuples' layouts).
     inputs = (a_op, qv_op, k, v, r, do, lse, delta)
-    strides, masks = _bwd_tuples(inputs, w_strides, window_left, window_right,
-                                 key_padding_mask, attn_mask, attn_mask_band)
     drop = dropout_args(dropout_p, dropout_seed, delta)  # (delta: the placeholder seed)
-    meta = dict(HAS_KPM=key_padding_mask is not None, HAS_MASK=attn_mask is not None,
-                HAS_BAND=attn_mask_band is not None and attn_mask is not None,
+    # the call's variant (the window is a runtime bound here, not a flag)
+    flags = variant_flags(q, window_left, window_right, key_padding_mask, attn_mask,
+                          attn_mask_band, dropout_p, None, r_first_distance, deterministic)
+    meta = dict({f: flags[f] for f in ("HAS_KPM", "HAS_MASK", "HAS_BAND", "DROPOUT")},
                 DOT_DTYPE=dot_dtype, UPCAST=upcast, DOT_PREC=precision,
                 SKEW_GATHER=q.dtype == torch.float32 or family in _GATHER_SKEW_FAMILIES,
-                BLOCK_D=block_d, DROPOUT=dropout_p > 0.0,
-                USE_DESC=descriptors_ok(a_op, qv_op, q, do, k, v, r))
+                BLOCK_D=block_d, USE_DESC=descriptors_ok(a_op, qv_op, q, do, k, v, r))
+    strides, masks = _bwd_tuples(inputs, w_strides, window_left, window_right,
+                                 key_padding_mask, attn_mask,
+                                 attn_mask_band if meta["HAS_BAND"] else None)
     if meta["USE_DESC"] and q.device.type == "cuda" and not INTERPRET:
         ensure_scratch_allocator()
-    sizes = (H, Lq, Lk, R_rows, r_shift - (Lq - 1) + 1, D, scale, scale * LOG2E.value)
+    sizes = (H, Lq, Lk, R_rows, r_shift - (Lq - 1) + 1, D, softmax_scale,
+             softmax_scale * LOG2E.value)
     # q and the biases, for the kernels that form q + u and q + vb themselves (FROM_Q, Q_ONLY)
     q_args = QArgs(q=q, u=r_w_bias, vb=r_r_bias, stride_q=row_strides(q),
                    stride_bias=bias_strides(r_w_bias, r_r_bias))
     buckets = (length_bucket(Lq), length_bucket(Lk))  # autotune keys only
-    # du and dvb: the dk/dv kernel writes scale (column sums of dS) . K of each key tile (its
-    # part of du = sum of dA over the rows); dvb = sum(dq) - du, all in fp32 (the dq kernel
+    # du and dvb: the dk/dv kernel writes softmax_scale (column sums of dS) . K of each key tile
+    # (its part of du = sum of dA over the rows); dvb = sum(dq) - du, all in fp32 (the dq kernel
     # writes the row sums of each dq tile, summed in a fixed order; with ATOMIC they are summed
     # from the fp32 dq)
     dr_acc, dq_acc, atomics = _atomic_buffers(q, Lk, R_rows, fused_dq, ordered, deterministic)
@@ -1569,7 +1572,7 @@ def rel_attn_bwd(
     du = du32.to(q.dtype)
 
     if fused_dq:
-        dq32 = dq_acc.mul_(scale)
+        dq32 = dq_acc.mul_(softmax_scale)
         dq = dq32.to(q.dtype)
         dvb = (dq32.sum(dim=(0, 1)) - du32).to(q.dtype)
     else:
@@ -1589,8 +1592,8 @@ def _bwd_tuples(inputs, w_strides: WorkStrides, window_left: int, window_right: 
     """The main backward kernels' ``strides`` (``BwdStrides``) and ``masks`` (``MaskArgs``)
     for their pointer ``inputs`` (a_op, qv_op, k, v, r, do, lse, delta). Unbounded window
     sides become Lq + Lk (wider than any pair distance), so the kernels test every side
-    without a flag; a mask band (used with a dense mask only) narrows them on the device.
-    delta stands in for an absent mask or band (unread)."""
+    without a flag; ``attn_mask_band`` (None unless the launch's HAS_BAND) narrows them on the
+    device. delta stands in for an absent mask or band (unread)."""
     _, _, k, v, r, do, lse, delta = inputs
     B, H, Lq = lse.shape
     Lk = k.shape[1]
@@ -1598,9 +1601,8 @@ def _bwd_tuples(inputs, w_strides: WorkStrides, window_left: int, window_right: 
                          do=row_strides(do), lse=LseStrides(*lse.stride()))
     wl = int(window_left) if window_left >= 0 else Lq + Lk
     wr = int(window_right) if window_right >= 0 else Lq + Lk
-    has_band = attn_mask_band is not None and attn_mask is not None
-    masks = mask_args(wl, wr, key_padding_mask, attn_mask,
-                      attn_mask_band if has_band else None, delta, (B, H, Lq, Lk))
+    masks = mask_args(wl, wr, key_padding_mask, attn_mask, attn_mask_band, delta,
+                      (B, H, Lq, Lk))
     return strides, masks
 
 

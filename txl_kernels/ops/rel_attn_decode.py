@@ -28,7 +28,7 @@ import triton.language as tl
 from ..quant import QuantizedKV
 from ._common import (LOG2E, BiasStrides, HeadStrides, RowStrides, bias_strides, head_strides,
                       key_range, last_dim_contiguous, load_8bit, memory_bases,
-                      memory_launch_args, row_strides)
+                      memory_launch_args, row_strides, variant_flags)
 
 __all__ = ["rel_attn_decode", "num_splits_for"]
 
@@ -80,9 +80,9 @@ def _decode_split_kernel(
     """Keys j in this split's slice of the row's ``key_range`` (window_left >= 0 here: the
     launcher turns unbounded into Lk). ``strides``: ``DecodeStrides``; ``memory``:
     ``_common.MemoryArgs``. QUANT_MEM: keys
-    j < mem_m are the 8-bit memory's (data and per-row scales), in a loop of their own,
+    j < M are the 8-bit memory's (data and per-row scales), in a loop of their own,
     dequantised in registers in fp32 with the scales applied per row (``_decode_tile``);
-    keys j >= mem_m are row j - mem_m of K / V. Key j reads r's row j + (r_shift1 - 1):
+    keys j >= M are row j - M of K / V. Key j reads r's row j + (r_shift1 - 1):
     ``r_shift1`` is 1 + the rows' shift against the default table (0 for it; Triton
     specialises the 1 to a constant, so that table's code is unchanged), and the launcher
     checks that the allowed keys' rows exist.
@@ -126,8 +126,8 @@ def _decode_split_kernel(
     R_h = R + h * stride_r.head + tl.cast(r_shift1 - 1, tl.int64) * stride_r.row
     c0 = 0  # key j >= c0 is row j - c0 of K / V
     if QUANT_MEM:
-        kq_src, vq_src, mem_m = memory_bases(memory, b, h, offs_n0, offs_d)
-        j_mem = tl.minimum(j_end, mem_m)
+        kq_src, vq_src, M = memory_bases(memory, b, h, offs_n0, offs_d)
+        j_mem = tl.minimum(j_end, M)
         for j0 in range(j_start, j_mem, BLOCK_N):  # the 8-bit memory's keys
             offs_n = j0 + offs_n0
             n_ok = offs_n < j_mem
@@ -142,8 +142,8 @@ def _decode_split_kernel(
                          other=0.0).to(tl.float32)
             acc, m_i, l_i = _decode_tile(acc, m_i, l_i, k, r, v, n_ok, qu, qv, qk_scale,
                                          ks, vs, True)
-        j_start = tl.maximum(j_start, mem_m)
-        c0 = mem_m
+        j_start = tl.maximum(j_start, M)
+        c0 = M
     for j0 in range(j_start, j_end, BLOCK_N):
         offs_n = j0 + offs_n0
         n_ok = offs_n < j_end
@@ -187,6 +187,15 @@ def _decode_merge_kernel(M_IN, L_IN, ACC_IN, OUT, stride_o, H, D, num_splits,
              mask=offs_d < D)
 
 
+def _default_config(block_d: int, exact_fp32: bool, wide: bool = False,
+                    family: str = "sm90") -> dict:
+    """The decode kernel's config, the forward's and backward's ``_default_config`` shape: one
+    key tile of 64 rows per step on every family and under the interpreter (a program holds
+    one query row: its registers do not grow with the tile; the split count, not the tile,
+    adapts the launch to the machine). Triton's default warps and stages."""
+    return {"BLOCK_N": 64}
+
+
 def num_splits_for(bh: int, lk: int, device: torch.device, block_n: int = 64) -> int:
     """Splits so that about two waves of programs cover the machine (flash-decoding's rule),
     at least one tile of keys per split."""
@@ -221,9 +230,8 @@ def rel_attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.
     exist (ValueError naming them), e.g. ``window_left + 1`` rows with
     ``r_first_distance=window_left``."""
     B, Lq, H, D = q.shape
-    mem_m = 0 if memory is None else memory.k.shape[1]
-    quant = mem_m > 0
-    Lk = mem_m + k.shape[1]
+    M = 0 if memory is None else memory.k.shape[1]
+    Lk = M + k.shape[1]
     if Lq != 1:
         raise ValueError(f"rel_attn_decode: q must have one query row (Lq = 1), got "
                          f"{list(q.shape)}")
@@ -247,11 +255,12 @@ def rel_attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.
     q, k, v, r = (last_dim_contiguous(t) for t in (q, k, v, r))
     mem_arg = memory_launch_args(memory, k, v)
     u, vb = last_dim_contiguous(r_w_bias), last_dim_contiguous(r_r_bias)
-    block_n = 64
+    block_d = triton.next_power_of_2(D)
+    # the same on every family and precision (see _default_config): none looked up
+    block_n = _default_config(block_d, False, q.dtype == torch.float32)["BLOCK_N"]
     splits = num_splits or num_splits_for(B * H, Lk, q.device, block_n)
     per_split = triton.cdiv(triton.cdiv(Lk, splits), block_n) * block_n
     splits = triton.cdiv(Lk, per_split)
-    block_d = triton.next_power_of_2(D)
     m = torch.empty(B * H * splits, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty(B * H * splits * block_d, device=q.device, dtype=torch.float32)
@@ -261,7 +270,9 @@ def rel_attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.
         q, k, v, r, u, vb, m, l, acc, strides, H, Lk, D,
         int(window_left) if window_left >= 0 else Lk, per_split, splits,
         float(softmax_scale) * LOG2E.value, mem_arg, shift + 1,
-        BLOCK_N=block_n, BLOCK_D=block_d, QUANT_MEM=quant)
+        BLOCK_N=block_n, BLOCK_D=block_d,
+        QUANT_MEM=variant_flags(q, window_left, 0, None, None, None, 0.0, memory,
+                                r_first_distance)["QUANT_MEM"])
     out = torch.empty((B, 1, H, D), device=q.device, dtype=q.dtype)
     _decode_merge_kernel[(B * H,)](
         m, l, acc, out, BatchHeadStrides(out.stride(0), out.stride(2)), H, D, splits,

@@ -50,14 +50,14 @@ from ._common import (INTERPRET, LOG2E, BiasStrides, HeadStrides, KpmStrides, Ma
                       load_bias_operands, load_dequant, load_dropout_seed, mask_args,
                       memory_bases, memory_launch_args, operand_workspace, pair_mask,
                       rotate_rows, round_bf16, row_strides, store_bias_operands, tile_run,
-                      to_operand)
+                      to_operand, variant_flags)
 
 __all__ = ["rel_attn_fwd", "choose_num_splits", "autotune_enabled", "draw_dropout_seed",
            "dropout_keep_mask", "dropout_rate", "dropout_keep_scale"]
 
 # Fixed small config under the interpreter: 16 x 16 tiles, so that odd lengths span several
 # tiles and every loop / mask path runs on tiny shapes.
-INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16}
+INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 
 
 @triton.jit
@@ -112,26 +112,26 @@ def _mem_rows(qsrc, j0, offs_n, in_mem, mm, OUT_TY: tl.constexpr, UPCAST: tl.con
 
 
 @triton.jit
-def _cur_rows(src, j0, mem_m, cm, OUT_TY: tl.constexpr):
-    """Rows j0 - mem_m.. of the current segment's source ``src`` (``_Rows``)."""
-    return tl.load(src.base + (j0 - mem_m).to(tl.int64) * src.stride + src.offsets, mask=cm,
+def _cur_rows(src, j0, M, cm, OUT_TY: tl.constexpr):
+    """Rows j0 - M.. of the current segment's source ``src`` (``_Rows``)."""
+    return tl.load(src.base + (j0 - M).to(tl.int64) * src.stride + src.offsets, mask=cm,
                    other=0.0).to(OUT_TY)
 
 
 @triton.jit
-def _load_kv_mem(qsrc, src, j0, mem_m, offs_n, n_ok, d_ok, EVEN_D: tl.constexpr,
+def _load_kv_mem(qsrc, src, j0, M, offs_n, n_ok, d_ok, EVEN_D: tl.constexpr,
                  UPCAST: tl.constexpr, mem_ok=None):
     """QUANT_MEM: the [BN, BLOCK_D] key / value tile of rows j0.. of [memory; current]: rows
-    j < mem_m are the 8-bit memory's, dequantised in registers (``load_dequant``), rows
-    j >= mem_m the current segment's row j - mem_m (compute dtype). A tile across j = mem_m
+    j < M are the 8-bit memory's, dequantised in registers (``load_dequant``), rows
+    j >= M the current segment's row j - M (compute dtype). A tile across j = M
     takes two masked loads, merged by row. 16-bit compute: one branch per case (tile in the
     memory / in the current rows / across), so that only the tile across holds both loads
     (sm_90, bf16 / fp16 D 64: no spills, against 100-150 B with both loads on every tile);
     fp32: one path for all tiles (with the branches, ptxas gave the exact-fp32 config a
     4.4 KB stack frame, against 0.7 KB). ``mem_ok``: the memory rows to load (default: all;
     the others come back 0)."""
-    in_mem = offs_n < mem_m
-    cur = n_ok & (offs_n >= mem_m)
+    in_mem = offs_n < M
+    cur = n_ok & (offs_n >= M)
     if mem_ok is None:
         mem_ok = in_mem
     if EVEN_D:
@@ -145,26 +145,26 @@ def _load_kv_mem(qsrc, src, j0, mem_m, offs_n, n_ok, d_ok, EVEN_D: tl.constexpr,
     BN: tl.constexpr = offs_n.shape[0]
     if X_ELT == tl.float32:
         x = tl.where(in_mem[:, None], _mem_rows(qsrc, j0, offs_n, mem_ok, mm, OUT_TY, UPCAST),
-                     _cur_rows(src, j0, mem_m, cm, OUT_TY))
-    elif j0 + BN <= mem_m:
+                     _cur_rows(src, j0, M, cm, OUT_TY))
+    elif j0 + BN <= M:
         x = _mem_rows(qsrc, j0, offs_n, mem_ok, mm, OUT_TY, UPCAST)
-    elif j0 >= mem_m:
-        x = _cur_rows(src, j0, mem_m, cm, OUT_TY)
+    elif j0 >= M:
+        x = _cur_rows(src, j0, M, cm, OUT_TY)
     else:
         x = tl.where(in_mem[:, None], _mem_rows(qsrc, j0, offs_n, mem_ok, mm, OUT_TY, UPCAST),
-                     _cur_rows(src, j0, mem_m, cm, OUT_TY))
+                     _cur_rows(src, j0, M, cm, OUT_TY))
     return x
 
 
 @triton.jit
-def _key_value_tile(src, qsrc, j0, mem_m, offs_n, n_ok, d_ok, MASKED: tl.constexpr,
+def _key_value_tile(src, qsrc, j0, M, offs_n, n_ok, d_ok, MASKED: tl.constexpr,
                     EVEN_D: tl.constexpr, UPCAST: tl.constexpr, USE_DESC: tl.constexpr,
                     QUANT_MEM: tl.constexpr):
     """The key (or value) tile of rows j0.. as a dot operand: ``_load_kv`` from ``src``, or
     with an 8-bit memory ``_load_kv_mem`` from ``qsrc`` and ``src``; fp32 under UPCAST (the
     interpreter's bf16)."""
     if QUANT_MEM:
-        x = _load_kv_mem(qsrc, src, j0, mem_m, offs_n, n_ok, d_ok, EVEN_D, UPCAST)
+        x = _load_kv_mem(qsrc, src, j0, M, offs_n, n_ok, d_ok, EVEN_D, UPCAST)
     else:
         x = _load_kv(src, j0, n_ok, d_ok, MASKED, EVEN_D, USE_DESC)
     if UPCAST:
@@ -236,7 +236,7 @@ def _attend_tile(acc, m_i, l_i, t0, t1, t, qu, qv, tile, kv, rel, pattern, drop,
     ``masked_value_operands`` (row ``kv.key_bias``) to the allowed pairs' scores in place of
     the key padding mask, and load the 8-bit memory's rows of a NaN bias as 0."""
     i0, offs_m, offs_n0, d_ok = tile.i0, tile.offs_m, tile.offs_n0, tile.d_ok
-    mem_m = kv.mem_m
+    M = kv.M
     POISON: tl.constexpr = HAS_WL or HAS_WR or HAS_KPM or HAS_MASK or HAS_BAND  # (any mask)
     Lq = pattern.Lq
     Lk = pattern.Lk
@@ -245,7 +245,7 @@ def _attend_tile(acc, m_i, l_i, t0, t1, t, qu, qv, tile, kv, rel, pattern, drop,
     n_ok = offs_n < Lk
     bd, t0, t1 = _window_bd(t0, t1, qv, rel, tile, j0, Lq, EVEN_D, UPCAST, DOT_PREC, USE_DESC,
                             BLOCK_M, BLOCK_N)
-    k = _key_value_tile(kv.k, kv.kq, j0, mem_m, offs_n, n_ok, d_ok, MASKED, EVEN_D, UPCAST,
+    k = _key_value_tile(kv.k, kv.kq, j0, M, offs_n, n_ok, d_ok, MASKED, EVEN_D, UPCAST,
                         USE_DESC, QUANT_MEM)
     # AC + BD (Triton folds the add into the wgmma's accumulator); scale * log2(e) is applied
     # in the exponent's FMA below
@@ -278,12 +278,12 @@ def _attend_tile(acc, m_i, l_i, t0, t1, t, qu, qv, tile, kv, rel, pattern, drop,
     if QUANT_MEM and MASKED and POISON:
         # the memory's rows of a NaN key bias as 0 (the launcher zeroed v's, not the memory's:
         # the kernel reads it in place)
-        v = _load_kv_mem(kv.vq, kv.v, j0, mem_m, offs_n, n_ok, d_ok, EVEN_D, UPCAST,
-                         (offs_n < mem_m) & (kb == 0.0))
+        v = _load_kv_mem(kv.vq, kv.v, j0, M, offs_n, n_ok, d_ok, EVEN_D, UPCAST,
+                         (offs_n < M) & (kb == 0.0))
         if UPCAST:
             v = v.to(tl.float32)
     else:
-        v = _key_value_tile(kv.v, kv.vq, j0, mem_m, offs_n, n_ok, d_ok, MASKED, EVEN_D,
+        v = _key_value_tile(kv.v, kv.vq, j0, M, offs_n, n_ok, d_ok, MASKED, EVEN_D,
                             UPCAST, USE_DESC, QUANT_MEM)
     if not WORD_MASK:  # (rounded after V's load: before it, sm_100's 8-bit memory spills)
         pv = to_operand(p, v.dtype, UPCAST)
@@ -396,12 +396,12 @@ class _Rows(NamedTuple):
 
 class _KeyValues(NamedTuple):
     """What ``_key_value_tile`` reads (``_program_setup``): the K / V ``_Rows``, the 8-bit
-    memory's ``QuantRows``, its rows ``mem_m``, and this (batch, head)'s key bias row."""
+    memory's ``QuantRows``, its rows ``M``, and this (batch, head)'s key bias row."""
     k: _Rows
     v: _Rows
     kq: object
     vq: object
-    mem_m: object
+    M: object
     key_bias: object
 
 
@@ -449,9 +449,9 @@ def _program_setup(K, V, R, strides, masks, memory, H, Lq, Lk, R_rows, r_shift1,
     load) and the per-(batch, head) base pointers, computed once; with USE_DESC the
     [BLOCK_N, BLOCK_D] tiles of r, and of K / V without an 8-bit memory, come through TMA
     descriptors made here (zero fill past the rows / D: no pointer math, no masks). Returns
-    (pid_bh, b, h, window_left, window_right, kv, rel, pattern): kv (``_KeyValues``) what
-    _key_value_tile reads, rel (``_Rel``) what _window_chunk reads, pattern (``Pattern``)
-    what ``pair_mask`` masks with."""
+    (b, h, window_left, window_right, kv, rel, pattern), the backward's shape: kv
+    (``_KeyValues``) what _key_value_tile reads, rel (``_Rel``) what _window_chunk reads,
+    pattern (``Pattern``) what ``pair_mask`` masks with."""
     stride_k, stride_v, stride_r = strides.k, strides.v, strides.r
     window_left, window_right = masks.window_left, masks.window_right
     pid_bh = tl.program_id(0)
@@ -480,12 +480,12 @@ def _program_setup(K, V, R, strides, masks, memory, H, Lq, Lk, R_rows, r_shift1,
                                         block_shape=[BLOCK_N, BLOCK_D])
     else:
         R_h = R + h * stride_r.head
-    kq_src, vq_src, mem_m = memory_bases(memory, b, h, offs_n0, offs_d)
+    kq_src, vq_src, M = memory_bases(memory, b, h, offs_n0, offs_d)
     kv = _KeyValues(k=_Rows(K_bh, offs_n0[:, None] * stride_k.row + offs_d[None, :],
                             stride_k.row),
                     v=_Rows(V_bh, offs_n0[:, None] * stride_v.row + offs_d[None, :],
                             stride_v.row),
-                    kq=kq_src, vq=vq_src, mem_m=mem_m,
+                    kq=kq_src, vq=vq_src, M=M,
                     key_bias=masks.key_bias + pid_bh.to(tl.int64) * Lk)
     rel = _Rel(base=R_h, offsets=offs_n0[:, None] * stride_r.row + offs_d[None, :],
                stride=stride_r.row, rows=R_rows, shift1=r_shift1)
@@ -493,7 +493,7 @@ def _program_setup(K, V, R, strides, masks, memory, H, Lq, Lk, R_rows, r_shift1,
                       window_right=window_right, band_on=band_on, kpm=masks.kpm,
                       kpm_strides=masks.kpm_strides, mask=masks.mask,
                       mask_strides=masks.mask_strides)
-    return pid_bh, b, h, window_left, window_right, kv, rel, pattern
+    return b, h, window_left, window_right, kv, rel, pattern
 
 
 @triton.jit
@@ -626,7 +626,8 @@ def _rel_attn_fwd_kernel(
     key tiles of the split that the window lets the query tile see; the output rows and lse
     (SPLIT: a normalised partial and its log2-sum-exp, merged by the combine kernel).
     ``operands``: ``FwdOperands``."""
-    pid_bh, b, h, window_left, window_right, kv, rel, pattern = _program_setup(
+    pid_bh = tl.program_id(0)
+    b, h, window_left, window_right, kv, rel, pattern = _program_setup(
         K, V, R, strides, masks, memory, H, Lq, Lk, R_rows, r_shift1, D, HAS_BAND, USE_DESC,
         QUANT_MEM, BLOCK_N, BLOCK_D)
     # Heaviest query tiles (largest i0 under causal masks) first.
@@ -759,8 +760,8 @@ def _prune_configs(configs, named_args, **kwargs):
            if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in table
            and _config_ok(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages,
                           block_d, exact_fp32, wide)]
-    default = _default_config(block_d, exact_fp32, wide, family, kwargs["HAS_MASK"],
-                              kwargs["OP_TILES"])
+    default = _default_config(block_d, exact_fp32, wide, family, dense_mask=kwargs["HAS_MASK"],
+                              operand_tiles=kwargs["OP_TILES"])
     if kwargs["SPLIT"]:  # num_splits was chosen for the default config's BLOCK_M
         out = [c for c in out if c.kwargs["BLOCK_M"] == default["BLOCK_M"]]
     if not out:
@@ -786,7 +787,7 @@ def _operand_tiles(family: str, block_d: int, dtype: torch.dtype, use_desc: bool
 
 
 def _default_config(block_d: int, exact_fp32: bool, wide: bool = False,
-                    family: str = "sm90", dense_mask: bool = False,
+                    family: str = "sm90", *, dense_mask: bool = False,
                     operand_tiles: Optional[bool] = None) -> dict:
     """The config used on GPU when autotuning is off (TXL_KERNELS_AUTOTUNE=0), for config
     family ``family`` (``_arch.config_family``); ``dense_mask``: the launch loads a dense
@@ -927,14 +928,14 @@ def _check_fwd_args(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, memory) -> No
     """rel_attn_fwd's invariants (rel_attention validated the user's arguments with clear
     errors); a scale the online softmax cannot take raises."""
     B, Lq, H, D = q.shape
-    mem_m = 0 if memory is None else memory.k.shape[1]
-    Lk, dtype = mem_m + k.shape[1], q.dtype
+    M = 0 if memory is None else memory.k.shape[1]
+    Lk, dtype = M + k.shape[1], q.dtype
     assert dtype in (torch.float16, torch.bfloat16, torch.float32), f"q: {describe(q)}"
     assert all(t.dtype == dtype for t in (k, v, r, r_w_bias, r_r_bias)), \
         f"dtypes differ: q {describe(q)}, k {describe(k)}, r {describe(r)}"
-    Lc = Lk - mem_m
+    Lc = Lk - M
     assert tuple(k.shape) == (B, Lc, H, D) and tuple(v.shape) == (B, Lc, H, D) and Lk >= Lq, \
-        f"q {describe(q)}, k {describe(k)}, v {describe(v)}, memory length {mem_m}"
+        f"q {describe(q)}, k {describe(k)}, v {describe(v)}, memory length {M}"
     assert tuple(r.shape[1:]) == (H, D) and tuple(r_w_bias.shape) == (H, D) \
         and tuple(r_r_bias.shape) == (H, D), \
         f"r {describe(r)}, r_w_bias {describe(r_w_bias)}, r_r_bias {describe(r_r_bias)}"
@@ -960,8 +961,8 @@ def _fwd_launch(q, Lk: int, block_d: int, dot_prec: str, use_desc: bool, quant: 
         raise ValueError("rel_attn_fwd: operand_tiles=True needs TMA descriptors (sm_90 or "
                          "newer, 16-byte aligned tensors); this launch loads through pointers")
     exact_fp32 = dtype == torch.float32 and dot_prec == "ieee"
-    default = _default_config(block_d, exact_fp32, dtype == torch.float32, family, has_mask,
-                              operand_tiles)
+    default = _default_config(block_d, exact_fp32, dtype == torch.float32, family,
+                              dense_mask=has_mask, operand_tiles=operand_tiles)
     if config is None and INTERPRET:
         config = INTERPRET_CONFIG
     elif config is None and not autotune_enabled():
@@ -1026,23 +1027,24 @@ def rel_attn_fwd(
     """
     _check_fwd_args(q, k, v, r, r_w_bias, r_r_bias, softmax_scale, memory)
     B, Lq, H, D = q.shape
-    mem_m = 0 if memory is None else memory.k.shape[1]
-    quant = mem_m > 0
-    Lk = mem_m + k.shape[1]
+    M = 0 if memory is None else memory.k.shape[1]
+    Lk = M + k.shape[1]
     R_rows = r.shape[0]
     dtype = q.dtype
+    # the call's variant: what the self-check checks is what is compiled
+    flags = variant_flags(q, window_left, window_right, key_padding_mask, attn_mask,
+                          attn_mask_band, dropout_p, memory, r_first_distance)
+    quant, has_band = flags["QUANT_MEM"], flags["HAS_BAND"]
     q, k, v, r, u, vb = (last_dim_contiguous(t) for t in (q, k, v, r, r_w_bias, r_r_bias))
 
     out = torch.empty((B, Lq, H, D), dtype=dtype, device=q.device)
     lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
 
-    has_kpm, has_mask = key_padding_mask is not None, attn_mask is not None
-
     dot_prec = dot_precision(dtype)
     block_d = max(16, triton.next_power_of_2(D))
     use_desc = descriptors_ok(r) if quant else descriptors_ok(k, v, r)
     operand_tiles, config, num_splits = _fwd_launch(q, Lk, block_d, dot_prec, use_desc, quant,
-                                                    attn_mask is not None, window_left,
+                                                    flags["HAS_MASK"], window_left,
                                                     window_right, operand_tiles, config,
                                                     num_splits)
     split = num_splits > 1
@@ -1052,13 +1054,11 @@ def rel_attn_fwd(
     else:
         o_part, l_part = lse, lse
 
-    has_band = attn_mask_band is not None and has_mask
     # With a band the window checks are compiled in; an unbounded side becomes Lk + Lq.
     wl_arg = int(window_left) if window_left >= 0 or not has_band else Lk + Lq
     wr_arg = int(window_right) if window_right >= 0 or not has_band else Lk + Lq
     upcast = INTERPRET and dtype == torch.bfloat16
-    dropout = dropout_p > 0.0
-    if dropout and dropout_seed is None:
+    if flags["DROPOUT"] and dropout_seed is None:
         dropout_seed = draw_dropout_seed(q.device)
 
     v, strides, masks, mem_arg, operands = _fwd_tuples(
@@ -1072,10 +1072,8 @@ def rel_attn_fwd(
             r_shift1, D,
             float(softmax_scale) * LOG2E.value, num_splits, masks, dropout_arg, mem_arg,
             length_bucket(Lq), length_bucket(Lk))
-    meta = dict(HAS_WL=window_left >= 0 or has_band, HAS_WR=window_right >= 0 or has_band,
-                HAS_KPM=has_kpm, HAS_MASK=has_mask, HAS_BAND=has_band, SPLIT=split, UPCAST=upcast,
-                DOT_PREC=dot_prec, EVEN_D=D == block_d, USE_DESC=use_desc,
-                BLOCK_D=block_d, DROPOUT=dropout, QUANT_MEM=quant, OP_TILES=operand_tiles)
+    meta = dict(flags, SPLIT=split, UPCAST=upcast, DOT_PREC=dot_prec, EVEN_D=D == block_d,
+                USE_DESC=use_desc, BLOCK_D=block_d, OP_TILES=operand_tiles)
 
     _run_fwd(args, meta, operands, strides, config, num_splits, o_part, l_part, out, lse)
     return out, lse
@@ -1095,7 +1093,7 @@ def _fwd_tuples(q, k, v, r, u, vb, out, lse, memory, key_padding_mask, attn_mask
     else:  # no pair is excluded: V as given, no bias (unused placeholders)
         key_bias, key_count = lse, lse
     mem_arg = memory_launch_args(memory, k, v)
-    Lk = k.shape[1] + mem_arg.mem_m
+    Lk = k.shape[1] + mem_arg.M
     strides = FwdStrides(q=row_strides(q), k=row_strides(k), v=row_strides(v),
                          r=head_strides(r), bias=bias_strides(u, vb), out=row_strides(out))
     masks = FwdMaskArgs(*mask_args(*window_args, key_padding_mask, attn_mask, band, lse,
