@@ -131,88 +131,116 @@ def check_onnx_exportable(dropout_p: float, memory) -> None:
 _FUSED_OPS = ("txl_kernels::rel_attn_fwd",)
 
 
+class _Onnx:
+    """Graph-building helpers of the symbolic: int64 constants, a dimension of a tensor and a
+    kept max over the last axis (in ``opset``'s form)."""
+
+    def __init__(self, g, opset: int):
+        self.g, self.opset = g, opset
+
+    def i64(self, *vals):
+        return self.g.op("Constant", value_t=torch.tensor(vals, dtype=torch.int64))
+
+    def dim(self, x, axis):  # x.shape[axis] as int64 [1]
+        return self.g.op("Gather", self.g.op("Shape", x), self.i64(axis), axis_i=0)
+
+    def reduce_max(self, x):  # over the last axis, kept
+        if self.opset >= 18:
+            return self.g.op("ReduceMax", x, self.i64(-1), keepdims_i=1)
+        return self.g.op("ReduceMax", x, axes_i=[-1], keepdims_i=1)
+
+
+def _onnx_scores(o: _Onnx, q, k, r, r_w_bias, r_r_bias, scale: float):
+    """The scaled scores ``(AC + BD) * scale`` ``[B, H, Lq, Lk]``: (q + u) k^T and the
+    shifted (q + v) r^T (``reference.rel_shift``: pad the position axis to W = Lk + Lq,
+    flatten, read Lq rows of W - 1 from offset Lq - 1, keep Lk columns)."""
+    g, i64, dim = o.g, o.i64, o.dim
+    qu = g.op("Transpose", g.op("Add", q, r_w_bias), perm_i=[0, 2, 1, 3])
+    qv = g.op("Transpose", g.op("Add", q, r_r_bias), perm_i=[0, 2, 1, 3])
+    ac = g.op("MatMul", qu, g.op("Transpose", k, perm_i=[0, 2, 3, 1]))
+    bdt = g.op("MatMul", qv, g.op("Transpose", r, perm_i=[1, 2, 0]))
+    lq, lk, rlen = dim(q, 1), dim(k, 1), dim(r, 0)
+    batch, heads = dim(q, 0), dim(q, 2)
+    one = i64(1)
+    width = g.op("Add", lk, lq)
+    pads = g.op("Concat", i64(0, 0, 0, 0, 0, 0, 0), g.op("Sub", width, rlen), axis_i=0)
+    flat = g.op("Reshape", g.op("Pad", bdt, pads),
+                g.op("Concat", batch, heads, g.op("Mul", lq, width), axis_i=0))
+    start = g.op("Sub", lq, one)
+    wm1 = g.op("Sub", width, one)
+    rows = g.op("Slice", flat, start, g.op("Add", start, g.op("Mul", lq, wm1)), i64(2))
+    bd = g.op("Slice", g.op("Reshape", rows, g.op("Concat", batch, heads, lq, wm1,
+                                                  axis_i=0)),
+              i64(0), lk, i64(3))
+    return g.op("Mul", g.op("Add", ac, bd),
+                g.op("Constant", value_t=torch.tensor(scale, dtype=torch.float32)))
+
+
+def _onnx_allowed(o: _Onnx, q, k, scores, wl: int, wr: int, key_padding_mask, attn_mask):
+    """The allowed pairs, bool of the scores' shape: d = (i + Lk - Lq) - j within the
+    window, the key not padded, the pair not masked (``key_padding_mask`` / ``attn_mask``
+    None where not given)."""
+    g, i64 = o.g, o.i64
+    lq, lk = o.dim(q, 1), o.dim(k, 1)
+    zero, one = i64(0), i64(1)
+    i = g.op("Unsqueeze", g.op("Range", zero, g.op("Squeeze", lq, zero), one), i64(1))
+    j = g.op("Range", zero, g.op("Squeeze", lk, zero), one)
+    d = g.op("Sub", g.op("Add", i, g.op("Squeeze", g.op("Sub", lk, lq), zero)), j)
+    allowed = g.op("Constant", value_t=torch.tensor(True))
+    if wl >= 0:
+        allowed = g.op("And", allowed, g.op("LessOrEqual", d, i64(wl)))
+    if wr >= 0:
+        allowed = g.op("And", allowed, g.op("LessOrEqual", g.op("Neg", d), i64(wr)))
+    if key_padding_mask is not None:
+        kpm = g.op("Unsqueeze", key_padding_mask, i64(1, 2))
+        allowed = g.op("And", allowed, g.op("Not", kpm))
+    if attn_mask is not None:
+        allowed = g.op("And", allowed, g.op("Not", attn_mask))
+    allowed = g.op("And", allowed, g.op("Constant", value_t=torch.ones(
+        1, 1, 1, 1, dtype=torch.bool)))
+    return g.op("Expand", allowed, g.op("Shape", scores))
+
+
+def _onnx_softmax_out(o: _Onnx, scores, allowed, v):
+    """``(out [B, Lq, H, D], lse [B, H, Lq])`` from the scores and allowed pairs: the masked
+    softmax (rows with no allowed key give 0, their lse +inf) times v."""
+    g = o.g
+    row_has = g.op("Cast", o.reduce_max(g.op("Cast", allowed, to_i=1)), to_i=9)
+    ninf = g.op("Constant", value_t=torch.tensor(float("-inf")))
+    masked = g.op("Where", allowed, scores, ninf)
+    safe = g.op("Where", row_has, masked, g.op("Constant", value_t=torch.tensor(0.0)))
+    prob = g.op("Mul", g.op("Softmax", safe, axis_i=-1), g.op("Cast", row_has, to_i=1))
+    out = g.op("MatMul", prob, g.op("Transpose", v, perm_i=[0, 2, 1, 3]))
+    out = g.op("Transpose", out, perm_i=[0, 2, 1, 3])
+    lse = g.op("Add", g.op("Log", g.op("ReduceSum", g.op("Exp", g.op(
+        "Sub", safe, o.reduce_max(safe))), o.i64(-1), keepdims_i=1)), o.reduce_max(safe))
+    lse = g.op("Where", row_has, lse, g.op("Constant", value_t=torch.tensor(float("inf"))))
+    return out, g.op("Squeeze", lse, o.i64(-1))
+
+
 def _rel_attn_symbolic(opset: int):
     def symbolic(g, q, k, v, r, r_w_bias, r_r_bias, softmax_scale, window_left, window_right,
                  key_padding_mask, attn_mask, attn_mask_band=None, dropout_p=None,
                  dropout_seed=None, mem_k=None, *rest):
         from torch.onnx import symbolic_helper as sh
 
-        def const(x, kind):
-            return sh._maybe_get_const(x, kind)
-
         def given(x):
             return x is not None and not sh._is_none(x)
 
-        if (given(mem_k) or (given(dropout_p) and const(dropout_p, "f") > 0.0)):
+        if (given(mem_k) or (given(dropout_p) and sh._maybe_get_const(dropout_p, "f") > 0.0)):
             raise ExportUnsupported(
                 "txl_kernels fused op: an 8-bit memory or attention dropout cannot be "
                 f"exported by {ROUTE}; trace the model in eval mode without memory=QuantizedKV")
-
-        def i64(*vals):
-            return g.op("Constant", value_t=torch.tensor(vals, dtype=torch.int64))
-
-        def dim(x, axis):  # x.shape[axis] as int64 [1]
-            return g.op("Gather", g.op("Shape", x), i64(axis), axis_i=0)
-
-        def reduce_max(x):  # over the last axis, kept
-            if opset >= 18:
-                return g.op("ReduceMax", x, i64(-1), keepdims_i=1)
-            return g.op("ReduceMax", x, axes_i=[-1], keepdims_i=1)
-
-        scale = const(softmax_scale, "f")
-        wl, wr = int(const(window_left, "i")), int(const(window_right, "i"))
-        # scores: (q + u) k^T and the shifted (q + v) r^T, [B, H, Lq, Lk] / [B, H, Lq, R]
-        qu = g.op("Transpose", g.op("Add", q, r_w_bias), perm_i=[0, 2, 1, 3])
-        qv = g.op("Transpose", g.op("Add", q, r_r_bias), perm_i=[0, 2, 1, 3])
-        ac = g.op("MatMul", qu, g.op("Transpose", k, perm_i=[0, 2, 3, 1]))
-        bdt = g.op("MatMul", qv, g.op("Transpose", r, perm_i=[1, 2, 0]))
-        lq, lk, rlen = dim(q, 1), dim(k, 1), dim(r, 0)
-        batch, heads = dim(q, 0), dim(q, 2)
-        one = i64(1)
-        # rel_shift (reference.rel_shift): pad the position axis to W = Lk + Lq, flatten,
-        # read Lq rows of W - 1 from offset Lq - 1, keep Lk columns
-        width = g.op("Add", lk, lq)
-        pads = g.op("Concat", i64(0, 0, 0, 0, 0, 0, 0), g.op("Sub", width, rlen), axis_i=0)
-        flat = g.op("Reshape", g.op("Pad", bdt, pads),
-                    g.op("Concat", batch, heads, g.op("Mul", lq, width), axis_i=0))
-        start = g.op("Sub", lq, one)
-        wm1 = g.op("Sub", width, one)
-        rows = g.op("Slice", flat, start, g.op("Add", start, g.op("Mul", lq, wm1)), i64(2))
-        bd = g.op("Slice", g.op("Reshape", rows, g.op("Concat", batch, heads, lq, wm1,
-                                                      axis_i=0)),
-                  i64(0), lk, i64(3))
-        scores = g.op("Mul", g.op("Add", ac, bd),
-                      g.op("Constant", value_t=torch.tensor(scale, dtype=torch.float32)))
-        # allowed pairs: d = (i + Lk - Lq) - j within the window, key not padded, not masked
-        zero = i64(0)
-        i = g.op("Unsqueeze", g.op("Range", zero, g.op("Squeeze", lq, zero), one), i64(1))
-        j = g.op("Range", zero, g.op("Squeeze", lk, zero), one)
-        d = g.op("Sub", g.op("Add", i, g.op("Squeeze", g.op("Sub", lk, lq), zero)), j)
-        allowed = g.op("Constant", value_t=torch.tensor(True))
-        if wl >= 0:
-            allowed = g.op("And", allowed, g.op("LessOrEqual", d, i64(wl)))
-        if wr >= 0:
-            allowed = g.op("And", allowed, g.op("LessOrEqual", g.op("Neg", d), i64(wr)))
-        if given(key_padding_mask):
-            kpm = g.op("Unsqueeze", key_padding_mask, i64(1, 2))
-            allowed = g.op("And", allowed, g.op("Not", kpm))
-        if given(attn_mask):
-            allowed = g.op("And", allowed, g.op("Not", attn_mask))
-        allowed = g.op("And", allowed, g.op("Constant", value_t=torch.ones(
-            1, 1, 1, 1, dtype=torch.bool)))
-        allowed = g.op("Expand", allowed, g.op("Shape", scores))
-        row_has = g.op("Cast", reduce_max(g.op("Cast", allowed, to_i=1)), to_i=9)
-        ninf = g.op("Constant", value_t=torch.tensor(float("-inf")))
-        masked = g.op("Where", allowed, scores, ninf)
-        safe = g.op("Where", row_has, masked, g.op("Constant", value_t=torch.tensor(0.0)))
-        prob = g.op("Mul", g.op("Softmax", safe, axis_i=-1), g.op("Cast", row_has, to_i=1))
-        out = g.op("MatMul", prob, g.op("Transpose", v, perm_i=[0, 2, 1, 3]))
-        out = g.op("Transpose", out, perm_i=[0, 2, 1, 3])
-        # the op's second output, the row log-sum-exp [B, H, Lq] (+inf for empty rows)
-        lse = g.op("Add", g.op("Log", g.op("ReduceSum", g.op("Exp", g.op(
-            "Sub", safe, reduce_max(safe))), i64(-1), keepdims_i=1)), reduce_max(safe))
-        lse = g.op("Where", row_has, lse, g.op("Constant", value_t=torch.tensor(float("inf"))))
-        return out, g.op("Squeeze", lse, i64(-1))
+        o = _Onnx(g, opset)
+        scale = sh._maybe_get_const(softmax_scale, "f")
+        wl = int(sh._maybe_get_const(window_left, "i"))
+        wr = int(sh._maybe_get_const(window_right, "i"))
+        scores = _onnx_scores(o, q, k, r, r_w_bias, r_r_bias, scale)
+        allowed = _onnx_allowed(o, q, k, scores, wl, wr,
+                                key_padding_mask if given(key_padding_mask) else None,
+                                attn_mask if given(attn_mask) else None)
+        # the op's two outputs: the output and the row log-sum-exp (+inf for empty rows)
+        return _onnx_softmax_out(o, scores, allowed, v)
 
     return symbolic
 

@@ -35,8 +35,8 @@ from torch import Tensor
 
 from ._export import refuse_context_parallel
 from ._block_ops import KernelOps, merge_block
-from ._utils import (check_same, draw_dropout_seed, interpreting, no_interpreter_reason,
-                     renamed_keywords)
+from ._utils import (check_same, draw_dropout_seed, interpreting, last_dim_contiguous,
+                     no_interpreter_reason, renamed_keywords)
 from .functional import (check_deterministic, check_dropout_p, check_padding_mask,
                          check_position_rows, check_softmax_scale, check_tensor, check_window,
                          clamp_window, plan_call, scale_sign)
@@ -515,6 +515,35 @@ def _check_args(name, q, k, v, r, r_w_bias, r_r_bias, mlen, layout, causal,
     return wl, wr, softmax_scale, dropout_p, kpm, chosen
 
 
+def _gather_lengths(name: str, ring: _Ring, err, lq: int, mlen: int, layout: str):
+    """Every rank's (segment rows, memory rows), gathered in one all_gather with whether its
+    arguments passed (``err``: this rank's exception or None, raised here after the gather,
+    so every rank takes part); raises on every rank where any rejected its arguments, or
+    where the shards do not follow ``layout``. Returns (q_lens, m_lens) in rank order."""
+    ok = err is None
+    lens = torch.tensor([int(ok), lq if ok else 0, mlen if ok else 0], dtype=torch.int64)
+    gathered = [torch.empty_like(lens) for _ in range(ring.world)]
+    dist.all_gather(gathered, lens, group=ring.group)
+    if err is not None:
+        raise err
+    bad = [i for i, t in enumerate(gathered) if not int(t[0])]
+    if bad:
+        raise ValueError(f"{name}: rank(s) {bad} of the group rejected their arguments (see "
+                         f"their error); every rank must pass valid ones, nothing was computed")
+    q_lens = [int(t[1]) for t in gathered]
+    m_lens = [int(t[2]) for t in gathered]
+    if layout == "zigzag":
+        for i in range(ring.world):
+            for total, mine, what in ((sum(q_lens), q_lens[i], "segment"),
+                                      (sum(m_lens), m_lens[i], "memory")):
+                exp = sum(n for _, n, _ in layout_chunks(total, i, ring.world, layout))
+                if exp != mine:
+                    raise ValueError(f"{name}: rank {i} holds {mine} {what} rows, but the "
+                                     f"zigzag layout of {total} rows gives it {exp} "
+                                     "(shard with shard_sequence)")
+    return q_lens, m_lens
+
+
 @renamed_keywords("context_parallel_rel_attention", memory_len="mlen")
 def context_parallel_rel_attention(
     q: Tensor,
@@ -617,29 +646,8 @@ def context_parallel_rel_attention(
         raise RuntimeError(f"{name}: torch.distributed is not initialised "
                            "(call dist.init_process_group first)")
     ring = _Ring(group, schedule)
-    ok = err is None
-    lens = torch.tensor([int(ok), q.shape[1] if ok else 0, mlen if ok else 0],
-                        dtype=torch.int64)
-    gathered = [torch.empty_like(lens) for _ in range(ring.world)]
-    dist.all_gather(gathered, lens, group=group)
-    if err is not None:
-        raise err
-    bad = [i for i, t in enumerate(gathered) if not int(t[0])]
-    if bad:
-        raise ValueError(f"{name}: rank(s) {bad} of the group rejected their arguments (see "
-                         f"their error); every rank must pass valid ones, nothing was computed")
+    q_lens, m_lens = _gather_lengths(name, ring, err, q.shape[1], mlen, layout)
     B, _, H, _ = q.shape
-    q_lens = [int(t[1]) for t in gathered]
-    m_lens = [int(t[2]) for t in gathered]
-    if layout == "zigzag":
-        for i in range(ring.world):
-            for total, mine, what in ((sum(q_lens), q_lens[i], "segment"),
-                                      (sum(m_lens), m_lens[i], "memory")):
-                exp = sum(n for _, n, _ in layout_chunks(total, i, ring.world, layout))
-                if exp != mine:
-                    raise ValueError(f"{name}: rank {i} holds {mine} {what} rows, but the "
-                                     f"zigzag layout of {total} rows gives it {exp} "
-                                     "(shard with shard_sequence)")
     prob = _Problem(q_lens, m_lens, layout, ring.rank, key_padding_mask is not None)
     wl, wr = clamp_window(wl, wr, prob.lq, prob.mem + prob.lq)  # the global shapes
     check_position_rows(prob.lq, prob.mem + prob.lq, r.shape[0], wl, wr)
@@ -652,9 +660,8 @@ def context_parallel_rel_attention(
             seed = dropout_seed
     drop = _Dropout(dropout_p, seed, B, H, prob.lq, prob.mem + prob.lq)
     ops = None if chosen == "reference" else KernelOps(chosen, deterministic)
-    if ops is not None:
-        # the kernels read tensors whose last dimension is contiguous
-        q, k, v, r, r_w_bias, r_r_bias = (t if t.stride(-1) == 1 else t.contiguous()
+    if ops is not None:  # the kernels read tensors whose last dimension is contiguous
+        q, k, v, r, r_w_bias, r_r_bias = (last_dim_contiguous(t)
                                           for t in (q, k, v, r, r_w_bias, r_r_bias))
     if chosen == "triton" and softmax_scale <= 0.0:
         sign, softmax_scale = scale_sign(softmax_scale)

@@ -62,6 +62,39 @@ class ScaledLinear(nn.Linear):
         return F.linear(x, self.get_weight(), self.get_bias())
 
 
+def _scripted_masks(name: str, key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor],
+                    bsz: int, H: int, tgt: int, src: int
+                    ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """The TorchScript forward's masks, checked as the eager forward checks them: the key
+    padding mask (N, S) and the attention mask (L, S) or (N * num_heads, L, S), bool or uint8
+    (True = masked), as bool, the attention mask as [1 or N, 1 or H, L, S]."""
+    kpm: Optional[Tensor] = None
+    if key_padding_mask is not None:
+        if (key_padding_mask.dtype != torch.bool and key_padding_mask.dtype != torch.uint8) \
+                or key_padding_mask.dim() != 2 or key_padding_mask.shape[0] != bsz \
+                or key_padding_mask.shape[1] != src:
+            raise ValueError(f"{name}: key_padding_mask must be a bool or uint8 tensor "
+                             f"(N, S) = ({bsz}, {src}), True = padded; got shape "
+                             f"{key_padding_mask.shape}")
+        kpm = key_padding_mask.to(torch.bool)
+    am: Optional[Tensor] = None
+    if attn_mask is not None:
+        if attn_mask.dtype != torch.bool and attn_mask.dtype != torch.uint8:
+            raise TypeError(f"{name}: attn_mask must be a bool or uint8 tensor (True = "
+                            f"masked); additive float masks are not supported")
+        am = attn_mask.to(torch.bool)
+        if am.dim() == 2 and am.shape[0] == tgt and am.shape[1] == src:
+            am = am[None, None]
+        elif am.dim() == 3 and am.shape[0] == bsz * H and am.shape[1] == tgt \
+                and am.shape[2] == src:
+            am = am.view(bsz, H, tgt, src)
+        else:
+            raise ValueError(f"{name}: attn_mask must be (L, S) = ({tgt}, {src}) or "
+                             f"(N * num_heads, L, S) = ({bsz * H}, {tgt}, {src}), got "
+                             f"shape {attn_mask.shape}")
+    return kpm, am
+
+
 class IcefallRelPositionMultiheadAttention(nn.Module):
     """Drop-in for icefall's ``RelPositionMultiheadAttention(embed_dim, num_heads, dropout)``.
 
@@ -251,30 +284,7 @@ class IcefallRelPositionMultiheadAttention(nn.Module):
             raise ValueError(f"{name}: pos_emb must be (1 or N={bsz}, left_context + 2L - 1 = "
                              f"{rows}, {E}) for L={tgt}, left_context={left_context}; got "
                              f"shape {pos_emb.shape}")
-        kpm: Optional[Tensor] = None
-        if key_padding_mask is not None:
-            if (key_padding_mask.dtype != torch.bool and key_padding_mask.dtype != torch.uint8) \
-                    or key_padding_mask.dim() != 2 or key_padding_mask.shape[0] != bsz \
-                    or key_padding_mask.shape[1] != src:
-                raise ValueError(f"{name}: key_padding_mask must be a bool or uint8 tensor "
-                                 f"(N, S) = ({bsz}, {src}), True = padded; got shape "
-                                 f"{key_padding_mask.shape}")
-            kpm = key_padding_mask.to(torch.bool)
-        am: Optional[Tensor] = None
-        if attn_mask is not None:
-            if attn_mask.dtype != torch.bool and attn_mask.dtype != torch.uint8:
-                raise TypeError(f"{name}: attn_mask must be a bool or uint8 tensor (True = "
-                                f"masked); additive float masks are not supported")
-            am = attn_mask.to(torch.bool)
-            if am.dim() == 2 and am.shape[0] == tgt and am.shape[1] == src:
-                am = am[None, None]
-            elif am.dim() == 3 and am.shape[0] == bsz * H and am.shape[1] == tgt \
-                    and am.shape[2] == src:
-                am = am.view(bsz, H, tgt, src)
-            else:
-                raise ValueError(f"{name}: attn_mask must be (L, S) = ({tgt}, {src}) or "
-                                 f"(N * num_heads, L, S) = ({bsz * H}, {tgt}, {src}), got "
-                                 f"shape {attn_mask.shape}")
+        kpm, am = _scripted_masks(name, key_padding_mask, attn_mask, bsz, H, tgt, src)
         w, b = self.in_proj.get_weight(), self.in_proj.get_bias()
         assert b is not None  # in_proj has a bias (constructed with bias=True)
         # As eager (and icefall): equal inputs share one projection
