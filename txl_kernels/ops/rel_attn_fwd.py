@@ -40,7 +40,7 @@ from .._arch import config_family
 from .._utils import describe
 from ..quant import QuantizedKV, dequantize_per_token
 from ..reference import finite_or_zero, row_poison
-from ._common import (INTERPRET, LOG2E, BiasStrides, HeadStrides, KpmStrides, MaskStrides,
+from ._common import (INTERPRET, LOG2E, BiasStrides, HeadStrides, MaskArgs,
                       Pattern, RowStrides, WorkStrides,
                       apply_mask_band, autotune_enabled, bias_strides, descriptors_ok,
                       dot_precision, draw_dropout_seed, dropout_apply, dropout_args,
@@ -361,18 +361,11 @@ class FwdStrides(NamedTuple):
     out: RowStrides
 
 
-class FwdMaskArgs(NamedTuple):
-    """The forward kernel's ``masks``: ``_common.MaskArgs``' fields, then
-    ``masked_value_operands``' key bias and key count (read when any mask is on)."""
-    window_left: int
-    window_right: int
-    kpm: torch.Tensor
-    kpm_strides: KpmStrides
-    mask: torch.Tensor
-    mask_strides: MaskStrides
-    band: torch.Tensor
-    key_bias: torch.Tensor
-    key_count: torch.Tensor
+# The forward kernel's ``masks``: ``_common.MaskArgs``' fields, then ``masked_value_operands``'
+# key bias and key count (read when any mask is on).
+FwdMaskArgs = NamedTuple("FwdMaskArgs", [*MaskArgs.__annotations__.items(),
+                                         ("key_bias", torch.Tensor),
+                                         ("key_count", torch.Tensor)])
 
 
 class FwdOperands(NamedTuple):
