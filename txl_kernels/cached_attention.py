@@ -25,7 +25,7 @@ import torch
 
 from ._cpp_ops import use_extension
 from ._op import DECODE, op_kernel
-from .functional import choose_backend_for, plan_call, rel_attention
+from .functional import choose_backend_for, rel_attention
 from .quant import QuantizedKV
 
 __all__ = ["cached_attention", "cached_attention_route", "use_decode_layer_op",
@@ -49,15 +49,11 @@ def cached_attention_route(qlen: int, dtype: torch.dtype, device: torch.device, 
     - ``"cpu_decode"``: one query row, no dropout, the kernel is the C++ CPU kernel and the
       dtype fp32 / fp64: the streaming C++ decode kernel (one pass over the cached rows per
       product, no key-sized temporary).
-    - ``"rel_attention"``: everything else, through ``rel_attention(..., backend=backend)``
-      (which makes the same choice of kernel).
+    - ``"rel_attention"``: everything else, through ``rel_attention(..., backend=backend)``,
+      whose plan (``functional.plan_call``) makes the same choice of kernel and runs the
+      first-use self-check of the segment kernel that then runs.
     """
-    return _route(choose_backend_for(backend, device, dtype, head_dim, "cached_attention"),
-                  qlen, dtype, dropout_p)
-
-
-def _route(kernel: str, qlen: int, dtype: torch.dtype, dropout_p: float) -> str:
-    """The route for a call whose kernel is ``kernel`` (:data:`ROUTES`)."""
+    kernel = choose_backend_for(backend, device, dtype, head_dim, "cached_attention")
     if qlen == 1 and dropout_p == 0:
         if kernel == "triton":
             return "triton_decode"
@@ -80,17 +76,15 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch
     the reference dequantises it). ``backend``: ``rel_attention``'s. ``dropout_p``: attention
     dropout (0 in eval).
     """
-    # rel_attention's plan for this call (its self-check included), then the route
-    plan = plan_call(backend, (q, k, v, r, r_w_bias, r_r_bias), window_size[0], 0, None, None,
-                     None, dropout_p, memory, False, None, "cached_attention")
-    route = _route(plan.kernel, q.shape[1], q.dtype, dropout_p)
+    route = cached_attention_route(q.shape[1], q.dtype, q.device, q.shape[-1], backend=backend,
+                                   dropout_p=dropout_p)
     if route != "rel_attention":  # the decode op's Triton kernel (the interpreter on CPU) or C++
         mem = () if memory is None else tuple(memory)
         kernel = op_kernel(DECODE, route == "triton_decode" and q.device.type == "cpu")
         return kernel(q, k, v, r, r_w_bias, r_r_bias, float(softmax_scale), window_size[0],
                       *mem)
     return rel_attention(q, k, v, r, r_w_bias, r_r_bias, causal=True, window_size=window_size,
-                         softmax_scale=softmax_scale, dropout_p=dropout_p, backend=plan.kernel,
+                         softmax_scale=softmax_scale, dropout_p=dropout_p, backend=backend,
                          memory=memory)
 
 

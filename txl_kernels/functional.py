@@ -297,6 +297,12 @@ def _self_checked(variant: "selfcheck.Variant", backend: str) -> bool:
     return False
 
 
+def _records_grad(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether a call on ``tensors`` records gradients (grad mode on, one of them requires
+    grad)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 class Plan(NamedTuple):
     """A call's decisions, made once (:func:`plan_call`) from its validated, normalised
     arguments: ``kernel``, what runs ("triton", "cpu" or "reference"), and ``variant``, the
@@ -313,16 +319,15 @@ def plan_call(backend: str, tensors: Sequence[torch.Tensor], window_left: int,
               who: str = "rel_attention", *, kernel_dropout: bool = True,
               self_check: bool = True) -> Plan:
     """The plan of a call on ``tensors`` (q, k, v, r and the biases) with ``backend`` and
-    these normalised arguments, for ``rel_attention``, the context-parallel ring and the
-    K/V cache's route: the kernel is :func:`choose_backend`'s policy, except that an 8-bit
+    these normalised arguments, for ``rel_attention`` (and so the K/V cache's segments) and
+    the context-parallel ring: the kernel is :func:`choose_backend`'s policy, except that an 8-bit
     memory with gradients recorded takes the reference ("auto"; another backend raises: the
     kernels read the memory forward only), and that dropout takes the reference where the
     caller's kernels cannot draw its keep-mask (``kernel_dropout=False``, the ring: its
     mask is a function of global positions); a Triton kernel whose variant failed its
     first-use self-check (``self_check``) takes the reference ("auto") or raises."""
     q = tensors[0]
-    memory_grads = memory is not None and torch.is_grad_enabled() and any(
-        t.requires_grad for t in tensors)
+    memory_grads = memory is not None and _records_grad(tensors)
     if not kernel_dropout and dropout_p > 0.0:
         if backend in ("triton", "cpu"):
             raise ValueError(f"{who}: dropout_p > 0 runs the ring on the einsum block math (the "
@@ -342,7 +347,7 @@ def plan_call(backend: str, tensors: Sequence[torch.Tensor], window_left: int,
                          f"or torch.no_grad()")
     if kernel != "triton":
         return Plan(kernel, None)
-    grads = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    grads = memory_grads if memory is not None else _records_grad(tensors)
     variant = selfcheck.variant_of(q, window_left, window_right, key_padding_mask, attn_mask,
                                    attn_mask_band, dropout_p, memory, grads, deterministic,
                                    r_first_distance)

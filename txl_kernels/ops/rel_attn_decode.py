@@ -28,7 +28,7 @@ import triton.language as tl
 from ..quant import QuantizedKV
 from ._common import (LOG2E, BiasStrides, HeadStrides, RowStrides, bias_strides, head_strides,
                       key_range, last_dim_contiguous, load_8bit, memory_bases,
-                      memory_launch_args, row_strides, variant_flags)
+                      memory_launch_args, row_strides)
 
 __all__ = ["rel_attn_decode", "num_splits_for"]
 
@@ -270,9 +270,7 @@ def rel_attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.
         q, k, v, r, u, vb, m, l, acc, strides, H, Lk, D,
         int(window_left) if window_left >= 0 else Lk, per_split, splits,
         float(softmax_scale) * LOG2E.value, mem_arg, shift + 1,
-        BLOCK_N=block_n, BLOCK_D=block_d,
-        QUANT_MEM=variant_flags(q, window_left, 0, None, None, None, 0.0, memory,
-                                r_first_distance)["QUANT_MEM"])
+        BLOCK_N=block_n, BLOCK_D=block_d, QUANT_MEM=M > 0)
     out = torch.empty((B, 1, H, D), device=q.device, dtype=q.dtype)
     _decode_merge_kernel[(B * H,)](
         m, l, acc, out, BatchHeadStrides(out.stride(0), out.stride(2)), H, D, splits,
