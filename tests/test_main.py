@@ -62,7 +62,8 @@ def test_main_job_fails_when_a_backend_disagrees(monkeypatch, capsys):
         return out + 0.1, lse
 
     monkeypatch.setattr(op, "rel_attn_fwd", wrong)
-    monkeypatch.setattr(main_mod, "_lm_report", lambda device, attn_backend: True)  # not under test here
+    # the LM section is not under test here
+    monkeypatch.setattr(main_mod, "_lm_report", lambda device, attn_backend: True)
     assert main_mod.main(["--no-build"]) == 1
     assert "FAILED: triton: does not agree with the reference" in capsys.readouterr().out
 

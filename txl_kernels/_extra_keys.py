@@ -5,9 +5,9 @@ the relative part as usual and returns its normalised rows and row log-sum-exp; 
 ``[B, H, Lq, G]`` extra part (with its own dropout mask) is computed here in torch and folded
 in by a log-sum-exp merge (the arithmetic of ``_block_ops.merge_block``, with which the
 context-parallel ring merges its blocks), in place on the kernel's output. The backward is
-the kernel's own, given the *merged* output and log-sum-exp (as the context-parallel ring calls it): with those its probabilities
-are the joint softmax's, and ``rowsum(dO * O)`` is the joint one, so its gradients are exact;
-the extra part's gradient is added here. Nothing of size ``Lq x Lk`` is formed.
+the kernel's own, given the *merged* output and log-sum-exp (as the context-parallel ring
+calls it): with those its probabilities are the joint softmax's, and ``rowsum(dO * O)`` is
+the joint one, so its gradients are exact; the extra part's gradient is added here. Nothing of size ``Lq x Lk`` is formed.
 """
 from __future__ import annotations
 
