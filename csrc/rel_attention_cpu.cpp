@@ -39,10 +39,12 @@
 // row per key, so the conversions cost 1 / m of the GEMMs), except on CPUs with AMX for the
 // dtype, where the forward's GEMMs and the backward's scores and dO V^T run on oneDNN's brgemm
 // in the input dtype ("bf16 / fp16 GEMMs on oneDNN's brgemm" below); fp32 / fp64 tiles are
-// read in place through their row strides. The row loops (scale, max, exp, sums) are in cpu_simd.h's vector
-// types, compiled for the baseline, AVX2 + FMA and AVX-512, the variant chosen at run time from
-// ATen's own choice (cpu_isa.h): at::vec compiles to its scalar fallback in an extension built
-// for the baseline ISA.
+// read in place through their row strides. fp32 takes the same brgemm route, with fp32
+// operands, where that is the faster library ("fp32 GEMMs: the BLAS or oneDNN's brgemm").
+// The row loops (scale, max, exp, sums) are in cpu_simd.h's vector types, compiled for the
+// baseline, AVX2 + FMA and AVX-512, the variant chosen at run time from ATen's own choice
+// (cpu_isa.h): at::vec compiles to its scalar fallback in an extension built for the baseline
+// ISA.
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -54,10 +56,15 @@
 #include "cpu_isa.h"
 #include "cpu_simd.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 #include <algorithm>
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -700,24 +707,105 @@ void add_allowed(const Geometry& g, int64_t b, int64_t h, int64_t i0, int64_t m,
 
 template <typename T>
 constexpr bool kLowp = std::is_same<T, at::BFloat16>::value || std::is_same<T, at::Half>::value;
+// the dtypes the brgemm route serves: bf16 / fp16 (VNNI operands) and fp32
+template <typename T>
+constexpr bool kBrgemmType = kLowp<T> || std::is_same<T, float>::value;
 
 // forward and backward calls that took the brgemm route (txl_kernels::cpu_brgemm_calls, tests)
 std::atomic<int64_t> g_brgemm_calls{0};
 
+// ---- fp32 GEMMs: the BLAS or oneDNN's brgemm
+//
+// fp32 tiles run on oneDNN's fp32 brgemm micro-kernels (cpublas::brgemm, the JIT kernels of
+// the CPU's own ISA) where they are faster than the BLAS: measured on an AMD EPYC (Zen 2,
+// AVX2), where MKL's sgemm reaches 31-34 GFLOP/s on the kernel's tile shapes and brgemm 36-38
+// (the forward 10-15% faster in all; BENCHMARKS.md). The choice (txl_kernels::cpu_fp32_gemm):
+// TXL_KERNELS_CPU_GEMM = "brgemm" or "blas" where set, else brgemm on x86 CPUs not made by
+// Intel when the BLAS is MKL (whose own code paths are tuned for Intel's), the BLAS elsewhere;
+// read once per process, forced by the test-only op cpu_fp32_gemm_override. The route also
+// needs a vector ISA variant (cpu_isa() is not "default"), and the first brgemm call is
+// checked: a torch or CPU that cannot run it stays on the BLAS.
+enum class Fp32Gemm : int { kBlas = 0, kBrgemm = 1 };
+constexpr const char* kFp32GemmNames[] = {"blas", "brgemm"};
+
+bool non_intel_x86() {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned int a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+  char vendor[13];
+  std::memcpy(vendor, &b, 4);
+  std::memcpy(vendor + 4, &d, 4);
+  std::memcpy(vendor + 8, &c, 4);
+  vendor[12] = 0;
+  return std::strcmp(vendor, "GenuineIntel") != 0;
+#else
+  return false;
+#endif
+}
+
+// Whether fp32 brgemm runs here: one small product, checked against its exact value.
+bool fp32_brgemm_runs() {
+#ifdef CPUBLAS_BRGEMM_F32F32F32
+  try {
+    const float A[4] = {1, 2, 3, 4}, B[4] = {5, 6, 7, 8};
+    float C[4] = {0, 0, 0, 0};
+    at::native::cpublas::brgemm(2, 2, 2, 2, 2, 2, false, A, B, C, /*is_vnni=*/false);
+    at::native::cpublas::brgemm_release(/*is_vnni=*/false);
+    return C[0] == 19 && C[1] == 22 && C[2] == 43 && C[3] == 50;
+  } catch (const std::exception&) {
+    return false;
+  }
+#else
+  return false;
+#endif
+}
+
+int fp32_gemm_default() {
+  static const int choice = [] {
+    if (!fp32_brgemm_runs()) return 0;
+    const char* env = std::getenv("TXL_KERNELS_CPU_GEMM");
+    const std::string want = env ? env : "auto";
+    if (want == "brgemm") return 1;
+    if (want == "blas") return 0;
+    TORCH_CHECK_VALUE(want == "auto", "TXL_KERNELS_CPU_GEMM must be \"auto\", \"brgemm\" or "
+                      "\"blas\", got \"", want, "\"");
+    return non_intel_x86() && MKL_Set_Num_Threads_Local != nullptr ? 1 : 0;
+  }();
+  return choice;
+}
+
+std::atomic<int> g_fp32_gemm{-1};
+
+Fp32Gemm fp32_gemm() {
+  int i = g_fp32_gemm.load(std::memory_order_relaxed);
+  if (i < 0) {
+    int expected = -1;
+    g_fp32_gemm.compare_exchange_strong(expected, fp32_gemm_default(),
+                                        std::memory_order_relaxed);
+    i = g_fp32_gemm.load(std::memory_order_relaxed);
+  }
+  return static_cast<Fp32Gemm>(i);
+}
+
 // Whether a call in dtype st takes the brgemm route (decided once per call; never in a torch
-// without cpublas::brgemm).
+// without cpublas::brgemm): bf16 / fp16 where the CPU packs them natively (AMX) under the
+// AVX-512 variant, fp32 where fp32_gemm() says so under a vector variant.
 bool brgemm_route(at::ScalarType st) {
 #ifdef CPUBLAS_BRGEMM_BF16BF16F32
   if (st == at::kBFloat16 || st == at::kHalf)
     return cpu_isa() == CpuIsa::kAvx512 && at::native::cpublas::could_pack(st);
 #endif
+  if (st == at::kFloat)
+    return fp32_gemm() == Fp32Gemm::kBrgemm && cpu_isa() != CpuIsa::kDefault;
   return false;
 }
 
-// Releases the AMX tile state that this thread's brgemm calls configured (as PyTorch does).
+// Releases the hardware state (AMX tiles) that this thread's brgemm calls configured (as
+// PyTorch does).
+template <typename scalar_t>
 void brgemm_done() {
 #ifdef CPUBLAS_BRGEMM_BF16BF16F32
-  at::native::cpublas::brgemm_release();
+  at::native::cpublas::brgemm_release(/*is_vnni=*/kLowp<scalar_t>);
 #endif
 }
 
@@ -727,13 +815,14 @@ inline scalar_t q_plus(scalar_t q, scalar_t bias) {
   return static_cast<scalar_t>(static_cast<acc_t>(q) + static_cast<acc_t>(bias));
 }
 
-// C[M, N] (ld ldc) = A[M, K] (ld lda) @ B (VNNI, ld ldb), or += with add
+// C[M, N] (ld ldc) = A[M, K] (ld lda) @ B (ld ldb; VNNI for bf16 / fp16), or += with add
 template <typename scalar_t>
-void brgemm_vnni(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc,
+void brgemm_call(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc,
                  bool add, const scalar_t* A, const scalar_t* B, float* C) {
 #ifdef CPUBLAS_BRGEMM_BF16BF16F32
-  if constexpr (kLowp<scalar_t>) {
-    at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, A, B, C, /*is_vnni=*/true);
+  if constexpr (kBrgemmType<scalar_t>) {
+    at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, A, B, C,
+                                /*is_vnni=*/kLowp<scalar_t>);
     return;
   }
 #endif
@@ -751,14 +840,48 @@ inline int64_t vnni_ld(int64_t n) {
 // rows pack_transposed reads at a time: its row buffer holds kPackRows * D elements
 constexpr int64_t kPackRows = 16;
 
-// X^T of X's rows [0, n) [n, D] packed for brgemm: out[((d / 2) ld + j) 2 + d % 2] = X[j, d]
-// (d padded to even with zeros); a tile of rows [j0, j0 + c) is then out + 2 j0 with ld_b = ld.
-// One pass per call: each (batch, head)'s K and each head's r, read by every query block.
+// fp32 X^T panels are cut into chunks of kPanelCols columns, each [D, kPanelLd] and contiguous:
+// a key tile's B operand then spans 64 KiB (16 pages at D = 64) where one panel row per d of
+// the whole length (rows ld apart) spans a page per row, and brgemm runs ~12% faster on it
+// (measured on Zen 2: 37.6 against 33.0 GFLOP/s for 128 x 256 x 64). kPanelLd: rows 1,088
+// bytes apart, not a multiple of 1 KiB.
+constexpr int64_t kPanelCols = 256, kPanelLd = kPanelCols + 16;
+
+// The leading dimension and the size of a packed X^T of n rows (K = Dp): VNNI pairs for
+// bf16 / fp16, chunks for fp32.
+template <typename scalar_t>
+int64_t panel_ld(int64_t n) {
+  return kLowp<scalar_t> ? vnni_ld(n) : kPanelLd;
+}
+template <typename scalar_t>
+int64_t panel_elems(int64_t n, int64_t Dp) {
+  return kLowp<scalar_t> ? Dp * vnni_ld(n) : (n + kPanelCols - 1) / kPanelCols * Dp * kPanelLd;
+}
+
+// X^T of X's rows [0, n) [n, D] packed for brgemm: bf16 / fp16 in VNNI pairs,
+// out[((d / 2) ld + j) 2 + d % 2] = X[j, d] (d padded to even with zeros), a tile of rows
+// [j0, j0 + c) then at out + 2 j0 with ld_b = ld; fp32 in chunks of kPanelCols columns,
+// out[(j / kPanelCols) D ld + d ld + j % kPanelCols] = X[j, d] (ld = kPanelLd). One pass per
+// call: each (batch, head)'s K and each head's r, read by every query block.
 template <typename scalar_t, typename Rw>
 void pack_transposed(const Rw& X, int64_t n, int64_t D, int64_t ld, scalar_t* out,
                      scalar_t* row) {
+  if constexpr (std::is_same<scalar_t, float>::value) {
+    constexpr int64_t J = kPackRows;  // rows at a time: 64 contiguous bytes per panel row
+    const float* xs[J];
+    for (int64_t j0 = 0; j0 < n; j0 += J) {
+      const int64_t nj = std::min(J, n - j0);
+      for (int64_t jj = 0; jj < nj; ++jj) xs[jj] = X.raw(j0 + jj, row + jj * D);
+      // kPackRows divides kPanelCols: the rows j0.. lie in one chunk
+      float* o = out + j0 / kPanelCols * D * ld + j0 % kPanelCols;
+      for (int64_t d = 0; d < D; ++d)
+        for (int64_t jj = 0; jj < nj; ++jj) o[d * ld + jj] = xs[jj][d];
+    }
+    return;
+  }
   using W = uint32_t;  // one pair (d, d + 1) of 16-bit values
-  static_assert(sizeof(scalar_t) == 2, "bf16 / fp16 only");
+  static_assert(sizeof(scalar_t) == 2 || std::is_same<scalar_t, float>::value,
+                "bf16 / fp16 / fp32 only");
   const int64_t Dh = D / 2;
   W* o = reinterpret_cast<W*>(out);
   // kPackRows rows at a time, so that each panel row is written 64 contiguous bytes at a time
@@ -821,10 +944,12 @@ void pack_pairs(int64_t n, int64_t D, scalar_t* out, scalar_t* row0, scalar_t* r
 }
 
 // One thread's brgemm operands: (q + u) and (q + vb) of the current query block (and its
-// output gradient rows, in the backward), the packed V tile, and P in the input dtype.
+// output gradient rows, in the backward), the packed V tile, and P in the input dtype (bf16 /
+// fp16; fp32 reads V's rows and P = S as they are).
 template <typename scalar_t>
 struct LowpGemm {
-  int64_t D, Dp;  // head dim, and rounded up to even (the K of the q GEMMs)
+  static constexpr bool kVnni = kLowp<scalar_t>;  // B operands in VNNI pairs
+  int64_t D, Dp;  // head dim, and the K of the q GEMMs (rounded up to even in VNNI)
   float sc;       // softmax_scale * log2(e): the scores' factor (scores_tile applies it)
   Scratch<scalar_t> qu, qv, go, b, p, row0, row1, zero;
   // the forward's V of the current (batch, head) in pv's layout (pack_pairs), vn rows
@@ -836,7 +961,8 @@ struct LowpGemm {
   int64_t ldk = 0, ldr = 0;
 
   LowpGemm(int64_t BM, int64_t BN, int64_t D_, float sc_)
-      : D(D_), Dp((D_ + 1) / 2 * 2), sc(sc_), qu(BM * Dp), qv(BM * Dp), go(BM * Dp),
+      : D(D_), Dp(kVnni ? (D_ + 1) / 2 * 2 : D_), sc(sc_), qu(BM * Dp), qv(BM * Dp),
+        go(BM * Dp),
         b((BN + 1) * D),
         p(BM * (BN + 1)), row0(D_), row1(D_), zero(D_) {
     std::fill(zero.begin(), zero.end(), scalar_t(0));
@@ -863,10 +989,20 @@ struct LowpGemm {
     }
   }
 
-  // C[m, n] (ld ldc) = A[m, Dp] @ X[j0, j0 + n)^T, X^T packed at Xt (ld ldx)
+  // C[m, n] (ld ldc) = A[m, Dp] @ X[j0, j0 + n)^T, X^T packed at Xt (ld ldx; fp32: one
+  // product per chunk the columns touch)
   void abt(const scalar_t* A, int64_t m, const scalar_t* Xt, int64_t ldx, int64_t j0,
            int64_t n, float* C, int64_t ldc) {
-    brgemm_vnni<scalar_t>(m, n, Dp, Dp, ldx, ldc, false, A, Xt + 2 * j0, C);
+    if constexpr (!kVnni) {
+      for (int64_t j = j0; j < j0 + n;) {
+        const int64_t c = j / kPanelCols, e = std::min(j0 + n, (c + 1) * kPanelCols);
+        brgemm_call<scalar_t>(m, e - j, Dp, Dp, ldx, ldc, false, A,
+                              Xt + c * Dp * ldx + (j - c * kPanelCols), C + (j - j0));
+        j = e;
+      }
+      return;
+    }
+    brgemm_call<scalar_t>(m, n, Dp, Dp, ldx, ldc, false, A, Xt + 2 * j0, C);
   }
 
   // where row a of P goes for a tile of n columns, its column n (when n is odd) set to 0
@@ -884,6 +1020,14 @@ struct LowpGemm {
   template <typename Rw>
   void pv(const float* S, int64_t lds, int64_t m, const Rw& X, int64_t j0, int64_t n,
           const uint8_t* flags, std::vector<int64_t>& bad, float* acc, bool p_written) {
+    if constexpr (!kVnni) {  // fp32: S as it is, X's rows from vp (contiguous) or X
+      bad.clear();
+      int64_t ldx = D;
+      const float* x = vp && !flags ? vp + j0 * D : X.get(j0, n, b.data(), &ldx);
+      if (flags) x = zero_flagged_rows(x, &ldx, n, D, flags, b.data(), bad);
+      brgemm_call<scalar_t>(m, D, n, lds, ldx, D, true, S, x, acc);
+      return;
+    }
     const int64_t np = (n + 1) / 2 * 2;
     bad.clear();
     if (!p_written) {
@@ -908,7 +1052,7 @@ struct LowpGemm {
                    bad.push_back(t);
                    return zero.data();
                  });
-    brgemm_vnni<scalar_t>(m, D, np, np, D, D, true, p.data(), B, acc);
+    brgemm_call<scalar_t>(m, D, np, np, D, D, true, p.data(), B, acc);
   }
 };
 
@@ -927,7 +1071,7 @@ void fill_window(const Rows<scalar_t, acc_t>& Rr, int64_t R, const acc_t* qv, in
     std::fill(T + a * tw + cb, T + a * tw + c1, acc_t(0));
   }
   if (!any) return;
-  if constexpr (kLowp<scalar_t>) {
+  if constexpr (kBrgemmType<scalar_t>) {
     if (lp) {
       lp->abt(lp->qv.data() + a0 * lp->Dp, a1 - a0, lp->rt, lp->ldr, pa, pb - pa,
               T + a0 * tw + (pa - P0), tw);
@@ -996,7 +1140,7 @@ void scores_tile(const Geometry& g, const Head<scalar_t, acc_t>& hd, int64_t b, 
                  acc_t* rbuf, acc_t* rmax, LowpGemm<scalar_t>* lp = nullptr) {
   const int64_t D = g.D;
   bool done = false;
-  if constexpr (kLowp<scalar_t>) {
+  if constexpr (kBrgemmType<scalar_t>) {
     if (lp) {
       lp->abt(lp->qu.data(), m, lp->kt, lp->ldk, j0, n, S, g.BN);
       done = true;
@@ -1142,31 +1286,36 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
       }
     });
   const int64_t lanes = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntask));
-  // on the brgemm route each (batch, head)'s K^T and V (in pv's pairs) and each head's r^T
-  // packed once for all query blocks
-  const int64_t Dp = (D + 1) / 2 * 2, ldk = vnni_ld(Lk), ldr = vnni_ld(g.R);
+  // on the brgemm route each (batch, head)'s K^T and V and each head's r^T packed once for all
+  // query blocks: V in pv's pairs (bf16 / fp16) or its rows contiguous (fp32)
+  const int64_t Dp = kLowp<scalar_t> ? (D + 1) / 2 * 2 : D, ldk = panel_ld<scalar_t>(Lk),
+                ldr = panel_ld<scalar_t>(g.R), ksz = panel_elems<scalar_t>(Lk, Dp),
+                rsz = panel_elems<scalar_t>(g.R, Dp);
   const int64_t vsz = (Lk + 1) / 2 * 2 * D;
   at::Tensor kt, rt, vt;
-  if constexpr (kLowp<scalar_t>) {
+  if constexpr (kBrgemmType<scalar_t>) {
     if (lowp) {
-      kt = at::empty({B * H, Dp * ldk}, q.options());
+      const int64_t nkv = 2 * B * H;  // K^T panels, then V
+      kt = at::empty({B * H, ksz}, q.options());
       vt = at::empty({B * H, vsz}, q.options());
-      rt = at::empty({H, Dp * ldr}, q.options());
-      at::parallel_for(0, 2 * B * H + H, 1, [&](int64_t begin, int64_t end) {
+      rt = at::empty({H, rsz}, q.options());
+      at::parallel_for(0, nkv + H, 1, [&](int64_t begin, int64_t end) {
         Scratch<scalar_t> row(kPackRows * D), zero(D);
         std::fill(zero.begin(), zero.end(), scalar_t(0));
         for (int64_t i = begin; i < end; ++i) {
-          const int64_t bh = i < 2 * B * H ? i % (B * H) : i - 2 * B * H;
+          const int64_t bh = i < nkv ? i % (B * H) : i - nkv;
           const auto hd = head_rows<scalar_t, acc_t>(k, v, r, mem, bh / H, bh % H);
           if (i < B * H)
-            pack_transposed(hd.K, Lk, D, ldk, kt.data_ptr<scalar_t>() + i * Dp * ldk,
-                            row.data());
-          else if (i < 2 * B * H)
+            pack_transposed(hd.K, Lk, D, ldk, kt.data_ptr<scalar_t>() + i * ksz, row.data());
+          else if (i < nkv && kLowp<scalar_t>)
             pack_pairs(Lk, D, vt.data_ptr<scalar_t>() + bh * vsz, row.data(), row.data() + D,
                        zero.data(), [&](int64_t t, scalar_t* buf) { return hd.V.raw(t, buf); });
+          else if (i < nkv)
+            for (int64_t t = 0; t < Lk; ++t)
+              std::memcpy(vt.data_ptr<scalar_t>() + bh * vsz + t * D, hd.V.raw(t, row.data()),
+                          D * sizeof(scalar_t));
           else
-            pack_transposed(hd.Rr, g.R, D, ldr, rt.data_ptr<scalar_t>() + bh * Dp * ldr,
-                            row.data());
+            pack_transposed(hd.Rr, g.R, D, ldr, rt.data_ptr<scalar_t>() + bh * rsz, row.data());
         }
       });
     }
@@ -1210,8 +1359,8 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
           pack_short_table(g, hd.Rr, rpack);
         }
         if (lp) {
-          lp->kt = kt.data_ptr<scalar_t>() + (b * H + h) * Dp * ldk;
-          lp->rt = rt.data_ptr<scalar_t>() + h * Dp * ldr;
+          lp->kt = kt.data_ptr<scalar_t>() + (b * H + h) * ksz;
+          lp->rt = rt.data_ptr<scalar_t>() + h * rsz;
           lp->ldk = ldk;
           lp->ldr = ldr;
           lp->vp = vt.data_ptr<scalar_t>() + (b * H + h) * vsz;
@@ -1268,7 +1417,7 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
             const bool masked = g.tile_needs_masks(i0, m, j0, n);
             const uint8_t* vfl = masked ? vflag + (j0 - vfirst) : nullptr;
             bool done = false;
-            if constexpr (kLowp<scalar_t>) {
+            if constexpr (kBrgemmType<scalar_t>) {
               if (lp) {
                 lp->pv(S.data(), BN, m, hd.V, j0, n, vfl, bad_v, acc.data(), p_direct);
                 done = true;
@@ -1297,7 +1446,7 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
         }
       }
     }
-    if (lp) brgemm_done();
+    if (lp) brgemm_done<scalar_t>();
   });
 }
 
@@ -1323,17 +1472,19 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
   acc_t* dvbp = dvb.data_ptr<acc_t>();
   const acc_t* lsep = lse.data_ptr<acc_t>();
   // the brgemm route (as the forward's): the scores' two GEMMs, recomputed as the forward
-  // computed them, and dP = dO V^T (bf16 / fp16 operands that are exact, fp32 accumulation);
-  // the other GEMMs take fp32 operands (P, dS) and stay on the fp32 tiles
+  // computed them, and dP = dO V^T (bf16 / fp16 operands that are exact, or fp32; fp32
+  // accumulation); the other GEMMs (fp32 operands P, dS, dT) stay on the BLAS
   const bool lowp = brgemm_route(q.scalar_type());
   if (lowp) g_brgemm_calls.fetch_add(1, std::memory_order_relaxed);
-  const int64_t Dp = (D + 1) / 2 * 2, ldkt = vnni_ld(Lk), ldrt = vnni_ld(R);
+  const int64_t Dp = kLowp<scalar_t> ? (D + 1) / 2 * 2 : D, ldkt = panel_ld<scalar_t>(Lk),
+                ldrt = panel_ld<scalar_t>(R);
   at::parallel_for(0, B * H * S_, 1, [&](int64_t begin, int64_t end) {
     SequentialBlas one_thread;
     // the task's K^T, V^T and r^T panels (pack_transposed), when on the brgemm route
     std::unique_ptr<LowpGemm<scalar_t>> lp;
-    Scratch<scalar_t> kt(lowp ? Dp * ldkt : 0), vt(lowp ? Dp * ldkt : 0),
-        rt(lowp ? Dp * ldrt : 0), prow(lowp ? kPackRows * D : 0);
+    Scratch<scalar_t> kt(lowp ? panel_elems<scalar_t>(Lk, Dp) : 0),
+        vt(lowp ? panel_elems<scalar_t>(Lk, Dp) : 0), rt(lowp ? panel_elems<scalar_t>(R, Dp) : 0),
+        prow(lowp ? kPackRows * D : 0);
     if (lowp)
       lp = std::make_unique<LowpGemm<scalar_t>>(BM, BN, D,
                                                 static_cast<float>(g.softmax_scale * kLog2e));
@@ -1369,7 +1520,7 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
       flag_nonfinite_rows(hd.K, Lk, BN, kbuf.data(), kflag.data());
       flag_nonfinite_rows(hd.V, Lk, BN, vbuf.data(), vflag.data());
       flag_nonfinite_rows(hd.Rr, R, BN, rbuf.data(), rflag.data());
-      if constexpr (kLowp<scalar_t>) {
+      if constexpr (kBrgemmType<scalar_t>) {
         if (lp) {
           pack_transposed(hd.K, Lk, D, ldkt, kt.data(), prow.data());
           pack_transposed(hd.V, Lk, D, ldkt, vt.data(), prow.data());
@@ -1448,7 +1599,7 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
           const auto key = [j0](int64_t, int64_t t) { return j0 + t; };
           // dP = dO V^T (the flagged v rows' columns recomputed below where allowed, else 0)
           bool done = false;
-          if constexpr (kLowp<scalar_t>) {
+          if constexpr (kBrgemmType<scalar_t>) {
             if (lp) {
               lp->abt(lp->go.data(), m, vt.data(), lp->ldk, j0, n, dP.data(), BN);
               for (const int64_t t : bad_v)
@@ -1522,7 +1673,7 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
           }
       }
     }
-    if (lp) brgemm_done();
+    if (lp) brgemm_done<scalar_t>();
   });
 }
 
@@ -1805,10 +1956,27 @@ int64_t rel_attn_cpu_threads() {
 
 // How the forward's GEMMs run for dtype at the current ISA variant: "brgemm (AMX)" (bf16 /
 // fp16 operands, fp32 accumulation), "fp32 tiles" (bf16 / fp16 converted to fp32 for the
-// BLAS) or "native" (fp32 / fp64).
+// BLAS), "brgemm (fp32)" (fp32 on oneDNN's brgemm) or "native" (fp32 on the BLAS, fp64).
 std::string cpu_lowp_route(at::ScalarType dtype) {
+  if (dtype == at::kFloat && brgemm_route(dtype)) return "brgemm (fp32)";
   if (dtype != at::kBFloat16 && dtype != at::kHalf) return "native";
   return brgemm_route(dtype) ? "brgemm (AMX)" : "fp32 tiles";
+}
+
+// The fp32 GEMM choice ("blas" or "brgemm"; the route also needs a vector ISA variant).
+std::string cpu_fp32_gemm() { return kFp32GemmNames[static_cast<int>(fp32_gemm())]; }
+
+// tests: force the fp32 GEMM choice ("" restores the process's own); returns the one in use
+std::string cpu_fp32_gemm_override(const std::string& which) {
+  int want = which.empty() ? fp32_gemm_default() : -1;
+  for (int i = 0; i < 2; ++i)
+    if (which == kFp32GemmNames[i]) want = i;
+  TORCH_CHECK_VALUE(want >= 0, "cpu_fp32_gemm_override: which must be \"blas\", \"brgemm\" "
+                    "or \"\" (the process's own choice), got \"", which, "\"");
+  TORCH_CHECK_VALUE(want == 0 || fp32_brgemm_runs(), "cpu_fp32_gemm_override: fp32 brgemm "
+                    "does not run in this torch build on this CPU");
+  g_fp32_gemm.store(want, std::memory_order_relaxed);
+  return cpu_fp32_gemm();
 }
 
 // Forward and backward calls so far that took the brgemm route (tests read it before and
@@ -1860,6 +2028,8 @@ const DefineRelAttnOps define_rel_attn_ops;
 TORCH_LIBRARY_FRAGMENT(txl_kernels, m) {
   m.def("rel_attn_cpu_threads() -> int", &rel_attn_cpu_threads);
   m.def("cpu_lowp_route(ScalarType dtype) -> str", &cpu_lowp_route);
+  m.def("cpu_fp32_gemm() -> str", &cpu_fp32_gemm);
+  m.def("cpu_fp32_gemm_override(str which) -> str", &cpu_fp32_gemm_override);
   m.def("cpu_brgemm_calls() -> int", &cpu_brgemm_calls);
 }
 

@@ -58,3 +58,21 @@ def cpu_isa(request, extension):
     assert ops.cpu_isa_override(request.param) == request.param
     yield request.param
     ops.cpu_isa_override("")
+
+
+# The fp32 GEMM libraries of the CPU kernels (docs/cpu.md, "fp32 GEMMs").
+CPU_FP32_GEMMS = ["blas", "brgemm"]
+
+
+@pytest.fixture(params=CPU_FP32_GEMMS)
+def cpu_fp32_gemm(request, extension):
+    """Runs a CPU-kernel test once per fp32 GEMM library (the BLAS, oneDNN's fp32 brgemm),
+    forced with the test-only ``cpu_fp32_gemm_override`` op (the process's choice is restored
+    after); brgemm is skipped, with the reason, where this torch and CPU cannot run it."""
+    ops = torch.ops.txl_kernels
+    try:
+        assert ops.cpu_fp32_gemm_override(request.param) == request.param
+    except ValueError as e:
+        pytest.skip(str(e))
+    yield request.param
+    ops.cpu_fp32_gemm_override("")

@@ -1,8 +1,9 @@
 """The fused CPU kernel (csrc/rel_attention_cpu.cpp, backend="cpu"): forward and every gradient
 against the float64 reference, every mask kind, odd sizes, dtypes, thread counts, dropout, the
 8-bit memory, the torch.library registrations and backend="auto" routing. The correctness
-tests run on every ISA variant of the row code that the machine runs (the cpu_isa fixture);
-the choice of the variant itself is tested at the end."""
+tests run on every ISA variant of the row code that the machine runs (the cpu_isa fixture) and,
+for fp32, on both GEMM libraries (the cpu_fp32_gemm fixture); the choice of the variant itself
+is tested at the end."""
 import pytest
 import torch
 
@@ -97,8 +98,14 @@ CASES = [  # (B, Lq, Lk, H, D, mask kind)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[-1]}-{c[1]}x{c[2]}-D{c[4]}" for c in CASES])
-def test_forward_and_gradients_match_float64_reference(case, cpu_isa):
-    _check_all(*_run(*case))
+def test_forward_and_gradients_match_float64_reference(case, cpu_isa, cpu_fp32_gemm):
+    ops = torch.ops.txl_kernels
+    brgemm = cpu_fp32_gemm == "brgemm" and cpu_isa != "default"
+    assert ops.cpu_lowp_route(torch.float32) == ("brgemm (fp32)" if brgemm else "native")
+    calls, res = _brgemm_calls_during(lambda: _run(*case))
+    assert calls == brgemm  # the forward
+    calls, _ = _brgemm_calls_during(lambda: _check_all(*res))
+    assert calls == brgemm  # the backward
 
 
 def test_fully_masked_rows_give_zero_output_and_zero_gradients(cpu_isa):
@@ -136,18 +143,69 @@ def _brgemm_calls_during(fn):
 def test_low_precision_route_follows_the_isa_variant(cpu_isa):
     """bf16 / fp16 take brgemm (AMX) only under the AVX-512 variant on a CPU whose oneDNN packs
     the dtype (cpublas::could_pack); elsewhere, and under the avx2 / default override, the fp32
-    tiles; fp32 / fp64 are untouched."""
+    tiles; fp32 / fp64 are untouched (fp32 forced onto the BLAS here)."""
     ops = torch.ops.txl_kernels
-    assert ops.cpu_lowp_route(torch.float32) == ops.cpu_lowp_route(torch.float64) == "native"
-    ts = make_inputs(1, 5, 9, 1, 16, dtype=torch.bfloat16)
-    calls, _ = _brgemm_calls_during(lambda: rel_attention(*ts, backend="cpu"))
-    route = ops.cpu_lowp_route(torch.bfloat16)
-    assert route in ("brgemm (AMX)", "fp32 tiles")
-    assert calls == (route == "brgemm (AMX)")
-    if cpu_isa != "avx512":
-        assert route == ops.cpu_lowp_route(torch.float16) == "fp32 tiles"
-    calls, _ = _brgemm_calls_during(lambda: rel_attention(*[t.float() for t in ts], backend="cpu"))
-    assert calls == 0
+    ops.cpu_fp32_gemm_override("blas")
+    try:
+        assert ops.cpu_lowp_route(torch.float32) == ops.cpu_lowp_route(torch.float64) == "native"
+        ts = make_inputs(1, 5, 9, 1, 16, dtype=torch.bfloat16)
+        calls, _ = _brgemm_calls_during(lambda: rel_attention(*ts, backend="cpu"))
+        route = ops.cpu_lowp_route(torch.bfloat16)
+        assert route in ("brgemm (AMX)", "fp32 tiles")
+        assert calls == (route == "brgemm (AMX)")
+        if cpu_isa != "avx512":
+            assert route == ops.cpu_lowp_route(torch.float16) == "fp32 tiles"
+        calls, _ = _brgemm_calls_during(
+            lambda: rel_attention(*[t.float() for t in ts], backend="cpu"))
+        assert calls == 0
+    finally:
+        ops.cpu_fp32_gemm_override("")
+
+
+def test_fp32_gemm_choice_and_its_override():
+    """The fp32 GEMM library: TXL_KERNELS_CPU_GEMM where set, else oneDNN's brgemm on non-Intel
+    x86 CPUs with MKL as the BLAS; the test-only override forces either and "" restores the
+    process's choice; anything else is refused, naming what it takes."""
+    import os
+    import platform
+
+    ops = torch.ops.txl_kernels
+    own = ops.cpu_fp32_gemm()
+    assert own in ("blas", "brgemm")
+    env = os.environ.get("TXL_KERNELS_CPU_GEMM", "auto")
+    if env in ("blas", "brgemm") and own != env:
+        assert env == "brgemm"  # brgemm asked for, but it does not run here
+    if env == "auto" and own == "brgemm":
+        with open("/proc/cpuinfo") as f:
+            assert "GenuineIntel" not in f.read() and platform.machine() in ("x86_64", "AMD64")
+    with pytest.raises(ValueError, match="cpu_fp32_gemm_override: which must be"):
+        ops.cpu_fp32_gemm_override("mkl")
+    try:
+        assert ops.cpu_fp32_gemm_override("blas") == "blas"
+        assert ops.cpu_lowp_route(torch.float32) == "native"
+    finally:
+        assert ops.cpu_fp32_gemm_override("") == own
+
+
+def test_fp32_brgemm_keeps_non_finite_masked_values_out(cpu_fp32_gemm):
+    """On either fp32 GEMM library a padded key's inf value reaches no output and no gradient,
+    and a key's inf value reaches exactly the rows that attend it (the flagged-row path of the
+    forward's P V and of the backward's dO V^T)."""
+    B, Lq, H, D = 2, 13, 2, 41
+    ts = make_inputs(B, Lq, Lq, H, D, R=2 * Lq - 1, requires_grad=True)
+    with torch.no_grad():
+        ts[2][0, 3, 1, 5] = float("inf")
+    kpm = torch.zeros(B, Lq, dtype=torch.bool)
+    kpm[0, 3] = True
+    out = rel_attention(*ts, backend="cpu", key_padding_mask=kpm, causal=False)
+    assert torch.isfinite(out).all()
+    grads = torch.autograd.grad(out, ts, torch.ones_like(out))
+    for name, gr in zip(("dq", "dk", "dv", "dr", "du", "dvb"), grads):
+        assert torch.isfinite(gr).all() or name == "dv", name  # dv of the inf entry: 0 * inf
+    kpm[0, 3] = False
+    out = rel_attention(*ts, backend="cpu", key_padding_mask=kpm, window_size=(30, 0))
+    bad = ~torch.isfinite(out)
+    assert bad[0, 3:, 1, 5].all() and bad.sum() == Lq - 3  # the queries that attend key 3
 
 
 def _need_brgemm():
@@ -243,7 +301,8 @@ def test_bf16_brgemm_route_reads_the_8bit_memory_and_non_finite_masked_values():
     (torch.float64, 1e20, 1.0, 1e-6), (torch.float32, 3e5, 1.0, 1e-2),
     (torch.float32, 300.0, 1.0, 1e-4), (torch.float64, None, 1e150, 1e-6),
     (torch.float64, 1.0, 1e150, 1e-6)])
-def test_saturated_softmax_backward_matches_reference(dtype, scale, magnitude, tol, cpu_isa):
+def test_saturated_softmax_backward_matches_reference(dtype, scale, magnitude, tol, cpu_isa,
+                                                       cpu_fp32_gemm):
     """Issue #42 item 2: where the softmax saturates (one key takes all the weight) the
     backward recomputes P = 1 exactly and the row's dS is 0, as the reference's is: no NaN /
     inf, and no scale-amplified rounding of dP - rowsum(dO * O)."""

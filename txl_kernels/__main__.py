@@ -281,6 +281,8 @@ def _extension_report(device: torch.device, no_build: bool, failures: list) -> b
         route = torch.ops.txl_kernels.cpu_lowp_route  # the forward's GEMMs (docs/cpu.md)
         _row("cpu kernel bf16 / fp16",
              f"bf16: {route(torch.bfloat16)}, fp16: {route(torch.float16)}")
+        _row("cpu kernel fp32 GEMMs",
+             f"{route(torch.float32)} (library: {torch.ops.txl_kernels.cpu_fp32_gemm()})")
     return cpu_ok
 
 

@@ -16,6 +16,8 @@ the extension that :mod:`txl_kernels._build` compiles registers them, and they a
     cpu_lowp_route(ScalarType dtype) -> str, cpu_brgemm_calls() -> int
         the fused CPU forward's bf16 / fp16 GEMM route (docs/cpu.md, "bf16 / fp16 GEMMs");
         no tensors, no fakes
+    cpu_fp32_gemm() -> str, cpu_fp32_gemm_override(str which) -> str
+        the CPU kernels' fp32 GEMM library (docs/cpu.md, "fp32 GEMMs"); no tensors, no fakes
 
 The fake (meta) implementations below give their outputs' shapes and dtypes without running
 them, so ``torch.compile`` traces through them and ``torch.library.opcheck`` checks them like
