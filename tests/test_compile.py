@@ -531,7 +531,11 @@ def test_func_grad_vjp_vmap(request, backend):
     got = torch.func.vmap(lambda q, k, v: attend(backend)(q, k, v, *ts[3:]))(*qkv)
     loop = torch.stack([attend(backend)(q, k, v, *ts[3:]) for q, k, v in zip(*qkv)])
     ref = torch.stack([attend("reference")(q, k, v, *ts[3:]) for q, k, v in zip(*qkv)])
-    torch.testing.assert_close(got, loop, rtol=0, atol=0)
+    # the fused ops have no batching rule: vmap loops over them, bit for bit; the reference's
+    # einsums are batched, and the BLAS may round a batched product differently from one
+    # product (MKL on an AMD EPYC: 4.8e-7 in fp32)
+    exact = backend != "reference"
+    torch.testing.assert_close(got, loop, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-6)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 
 
