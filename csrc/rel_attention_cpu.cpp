@@ -787,16 +787,25 @@ Fp32Gemm fp32_gemm() {
   return static_cast<Fp32Gemm>(i);
 }
 
-// Whether a call in dtype st takes the brgemm route (decided once per call; never in a torch
-// without cpublas::brgemm): bf16 / fp16 where the CPU packs them natively (AMX) under the
-// AVX-512 variant, fp32 where fp32_gemm() says so under a vector variant.
-bool brgemm_route(at::ScalarType st) {
+// fp32 calls with at most this many query rows stay on the BLAS: their K^T and r^T panels,
+// packed once per call, would serve one 128-row query block per head, and the packing pass
+// costs more than brgemm saves (measured on Zen 2: Transformer-XL segments of 64 queries on
+// 704 keys 10-25% slower on brgemm).
+constexpr int64_t kFp32BrgemmMinRows = 129;
+
+// Whether a call in dtype st with Lq query rows takes the brgemm route (decided once per call
+// from what the forward and the backward both see, so that the backward recomputes the
+// forward's scores; never in a torch without cpublas::brgemm): bf16 / fp16 where the CPU packs
+// them natively (AMX) under the AVX-512 variant, fp32 from kFp32BrgemmMinRows query rows where
+// fp32_gemm() says so under a vector variant.
+bool brgemm_route(at::ScalarType st, int64_t Lq) {
 #ifdef CPUBLAS_BRGEMM_BF16BF16F32
   if (st == at::kBFloat16 || st == at::kHalf)
     return cpu_isa() == CpuIsa::kAvx512 && at::native::cpublas::could_pack(st);
 #endif
   if (st == at::kFloat)
-    return fp32_gemm() == Fp32Gemm::kBrgemm && cpu_isa() != CpuIsa::kDefault;
+    return Lq >= kFp32BrgemmMinRows && fp32_gemm() == Fp32Gemm::kBrgemm &&
+           cpu_isa() != CpuIsa::kDefault;
   return false;
 }
 
@@ -1265,7 +1274,7 @@ void forward_impl(const Geometry& g, const at::Tensor& q, const at::Tensor& k,
   // q and out rows are read and written for every head while their pages are at hand. Each
   // task writes only its own rows: results do not depend on the lanes or the order.
   // bf16 / fp16 GEMMs on brgemm where the CPU supports them (decided once for the call)
-  const bool lowp = brgemm_route(q.scalar_type());
+  const bool lowp = brgemm_route(q.scalar_type(), Lq);
   if (lowp) g_brgemm_calls.fetch_add(1, std::memory_order_relaxed);
   // Band tiles without 8-bit memory (and off the brgemm route, which packs each head's k once
   // for the call): a task is a chunk of kBandChunk query blocks of one head, whose k and v
@@ -1474,7 +1483,7 @@ void backward_impl(const Geometry& g, const at::Tensor& dout, const at::Tensor& 
   // the brgemm route (as the forward's): the scores' two GEMMs, recomputed as the forward
   // computed them, and dP = dO V^T (bf16 / fp16 operands that are exact, or fp32; fp32
   // accumulation); the other GEMMs (fp32 operands P, dS, dT) stay on the BLAS
-  const bool lowp = brgemm_route(q.scalar_type());
+  const bool lowp = brgemm_route(q.scalar_type(), Lq);
   if (lowp) g_brgemm_calls.fetch_add(1, std::memory_order_relaxed);
   const int64_t Dp = kLowp<scalar_t> ? (D + 1) / 2 * 2 : D, ldkt = panel_ld<scalar_t>(Lk),
                 ldrt = panel_ld<scalar_t>(R);
@@ -1864,7 +1873,7 @@ at::Tensor rel_attn_cpu_fwd_out(
   // T = 4,096, ~3% slower at T = 1,024, whose rows mostly stay in the caches); not on the
   // brgemm route, whose fp32 row passes stay in L2 only at 128 rows (measured there: 10%
   // faster than 256 rows in bf16 at T = 4,096, 20% at T = 1,024)
-  if (g.Lk >= 2048 && !g.band && !brgemm_route(q.scalar_type()))
+  if (g.Lk >= 2048 && !g.band && !brgemm_route(q.scalar_type(), g.Lq))
     g.BM = std::min<int64_t>(256, g.Lq);
   const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor lse = at::empty({g.B, g.H, g.Lq}, q.options().dtype(acc));
@@ -1956,11 +1965,12 @@ int64_t rel_attn_cpu_threads() {
 
 // How the forward's GEMMs run for dtype at the current ISA variant: "brgemm (AMX)" (bf16 /
 // fp16 operands, fp32 accumulation), "fp32 tiles" (bf16 / fp16 converted to fp32 for the
-// BLAS), "brgemm (fp32)" (fp32 on oneDNN's brgemm) or "native" (fp32 on the BLAS, fp64).
+// BLAS), "brgemm (fp32)" (fp32 on oneDNN's brgemm, for calls of kFp32BrgemmMinRows query rows
+// or more) or "native" (fp32 on the BLAS, fp64).
 std::string cpu_lowp_route(at::ScalarType dtype) {
-  if (dtype == at::kFloat && brgemm_route(dtype)) return "brgemm (fp32)";
+  if (dtype == at::kFloat && brgemm_route(dtype, kFp32BrgemmMinRows)) return "brgemm (fp32)";
   if (dtype != at::kBFloat16 && dtype != at::kHalf) return "native";
-  return brgemm_route(dtype) ? "brgemm (AMX)" : "fp32 tiles";
+  return brgemm_route(dtype, 0) ? "brgemm (AMX)" : "fp32 tiles";
 }
 
 // The fp32 GEMM choice ("blas" or "brgemm"; the route also needs a vector ISA variant).

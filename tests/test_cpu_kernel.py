@@ -79,6 +79,9 @@ def _check_all(ts, out, ref, up, truth):
         assert_within(name, a, b, c)
 
 
+# fp32 calls take the brgemm route from this many query rows (csrc: kFp32BrgemmMinRows)
+FP32_BRGEMM_MIN_ROWS = 129
+
 CASES = [  # (B, Lq, Lk, H, D, mask kind)
     (2, 37, 37, 2, 41, "causal"),
     (1, 37, 600, 2, 41, "causal"),     # memory longer than the segment, several key tiles
@@ -102,6 +105,7 @@ def test_forward_and_gradients_match_float64_reference(case, cpu_isa, cpu_fp32_g
     ops = torch.ops.txl_kernels
     brgemm = cpu_fp32_gemm == "brgemm" and cpu_isa != "default"
     assert ops.cpu_lowp_route(torch.float32) == ("brgemm (fp32)" if brgemm else "native")
+    brgemm &= case[1] >= FP32_BRGEMM_MIN_ROWS  # shorter calls stay on the BLAS
     calls, res = _brgemm_calls_during(lambda: _run(*case))
     assert calls == brgemm  # the forward
     calls, _ = _brgemm_calls_during(lambda: _check_all(*res))
@@ -191,7 +195,7 @@ def test_fp32_brgemm_keeps_non_finite_masked_values_out(cpu_fp32_gemm):
     """On either fp32 GEMM library a padded key's inf value reaches no output and no gradient,
     and a key's inf value reaches exactly the rows that attend it (the flagged-row path of the
     forward's P V and of the backward's dO V^T)."""
-    B, Lq, H, D = 2, 13, 2, 41
+    B, Lq, H, D = 2, FP32_BRGEMM_MIN_ROWS, 2, 41
     ts = make_inputs(B, Lq, Lq, H, D, R=2 * Lq - 1, requires_grad=True)
     with torch.no_grad():
         ts[2][0, 3, 1, 5] = float("inf")
@@ -203,7 +207,7 @@ def test_fp32_brgemm_keeps_non_finite_masked_values_out(cpu_fp32_gemm):
     for name, gr in zip(("dq", "dk", "dv", "dr", "du", "dvb"), grads):
         assert torch.isfinite(gr).all() or name == "dv", name  # dv of the inf entry: 0 * inf
     kpm[0, 3] = False
-    out = rel_attention(*ts, backend="cpu", key_padding_mask=kpm, window_size=(30, 0))
+    out = rel_attention(*ts, backend="cpu", key_padding_mask=kpm, window_size=(Lq, 0))
     bad = ~torch.isfinite(out)
     assert bad[0, 3:, 1, 5].all() and bad.sum() == Lq - 3  # the queries that attend key 3
 
@@ -295,6 +299,29 @@ def test_bf16_brgemm_route_reads_the_8bit_memory_and_non_finite_masked_values():
             torch.testing.assert_close(a[finite], b[finite], rtol=3e-2, atol=3e-2, msg=name)
     finally:
         ops.cpu_isa_override("")
+
+
+def test_fp32_brgemm_saturated_softmax_backward_matches_reference(cpu_fp32_gemm):
+    """The saturated-softmax backward (below) on a call long enough for the fp32 brgemm route:
+    the backward recomputes the forward's scores bit for bit, so a saturated row's P is exactly
+    1 and its dS 0 on either GEMM library."""
+    L = FP32_BRGEMM_MIN_ROWS
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(*s, generator=g) for s in ((1, L, 1, 8), (1, L, 1, 8), (1, L, 1, 8),
+                                                 (2 * L - 1, 1, 8), (1, 8), (1, 8))]
+    res = []
+    for backend in ("cpu", "reference"):
+        xs = [t.clone().requires_grad_() for t in ts]
+        calls, out = _brgemm_calls_during(
+            lambda: rel_attention(*xs, causal=False, softmax_scale=3e5, backend=backend))
+        assert calls == (backend == "cpu" and cpu_fp32_gemm == "brgemm"
+                         and torch.ops.txl_kernels.cpu_isa() != "default")
+        out.sum().backward()
+        res.append([out.detach()] + [x.grad for x in xs])
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dr", "du", "dvb"), *res):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2 * max(1.0, b.abs().max().item()),
+                                   msg=name)
 
 
 @pytest.mark.parametrize("dtype, scale, magnitude, tol", [
