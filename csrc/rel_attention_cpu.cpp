@@ -718,13 +718,14 @@ std::atomic<int64_t> g_brgemm_calls{0};
 //
 // fp32 tiles run on oneDNN's fp32 brgemm micro-kernels (cpublas::brgemm, the JIT kernels of
 // the CPU's own ISA) where they are faster than the BLAS: measured on an AMD EPYC (Zen 2,
-// AVX2), where MKL's sgemm reaches 31-34 GFLOP/s on the kernel's tile shapes and brgemm 36-38
-// (the forward 10-15% faster in all; BENCHMARKS.md). The choice (txl_kernels::cpu_fp32_gemm):
-// TXL_KERNELS_CPU_GEMM = "brgemm" or "blas" where set, else brgemm on x86 CPUs not made by
-// Intel when the BLAS is MKL (whose own code paths are tuned for Intel's), the BLAS elsewhere;
-// read once per process, forced by the test-only op cpu_fp32_gemm_override. The route also
-// needs a vector ISA variant (cpu_isa() is not "default"), and the first brgemm call is
-// checked: a torch or CPU that cannot run it stays on the BLAS.
+// AVX2), where MKL's sgemm reaches 31-34 GFLOP/s on the kernel's tile shapes and brgemm 37-38
+// on contiguous panels (the forward 6-11% faster in all; BENCHMARKS.md). The choice
+// (txl_kernels::cpu_fp32_gemm): TXL_KERNELS_CPU_GEMM = "brgemm" or "blas" where set, else
+// brgemm on x86 CPUs not made by Intel when the BLAS is MKL (whose own code paths are tuned for
+// Intel's), the BLAS elsewhere; read once per process, forced by the test-only op
+// cpu_fp32_gemm_override. The route also needs a vector ISA variant (cpu_isa() is not
+// "default"), and the first brgemm call is checked: a torch or CPU that cannot run it stays on
+// the BLAS.
 enum class Fp32Gemm : int { kBlas = 0, kBrgemm = 1 };
 constexpr const char* kFp32GemmNames[] = {"blas", "brgemm"};
 
@@ -787,8 +788,8 @@ Fp32Gemm fp32_gemm() {
   return static_cast<Fp32Gemm>(i);
 }
 
-// fp32 calls with at most this many query rows stay on the BLAS: their K^T and r^T panels,
-// packed once per call, would serve one 128-row query block per head, and the packing pass
+// fp32 calls with fewer query rows stay on the BLAS: their K^T and r^T panels, packed once
+// per call, would serve one 128-row query block per head, and the packing pass
 // costs more than brgemm saves (measured on Zen 2: Transformer-XL segments of 64 queries on
 // 704 keys 10-25% slower on brgemm).
 constexpr int64_t kFp32BrgemmMinRows = 129;
