@@ -744,8 +744,9 @@ bool non_intel_x86() {
 #endif
 }
 
-// Whether fp32 brgemm runs here: one small product, checked against its exact value.
-bool fp32_brgemm_runs() {
+// Whether fp32 brgemm runs here: one small product, checked against its exact value (once
+// per process).
+bool fp32_brgemm_probe() {
 #ifdef CPUBLAS_BRGEMM_F32F32F32
   try {
     const float A[4] = {1, 2, 3, 4}, B[4] = {5, 6, 7, 8};
@@ -759,6 +760,11 @@ bool fp32_brgemm_runs() {
 #else
   return false;
 #endif
+}
+
+bool fp32_brgemm_runs() {
+  static const bool runs = fp32_brgemm_probe();
+  return runs;
 }
 
 int fp32_gemm_default() {
@@ -887,27 +893,26 @@ void pack_transposed(const Rw& X, int64_t n, int64_t D, int64_t ld, scalar_t* ou
       for (int64_t d = 0; d < D; ++d)
         for (int64_t jj = 0; jj < nj; ++jj) o[d * ld + jj] = xs[jj][d];
     }
-    return;
-  }
-  using W = uint32_t;  // one pair (d, d + 1) of 16-bit values
-  static_assert(sizeof(scalar_t) == 2 || std::is_same<scalar_t, float>::value,
-                "bf16 / fp16 / fp32 only");
-  const int64_t Dh = D / 2;
-  W* o = reinterpret_cast<W*>(out);
-  // kPackRows rows at a time, so that each panel row is written 64 contiguous bytes at a time
-  constexpr int64_t J = kPackRows;
-  const scalar_t* xs[J];
-  for (int64_t j0 = 0; j0 < n; j0 += J) {
-    const int64_t nj = std::min(J, n - j0);
-    for (int64_t jj = 0; jj < nj; ++jj) xs[jj] = X.raw(j0 + jj, row + jj * D);
-    for (int64_t e = 0; e < Dh; ++e)
-      for (int64_t jj = 0; jj < nj; ++jj)
-        std::memcpy(o + e * ld + j0 + jj, xs[jj] + 2 * e, sizeof(W));
-    if (D % 2)
-      for (int64_t jj = 0; jj < nj; ++jj) {
-        scalar_t pair[2] = {xs[jj][D - 1], scalar_t(0)};
-        std::memcpy(o + Dh * ld + j0 + jj, pair, sizeof(W));
-      }
+  } else {
+    using W = uint32_t;  // one pair (d, d + 1) of 16-bit values
+    static_assert(sizeof(scalar_t) == 2, "bf16 / fp16 here");
+    const int64_t Dh = D / 2;
+    W* o = reinterpret_cast<W*>(out);
+    // kPackRows rows at a time, so that each panel row is written 64 contiguous bytes at a time
+    constexpr int64_t J = kPackRows;
+    const scalar_t* xs[J];
+    for (int64_t j0 = 0; j0 < n; j0 += J) {
+      const int64_t nj = std::min(J, n - j0);
+      for (int64_t jj = 0; jj < nj; ++jj) xs[jj] = X.raw(j0 + jj, row + jj * D);
+      for (int64_t e = 0; e < Dh; ++e)
+        for (int64_t jj = 0; jj < nj; ++jj)
+          std::memcpy(o + e * ld + j0 + jj, xs[jj] + 2 * e, sizeof(W));
+      if (D % 2)
+        for (int64_t jj = 0; jj < nj; ++jj) {
+          scalar_t pair[2] = {xs[jj][D - 1], scalar_t(0)};
+          std::memcpy(o + Dh * ld + j0 + jj, pair, sizeof(W));
+        }
+    }
   }
 }
 
@@ -974,7 +979,7 @@ struct LowpGemm {
       : D(D_), Dp(kVnni ? (D_ + 1) / 2 * 2 : D_), sc(sc_), qu(BM * Dp), qv(BM * Dp),
         go(BM * Dp),
         b((BN + 1) * D),
-        p(BM * (BN + 1)), row0(D_), row1(D_), zero(D_) {
+        p(kVnni ? BM * (BN + 1) : 0), row0(D_), row1(D_), zero(D_) {
     std::fill(zero.begin(), zero.end(), scalar_t(0));
   }
 
