@@ -10,6 +10,7 @@ of its own).
     python benchmarks/cpu_ratios.py --max-t 4096 --threads 1 --clock cpu
     python benchmarks/cpu_ratios.py --threads 1 --modes fwd --processes 5
     python benchmarks/cpu_ratios.py --dtypes bf16 --max-t 4096
+    python benchmarks/cpu_ratios.py --min-t 16384 --size full   # T 16,384 alone, every mode
 
 Each case runs in fp32 and, where the CPU has native bf16 (AVX512-BF16 or AMX), in bf16 too,
 against the baselines in the same dtype (``--dtypes`` chooses).
@@ -93,6 +94,8 @@ def parser() -> argparse.ArgumentParser:
                     help="thread counts to run (default: 1 and all cores)")
     ap.add_argument("--max-t", type=int, default=None,
                     help="leave out Conformer lengths above this")
+    ap.add_argument("--min-t", type=int, default=None,
+                    help="leave out Conformer lengths below this, and the Transformer-XL shapes")
     ap.add_argument("--modes", nargs="*", default=list(shapes.MODES), choices=shapes.MODES)
     ap.add_argument("--dtypes", nargs="*", choices=("fp32", "bf16"),
                     help="default: fp32, and bf16 where the CPU has native bf16 "
@@ -127,7 +130,9 @@ def main(argv=None) -> int:
              if (args.threads is None or c.shape.threads in args.threads)
              and c.mode in args.modes
              and not (args.max_t and c.shape.group == "cpu_conformer"
-                      and c.shape.Lq > args.max_t)]
+                      and c.shape.Lq > args.max_t)
+             and not (args.min_t and (c.shape.group != "cpu_conformer"
+                                      or c.shape.Lq < args.min_t))]
     records: List[dict] = []
     print(f"# {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, clock: {args.clock}",
           flush=True)
