@@ -15,6 +15,14 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 HAS_CUDA = torch.cuda.is_available()
+# Under pytest-xdist (`-n auto`: one test process per core) each process keeps to its share of
+# the cores: torch's default, every core in every process, oversubscribes the machine (one
+# process's OpenMP threads spin on the cores the others run on). Tests that time or split work
+# over threads set their own count.
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _XDIST_WORKERS > 1:
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (_cores or 1) // _XDIST_WORKERS))
 # The fused kernels' first-use self-check (txl_kernels.selfcheck) is off for the suite: the tests
 # compare every fused path with the reference themselves; tests/test_selfcheck.py turns it on.
 os.environ.setdefault("TXL_KERNELS_SELFCHECK", "0")
@@ -24,6 +32,11 @@ if not HAS_CUDA:
 # triton's own tl.* helpers included, so a test that later sets TRITON_INTERPRET=0 for a moment
 # (to check what happens without the interpreter) cannot leave compiled helpers behind.
 import triton  # noqa: E402,F401
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from _interpreter_speed import install as _install_interpreter_speed
+
+    _install_interpreter_speed()
 
 
 @pytest.fixture(scope="session")
