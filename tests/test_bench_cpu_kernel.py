@@ -321,6 +321,7 @@ def test_long_audio_local_attention_reaches_every_block():
             common + ["--attention", "local"]))
 
 
+@pytest.mark.slow  # fresh processes of the script (~20 s on two cores)
 def test_long_audio_local_mode_end_to_end(capsys):
     """The script in local mode at tiny sizes: fresh processes, the unswapped variant said and
     skipped, time per block, the memory-linear line."""

@@ -10,6 +10,7 @@ from benchmarks import local_attention as LA
 MiB = 2 ** 20
 
 
+@pytest.mark.slow  # 8 fresh processes of the script (~35 s on two cores)
 def test_quick_run_end_to_end(tmp_path, capsys):
     path = tmp_path / "recs.json"
     rc = LA.main(["--quick", "--backend", "reference", "--pad-frac", "0.1", "--json",

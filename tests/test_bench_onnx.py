@@ -10,6 +10,7 @@ from helpers import require_onnx_parakeet
 from benchmarks import onnx_encoder
 
 
+@pytest.mark.slow  # an export and fresh ONNX Runtime processes (~15 s on two cores)
 def test_quick_run_exports_checks_and_reports(tmp_path, capsys):
     require_onnx_parakeet()
     out = tmp_path / "records.json"

@@ -456,6 +456,7 @@ def test_results_section_and_plot(tmp_path):
     assert any(ln.startswith("- conformer L bf16 fwd: reference 4.00x") for ln in sec.splitlines())
 
 
+@pytest.mark.slow  # the whole report in CPU smoke mode (~20 s on two cores)
 def test_report_cpu_smoke_end_to_end(tmp_path):
     md = tmp_path / "BENCH.md"
     md.write_text(f"# Bench\n\n{results.BEGIN}\nNo GPU numbers yet.\n{results.END}\n")

