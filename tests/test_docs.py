@@ -204,9 +204,10 @@ SETUPS: Dict[Tuple[str, str], Tuple[Callable, Optional[Callable]]] = {
     ("docs/distributed.md", "attn.cp_group = group"): (_cp_parakeet, _check_cp_parakeet),
 }
 
-# (file, a line of the block): blocks that take tens of seconds (an AOTInductor compile), marked
-# slow (run with `pytest -m slow`)
-SLOW = {("docs/export.md", "aoti_compile_and_package(")}
+# (file, a line of the block): blocks that take tens of seconds (an AOTInductor compile) or ten
+# (the dynamo ONNX exporter), marked slow (run with `pytest -m slow`)
+SLOW = {("docs/export.md", "aoti_compile_and_package("),
+        ("docs/export.md", "onnx_program = torch.onnx.export(")}
 
 BLOCKS = [b for path in FILES for b in python_blocks(path)]
 

@@ -168,8 +168,16 @@ def functional_case(name, backend="cpu", d=D):
     return Functional(causal, window, backend, d).eval(), make, names, axes
 
 
-@pytest.mark.parametrize("exporter", EXPORTERS)
-@pytest.mark.parametrize("name", list(FUNCTIONAL))
+# the dynamo exporter on two variants in the fast suite (together: causal, window, memory),
+# the others in the slow stage (~7 s each on two cores)
+FUNCTIONAL_DYNAMO_FAST = ("bidirectional", "causal_window_memory")
+
+
+@pytest.mark.parametrize("name,exporter", [
+    pytest.param(name, exporter, id=f"{name}-{exporter}",
+                 marks=[pytest.mark.slow] if exporter == "dynamo_true"
+                 and name not in FUNCTIONAL_DYNAMO_FAST else [])
+    for name in FUNCTIONAL for exporter in EXPORTERS])
 def test_functional_onnx_parity(name, exporter, tmp_path):
     """Regression: the CPU backend's custom op had no ONNX form ("unrecognized namespace
     txl_kernels::rel_attn_fwd" with dynamo=False, no ONNX function with dynamo=True).
@@ -517,8 +525,8 @@ def test_encoder_onnx_parity_dynamo_false(name, tmp_path):
     roundtrip(ENCODERS[name](), "dynamo_false", tmp_path)
 
 
-@pytest.mark.parametrize("name", [
-    "tiny_conformer", pytest.param("parakeet_encoder", marks=pytest.mark.slow)])
+@pytest.mark.slow  # whole encoders through the dynamo exporter: ~15 s each on two cores
+@pytest.mark.parametrize("name", ["tiny_conformer", "parakeet_encoder"])
 def test_encoder_onnx_parity_dynamo_true(name, tmp_path):
     roundtrip(ENCODERS[name](), "dynamo_true", tmp_path)
 
