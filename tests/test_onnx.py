@@ -168,16 +168,18 @@ def functional_case(name, backend="cpu", d=D):
     return Functional(causal, window, backend, d).eval(), make, names, axes
 
 
-# the dynamo exporter on two variants in the fast suite (together: causal, window, memory),
-# the others in the slow stage (~7 s each on two cores)
-FUNCTIONAL_DYNAMO_FAST = ("bidirectional", "causal_window_memory")
+def exporter_params(names, dynamo_fast):
+    """(name, exporter) parameters for every name and exporter; the dynamo exporter (7-9 s a
+    model on two cores) marked slow except on ``dynamo_fast``."""
+    return [pytest.param(name, exporter, id=f"{name}-{exporter}",
+                         marks=[pytest.mark.slow] if exporter == "dynamo_true"
+                         and name not in dynamo_fast else [])
+            for name in names for exporter in EXPORTERS]
 
 
-@pytest.mark.parametrize("name,exporter", [
-    pytest.param(name, exporter, id=f"{name}-{exporter}",
-                 marks=[pytest.mark.slow] if exporter == "dynamo_true"
-                 and name not in FUNCTIONAL_DYNAMO_FAST else [])
-    for name in FUNCTIONAL for exporter in EXPORTERS])
+# the dynamo exporter on two variants in the fast suite (together: causal, window, memory)
+@pytest.mark.parametrize("name,exporter",
+                         exporter_params(FUNCTIONAL, ("bidirectional", "causal_window_memory")))
 def test_functional_onnx_parity(name, exporter, tmp_path):
     """Regression: the CPU backend's custom op had no ONNX form ("unrecognized namespace
     txl_kernels::rel_attn_fwd" with dynamo=False, no ONNX function with dynamo=True).
@@ -397,17 +399,10 @@ DROPINS = {
 }
 
 
-# The dynamo exporter takes ~9 s a drop-in on two cores: the fast suite runs it on the op's own
-# module and the two encoders users export most (NeMo's, HF Parakeet's); the slow stage runs
-# it on the other drop-ins. Every drop-in goes through the TorchScript exporter in both.
-DYNAMO_FAST = ("fused_rel_attention", "nemo", "parakeet")
-
-
-@pytest.mark.parametrize("name,exporter", [
-    pytest.param(name, exporter, id=f"{name}-{exporter}",
-                 marks=[pytest.mark.slow] if exporter == "dynamo_true"
-                 and name not in DYNAMO_FAST else [])
-    for name in DROPINS for exporter in EXPORTERS])
+# the dynamo exporter in the fast suite on the op's own module and the two encoders users
+# export most (NeMo's, HF Parakeet's); every drop-in through the TorchScript exporter
+@pytest.mark.parametrize("name,exporter",
+                         exporter_params(DROPINS, ("fused_rel_attention", "nemo", "parakeet")))
 def test_dropin_onnx_parity(name, exporter, tmp_path):
     roundtrip(DROPINS[name](), exporter, tmp_path)
 
