@@ -45,9 +45,9 @@ def install() -> bool:
         return False
     grid = getattr(interp, "GridExecutor", None)
     patch = getattr(interp, "_patch_lang", None)
-    if grid is None or patch is None or getattr(patch, "_txl_hooked", False):
-        return bool(getattr(patch, "_txl_hooked", False))
-    if not hasattr(interp, "InterpretedFunction"):
+    if getattr(patch, "_txl_hooked", False):
+        return True
+    if grid is None or patch is None or not hasattr(interp, "InterpretedFunction"):
         return False
     lang_modules = (tl, tl.core)
     run = grid.__call__
