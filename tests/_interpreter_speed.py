@@ -13,7 +13,15 @@ running launch: by the launch's own pass, or by an earlier helper's (Triton's ow
 ``tl.cdiv``, see ``tl.core`` under another name; their pass is not undone until the process
 ends, so it holds for the rest of the launch). Where the interpreter's internals differ from
 what this expects (another Triton), nothing is changed.
+
+``sanitize_overflow(on)`` turns the interpreter's int32 overflow check on or off. The
+interpreter's default does the check's work and drops it: every int32 add / sub / mul of a
+kernel is redone in int64 and compared with the int32 range (about a third of a kernel test's
+interpreter time), but the assertion is emitted only with ``debug=True``. Off, neither runs (as
+in a compiled kernel); on, both, so an overflow raises. The suite runs with it off (conftest)
+and the slow stage runs the kernel tests with it on (``tests/test_interpreter_speed.py``).
 """
+import dataclasses
 import inspect
 
 _state = {"pending": False, "langs": None}
@@ -74,4 +82,21 @@ def install() -> bool:
     patch_lang.original = patch  # the interpreter's own (tests/test_interpreter_speed.py)
     interp._patch_lang = patch_lang
     grid.__call__ = launch
+    return True
+
+
+def sanitize_overflow(on: bool) -> bool:
+    """Turn the interpreter's int32 overflow check on (the check and its assertion: options
+    ``sanitize_overflow`` and ``debug``) or off (neither); False where this Triton's interpreter
+    keeps its options elsewhere (then nothing is changed)."""
+    try:
+        from triton.runtime import interpreter as interp
+    except ImportError:
+        return False
+    builder = getattr(interp, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if not (dataclasses.is_dataclass(options) and hasattr(options, "sanitize_overflow")
+            and hasattr(options, "debug")):
+        return False
+    builder.options = dataclasses.replace(options, sanitize_overflow=bool(on), debug=bool(on))
     return True

@@ -123,6 +123,7 @@ SLOW_JOBS = [
     "tests/test_build.py::test_two_installs_keep_their_own_builds",
     "tests/test_examples.py::test_ddp_and_fsdp_equal_one_process_with_the_whole_batch[reference]",
     "tests/test_examples.py::test_fsdp_emits_no_view_warning",
+    "tests/test_interpreter_speed.py::test_kernel_tests_pass_under_the_overflow_sanitizer",
     "tests/test_packaging.py::test_main_job_runs_from_an_installed_wheel",
     "tests/test_training.py::test_fused_and_reference_train_identically",
 ]
