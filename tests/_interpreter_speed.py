@@ -24,6 +24,8 @@ and the slow stage runs the kernel tests with it on (``tests/test_interpreter_sp
 import dataclasses
 import inspect
 
+# set to "1", the suite runs with the int32 overflow check on (conftest reads it)
+SANITIZE_OVERFLOW_ENV = "TXL_TESTS_SANITIZE_OVERFLOW"
 _state = {"pending": False, "langs": None}
 
 

@@ -35,13 +35,12 @@ import triton  # noqa: E402,F401
 
 # The interpreter's int32 overflow check is off unless TXL_TESTS_SANITIZE_OVERFLOW=1: the slow
 # stage runs the kernel tests with it (tests/test_interpreter_speed.py).
-SANITIZE_OVERFLOW_ENV = "TXL_TESTS_SANITIZE_OVERFLOW"
 if os.environ.get("TRITON_INTERPRET") == "1":
-    from _interpreter_speed import install as _install_interpreter_speed
-    from _interpreter_speed import sanitize_overflow as _sanitize_overflow
+    import _interpreter_speed
 
-    _install_interpreter_speed()
-    _sanitize_overflow(os.environ.get(SANITIZE_OVERFLOW_ENV) == "1")
+    _interpreter_speed.install()
+    _interpreter_speed.sanitize_overflow(
+        os.environ.get(_interpreter_speed.SANITIZE_OVERFLOW_ENV) == "1")
 
 
 @pytest.fixture(scope="session")

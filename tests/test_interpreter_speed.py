@@ -3,6 +3,8 @@ installed on this Triton, a launch's helper calls skip the language patching pas
 results are the interpreter's without the hook."""
 import inspect
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import triton
 import triton.language as tl
 
 import _interpreter_speed as speed
+from helpers import ROOT
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="a hook of the Triton interpreter (TRITON_INTERPRET=1, "
@@ -71,11 +74,10 @@ def test_overflow_sanitizer_is_off_in_the_suite_unless_asked_and_catches_overflo
     TXL_TESTS_SANITIZE_OVERFLOW=1); on, an int32 product past 2^31 raises naming the overflow;
     off, it wraps as in a compiled kernel; the interpreter's default (the check without
     ``debug``) computes the check and raises nothing."""
-    from conftest import SANITIZE_OVERFLOW_ENV
     from triton.runtime import interpreter as interp
 
     options = interp.interpreter_builder.options
-    on = os.environ.get(SANITIZE_OVERFLOW_ENV) == "1"
+    on = os.environ.get(speed.SANITIZE_OVERFLOW_ENV) == "1"
     assert (options.sanitize_overflow, options.debug) == (on, on)
     x = torch.tensor([3, 2 ** 16], dtype=torch.int32)
     y = torch.empty_like(x)
@@ -115,17 +117,10 @@ SANITIZED = [
 def test_kernel_tests_pass_under_the_overflow_sanitizer():
     """The kernels' int32 index arithmetic never overflows on the suite's kernel tests (the
     Philox counter's intended wrap-around opts out with sanitize_overflow=False)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from conftest import SANITIZE_OVERFLOW_ENV
-
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, **{SANITIZE_OVERFLOW_ENV: "1"})
+    env = dict(os.environ, **{speed.SANITIZE_OVERFLOW_ENV: "1"})
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", *SANITIZED, "-m", "not slow", "-q", "-n", "auto",
-         "-p", "no:cacheprovider"], cwd=root, env=env, capture_output=True, text=True,
+         "-p", "no:cacheprovider"], cwd=ROOT, env=env, capture_output=True, text=True,
         timeout=1800)
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, tail
