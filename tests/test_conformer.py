@@ -440,6 +440,49 @@ def test_nemo_padding_and_window_reach_kernel_without_dense_mask(spy, ctx, how):
     assert torch.equal(kwargs["key_padding_mask"], pad)
 
 
+def run_rows_and_grads(module, args: dict, monkeypatch, whole: bool, **kwargs):
+    """fp64 forward + backward of ``module(**args, **kwargs)`` -> (rows of the table that went
+    through linear_pos, output, gradients of the inputs and the table); ``whole``: with the
+    window's row selection switched off (every row projected)."""
+    if whole:
+        monkeypatch.setattr(conf_mod, "window_position_rows", lambda *a: None)
+    rows = []
+    hook = module.linear_pos.register_forward_hook(lambda m, a, out: rows.append(a[0].shape[1]))
+    args = {n: t.detach().double().requires_grad_() for n, t in args.items()}
+    try:
+        out = module.double()(**args, **kwargs)
+    finally:
+        hook.remove()
+        monkeypatch.undo()
+    out = out[0] if isinstance(out, tuple) else out
+    grads = torch.autograd.grad(out, list(args.values()), torch.ones_like(out))
+    return rows, out, grads
+
+
+@pytest.mark.parametrize("ctx,C", [([5, 2], 0), ([3, 0], 0), ([0, 4], 0), ([4, -1], 0),
+                                   ([6, 2], 9), ([40, 40], 0)])
+def test_nemo_window_projects_only_the_rows_it_reads(monkeypatch, ctx, C):
+    """With att_context_size only the table rows of distances left .. -right go through
+    linear_pos (a cache too: Lq < Lk); output and every gradient (query / key / value /
+    pos_emb) equal the whole table's. A window wider than the lengths projects the whole
+    table."""
+    T = 23
+    _, ours = nemo_pair(att_context_size=ctx)
+    x, kv = rnd(2, T, N_FEAT, seed=1), rnd(2, C + T, N_FEAT, seed=2)
+    args = dict(query=x, key=kv, value=kv, pos_emb=nemo_rel_pos_emb(N_FEAT, C + T))
+    rows, out, grads = run_rows_and_grads(ours, args, monkeypatch, False, mask=None)
+    rows_all, want, want_grads = run_rows_and_grads(ours, args, monkeypatch, True, mask=None)
+    left, right = ctx
+    d_max = min(C + T - 1, left) if left >= 0 else C + T - 1
+    d_min = max(-(T - 1), -right) if right >= 0 else -(T - 1)
+    assert rows_all == [2 * (C + T) - 1]
+    assert rows == [d_max - d_min + 1]
+    assert (rows[0] < C + 2 * T - 1) == (ctx != [40, 40])
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("cache_drop_size", [0, 3])
 @pytest.mark.parametrize("how", ["dense", "padding_window", "lengths_window"])
 def test_nemo_cache_matches_original(how, cache_drop_size):

@@ -14,7 +14,8 @@ import txl_kernels
 from txl_kernels.modules import ParakeetEncoderAttention, swap_rel_pos_attention
 
 from helpers import FUSED_DEVICE
-from test_conformer import _record_outputs, compare, rnd, spy  # noqa: F401  (spy: fixture)
+from test_conformer import (_record_outputs, compare, rnd, run_rows_and_grads,  # noqa: F401
+                            spy)  # (spy: fixture)
 
 transformers = pytest.importorskip(
     "transformers", minversion="5.0",
@@ -138,6 +139,28 @@ def test_window_size_matches_original_with_band_mask(kind, window):
         out, p = ours(x, pe_mod(x), mask, output_attentions=True)
     torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(p, want_p, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [(4, 4), (0, 3), (-1, 2), (30, 30)])
+def test_window_projects_only_the_rows_it_reads(monkeypatch, window):
+    """window_size=(left, right): only the table rows of distances left .. -right go through
+    relative_k_proj; output and gradients (hidden states, position embeddings) equal the whole
+    table's; a window wider than the sequence projects the whole table."""
+    B, T = 2, 21
+    cfg, _, ours = pair()
+    ours.window_size = window
+    x = rnd(B, T, HIDDEN, seed=7)
+    pe = hf.ParakeetEncoderRelPositionalEncoding(cfg)(x)
+    args = dict(hidden_states=x, position_embeddings=pe)
+    mask = masks("encoder", B, T)
+    rows, out, grads = run_rows_and_grads(ours, args, monkeypatch, False, attention_mask=mask)
+    rows_all, want, want_grads = run_rows_and_grads(ours, args, monkeypatch, True,
+                                                    attention_mask=mask)
+    left, right = (T - 1 if w < 0 else min(w, T - 1) for w in window)
+    assert rows_all == [2 * T - 1] and rows == [left + right + 1]
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
 def test_window_size_after_swap_and_checked():

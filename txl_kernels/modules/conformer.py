@@ -16,7 +16,12 @@ offset 0: ``r = linear_pos(pos_emb).view(..., H, D)[0, :Lk + Lq - 1]`` (a view; 
 ``Lk + Lq - 2`` are never read). Check: row ``p`` holds distance ``K - 1 - p = (i + Lk - Lq)
 - j``, the distance of query ``i`` (absolute position ``i + C`` after a cache of ``C``
 frames) to key ``j``. With a cache, ``Lq = T``, ``Lk = C + T`` and NeMo's ``pos_emb`` has
-``2(C + T) - 1`` rows, so the offset is still 0.
+``2(C + T) - 1`` rows, so the offset is still 0. With a window (``att_context_size``, the
+transformers drop-ins' ``window_size``) the allowed pairs read only the rows of distances
+``left`` down to ``-right``: in eager mode only those rows go through ``linear_pos`` (passed
+with ``r_first_distance``), so local attention over long audio projects ``left + right + 1``
+rows, not ``2K - 1``; a recorded graph (compile, export) projects the whole table (the row
+bounds are functions of the lengths, which would put guards on symbolic lengths).
 
 Masks. Dense masks (``(B, T, K)``) pass through ``attn_mask`` and stay exact. A mask that is
 key padding by its shape (``(B, 1, K)``), the optional ``key_padding_mask`` / ``lengths``
@@ -181,6 +186,15 @@ class RelPosAttentionBase(nn.Module):
         v = self._project(self.linear_v, value)
         if pos_emb.shape[0] > 1 and pos_emb.stride(0) == 0:
             pos_emb = pos_emb[:1]  # an expanded table: project one copy
+        rows = None if zero_triu or self.cp_group is not None or _tracing() \
+            else window_position_rows(Lq, Lk, window)
+        if rows is not None:
+            # a window reads a band of the table: project only those rows (local attention
+            # over long audio would otherwise project all 2Lk - 1 of them)
+            lo, hi = rows
+            p = self._project(self.linear_pos, pos_emb[:, lo:hi + 1])
+            return self._rel_attention(q, k, v, p, kpm, attn_mask, window, attn_mask_band,
+                                       r_first_distance=Lk - 1 - lo)
         p = self._project(self.linear_pos, pos_emb)  # [1 or B, 2Lk - 1, H, D]
         if zero_triu:
             # ESPnet's zero_triu zeroes BD for j - i > Lk - Lq, i.e. rows p >= Lk: the one
@@ -297,6 +311,19 @@ class RelPosAttentionBase(nn.Module):
 
     def extra_repr(self) -> str:
         return f"n_head={self.h}, n_feat={self.n_feat}, backend={self.backend!r}"
+
+
+def window_position_rows(lq: int, lk: int,
+                         window: Tuple[int, int]) -> Optional[Tuple[int, int]]:
+    """The rows ``(lo, hi)`` of a ``2Lk - 1`` row table (row ``m`` = distance ``Lk - 1 - m``)
+    that the pairs allowed by ``window`` = ``(left, right)`` read, when fewer than the
+    ``Lk + Lq - 1`` the whole square reads; else None (no window, or no pair allowed)."""
+    left, right = window
+    d_max = lk - 1 if left < 0 else min(lk - 1, left)
+    d_min = -(lq - 1) if right < 0 else max(-(lq - 1), -right)
+    if d_min > d_max or d_max - d_min + 1 >= lk + lq - 1:
+        return None
+    return lk - 1 - d_max, lk - 1 - d_min
 
 
 def _tracing() -> bool:
