@@ -490,6 +490,15 @@ def test_compile_dynamic_dropins(name):
     compiled = torch.compile(mod, fullgraph=True, dynamic=True, backend=cnt)
     counts = []
     for T in (5, 7):
+        _compiled_matches_eager(mod, compiled, call_args, (T,))
+        counts.append(cnt.frame_count)
+    assert counts[1] == counts[0]  # the second length reuses the graph
+
+
+def _compiled_matches_eager(mod, compiled, call_args, lengths=(5, 7)):
+    """``compiled`` gives ``mod``'s outputs and parameter gradients at each length (batch 2,
+    32 features, a ``2T - 1`` row position table)."""
+    for T in lengths:
         x = torch.randn(2, T, 32, device=FUSED_DEVICE)
         p = torch.randn(1, 2 * T - 1, 32, device=FUSED_DEVICE)
         results = []
@@ -501,8 +510,37 @@ def test_compile_dynamic_dropins(name):
             results.append([out.detach()] + [q.grad.clone() for q in mod.parameters()])
         for a, b in zip(*results):
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
-        counts.append(cnt.frame_count)
-    assert counts[1] == counts[0]
+
+
+@pytest.mark.parametrize("name", ["nemo", "parakeet"])
+def test_compile_dynamic_window_projects_only_the_rows_it_reads(name):
+    """A windowed drop-in (NeMo's att_context_size [3, 2], the transformers drop-in's
+    window_size (3, 2)) under torch.compile(dynamic=True, fullgraph=True): one graph for two
+    lengths, eager's outputs and gradients, and the position projection's input is the
+    window's 3 + 2 + 1 rows (symbolic bounds), not the table's 2T - 1."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mod, call_args = _dropin(name)
+    if name == "nemo":
+        mod.att_context_size = [3, 2]
+    else:
+        mod.window_size = (3, 2)
+    mod = mod.to(FUSED_DEVICE).eval()
+    linear_rows, graphs = [], []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and n.target is torch._C._nn.linear:
+                rows = n.args[0].meta["example_value"].shape[1]
+                linear_rows.append(rows.node.hint if isinstance(rows, torch.SymInt) else rows)
+        return gm.forward
+
+    compiled = torch.compile(mod, fullgraph=True, dynamic=True, backend=backend)
+    _compiled_matches_eager(mod, compiled, call_args)
+    assert len(graphs) == 1
+    # traced at T = 5: q / k / v / out project 5 rows, the position table 6 rows (not 9)
+    assert sorted(linear_rows) == [5, 5, 5, 5, 6], linear_rows
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])

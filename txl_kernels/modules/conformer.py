@@ -18,10 +18,11 @@ offset 0: ``r = linear_pos(pos_emb).view(..., H, D)[0, :Lk + Lq - 1]`` (a view; 
 frames) to key ``j``. With a cache, ``Lq = T``, ``Lk = C + T`` and NeMo's ``pos_emb`` has
 ``2(C + T) - 1`` rows, so the offset is still 0. With a window (``att_context_size``, the
 transformers drop-ins' ``window_size``) the allowed pairs read only the rows of distances
-``left`` down to ``-right``: in eager mode only those rows go through ``linear_pos`` (passed
-with ``r_first_distance``), so local attention over long audio projects ``left + right + 1``
-rows, not ``2K - 1``; a recorded graph (compile, export) projects the whole table (the row
-bounds are functions of the lengths, which would put guards on symbolic lengths).
+``left`` down to ``-right``: only those rows go through ``linear_pos`` (passed with
+``r_first_distance``), so local attention over long audio projects ``left + right + 1`` rows,
+not ``2K - 1`` (eager and torch.compile, where the bounds are symbolic); a graph exported or
+traced for other lengths (torch.export, ONNX, torch.jit.trace) projects the whole table, since
+the bounds, functions of the lengths, would be fixed or guarded there.
 
 Masks. Dense masks (``(B, T, K)``) pass through ``attn_mask`` and stay exact. A mask that is
 key padding by its shape (``(B, 1, K)``), the optional ``key_padding_mask`` / ``lengths``
@@ -186,7 +187,7 @@ class RelPosAttentionBase(nn.Module):
         v = self._project(self.linear_v, value)
         if pos_emb.shape[0] > 1 and pos_emb.stride(0) == 0:
             pos_emb = pos_emb[:1]  # an expanded table: project one copy
-        rows = None if zero_triu or self.cp_group is not None or _tracing() \
+        rows = None if zero_triu or self.cp_group is not None or _fixed_graph() \
             else window_position_rows(Lq, Lk, window)
         if rows is not None:
             # a window reads a band of the table: project only those rows (local attention
@@ -324,6 +325,14 @@ def window_position_rows(lq: int, lk: int,
     if d_min > d_max or d_max - d_min + 1 >= lk + lq - 1:
         return None
     return lk - 1 - d_max, lk - 1 - d_min
+
+
+def _fixed_graph() -> bool:
+    """Whether a graph meant for other lengths is being recorded from this call's values (ONNX,
+    torch.jit.trace, torch.export): no branch or slice bound may then follow the lengths.
+    torch.compile is not one: it guards on what the code reads and recompiles when that
+    changes."""
+    return onnx_exporting() or torch.jit.is_tracing() or torch.compiler.is_exporting()
 
 
 def _tracing() -> bool:
