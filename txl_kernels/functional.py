@@ -375,18 +375,25 @@ def clamp_first_distance(lq: int, lk: int, rlen: int, r_first_distance: int) -> 
     return min(max(r_first_distance, -lq), rlen + lk - 1)
 
 
-def check_position_rows(lq: int, lk: int, rlen: int, wl: int, wr: int,
-                        r_first_distance: Optional[int] = None) -> None:
-    """Raise if an allowed pair (by causal / window structure) needs an r row outside [0, R).
-    Row 0 of r holds distance ``r_first_distance`` (None: ``Lk - 1``)."""
-    # Over all pairs, d = (i + Lk - Lq) - j spans [-(Lq - 1), Lk - 1]; the window clips it, and
-    # row p = first - d (= j - i + Lq - 1 for first = Lk - 1).
-    first = lk - 1 if r_first_distance is None else r_first_distance
+def allowed_distances(lq: int, lk: int, wl: int, wr: int) -> Tuple[int, int]:
+    """``(d_min, d_max)``: the distances ``d = (i + Lk - Lq) - j`` of the pairs a window
+    ``(wl, wr)`` allows (``-1`` = unbounded side). Over all pairs ``d`` spans
+    ``[-(Lq - 1), Lk - 1]``; the window clips it (``d_min > d_max``: no pair allowed)."""
     d_min, d_max = -(lq - 1), lk - 1
     if wr >= 0:
         d_min = max(d_min, -wr)
     if wl >= 0:
         d_max = min(d_max, wl)
+    return d_min, d_max
+
+
+def check_position_rows(lq: int, lk: int, rlen: int, wl: int, wr: int,
+                        r_first_distance: Optional[int] = None) -> None:
+    """Raise if an allowed pair (by causal / window structure) needs an r row outside [0, R).
+    Row 0 of r holds distance ``r_first_distance`` (None: ``Lk - 1``)."""
+    # row p = first - d (= j - i + Lq - 1 for first = Lk - 1)
+    first = lk - 1 if r_first_distance is None else r_first_distance
+    d_min, d_max = allowed_distances(lq, lk, wl, wr)
     if d_min > d_max:
         return  # no pair is allowed at all
     p_lo, p_hi = first - d_max, first - d_min

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from .._export import onnx_exporting, refuse_context_parallel
 from .._utils import describe
-from ..functional import BACKENDS, rel_attention
+from ..functional import BACKENDS, allowed_distances, rel_attention
 from ._dropin import adopt, check_key_padding_mask
 
 __all__ = ["NeMoRelPositionMultiHeadAttention", "NeMoRelPositionMultiHeadAttentionLongformer",
@@ -319,9 +319,7 @@ def window_position_rows(lq: int, lk: int,
     """The rows ``(lo, hi)`` of a ``2Lk - 1`` row table (row ``m`` = distance ``Lk - 1 - m``)
     that the pairs allowed by ``window`` = ``(left, right)`` read, when fewer than the
     ``Lk + Lq - 1`` the whole square reads; else None (no window, or no pair allowed)."""
-    left, right = window
-    d_max = lk - 1 if left < 0 else min(lk - 1, left)
-    d_min = -(lq - 1) if right < 0 else max(-(lq - 1), -right)
+    d_min, d_max = allowed_distances(lq, lk, *window)
     if d_min > d_max or d_max - d_min + 1 >= lk + lq - 1:
         return None
     return lk - 1 - d_max, lk - 1 - d_min
@@ -338,8 +336,7 @@ def _fixed_graph() -> bool:
 def _tracing() -> bool:
     """Whether a graph is being recorded (ONNX, torch.jit.trace, torch.export, torch.compile):
     then no in-place updates of the attention's output."""
-    return (onnx_exporting() or torch.jit.is_tracing() or torch.compiler.is_compiling()
-            or torch.compiler.is_exporting())
+    return _fixed_graph() or torch.compiler.is_compiling()
 
 
 class NeMoRelPositionMultiHeadAttention(RelPosAttentionBase):
